@@ -1,0 +1,25 @@
+# hybrid — the commands the README names.
+PYTHON ?= python3
+NPROC ?= 2
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: setup run test lint bench clean
+
+setup:            ## install torch (CPU or CUDA build) and hybrid with test extras
+	bash scripts/setup.sh
+
+run:              ## the default job: gpt-tiny on the embedded corpus, data parallel over $(NPROC) ranks
+	bash launch/local.sh $(NPROC)
+
+test:             ## the whole test suite (what .ci/run calls)
+	$(PYTHON) -m ruff check hybrid tests
+	$(PYTHON) -m pytest -q tests
+
+lint:
+	$(PYTHON) -m ruff check hybrid tests
+
+bench:            ## hybrid's step vs a plain PyTorch loop on transformers' GPT2LMHeadModel
+	$(PYTHON) -m hybrid.bench.step_vs_hf
+
+clean:
+	rm -rf runs outputs .pytest_cache

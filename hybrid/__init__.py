@@ -1,0 +1,1 @@
+"""hybrid: a Megatron-style hybrid-parallel (DP × TP × PP) LLM trainer on PyTorch."""

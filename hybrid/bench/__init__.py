@@ -1,0 +1,1 @@
+"""Benchmarks: python -m hybrid.bench.<name>, printing ratios measured side by side."""

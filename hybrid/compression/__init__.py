@@ -1,0 +1,1 @@
+"""DP gradient communication hooks (the DDP comm-hook protocol)."""

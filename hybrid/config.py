@@ -1,0 +1,280 @@
+"""Structured configuration: one dataclass per Hydra config group, and `validate`.
+
+Hydra composes `configs/config.yaml` and the groups `model/`, `parallel/`, `data/`,
+`optim/`, `compression/` against these schemas, so an unknown key or a value of the
+wrong type is rejected before anything runs. `validate(cfg, world_size)` then checks
+everything that can be known before a process group exists, and raises
+`ConfigError` with one readable line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+if TYPE_CHECKING:
+    from hybrid.parallel.context import Layout
+
+
+class ConfigError(ValueError):
+    """Bad user input (config, data path, command line): reported as one line, exit 2."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt-tiny"  # label only; the config file name
+    family: str = "gpt"  # gpt (GPT-2: LayerNorm, GELU, learned positions, tied) | llama
+    n_layers: int = 4  # transformer blocks
+    hidden: int = 256  # model width h
+    n_heads: int = 4  # attention heads
+    n_kv_heads: Optional[int] = None  # key/value heads (GQA); None = n_heads
+    ffn_hidden: Optional[int] = None  # MLP inner width; None = 4h (gpt)
+    vocab_size: Optional[int] = None  # None = the tokenizer's vocabulary size
+    make_vocab_size_divisible_by: int = 128  # embedding rows padded to a multiple of this · tp
+    max_seq_len: int = 1024  # learned positions (gpt) / RoPE cache length (llama)
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0  # llama only
+    tie_embeddings: bool = True  # output head shares the token embedding
+    dropout: float = 0.0  # attention/residual dropout probability
+    init_std: float = 0.02  # normal init std; output projections scaled by 1/sqrt(2L)
+
+
+@dataclass
+class ParallelConfig:
+    name: str = "single"  # label only; the config file name
+    tp: int = 1  # tensor-parallel size (ranks inside one node)
+    pp: int = 1  # pipeline stages
+    dp: Optional[int] = None  # data-parallel size; None = world / (tp·pp)
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved)
+    sequence_parallel: bool = False  # split norms/dropout along the sequence inside TP
+    ranks_per_node: Optional[int] = None  # override of the detected node size (emulated nodes)
+    allow_tp_across_nodes: bool = False  # permit a TP group spanning nodes (warns)
+    bucket_mb: float = 25.0  # DP gradient bucket size in MB (fp32)
+
+
+@dataclass
+class DataConfig:
+    name: str = "default"  # label only
+    path: Optional[str] = MISSING  # local .txt/.jsonl/.json/.parquet file or folder; null = embedded corpus
+    text_field: str = "text"  # column holding the text in jsonl/parquet files
+    tokenizer: Optional[str] = None  # local transformers tokenizer folder; None = BPE trained on the corpus
+    vocab_size: int = 8192  # vocabulary of the BPE trained when `tokenizer` is None
+    seq_len: int = 128  # tokens per training sequence
+    eval_fraction: float = 0.01  # share of the packed sequences held out for eval
+    cache_dir: Optional[str] = None  # None = $HYBRID_CACHE or ~/.cache/hybrid
+    max_chars: Optional[int] = None  # cap on corpus characters read (quick experiments)
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # not applied to norms, biases and embeddings' padding
+    warmup_steps: int = 10  # linear warmup from 0 to train.lr
+    min_lr_ratio: float = 0.1  # cosine decays to train.lr · min_lr_ratio at train.steps
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+
+
+@dataclass
+class CompressionConfig:
+    method: str = "none"  # none = exact all-reduce (mean); more methods arrive with compression
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100  # optimizer steps
+    seed: int = 1234  # weights, data order, dropout
+    micro_batch_size: int = 8  # sequences per microbatch per DP rank
+    global_batch_size: int = 32  # sequences per step = micro batch · microbatches · dp
+    lr: float = 1e-3  # peak learning rate
+    eval_every: int = 50  # steps between evals; 0 disables
+    eval_batches: int = 4  # held-out global batches (of global_batch_size sequences) per eval
+    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
+    device: str = "auto"  # auto | cpu | cuda
+
+
+# `checkpoint.async` is a Python keyword, so this schema is built field by field.
+_CHECKPOINT_FIELDS: dict[str, tuple[Any, Any]] = {
+    "dir": (str, "checkpoints"),  # root folder; a run writes <dir>/<run>/step_XXXXXXX
+    "every": (int, 0),  # steps between saves; 0 disables
+    "keep": (int, 3),  # newest checkpoints kept
+    "resume": (str, "none"),  # none | auto | <path>
+    "async": (bool, False),  # overlap the write with training
+}
+CheckpointConfig = dataclasses.dataclass(init=False, repr=False, eq=False)(
+    type(
+        "CheckpointConfig",
+        (),
+        {"__annotations__": {k: t for k, (t, _) in _CHECKPOINT_FIELDS.items()}}
+        | {k: d for k, (_, d) in _CHECKPOINT_FIELDS.items()},
+    )
+)
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "hybrid"
+    entity: Optional[str] = None
+
+
+@dataclass
+class LoggingConfig:
+    dir: str = "runs/${run_name}"  # everything of a run lives here
+    log_every: int = 1  # steps between metrics.jsonl lines
+    progress: bool = True  # progress bar on rank 0
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class Config:
+    run_name: str = "${model.name}-${parallel.name}"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: Any = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+
+
+def compose_config(overrides: Sequence[str] = ()) -> Any:
+    """The composed config for `overrides` (as on the command line), without running Hydra's app.
+
+    Tools, benchmarks and tests use it; `hybrid.train` uses @hydra.main on the same files.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            return compose(config_name="config", overrides=list(overrides))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def register_configs() -> None:
+    """Register the schemas so `configs/*.yaml` are typed against them."""
+    cs = ConfigStore.instance()
+    cs.store(name="schema", node=Config)
+    for group, node in [
+        ("model", ModelConfig),
+        ("parallel", ParallelConfig),
+        ("data", DataConfig),
+        ("optim", OptimConfig),
+        ("compression", CompressionConfig),
+    ]:
+        cs.store(group=group, name=f"{group}_schema", node=node)
+
+
+
+_CHOICES = {
+    "model.family": ("gpt", "llama"),
+    "parallel.schedule": ("gpipe", "1f1b", "interleaved"),
+    "train.precision": ("auto", "fp32", "bf16"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "logging.wandb.mode": ("offline", "online", "disabled"),
+}
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Any, world_size: int, ranks_per_node: Optional[int] = None) -> "Layout":
+    """Check everything knowable before groups exist; return the layout. Raises ConfigError.
+
+    `ranks_per_node` is the detected node size (torchrun's LOCAL_WORLD_SIZE);
+    `parallel.ranks_per_node` overrides it.
+    """
+    from hybrid.compression.hooks import REGISTRY
+    from hybrid.parallel.context import Layout, LayoutError
+
+    _require(cfg.compression.method in REGISTRY,
+             f"compression.method={cfg.compression.method!r} is not one of {', '.join(sorted(REGISTRY))}")
+    for key, allowed in _CHOICES.items():
+        _require(_get(cfg, key) in allowed, f"{key}={_get(cfg, key)!r} is not one of {', '.join(allowed)}")
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    try:
+        layout = Layout.create(world_size, p.tp, p.pp, p.dp, p.ranks_per_node or ranks_per_node,
+                               p.allow_tp_across_nodes)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    _validate_model(m, p.tp)
+    _require(p.virtual_stages >= 1, f"parallel.virtual_stages must be >= 1, got {p.virtual_stages}")
+    _require(m.n_layers >= p.pp * p.virtual_stages,
+             f"model.n_layers={m.n_layers} is fewer than pp·virtual_stages = {p.pp * p.virtual_stages}")
+    _require(p.bucket_mb > 0, f"parallel.bucket_mb must be > 0, got {p.bucket_mb}")
+    _require(t.steps >= 0, f"train.steps must be >= 0, got {t.steps}")
+    _require(t.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {t.micro_batch_size}")
+    per_step = t.micro_batch_size * layout.dp
+    _require(t.global_batch_size >= per_step and t.global_batch_size % per_step == 0,
+             f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+             f"micro_batch_size·dp = {t.micro_batch_size}·{layout.dp} = {per_step}")
+    if p.schedule == "interleaved" and p.pp > 1:
+        mbs = t.global_batch_size // per_step
+        _require(mbs % p.pp == 0, f"interleaved schedule needs microbatches ({mbs}) divisible by pp={p.pp}")
+    _require(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    _require(t.eval_every >= 0 and t.eval_batches >= 1, "train.eval_every must be >= 0 and eval_batches >= 1")
+    _validate_data(cfg.data, m)
+    _require(cfg.optim.grad_clip >= 0, f"optim.grad_clip must be >= 0, got {cfg.optim.grad_clip}")
+    _require(cfg.optim.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {cfg.optim.warmup_steps}")
+    _require(cfg.logging.log_every >= 1, f"logging.log_every must be >= 1, got {cfg.logging.log_every}")
+    return layout
+
+
+def _validate_model(m: Any, tp: int) -> None:
+    for key in ("n_layers", "hidden", "n_heads", "max_seq_len", "make_vocab_size_divisible_by"):
+        _require(getattr(m, key) >= 1, f"model.{key} must be >= 1, got {getattr(m, key)}")
+    _require(m.hidden % m.n_heads == 0, f"model.hidden={m.hidden} is not divisible by model.n_heads={m.n_heads}")
+    kv = m.n_kv_heads or m.n_heads
+    _require(kv >= 1 and m.n_heads % kv == 0,
+             f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads}")
+    _require(m.n_heads % tp == 0, f"model.n_heads={m.n_heads} is not divisible by parallel.tp={tp}")
+    _require(kv % tp == 0, f"model.n_kv_heads={kv} is not divisible by parallel.tp={tp}")
+    ffn = m.ffn_hidden or 4 * m.hidden
+    _require(ffn % tp == 0, f"model.ffn_hidden={ffn} is not divisible by parallel.tp={tp}")
+    _require(m.vocab_size is None or m.vocab_size >= 1, f"model.vocab_size must be >= 1, got {m.vocab_size}")
+    _require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
+    if m.family == "llama":
+        _require((m.hidden // m.n_heads) % 2 == 0, "llama needs an even head dimension for RoPE")
+
+
+def _validate_data(d: Any, m: Any) -> None:
+    import os
+
+    from omegaconf import OmegaConf
+
+    for key in ("path", "tokenizer"):
+        _require(not OmegaConf.is_missing(d, key), f"data.{key} is required by data={d.name} (set data.{key}=...)")
+    _require(d.seq_len >= 1, f"data.seq_len must be >= 1, got {d.seq_len}")
+    if m.family == "gpt":
+        _require(d.seq_len <= m.max_seq_len,
+                 f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len} (learned positions)")
+    if d.path is not None:
+        _require(os.path.exists(d.path), f"data.path={d.path} does not exist")
+    if d.tokenizer is not None:
+        _require(os.path.isdir(d.tokenizer), f"data.tokenizer={d.tokenizer} is not a directory")
+    _require(d.vocab_size >= 256 + 1, f"data.vocab_size must be > 256 (byte-level BPE), got {d.vocab_size}")
+    _require(0.0 < d.eval_fraction < 1.0, f"data.eval_fraction must be in (0, 1), got {d.eval_fraction}")

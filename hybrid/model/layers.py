@@ -1,0 +1,198 @@
+"""Transformer blocks shared by the GPT and Llama families, built from TP layers.
+
+Attention: one column-parallel QKV projection whose global rows are [Q heads | K heads |
+V heads]; each TP rank holds whole heads of each part (and whole KV heads under GQA), so
+`scaled_dot_product_attention` runs locally; the output projection is row-parallel. MLP:
+column-parallel up (fc1, or SwiGLU's fused gate|up) then row-parallel down. Norms are
+replicated on every TP rank (their gradients are identical there). Per layer and
+microbatch this is two all-reduces forward and two backward over the TP group.
+
+`CausalLM` holds a contiguous range of layers with their *global* indices as names
+(`layers.17.attn.qkv.weight`), plus the embedding on the first stage and the final norm and
+head on the last, so a pipeline stage builds only its own part.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid.parallel import collectives as C
+from hybrid.parallel.collectives import Group
+from hybrid.parallel.tensor import (
+    ColumnParallelLinear,
+    Init,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    annotate,
+    init_parameters,
+    padded_vocab,
+    vocab_parallel_cross_entropy,
+)
+
+
+class Norm(nn.Module):
+    """LayerNorm (GPT) or RMSNorm (Llama); replicated across TP ranks."""
+
+    def __init__(self, hidden: int, eps: float, rms: bool) -> None:
+        super().__init__()
+        self.eps, self.rms = eps, rms
+        self.weight = annotate(nn.Parameter(torch.empty(hidden)), Init("ones"))
+        self.bias = None if rms else annotate(nn.Parameter(torch.empty(hidden)), Init("zeros"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_len, head_dim] in the rotate-half layout transformers' Llama uses."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Causal self-attention with heads (and KV heads) split across the TP group."""
+
+    def __init__(self, cfg: Any, group: Group, out_std: float) -> None:
+        super().__init__()
+        tp = C.size(group)
+        self.head_dim = cfg.hidden // cfg.n_heads
+        self.n_heads = cfg.n_heads // tp
+        self.n_kv = (cfg.n_kv_heads or cfg.n_heads) // tp
+        self.dropout = cfg.dropout
+        bias = cfg.family == "gpt"
+        q, kv = cfg.n_heads * self.head_dim, (cfg.n_kv_heads or cfg.n_heads) * self.head_dim
+        self.qkv = ColumnParallelLinear(cfg.hidden, (q, kv, kv), group, bias=bias, std=cfg.init_std)
+        self.proj = RowParallelLinear(cfg.n_heads * self.head_dim, cfg.hidden, group, bias=bias, std=out_std)
+
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.qkv(x)
+        q, k, v = qkv.split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
+                             self.n_kv * self.head_dim], dim=-1)
+        q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            cos, sin = rope[0][:s].to(q.dtype), rope[1][:s].to(q.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+                                           enable_gqa=self.n_kv != self.n_heads)
+        return self.proj(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """GPT: fc1 → GELU(tanh) → fc2. Llama: fused gate|up → SiLU(gate)·up → down."""
+
+    def __init__(self, cfg: Any, group: Group, out_std: float) -> None:
+        super().__init__()
+        self.swiglu = cfg.family == "llama"
+        ffn = cfg.ffn_hidden or 4 * cfg.hidden
+        parts = (ffn, ffn) if self.swiglu else (ffn,)
+        self.up = ColumnParallelLinear(cfg.hidden, parts, group, bias=not self.swiglu, std=cfg.init_std)
+        self.down = RowParallelLinear(ffn, cfg.hidden, group, bias=not self.swiglu, std=out_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            return self.down(F.silu(gate) * up)
+        return self.down(F.gelu(h, approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: Any, group: Group) -> None:
+        super().__init__()
+        rms = cfg.family == "llama"
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.attn_norm = Norm(cfg.hidden, cfg.norm_eps, rms)
+        self.attn = Attention(cfg, group, out_std)
+        self.mlp_norm = Norm(cfg.hidden, cfg.norm_eps, rms)
+        self.mlp = MLP(cfg, group, out_std)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM, or the part of it one pipeline stage holds.
+
+    `layers` is the range of global layer indices built here; `pre` adds the embeddings,
+    `post` the final norm, head and loss. `vocab_size` is the real vocabulary (the
+    tokenizer's); the embedding is padded beyond it and padded logits never reach the loss.
+    """
+
+    def __init__(self, cfg: Any, vocab_size: int, tp_group: Group = None, layers: Optional[range] = None,
+                 pre: bool = True, post: bool = True, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg, self.tp_group, self.pre, self.post = cfg, tp_group, pre, post
+        self.vocab_size = vocab_size
+        self.padded_vocab = padded_vocab(vocab_size, cfg.make_vocab_size_divisible_by, C.size(tp_group))
+        self.layer_ids = layers if layers is not None else range(cfg.n_layers)
+        self.gpt = cfg.family == "gpt"
+        if pre:
+            self.tok_embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden, tp_group, cfg.init_std)
+            if self.gpt:
+                self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.hidden)
+                annotate(self.pos_embed.weight, Init("normal", cfg.init_std))
+        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group) for i in self.layer_ids})
+        if not self.gpt:
+            head_dim = cfg.hidden // cfg.n_heads
+            cos, sin = rope_tables(head_dim, cfg.max_seq_len, cfg.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        if post:
+            self.norm = Norm(cfg.hidden, cfg.norm_eps, not self.gpt)
+            if not (cfg.tie_embeddings and pre):
+                self.head = ColumnParallelLinear(cfg.hidden, (self.padded_vocab,), tp_group, bias=False,
+                                                 std=cfg.init_std)
+        init_parameters(self, seed)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.tok_embed.weight if hasattr(self, "tok_embed") and not hasattr(self, "head") else self.head.weight
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embed(ids)
+        if self.gpt:
+            x = x + self.pos_embed(torch.arange(ids.shape[1], device=ids.device))
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Vocab-split logits [b, s, padded_vocab / tp] (copy-to-region: all-reduce of dx backward)."""
+        return F.linear(C.copy_to_region(self.norm(x), self.tp_group), self.head_weight())
+
+    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """ids (first stage) or hidden states in; hidden states, logits, or the mean loss out."""
+        if self.pre:
+            x = self.embed(x)
+        rope = None if self.gpt else (self.rope_cos, self.rope_sin)
+        for layer in self.layers.values():
+            x = layer(x, rope)
+        if not self.post:
+            return x
+        logits = self.logits(x)
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.tp_group, self.vocab_size)
+
+    def full_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Unpadded, TP-gathered logits [b, s, vocab] (evaluation and tests)."""
+        return C.gather_from_region(self.forward(ids), self.tp_group)[..., : self.vocab_size]

@@ -1,0 +1,1 @@
+"""Parallelism: the mesh, region collectives, TP layers, pipeline schedules, DP gradient sync."""

@@ -1,0 +1,163 @@
+"""DP gradient sync: flat fp32 gradient buckets whose comm hook starts during the backward.
+
+Every parameter's `.grad` is a view into its bucket's flat buffer (as DDP's
+`gradient_as_bucket_view`), so autograd accumulates straight into the buffer over the
+microbatches. A post-accumulate-grad hook counts accumulations: once every parameter of a
+bucket has received one per microbatch, its gradients are final for this step, and the
+bucket's comm hook is launched right there, inside the backward, while autograd keeps
+computing earlier layers. The trigger counts gradients, not schedule phases, so it works
+under any pipeline schedule. Buckets launch in index order (bucket 0 holds the last
+parameters, whose gradients finish first), so `is_last()` is the last launched.
+
+The hook is PyTorch DDP's comm-hook protocol: `hook(state, bucket) -> Future[Tensor]`, the
+future's value being the bucket's reduced (mean) gradient. This module knows compression only
+through that protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from hybrid.parallel import collectives as C
+from hybrid.parallel.collectives import Group
+
+CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
+
+
+class GradBucket:
+    """What `torch.distributed.GradBucket` offers a comm hook, over one flat fp32 buffer."""
+
+    def __init__(self, index: int, buffer: torch.Tensor, params: list[nn.Parameter], is_last: bool) -> None:
+        self._index, self._buffer, self._params, self._is_last = index, buffer, params, is_last
+        self._views: list[torch.Tensor] = []
+        offset = 0
+        for p in params:
+            self._views.append(buffer[offset: offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._params)
+
+    def gradients(self) -> list[torch.Tensor]:
+        return list(self._views)
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._buffer.copy_(tensor)
+
+    def offsets(self) -> list[int]:
+        """Start of each parameter's gradient in the buffer (DDP's `get_per_parameter_tensors` order)."""
+        out, offset = [], 0
+        for p in self._params:
+            out.append(offset)
+            offset += p.numel()
+        return out
+
+
+def assign_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Split parameters, in reverse registration order, into buckets of about `bucket_bytes` (fp32)."""
+    buckets: list[list[nn.Parameter]] = [[]]
+    filled = 0
+    for p in reversed(params):
+        if buckets[-1] and filled + 4 * p.numel() > bucket_bytes:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(p)
+        filled += 4 * p.numel()
+    return buckets
+
+
+class GradSync:
+    """Owns the gradient buffers of `params` and syncs them over the DP group each step.
+
+    Per step: `begin_step(num_microbatches)`, the backward passes (hooks launch by themselves),
+    `finish()` (launches any bucket whose parameters got no gradient, waits, writes results
+    back), the optimizer step, `zero_grad()`.
+    """
+
+    def __init__(self, params: list[nn.Parameter], group: Group, hook: CommHook, state: Any,
+                 bucket_mb: float = 25.0) -> None:
+        self.group, self.hook, self.state = group, hook, state
+        self.enabled = C.size(group) > 1
+        groups = assign_buckets([p for p in params if p.requires_grad], int(bucket_mb * 2**20))
+        self.buckets: list[GradBucket] = []
+        self._bucket_of: dict[int, int] = {}
+        for i, ps in enumerate(groups):
+            device = ps[0].device
+            buf = torch.zeros(sum(p.numel() for p in ps), dtype=torch.float32, device=device)
+            bucket = GradBucket(i, buf, ps, is_last=i == len(groups) - 1)
+            for p, view in zip(ps, bucket.gradients()):
+                p.grad = view
+                self._bucket_of[id(p)] = i
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            self.buckets.append(bucket)
+        self.launch_log: list[tuple[int, bool]] = []  # (bucket index, launched inside the backward)
+        self.last_launch_log: list[tuple[int, bool]] = []  # the previous step's, kept by finish()
+        self.begin_step(1)
+
+    def begin_step(self, num_microbatches: int) -> None:
+        """Expect one accumulation per parameter per microbatch this step."""
+        self._expected = num_microbatches
+        self._seen = {id(p): 0 for b in self.buckets for p in b.parameters()}
+        self._pending = [len(b.parameters()) for b in self.buckets]
+        self._futures: list[Optional[torch.futures.Future]] = [None] * len(self.buckets)
+        self._next = 0
+        self.launch_log = []
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        b = self._bucket_of[id(p)]
+        if p.grad is None or not _is_view_of(p.grad, self.buckets[b].buffer()):
+            raise RuntimeError("a parameter's .grad was replaced; use GradSync.zero_grad(), not set_to_none")
+        self._seen[id(p)] += 1
+        if self._seen[id(p)] == self._expected:
+            self._pending[b] -= 1
+            self._launch_ready(in_backward=True)
+
+    def _launch_ready(self, in_backward: bool) -> None:
+        while self._next < len(self.buckets) and self._pending[self._next] == 0:
+            self._launch(self._next, in_backward)
+
+    def _launch(self, i: int, in_backward: bool) -> None:
+        self._pending[i] = 0
+        self._next = i + 1
+        self.launch_log.append((i, in_backward and torch._C._current_graph_task_id() != -1))
+        if self.enabled:
+            self._futures[i] = self.hook(self.state, self.buckets[i])
+
+    def finish(self) -> None:
+        """Launch what has not launched (unused parameters), wait, write the results back."""
+        while self._next < len(self.buckets):
+            self._launch(self._next, in_backward=False)
+        for bucket, fut in zip(self.buckets, self._futures):
+            if fut is None:
+                continue
+            result = fut.wait()
+            if isinstance(result, list):
+                result = result[0]
+            if result.data_ptr() != bucket.buffer().data_ptr():
+                bucket.buffer().copy_(result)
+        self.last_launch_log = self.launch_log
+        self.begin_step(self._expected)
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.buffer().zero_()
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for b in self.buckets for p in b.parameters()]
+
+
+def _is_view_of(t: torch.Tensor, buf: torch.Tensor) -> bool:
+    start = buf.data_ptr()
+    return start <= t.data_ptr() < start + buf.numel() * buf.element_size()

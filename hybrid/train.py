@@ -1,0 +1,151 @@
+"""Entry point: `torchrun --nproc_per_node N -m hybrid.train model=<m> parallel=<p> key=value ...`.
+
+init → validate → process groups → data → model → Trainer.fit → clean shutdown. Bad input
+(config, data, command line) is one `hybrid: error: ...` line on every rank and exit status 2.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import sys
+from typing import Any
+
+import hydra
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from hybrid.config import CONFIG_DIR, ConfigError, compose_config, register_configs, validate
+
+EXIT_BAD_INPUT = 2
+log = logging.getLogger("hybrid")
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def _fail(msg: str) -> None:
+    """One readable line on this rank's stderr, then a non-zero exit (no traceback)."""
+    rank = os.environ.get("RANK")
+    prefix = f"[rank{rank}] " if rank is not None and _env_int("WORLD_SIZE", 1) > 1 else ""
+    print(f"{prefix}hybrid: error: {msg}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def _device(cfg: Any) -> torch.device:
+    want = cfg.train.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device=cuda but CUDA is not available")
+        torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
+        return torch.device("cuda", _env_int("LOCAL_RANK", 0))
+    return torch.device("cpu")
+
+
+def _init_distributed(device: torch.device) -> None:
+    """NCCL on CUDA, gloo on CPU; a single process without torchrun needs no process group."""
+    if "RANK" not in os.environ or dist.is_initialized():
+        return
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def run(cfg: DictConfig) -> None:
+    """Build everything from a composed config and train."""
+    from hybrid.compression.hooks import make_hook
+    from hybrid.data import prepare_data
+    from hybrid.metrics import MetricsLogger, format_count
+    from hybrid.model import analytic_param_count, build_model
+    from hybrid.parallel import collectives as C
+    from hybrid.parallel.context import ParallelContext
+    from hybrid.trainer import Trainer
+
+    world, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+    layout = validate(cfg, world, _env_int("LOCAL_WORLD_SIZE", world))
+    device = _device(cfg)
+    corpus = prepare_data(cfg.data)
+    vocab = cfg.model.vocab_size or corpus.vocab_size
+    if vocab < corpus.vocab_size:
+        raise ConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's {corpus.vocab_size} tokens")
+    _init_distributed(device)
+    ctx = ParallelContext.build(layout)
+    for name in ("tp", "dp", "pp", "dp_intra", "dp_inter", "embedding"):
+        C.name_group(getattr(ctx, f"{name}_group"), name)
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model, vocab, ctx.tp_group, seed=cfg.train.seed).to(device)
+    hook, state = make_hook(cfg.compression, ctx.dp_group)
+    writer = rank == 0
+    metrics = MetricsLogger(cfg.logging.dir, OmegaConf.to_container(cfg, resolve=True), is_writer=writer,
+                            total_steps=cfg.train.steps, wandb_mode=cfg.logging.wandb.mode,
+                            wandb_project=cfg.logging.wandb.project, wandb_entity=cfg.logging.wandb.entity,
+                            progress=cfg.logging.progress, run_name=cfg.run_name)
+    trainer = Trainer(cfg, ctx, model, corpus, device, hook, state, metrics)
+    if writer:
+        n, analytic = trainer.count_params(), analytic_param_count(cfg.model, vocab)
+        metrics.message(layout.rank_map())
+        metrics.message(f"model {cfg.model.name}: {format_count(n)} parameters (analytic {format_count(analytic)}, "
+                        f"exact match: {n == analytic}), {trainer.flops_per_token / 1e9:.3f} GFLOP/token "
+                        f"(6N + 12·L·h·s), vocab {vocab}, {trainer.num_microbatches} microbatch(es)/step, "
+                        f"device {device}, run dir {cfg.logging.dir}")
+    else:
+        trainer.count_params()  # collective: every rank takes part
+    try:
+        trainer.fit()
+    finally:
+        metrics.close()
+
+
+def _shutdown() -> None:
+    """The measured clean exit for gloo: collect, barrier, destroy."""
+    if dist.is_initialized():
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except ConfigError as e:
+        _fail(str(e))
+    _shutdown()
+
+
+def _precheck(argv: list[str]) -> None:
+    """Compose the config once with Hydra's compose API so that a bad override or an unknown
+    group option becomes one readable line instead of Hydra's multi-line report."""
+    if any(a.startswith("-") for a in argv):
+        return  # Hydra's own flags (--cfg, --help, -m, …): let Hydra handle the command line
+    try:
+        compose_config([a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/"))])
+    except Exception as e:  # noqa: BLE001  (any composition failure is bad input)
+        _fail(_one_line(e))
+
+
+def _one_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    msg = lines[0] if lines else type(e).__name__
+    options = [ln for ln in lines[1:] if not ln.startswith(("Config search path", "provider=", "Available"))]
+    if "Could not find" in msg and options:
+        return f"{msg} (available: {', '.join(o for o in options if not o.endswith('_schema'))})"
+    cause = e.__cause__
+    if cause is not None and str(cause).strip():
+        msg += " " + str(cause).strip().splitlines()[0]
+    return msg
+
+
+def main() -> None:
+    register_configs()
+    if _env_int("RANK", 0) != 0:  # only rank 0 writes Hydra's outputs and log file
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    _precheck(sys.argv[1:])
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Install hybrid and its dependencies into the current Python environment.
+#
+# torch comes first and is chosen for the machine: a CUDA build where an NVIDIA GPU is present,
+# a CPU build otherwise (never the multi-GB CUDA wheels on a CPU-only machine). The package's
+# own `torch>=…` requirement is then already satisfied, so `pip install -e .` adds nothing of torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+
+have_torch() { "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] >= '2.5' else 1)" 2>/dev/null; }
+
+if have_torch; then
+    echo "setup: torch $("$PY" -c 'import torch; print(torch.__version__)') already installed"
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "setup: NVIDIA GPU found: installing the CUDA build of torch $TORCH_VERSION"
+    "$PY" -m pip install "torch==$TORCH_VERSION"
+else
+    echo "setup: no GPU: installing the CPU build of torch $TORCH_VERSION"
+    # A local CPU wheel (pip's find-links) or PyTorch's CPU index; never PyPI's CUDA build.
+    "$PY" -m pip install "torch==$TORCH_VERSION+cpu" 2>/dev/null \
+        || "$PY" -m pip install "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
+fi
+"$PY" -m pip install -e ".[test]"
+"$PY" -c "import torch, hybrid; print(f'setup: hybrid ready (torch {torch.__version__}, cuda={torch.cuda.is_available()})')"

@@ -1,0 +1,132 @@
+"""Data parallelism on gloo ranks against references: a single process, and torch's own DDP."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from harness import run_ranks
+
+from hybrid.compression.hooks import allreduce_hook, make_hook
+from hybrid.config import compose_config
+from hybrid.data import Corpus
+from hybrid.model import build_model
+from hybrid.parallel import collectives as C
+from hybrid.parallel.context import Layout, ParallelContext
+from hybrid.parallel.data import GradSync
+from hybrid.trainer import Trainer
+
+SEQ = 16
+GLOBAL_BATCH = 8
+
+
+def tiny_cfg(family: str, dp: int, micro_batch: int, bucket_mb: float = 0.02) -> object:
+    model = "gpt-tiny" if family == "gpt" else "llama-tiny"
+    return compose_config([
+        f"model={model}", "model.n_layers=2", "model.hidden=64", "model.n_heads=4", "model.max_seq_len=32",
+        "model.ffn_hidden=128", f"data.seq_len={SEQ}", f"train.global_batch_size={GLOBAL_BATCH}",
+        f"train.micro_batch_size={micro_batch}", "train.steps=4", "train.eval_every=0", "train.lr=3e-3",
+        "optim.warmup_steps=1", f"parallel.bucket_mb={bucket_mb}", f"parallel.dp={dp}", "parallel.name=test",
+    ])
+
+
+def synthetic_corpus(vocab: int = 200, n: int = 64) -> Corpus:
+    """Token streams with structure (arithmetic runs) so the loss can fall."""
+    rng = np.random.default_rng(0)
+    starts = rng.integers(0, vocab, size=(n, 1))
+    steps = rng.integers(1, 4, size=(n, 1))
+    samples = ((starts + steps * np.arange(SEQ + 1)) % vocab).astype(np.int32)
+    return Corpus(tokenizer=None, vocab_size=vocab, eos_id=0, train=samples[:-8], eval=samples[-8:], seq_len=SEQ)
+
+
+def train_losses(rank: int, world: int, family: str, micro_batch: int) -> dict:
+    cfg = tiny_cfg(family, world, micro_batch)
+    ctx = ParallelContext.build(Layout.create(world, dp=world)) if world > 1 else ParallelContext.single()
+    C.name_group(ctx.dp_group, "dp")
+    corpus = synthetic_corpus()
+    model = build_model(cfg.model, corpus.vocab_size, ctx.tp_group, seed=cfg.train.seed)
+    hook, state = make_hook(cfg.compression, ctx.dp_group)
+    trainer = Trainer(cfg, ctx, model, corpus, torch.device("cpu"), hook, state)
+    losses = [trainer.train_step().loss for _ in range(cfg.train.steps)]
+    out = {"losses": losses, "launch_log": trainer.grad_sync.last_launch_log,
+           "buckets": len(trainer.grad_sync.buckets)}
+    if rank == 0:
+        out["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return out
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_dp_matches_single_process(family: str) -> None:
+    torch.set_num_threads(1)
+    ref = train_losses(0, 1, family, micro_batch=2)  # 4 microbatches of 2 = the global batch of 8
+    assert ref["losses"][-1] < ref["losses"][0]
+    for dp, micro in [(2, 2), (4, 1)]:
+        results = run_ranks(train_losses, dp, family, micro, timeout=120)
+        for r in results:
+            torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
+        for name, w in ref["state"].items():
+            torch.testing.assert_close(results[0]["state"][name], w, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_first_bucket_launches_inside_backward() -> None:
+    results = run_ranks(train_losses, 2, "gpt", 4, timeout=120)
+    log = results[0]["launch_log"]
+    assert results[0]["buckets"] > 2
+    assert [i for i, _ in log] == list(range(results[0]["buckets"]))  # every bucket, in index order
+    assert log[0][1], "bucket 0's hook should be launched while autograd is still running"
+
+
+def grads_vs_ddp(rank: int, world: int) -> dict:
+    cfg = tiny_cfg("gpt", world, 2, bucket_mb=0.05)
+    ctx = ParallelContext.build(Layout.create(world, dp=world))
+    model = build_model(cfg.model, 200, None, seed=1)
+    ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), process_group=ctx.dp_group)
+    sync = GradSync(list(model.parameters()), ctx.dp_group, allreduce_hook, ctx.dp_group, bucket_mb=0.05)
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    ids = torch.randint(0, 200, (2, SEQ + 1), generator=g)
+    sync.begin_step(1)
+    model(ids[:, :-1], ids[:, 1:]).backward()
+    sync.finish()
+    ddp(ids[:, :-1], ids[:, 1:]).backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    theirs = {n.removeprefix("module."): p.grad.clone() for n, p in ddp.named_parameters()}
+    return {"ours": ours, "theirs": theirs}
+
+
+def test_gradsync_equals_torch_ddp() -> None:
+    results = run_ranks(grads_vs_ddp, 2, timeout=120)
+    for r in results:
+        for name, g in r["theirs"].items():
+            torch.testing.assert_close(r["ours"][name], g, rtol=1e-5, atol=1e-7, msg=name)
+    for name in results[0]["ours"]:  # synced: identical on every rank
+        torch.testing.assert_close(results[0]["ours"][name], results[1]["ours"][name], rtol=0, atol=0)
+
+
+def groups_check(rank: int, world: int, tp: int, pp: int, rpn: int) -> dict:
+    layout = Layout.create(world, tp=tp, pp=pp, ranks_per_node=rpn)
+    ctx = ParallelContext.build(layout)
+    out = {}
+    for name in ("tp", "dp", "pp", "dp_intra", "dp_inter", "embedding"):
+        group = getattr(ctx, f"{name}_group")
+        out[name] = dist.get_process_group_ranks(group)
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=group)
+        out[name + "_sum"] = t.item()
+    return out
+
+
+def test_real_groups_on_8_ranks() -> None:
+    tp, pp, rpn = 2, 2, 4
+    layout = Layout.create(8, tp=tp, pp=pp, ranks_per_node=rpn)
+    results = run_ranks(groups_check, 8, tp, pp, rpn, timeout=120)
+    expected = {"tp": layout.tp_groups(), "dp": layout.dp_groups(), "pp": layout.pp_groups(),
+                "dp_intra": layout.dp_intra_node_groups(), "dp_inter": layout.dp_inter_node_groups(),
+                "embedding": layout.embedding_groups()}
+    for rank, r in enumerate(results):
+        for name, groups in expected.items():
+            mine = next(g for g in groups if rank in g)
+            assert sorted(r[name]) == sorted(mine), (rank, name)
+            assert r[name + "_sum"] == float(sum(mine))  # a real collective over exactly those ranks

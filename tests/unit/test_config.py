@@ -1,0 +1,84 @@
+"""Config: every file in configs/ composes and validates; bad input is one line and exit 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybrid.config import ConfigError, compose_config, validate
+
+ROOT = Path(__file__).resolve().parents[2]
+GROUPS = ["model", "parallel", "data", "optim", "compression"]
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (ROOT / "configs" / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_every_config_file_composes(group: str, option: str) -> None:
+    overrides = [f"{group}={option}"]
+    if group == "data" and option == "local":
+        overrides.append(f"data.path={ROOT / 'pyproject.toml'}")
+    cfg = compose_config(overrides)
+    assert cfg[group].get("name", cfg[group].get("method")) == option
+    world = cfg.parallel.tp * cfg.parallel.pp * (cfg.parallel.dp or 1)
+    if group == "model":  # each model composes with the layouts it is meant for
+        cfg = compose_config(overrides + ["parallel=tp2pp4", "train.global_batch_size=64"])
+        world = 8
+    validate(cfg, world)
+
+
+def test_derived_dp_and_microbatches() -> None:
+    cfg = compose_config(["parallel=tp2pp2", "train.global_batch_size=64", "train.micro_batch_size=4"])
+    layout = validate(cfg, 16)
+    assert (layout.tp, layout.pp, layout.dp) == (2, 2, 4)
+
+
+@pytest.mark.parametrize("overrides,world,needle", [
+    (["parallel=tp2pp2"], 6, "does not divide world size 6"),
+    (["model.n_heads=6", "model.hidden=384", "parallel=tp4pp2"], 8, "n_heads=6 is not divisible by parallel.tp=4"),
+    (["model=llama-tiny", "parallel=tp4pp2"], 8, "n_kv_heads=2 is not divisible by parallel.tp=4"),
+    (["model.ffn_hidden=1022", "parallel=tp4pp2"], 8, "ffn_hidden=1022 is not divisible"),
+    (["train.steps=-1"], 1, "train.steps must be >= 0"),
+    (["train.global_batch_size=30"], 4, "not a multiple of micro_batch_size"),
+    (["data.seq_len=4096"], 1, "exceeds model.max_seq_len"),
+    (["model.n_layers=2", "parallel=pp4"], 4, "fewer than pp"),
+])
+def test_validate_rejects(overrides: list[str], world: int, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        validate(compose_config(overrides), world)
+
+
+def run_train(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "hybrid.train", *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=full_env)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["model=nope"], "Could not find 'model/nope'"),
+    (["train.foo=1"], "Could not override 'train.foo'"),
+    (["train.steps=abc"], "could not be converted to Integer"),
+    (["train.steps=-5"], "train.steps must be >= 0"),
+    (["model.hidden=250"], "hidden=250 is not divisible by model.n_heads=4"),
+    (["data.path=/nonexistent/corpus.txt"], "does not exist"),
+    (["compression=nope"], "Could not find 'compression/nope'"),
+    (["data=local"], "data.path is required by data=local"),
+])
+def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, tmp_path: Path) -> None:
+    r = run_train(*args, f"logging.dir={tmp_path}", "logging.wandb.mode=disabled")
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2, r.stderr
+    assert len(lines) == 1 and lines[0].startswith("hybrid: error:"), r.stderr
+    assert needle in lines[0]
+
+
+def test_cfg_job_prints_the_composed_config() -> None:
+    r = run_train("--cfg", "job", "model=llama-tiny", "train.steps=7")
+    assert r.returncode == 0, r.stderr
+    assert "family: llama" in r.stdout and "steps: 7" in r.stdout
