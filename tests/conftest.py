@@ -1,0 +1,28 @@
+"""Shared pytest fixtures (a plain module of fixtures; add more as the suite grows)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from omegaconf import OmegaConf
+
+from hybrid.config import ModelConfig
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def load_model_config(name: str, **overrides: Any) -> ModelConfig:
+    """`configs/model/<name>.yaml` typed against ModelConfig, with keyword overrides."""
+    raw = OmegaConf.load(CONFIGS / "model" / f"{name}.yaml")
+    raw.pop("defaults", None)
+    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), raw, overrides)
+    return OmegaConf.to_object(merged)
+
+
+@pytest.fixture
+def model_config() -> Callable[..., ModelConfig]:
+    """Factory: `model_config("gpt-tiny", n_layers=2)` → ModelConfig from the config file."""
+    return load_model_config
