@@ -10,9 +10,10 @@ everything that can be known before a process group exists, and raises
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -202,7 +203,7 @@ def _require(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def validate(cfg: Any, world_size: int, ranks_per_node: Optional[int] = None) -> "Layout":
+def validate(cfg: Any, world_size: int, ranks_per_node: Optional[int] = None) -> Layout:
     """Check everything knowable before groups exist; return the layout. Raises ConfigError.
 
     `ranks_per_node` is the detected node size (torchrun's LOCAL_WORLD_SIZE);

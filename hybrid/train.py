@@ -10,6 +10,8 @@ import gc
 import logging
 import os
 import sys
+import time
+from datetime import timedelta
 from typing import Any
 
 import hydra
@@ -32,9 +34,29 @@ def _fail(msg: str) -> None:
     rank = os.environ.get("RANK")
     prefix = f"[rank{rank}] " if rank is not None and _env_int("WORLD_SIZE", 1) > 1 else ""
     print(f"{prefix}hybrid: error: {msg}", file=sys.stderr, flush=True)
+    _wait_for_peers_to_report()
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.exit(EXIT_BAD_INPUT)
+
+
+def _wait_for_peers_to_report(timeout_s: float = 5.0) -> None:
+    """Under torchrun, linger until every rank has printed its error (or `timeout_s`), so the
+    launcher, which stops all workers as soon as one exits, does not cut the others' lines.
+    Uses torchrun's own rendezvous store; no process group is needed."""
+    world = _env_int("WORLD_SIZE", 1)
+    if world == 1 or "MASTER_ADDR" not in os.environ:
+        return
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0), is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
+        key = f"hybrid/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        store.add(key, 1)
+        deadline = time.monotonic() + timeout_s
+        while store.add(key, 0) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001  (best effort: never turn a clean error into a traceback)
+        pass
 
 
 def _device(cfg: Any) -> torch.device:

@@ -137,8 +137,11 @@ class Trainer:
         while self.step < t.steps:
             C.COUNTER.reset()
             last = self.train_step()
-            if self.metrics is not None and (self.step % self.cfg.logging.log_every == 0 or self.step == t.steps):
-                self.metrics.log(self.step, self.step_metrics(last))
+            if self.metrics is not None:
+                if self.step % self.cfg.logging.log_every == 0 or self.step == t.steps:
+                    self.metrics.log(self.step, self.step_metrics(last))
+                else:
+                    self.metrics.update_progress(self.step)
             if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
                 eval_loss = self.evaluate()
                 if self.metrics is not None:

@@ -49,7 +49,7 @@ class Layout:
         dp: Optional[int] = None,
         ranks_per_node: Optional[int] = None,
         allow_tp_across_nodes: bool = False,
-    ) -> "Layout":
+    ) -> Layout:
         """Infer dp, check the sizes, refuse TP across nodes; raises LayoutError."""
         for name, v in (("world size", world), ("parallel.tp", tp), ("parallel.pp", pp)):
             if v < 1:
@@ -166,12 +166,12 @@ class ParallelContext:
         return self.coord.pp == self.layout.pp - 1
 
     @staticmethod
-    def single() -> "ParallelContext":
+    def single() -> ParallelContext:
         """A one-process context with no groups (tests, tools, single-process runs)."""
         return ParallelContext(layout=Layout(world=1), rank=0)
 
     @staticmethod
-    def build(layout: Layout) -> "ParallelContext":
+    def build(layout: Layout) -> ParallelContext:
         """Create every group. Collective: all ranks must call it with the same layout."""
         if not dist.is_initialized():
             if layout.world != 1:

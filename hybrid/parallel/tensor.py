@@ -16,8 +16,9 @@ so tp=1 and tp=4 start from the same model.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -216,6 +217,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
                                  vocab_size: int) -> torch.Tensor:
     """Mean token cross-entropy; padded vocabulary entries (≥ vocab_size) never count."""
     if C.size(group) == 1:
-        return F.cross_entropy(logits[..., :vocab_size].flatten(0, -2).float(), target.flatten())
+        logits = logits[..., :vocab_size].flatten(0, -2)
+        return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), target.flatten())
     start = C.rank(group) * logits.shape[-1]
     return _VocabParallelCE.apply(logits, target, group, start, vocab_size).mean()

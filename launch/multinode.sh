@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Multi-node launch: one torchrun agent per node, joined by a c10d rendezvous, running `-m hybrid.train`.
+set -euo pipefail
+
+usage() {
+  cat <<'USAGE'
+Usage: launch/multinode.sh [options] [--] [hydra overrides...]
+
+Run the same command on every node; the agents meet at the rendezvous endpoint
+(c10d backend, hosted by the agent on the endpoint's host) and form one job.
+
+Options (each falls back to the environment variable in brackets):
+  --nnodes N          number of nodes, or MIN:MAX for elastic jobs   [NNODES]        required
+  --node-rank R       this node's index; informational with c10d      [NODE_RANK]     default 0
+  --nproc N           ranks per node                                  [NPROC_PER_NODE] default: GPUs, else 2
+  --endpoint H[:P]    rendezvous host and port (same on every node)   [MASTER_ADDR, MASTER_PORT] port 29500
+  --run-id ID         rendezvous id (same on every node)              [RUN_ID]        default hybrid
+  --max-restarts N    worker-group restarts after a failure           [MAX_RESTARTS]  default 3
+  --local-addr ADDR   address this node advertises to the others      [LOCAL_ADDR]    default: hostname
+  -h, --help          this text
+The first argument that is not one of these options (or everything after `--`)
+is passed to hybrid.train unchanged. Extra torchrun flags: TORCHRUN_ARGS="...";
+HYBRID_MODULE=pkg.mod runs another module instead of hybrid.train (smoke tests).
+
+Examples:
+  # node 0 and node 1 of a 2-node job, 8 GPUs each (node0 reachable as node0:29500)
+  launch/multinode.sh --nnodes 2 --node-rank 0 --nproc 8 --endpoint node0:29500 --run-id exp1 model=gpt-1b parallel=tp2pp4
+  launch/multinode.sh --nnodes 2 --node-rank 1 --nproc 8 --endpoint node0:29500 --run-id exp1 model=gpt-1b parallel=tp2pp4
+  # emulate 2 nodes x 2 ranks on one machine: run both lines (e.g. in two terminals)
+  launch/multinode.sh --nnodes 2 --node-rank 0 --nproc 2 --endpoint localhost:29511 --run-id emu parallel=tp2pp2 &
+  launch/multinode.sh --nnodes 2 --node-rank 1 --nproc 2 --endpoint localhost:29511 --run-id emu parallel=tp2pp2
+USAGE
+}
+
+die() {
+  echo "multinode.sh: $*" >&2
+  exit 2
+}
+
+gpu_count() {
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
+  else
+    echo 0
+  fi
+}
+
+NNODES="${NNODES:-}"
+NODE_RANK="${NODE_RANK:-0}"
+NPROC="${NPROC_PER_NODE:-}"
+ENDPOINT="${MASTER_ADDR:-}${MASTER_ADDR:+:${MASTER_PORT:-29500}}"
+RUN_ID="${RUN_ID:-hybrid}"
+MAX_RESTARTS="${MAX_RESTARTS:-3}"
+LOCAL_ADDR="${LOCAL_ADDR:-}"
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    -h|--help) usage; exit 0 ;;
+    --nnodes|--node-rank|--nproc|--endpoint|--run-id|--max-restarts|--local-addr)
+      [[ $# -ge 2 ]] || die "$1 needs a value"
+      case "$1" in
+        --nnodes) NNODES="$2" ;;
+        --node-rank) NODE_RANK="$2" ;;
+        --nproc) NPROC="$2" ;;
+        --endpoint) ENDPOINT="$2" ;;
+        --run-id) RUN_ID="$2" ;;
+        --max-restarts) MAX_RESTARTS="$2" ;;
+        --local-addr) LOCAL_ADDR="$2" ;;
+      esac
+      shift 2 ;;
+    --) shift; break ;;
+    *) break ;;
+  esac
+done
+
+[[ -n "$NNODES" ]] || die "the node count is required (--nnodes N or NNODES); see -h"
+[[ "$NNODES" =~ ^[0-9]+(:[0-9]+)?$ ]] || die "--nnodes must be N or MIN:MAX, got '$NNODES'"
+[[ -n "$ENDPOINT" ]] || die "the rendezvous endpoint is required (--endpoint HOST:PORT or MASTER_ADDR); see -h"
+[[ "$ENDPOINT" == *:* ]] || ENDPOINT="$ENDPOINT:${MASTER_PORT:-29500}"
+if [[ -z "$NPROC" ]]; then
+  NPROC="$(gpu_count)"
+  [[ "$NPROC" -gt 0 ]] || NPROC=2
+fi
+[[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || die "--nproc must be a positive integer, got '$NPROC'"
+[[ "$NODE_RANK" =~ ^[0-9]+$ ]] || die "--node-rank must be a non-negative integer, got '$NODE_RANK'"
+[[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || die "--max-restarts must be a non-negative integer, got '$MAX_RESTARTS'"
+
+CORES="$(nproc 2>/dev/null || echo 1)"
+THREADS=$(( CORES / NPROC ))
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( THREADS > 0 ? THREADS : 1 ))}"
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+ARGS=(
+  --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC"
+  --rdzv_backend=c10d --rdzv_endpoint="$ENDPOINT" --rdzv_id="$RUN_ID" --max_restarts="$MAX_RESTARTS"
+)
+[[ -z "$LOCAL_ADDR" ]] || ARGS+=(--local_addr="$LOCAL_ADDR")
+# shellcheck disable=SC2206  # TORCHRUN_ARGS is a list of flags, split on purpose
+[[ -z "${TORCHRUN_ARGS:-}" ]] || ARGS+=($TORCHRUN_ARGS)
+
+# shellcheck disable=SC2086  # TORCHRUN may hold a command with arguments
+exec ${TORCHRUN:-torchrun} "${ARGS[@]}" -m "${HYBRID_MODULE:-hybrid.train}" "$@"
