@@ -80,7 +80,7 @@ def run(cfg: DictConfig) -> None:
     """Build everything from a composed config and train."""
     from hybrid.compression.hooks import make_hook
     from hybrid.data import prepare_data
-    from hybrid.metrics import MetricsLogger, format_count
+    from hybrid.metrics import format_count
     from hybrid.model import analytic_param_count, build_model
     from hybrid.parallel import collectives as C
     from hybrid.parallel.context import ParallelContext
@@ -101,13 +101,10 @@ def run(cfg: DictConfig) -> None:
     model = build_model(cfg.model, vocab, ctx.tp_group, seed=cfg.train.seed).to(device)
     hook, state = make_hook(cfg.compression, ctx.dp_group)
     writer = rank == 0
-    metrics = MetricsLogger(cfg.logging.dir, OmegaConf.to_container(cfg, resolve=True), is_writer=writer,
-                            total_steps=cfg.train.steps, wandb_mode=cfg.logging.wandb.mode,
-                            wandb_project=cfg.logging.wandb.project, wandb_entity=cfg.logging.wandb.entity,
-                            progress=cfg.logging.progress, run_name=cfg.run_name)
+    metrics = _metrics_logger(cfg, writer)
     trainer = Trainer(cfg, ctx, model, corpus, device, hook, state, metrics)
     if writer:
-        n, analytic = trainer.count_params(), analytic_param_count(cfg.model, vocab)
+        n, analytic = trainer.count_params(), analytic_param_count(cfg.model, vocab, layout.tp)
         metrics.message(layout.rank_map())
         metrics.message(f"model {cfg.model.name}: {format_count(n)} parameters (analytic {format_count(analytic)}, "
                         f"exact match: {n == analytic}), {trainer.flops_per_token / 1e9:.3f} GFLOP/token "
@@ -119,6 +116,19 @@ def run(cfg: DictConfig) -> None:
         trainer.fit()
     finally:
         metrics.close()
+
+
+def _metrics_logger(cfg: DictConfig, writer: bool) -> Any:
+    """Rank 0 writes metrics.jsonl, wandb and the progress bar; a wandb failure is bad input."""
+    from hybrid.metrics import MetricsLogger
+
+    try:
+        return MetricsLogger(cfg.logging.dir, OmegaConf.to_container(cfg, resolve=True), is_writer=writer,
+                   total_steps=cfg.train.steps, wandb_mode=cfg.logging.wandb.mode,
+                   wandb_project=cfg.logging.wandb.project, wandb_entity=cfg.logging.wandb.entity,
+                   progress=cfg.logging.progress, run_name=cfg.run_name)
+    except RuntimeError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _shutdown() -> None:

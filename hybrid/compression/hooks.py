@@ -9,7 +9,8 @@ collective calls (`hybrid.parallel.collectives`).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

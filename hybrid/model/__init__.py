@@ -16,9 +16,9 @@ def build_model(cfg: Any, vocab_size: int, tp_group: Group = None, layers: Optio
     return CausalLM(cfg, vocab_size, tp_group, layers, pre, post, seed)
 
 
-def analytic_param_count(cfg: Any, vocab_size: int) -> int:
-    """The family's closed-form parameter count of the whole (unsharded, padded) model."""
-    return (gpt_param_count if cfg.family == "gpt" else llama_param_count)(cfg, vocab_size)
+def analytic_param_count(cfg: Any, vocab_size: int, tp: int = 1) -> int:
+    """The family's closed-form parameter count of the whole model, vocabulary padded for `tp`."""
+    return (gpt_param_count if cfg.family == "gpt" else llama_param_count)(cfg, vocab_size, tp)
 
 
 __all__ = ["CausalLM", "analytic_param_count", "build_model"]

@@ -217,7 +217,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
                                  vocab_size: int) -> torch.Tensor:
     """Mean token cross-entropy; padded vocabulary entries (≥ vocab_size) never count."""
     if C.size(group) == 1:
-        logits = logits[..., :vocab_size].flatten(0, -2)
-        return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), target.flatten())
+        return F.cross_entropy(logits[..., :vocab_size].flatten(0, -2).float(), target.flatten())
     start = C.rank(group) * logits.shape[-1]
     return _VocabParallelCE.apply(logits, target, group, start, vocab_size).mean()

@@ -1,0 +1,51 @@
+"""The benchmarks run end to end at tiny sizes (no timing assertions: only that they work and agree)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from hybrid.bench import model_size, step_vs_hf
+
+TINY = ["--model", "gpt-tiny", "--steps", "1", "--warmup", "1", "--threads", "1", "--seq-len", "16",
+        "--micro-batch", "2", "--microbatches", "2", "--repeats", "2"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_step_vs_hf_runs_and_both_sides_agree(capsys: pytest.CaptureFixture[str]) -> None:
+    result = step_vs_hf.run(step_vs_hf.parse_args(TINY))
+    out = capsys.readouterr().out
+    for needle in ("hybrid/ref", "attn_implementation='sdpa'", "match: True", "reproduce: OMP_NUM_THREADS=1"):
+        assert needle in out
+    (row,) = result["rows"]
+    assert row.threads == 1 and row.hybrid > 0 and row.reference > 0 and len(row.round_ratios) == 2
+    h, r = result["hybrid_losses"], result["reference_losses"]
+    assert len(h) == len(r) == 4  # 2 rounds × (1 warmup + 1 timed) steps per side
+    assert h[0] == pytest.approx(r[0], abs=1e-5)  # same weights, same first batch
+    assert h[-1] == pytest.approx(r[-1], abs=1e-3)  # same optimizer and data: the runs track each other
+
+
+def test_step_vs_hf_main_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert step_vs_hf.main(TINY) == 0
+    assert step_vs_hf.main([*TINY, "--seq-len", "4096"]) == 2  # beyond gpt-tiny's learned positions
+    assert "max_seq_len" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        step_vs_hf.parse_args(["--model", "no-such-model"])
+
+
+def test_model_size_counts_match_the_formula(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = model_size.run(model_size.model_names(), seq_len=None)
+    assert {r["model"] for r in rows} >= {"gpt-tiny", "gpt-125m", "gpt-1b", "llama-1b"}
+    assert all(r["match"] for r in rows)
+    gpt1b = next(r for r in rows if r["model"] == "gpt-1b")
+    assert gpt1b["flops_per_token"] == 6 * gpt1b["params"] + 12 * 16 * 2048 * 2048
+    assert model_size.main(["--models", "gpt-tiny", "--seq-len", "128"]) == 0
+    assert "gpt-tiny" in capsys.readouterr().out
