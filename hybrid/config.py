@@ -169,18 +169,9 @@ def compose_config(overrides: Sequence[str] = ()) -> Any:
 
 
 def register_configs() -> None:
-    """Register the schemas so `configs/*.yaml` are typed against them."""
-    cs = ConfigStore.instance()
-    cs.store(name="schema", node=Config)
-    for group, node in [
-        ("model", ModelConfig),
-        ("parallel", ParallelConfig),
-        ("data", DataConfig),
-        ("optim", OptimConfig),
-        ("compression", CompressionConfig),
-    ]:
-        cs.store(group=group, name=f"{group}_schema", node=node)
-
+    """Register the root schema; `configs/config.yaml` lists it first in its defaults, so every
+    group file merged under `model`, `parallel`, … is typed by that group's dataclass."""
+    ConfigStore.instance().store(name="schema", node=Config)
 
 
 _CHOICES = {

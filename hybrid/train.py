@@ -7,7 +7,6 @@ init → validate → process groups → data → model → Trainer.fit → clea
 from __future__ import annotations
 
 import gc
-import logging
 import os
 import sys
 import time
@@ -22,7 +21,6 @@ from omegaconf import DictConfig, OmegaConf
 from hybrid.config import CONFIG_DIR, ConfigError, compose_config, register_configs, validate
 
 EXIT_BAD_INPUT = 2
-log = logging.getLogger("hybrid")
 
 
 def _env_int(name: str, default: int) -> int:
@@ -165,6 +163,8 @@ def _one_line(e: BaseException) -> str:
     options = [ln for ln in lines[1:] if not ln.startswith(("Config search path", "provider=", "Available"))]
     if "Could not find" in msg and options:
         return f"{msg} (available: {', '.join(o for o in options if not o.endswith('_schema'))})"
+    if msg.endswith("while composing config:") and len(lines) > 1:
+        msg = f"{msg.removesuffix(' raised while composing config:')}: {lines[1]}"
     cause = e.__cause__
     if cause is not None and str(cause).strip():
         msg += " " + str(cause).strip().splitlines()[0]
