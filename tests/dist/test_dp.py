@@ -42,10 +42,12 @@ def synthetic_corpus(vocab: int = 200, n: int = 64) -> Corpus:
     return Corpus(tokenizer=None, vocab_size=vocab, eos_id=0, train=samples[:-8], eval=samples[-8:], seq_len=SEQ)
 
 
-def train_losses(rank: int, world: int, family: str, micro_batch: int) -> dict:
-    cfg = tiny_cfg(family, world, micro_batch)
-    ctx = ParallelContext.build(Layout.create(world, dp=world)) if world > 1 else ParallelContext.single()
+def train_losses(rank: int, world: int, family: str, micro_batch: int, tp: int = 1) -> dict:
+    cfg = tiny_cfg(family, world // tp, micro_batch)
+    cfg.parallel.tp = tp
+    ctx = ParallelContext.build(Layout.create(world, tp=tp)) if world > 1 else ParallelContext.single()
     C.name_group(ctx.dp_group, "dp")
+    C.name_group(ctx.tp_group, "tp")
     corpus = synthetic_corpus()
     model = build_model(cfg.model, corpus.vocab_size, ctx.tp_group, seed=cfg.train.seed)
     hook, state = make_hook(cfg.compression, ctx.dp_group)
@@ -69,6 +71,17 @@ def test_dp_matches_single_process(family: str) -> None:
             torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
         for name, w in ref["state"].items():
             torch.testing.assert_close(results[0]["state"][name], w, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_tp2_and_tp2dp2_match_single_process(family: str) -> None:
+    """The TP layers (fully covered by the tensor-parallel issue) already train like one process."""
+    torch.set_num_threads(1)
+    ref = train_losses(0, 1, family, micro_batch=2)
+    for world, micro in [(2, 2), (4, 2)]:
+        results = run_ranks(train_losses, world, family, micro, 2, timeout=120)
+        for r in results:
+            torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
 
 
 def test_first_bucket_launches_inside_backward() -> None:

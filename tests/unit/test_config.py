@@ -30,13 +30,17 @@ def test_every_config_file_composes(group: str, option: str) -> None:
     if group == "model":  # each model composes with the layouts it is meant for
         cfg = compose_config(overrides + ["parallel=tp2pp4", "train.global_batch_size=64"])
         world = 8
-    validate(cfg, world)
+    if cfg.parallel.pp > 1:  # composes and passes every other check; PP itself has not landed yet
+        with pytest.raises(ConfigError, match="pipeline parallelism is not available yet"):
+            validate(cfg, world)
+    else:
+        validate(cfg, world)
 
 
 def test_derived_dp_and_microbatches() -> None:
-    cfg = compose_config(["parallel=tp2pp2", "train.global_batch_size=64", "train.micro_batch_size=4"])
-    layout = validate(cfg, 16)
-    assert (layout.tp, layout.pp, layout.dp) == (2, 2, 4)
+    cfg = compose_config(["parallel=tp2", "train.global_batch_size=64", "train.micro_batch_size=4"])
+    layout = validate(cfg, 8)
+    assert (layout.tp, layout.pp, layout.dp) == (2, 1, 4)
 
 
 @pytest.mark.parametrize("overrides,world,needle", [
@@ -48,6 +52,9 @@ def test_derived_dp_and_microbatches() -> None:
     (["train.global_batch_size=30"], 4, "not a multiple of micro_batch_size"),
     (["data.seq_len=4096"], 1, "exceeds model.max_seq_len"),
     (["model.n_layers=2", "parallel=pp4"], 4, "fewer than pp"),
+    (["parallel=pp2"], 2, "pipeline parallelism is not available yet"),
+    (["parallel.sequence_parallel=true", "parallel=tp2"], 2, "sequence_parallel=true is not available yet"),
+    (["checkpoint.every=10"], 1, "sharded checkpoints are not available yet"),
 ])
 def test_validate_rejects(overrides: list[str], world: int, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
