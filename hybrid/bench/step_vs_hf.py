@@ -4,7 +4,7 @@ Same model (our weights copied into GPT2LMHeadModel with `to_hf_state_dict`), sa
 (synthetic uniform tokens of the model's vocabulary, the same samples in the same order from
 one `StepSampler` each), same dtype (fp32), same thread count, same AdamW hyperparameters,
 no-decay grouping, LR schedule and grad-norm clipping. The two run side by side in one
-process, interleaved ABAB… over `--repeats` rounds; each round runs `--warmup` untimed then
+process, interleaved AB BA AB… over `--repeats` rounds; each round runs `--warmup` untimed then
 `--steps` timed steps per side. Reported: median tokens/s of each, their ratio
 (hybrid / reference, goal ≥ 1.0×) and the first- and last-step losses of both (same weights
 and data, so they agree to float rounding).
@@ -48,6 +48,7 @@ ATTN_IMPL = "sdpa"
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The benchmark's command line (defaults: gpt-tiny, 1024-token steps, 1 and 2 threads, ~1 minute)."""
     p = argparse.ArgumentParser(prog="python -m hybrid.bench.step_vs_hf", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="gpt-tiny", help="a configs/model name of the gpt family")
     p.add_argument("--steps", type=int, default=2, help="timed steps per side per round")
@@ -58,6 +59,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=2, help="microbatches per step")
     p.add_argument("--repeats", type=int, default=10, help="interleaved rounds (hybrid, reference) per thread count")
     p.add_argument("--seed", type=int, default=1234, help="weights, data and sample order")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the config's train.lr)")
     args = p.parse_args(argv)
     for name in ("steps", "seq_len", "micro_batch", "microbatches", "repeats"):
         if getattr(args, name) < 1:
@@ -70,10 +72,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def reproduce_command(args: argparse.Namespace) -> str:
+    """The command line that repeats this measurement, every setting spelled out."""
     threads = " ".join(str(t) for t in args.threads)
     return (f"OMP_NUM_THREADS=1 PYTHONPATH=. python -m hybrid.bench.step_vs_hf --model {args.model} "
             f"--steps {args.steps} --warmup {args.warmup} --threads {threads} --seq-len {args.seq_len} "
-            f"--micro-batch {args.micro_batch} --microbatches {args.microbatches} --repeats {args.repeats}")
+            f"--micro-batch {args.micro_batch} --microbatches {args.microbatches} --repeats {args.repeats}"
+            + (f" --seed {args.seed}" if args.seed != 1234 else "")
+            + (f" --lr {args.lr}" if args.lr is not None else ""))
 
 
 def bench_config(args: argparse.Namespace) -> Any:
@@ -83,7 +88,7 @@ def bench_config(args: argparse.Namespace) -> Any:
         f"model={args.model}", "parallel=single", f"data.seq_len={args.seq_len}",
         f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.micro_batch * args.microbatches}",
         f"train.steps={total}", "train.eval_every=0", "train.precision=fp32", "train.device=cpu",
-        f"train.seed={args.seed}",
+        f"train.seed={args.seed}", *([f"train.lr={args.lr}"] if args.lr is not None else []),
     ])
     if cfg.model.family != "gpt":
         raise ConfigError(f"model={args.model} is {cfg.model.family}; this benchmark compares the gpt family "
@@ -144,7 +149,7 @@ def build_sides(cfg: Any, corpus: Corpus) -> tuple[Trainer, ReferenceLoop]:
     hf.load_state_dict(to_hf_state_dict(model.state_dict(), cfg.model, corpus.vocab_size), strict=True)
     if hf.config._attn_implementation != ATTN_IMPL:
         raise RuntimeError(f"transformers chose attention {hf.config._attn_implementation!r}, not {ATTN_IMPL!r}")
-    return trainer, ReferenceLoop(cfg, hf.float(), corpus)
+    return trainer, ReferenceLoop(cfg, hf, corpus)
 
 
 @dataclass
@@ -185,22 +190,24 @@ class Row:
 
     @property
     def cpu_ratio(self) -> float:
+        """Median of the paired per-round CPU-time ratios."""
         return statistics.median(self.cpu_ratios)
 
 
 def _ratios(a: list[float], b: list[float]) -> list[float]:
+    """Element-wise a / b."""
     return [x / y for x, y in zip(a, b)]
 
 
 def measure(hybrid: Side, reference: Side, args: argparse.Namespace, tokens: int) -> list[Row]:
-    """Interleave the two sides over `args.repeats` rounds for each thread count."""
+    """Interleave the two sides over `args.repeats` rounds for each thread count (hybrid first in even rounds)."""
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
         k = len(hybrid.rates)
-        for _ in range(args.repeats):
-            hybrid.round(args.warmup, args.steps, tokens)
-            reference.round(args.warmup, args.steps, tokens)
+        for i in range(args.repeats):
+            for side in (hybrid, reference) if i % 2 == 0 else (reference, hybrid):  # ABBA: no side always first
+                side.round(args.warmup, args.steps, tokens)
         h, r = hybrid.rates[k:], reference.rates[k:]
         rows.append(Row(threads, statistics.median(h), statistics.median(r), _ratios(h, r),
                         _ratios(hybrid.cpu_rates[k:], reference.cpu_rates[k:])))
@@ -224,6 +231,17 @@ def header(cfg: Any, trainer: Trainer, args: argparse.Namespace, tokens: int) ->
         f"reference: transformers {transformers.__version__} GPT2LMHeadModel, attn_implementation={ATTN_IMPL!r}, "
         f"same weights; torch {torch.__version__}",
     ])
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else the platform's processor string."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
 
 
 def table(rows: list[Row], flops_per_token: float) -> str:
@@ -253,8 +271,9 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[st
     reference = Side("reference", ref.train_step)
     rows = measure(hybrid, reference, args, tokens)
     out(table(rows, trainer.flops_per_token))
-    out(f"machine: {os.cpu_count()} CPUs, 1-min load average {load:.2f} before and {os.getloadavg()[0]:.2f} after "
-        f"(above the thread count, other processes shared the cores: trust the ratios, not the absolute rates)")
+    out(f"machine: {cpu_name()}, {os.cpu_count()} CPUs; 1-min load average {load:.2f} before, "
+        f"{os.getloadavg()[0]:.2f} after (load above the thread count = other processes shared the cores: "
+        "trust the paired ratios, not the absolute rates)")
     h, r = hybrid.losses, reference.losses
     out(f"loss, first step: hybrid {h[0]:.6f}  reference {r[0]:.6f}  |Δ| {abs(h[0] - r[0]):.2e}; "
         f"last step ({len(h)}): hybrid {h[-1]:.6f}  reference {r[-1]:.6f}  |Δ| {abs(h[-1] - r[-1]):.2e}")
