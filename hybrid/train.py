@@ -102,14 +102,12 @@ def run(cfg: DictConfig) -> None:
     metrics = _metrics_logger(cfg, writer)
     trainer = Trainer(cfg, ctx, model, corpus, device, hook, state, metrics)
     if writer:
-        n, analytic = trainer.count_params(), analytic_param_count(cfg.model, vocab, layout.tp)
+        n, analytic = trainer.n_params, analytic_param_count(cfg.model, vocab, layout.tp)
         metrics.message(layout.rank_map())
         metrics.message(f"model {cfg.model.name}: {format_count(n)} parameters (analytic {format_count(analytic)}, "
                         f"exact match: {n == analytic}), {trainer.flops_per_token / 1e9:.3f} GFLOP/token "
                         f"(6N + 12·L·h·s), vocab {vocab}, {trainer.num_microbatches} microbatch(es)/step, "
                         f"device {device}, run dir {cfg.logging.dir}")
-    else:
-        trainer.count_params()  # collective: every rank takes part
     try:
         trainer.fit()
     finally:

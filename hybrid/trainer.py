@@ -50,8 +50,9 @@ class Trainer:
         self.step = 0
         bf16 = t.precision == "bf16" or (t.precision == "auto" and device.type == "cuda")
         self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
-        n_params = self.count_params()
-        self.flops_per_token = model_flops_per_token(n_params, cfg.model.n_layers, cfg.model.hidden, corpus.seq_len)
+        self.n_params = self.count_params()  # collective over TP and PP: every rank computes it here, once
+        m = cfg.model
+        self.flops_per_token = model_flops_per_token(self.n_params, m.n_layers, m.hidden, corpus.seq_len)
         self.peak = peak_flops(device)
 
     def count_params(self) -> int:

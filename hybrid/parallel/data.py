@@ -57,14 +57,6 @@ class GradBucket:
     def set_buffer(self, tensor: torch.Tensor) -> None:
         self._buffer.copy_(tensor)
 
-    def offsets(self) -> list[int]:
-        """Start of each parameter's gradient in the buffer (DDP's `get_per_parameter_tensors` order)."""
-        out, offset = [], 0
-        for p in self._params:
-            out.append(offset)
-            offset += p.numel()
-        return out
-
 
 def assign_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
     """Split parameters, in reverse registration order, into buckets of about `bucket_bytes` (fp32)."""
