@@ -230,6 +230,9 @@ def validate(cfg: Any, world_size: int, ranks_per_node: Optional[int] = None) ->
     _require(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
     _require(t.eval_every >= 0 and t.eval_batches >= 1, "train.eval_every must be >= 0 and eval_batches >= 1")
     _validate_data(cfg.data, m)
+    if p.sequence_parallel:
+        _require(cfg.data.seq_len % p.tp == 0, f"parallel.sequence_parallel=true needs "
+                 f"data.seq_len={cfg.data.seq_len} divisible by parallel.tp={p.tp}")
     _require(cfg.optim.grad_clip >= 0, f"optim.grad_clip must be >= 0, got {cfg.optim.grad_clip}")
     _require(cfg.optim.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {cfg.optim.warmup_steps}")
     _require(cfg.logging.log_every >= 1, f"logging.log_every must be >= 1, got {cfg.logging.log_every}")
@@ -241,7 +244,6 @@ def _require_available(cfg: Any) -> None:
     """Refuse, rather than silently ignore, knobs whose machinery has not landed yet."""
     p, c = cfg.parallel, cfg.checkpoint
     _require(p.pp == 1, f"parallel.pp={p.pp}: pipeline parallelism is not available yet in this version (use pp=1)")
-    _require(not p.sequence_parallel, "parallel.sequence_parallel=true is not available yet in this version")
     _require(c.every == 0 and c.resume == "none" and not c["async"],
              "checkpoint.every/resume/async: sharded checkpoints are not available yet in this version")
 

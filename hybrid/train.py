@@ -96,7 +96,8 @@ def run(cfg: DictConfig) -> None:
     for name in ("tp", "dp", "pp", "dp_intra", "dp_inter", "embedding"):
         C.name_group(getattr(ctx, f"{name}_group"), name)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, vocab, ctx.tp_group, seed=cfg.train.seed).to(device)
+    model = build_model(cfg.model, vocab, ctx.tp_group, seed=cfg.train.seed,
+                        sequence_parallel=cfg.parallel.sequence_parallel).to(device)
     hook, state = make_hook(cfg.compression, ctx.dp_group)
     writer = rank == 0
     metrics = _metrics_logger(cfg, writer)

@@ -3,7 +3,8 @@
 One step: the rank's microbatches run forward and backward (each loss scaled by
 1/microbatches, so gradients sum to the mean over the global batch); `GradSync` has
 meanwhile launched each DP bucket's comm hook as soon as that bucket's gradients were final;
-`finish()` waits for them; then the global gradient norm (counted once across TP/PP), clipping,
+`finish()` waits for them; under sequence parallelism the replicated parameters' partial
+gradients are summed over TP (one all-reduce); then the global gradient norm (counted once across TP/PP), clipping,
 the LR for this step and AdamW. Eval runs every `train.eval_every` steps on the held-out split.
 """
 
@@ -23,6 +24,7 @@ from hybrid.optim import build_optimizer, clip_grads, global_grad_norm, lr_at
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.data import GradSync
+from hybrid.parallel.tensor import sync_sequence_parallel_grads
 
 
 @dataclass
@@ -86,6 +88,7 @@ class Trainer:
             total += loss.detach().float()
         self.grad_sync.finish()
         params = self.grad_sync.parameters()
+        sync_sequence_parallel_grads(params, self.ctx.tp_group)
         norm = global_grad_norm(params, self.ctx)
         clip_grads(params, self.cfg.optim.grad_clip, norm)
         self.optimizer.step()

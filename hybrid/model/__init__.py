@@ -11,9 +11,9 @@ from hybrid.parallel.collectives import Group
 
 
 def build_model(cfg: Any, vocab_size: int, tp_group: Group = None, layers: Optional[range] = None,
-                pre: bool = True, post: bool = True, seed: int = 0) -> CausalLM:
+                pre: bool = True, post: bool = True, seed: int = 0, sequence_parallel: bool = False) -> CausalLM:
     """The model (or one pipeline stage of it) of `cfg.family`, initialised from `seed`."""
-    return CausalLM(cfg, vocab_size, tp_group, layers, pre, post, seed)
+    return CausalLM(cfg, vocab_size, tp_group, layers, pre, post, seed, sequence_parallel)
 
 
 def analytic_param_count(cfg: Any, vocab_size: int, tp: int = 1) -> int:

@@ -7,6 +7,16 @@ column-parallel up (fc1, or SwiGLU's fused gate|up) then row-parallel down. Norm
 replicated on every TP rank (their gradients are identical there). Per layer and
 microbatch this is two all-reduces forward and two backward over the TP group.
 
+With sequence parallelism (`sequence_parallel=True`, tp > 1) the residual stream between the
+TP regions is this rank's [b, s/tp, h] chunk: norms and dropout run on the chunk, each
+column-parallel layer all-gathers it, each row-parallel layer reduce-scatters into it (two
+all-gathers and two reduce-scatters per layer forward, the same backward, plus Megatron's
+re-gather of the column layers' inputs). The head gathers the sequence before the logits.
+
+Dropout inside TP regions (attention probabilities) and on sequence chunks draws from the
+TP rank's own stream (`hybrid.parallel.rng.TPRandom`); replicated activations draw from the
+default generator, identical on every TP rank.
+
 `CausalLM` holds a contiguous range of layers with their *global* indices as names
 (`layers.17.attn.qkv.weight`), plus the embedding on the first stage and the final norm and
 head on the last, so a pipeline stage builds only its own part.
@@ -14,6 +24,7 @@ head on the last, so a pipeline stage builds only its own part.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Optional
 
@@ -23,12 +34,14 @@ from torch import nn
 
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
+from hybrid.parallel.rng import TPRandom, derive_seed
 from hybrid.parallel.tensor import (
     ColumnParallelLinear,
     Init,
     RowParallelLinear,
     VocabParallelEmbedding,
     annotate,
+    column_linear,
     init_parameters,
     padded_vocab,
     vocab_parallel_cross_entropy,
@@ -36,13 +49,14 @@ from hybrid.parallel.tensor import (
 
 
 class Norm(nn.Module):
-    """LayerNorm (GPT) or RMSNorm (Llama); replicated across TP ranks."""
+    """LayerNorm (GPT) or RMSNorm (Llama); replicated across TP ranks (on sequence chunks under SP)."""
 
-    def __init__(self, hidden: int, eps: float, rms: bool) -> None:
+    def __init__(self, hidden: int, eps: float, rms: bool, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.eps, self.rms = eps, rms
-        self.weight = annotate(nn.Parameter(torch.empty(hidden)), Init("ones"))
-        self.bias = None if rms else annotate(nn.Parameter(torch.empty(hidden)), Init("zeros"))
+        sp = sequence_parallel
+        self.weight = annotate(nn.Parameter(torch.empty(hidden)), Init("ones"), sequence_parallel=sp)
+        self.bias = None if rms else annotate(nn.Parameter(torch.empty(hidden)), Init("zeros"), sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rms:
@@ -67,21 +81,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """Causal self-attention with heads (and KV heads) split across the TP group."""
 
-    def __init__(self, cfg: Any, group: Group, out_std: float) -> None:
+    def __init__(self, cfg: Any, group: Group, out_std: float, sp: bool, rng: TPRandom) -> None:
         super().__init__()
         tp = C.size(group)
         self.head_dim = cfg.hidden // cfg.n_heads
         self.n_heads = cfg.n_heads // tp
         self.n_kv = (cfg.n_kv_heads or cfg.n_heads) // tp
-        self.dropout = cfg.dropout
+        self.dropout, self.rng = cfg.dropout, rng
         bias = cfg.family == "gpt"
         q, kv = cfg.n_heads * self.head_dim, (cfg.n_kv_heads or cfg.n_heads) * self.head_dim
-        self.qkv = ColumnParallelLinear(cfg.hidden, (q, kv, kv), group, bias=bias, std=cfg.init_std)
-        self.proj = RowParallelLinear(cfg.n_heads * self.head_dim, cfg.hidden, group, bias=bias, std=out_std)
+        self.qkv = ColumnParallelLinear(cfg.hidden, (q, kv, kv), group, bias=bias, std=cfg.init_std,
+                                        sequence_parallel=sp)
+        self.proj = RowParallelLinear(cfg.n_heads * self.head_dim, cfg.hidden, group, bias=bias, std=out_std,
+                                      sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        b, s, _ = x.shape
-        qkv = self.qkv(x)
+        qkv = self.qkv(x)  # [b, s, local q|k|v] (the whole sequence, also under SP)
+        b, s = qkv.shape[:2]
         q, k, v = qkv.split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
                              self.n_kv * self.head_dim], dim=-1)
         q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
@@ -90,21 +106,24 @@ class Attention(nn.Module):
         if rope is not None:
             cos, sin = rope[0][:s].to(q.dtype), rope[1][:s].to(q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-                                           enable_gqa=self.n_kv != self.n_heads)
+        p = self.dropout if self.training else 0.0
+        with self.rng.fork(q.device) if p > 0 else contextlib.nullcontext():  # this rank's heads: own masks
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p,
+                                               enable_gqa=self.n_kv != self.n_heads)
         return self.proj(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):
     """GPT: fc1 → GELU(tanh) → fc2. Llama: fused gate|up → SiLU(gate)·up → down."""
 
-    def __init__(self, cfg: Any, group: Group, out_std: float) -> None:
+    def __init__(self, cfg: Any, group: Group, out_std: float, sp: bool) -> None:
         super().__init__()
         self.swiglu = cfg.family == "llama"
         ffn = cfg.ffn_hidden or 4 * cfg.hidden
         parts = (ffn, ffn) if self.swiglu else (ffn,)
-        self.up = ColumnParallelLinear(cfg.hidden, parts, group, bias=not self.swiglu, std=cfg.init_std)
-        self.down = RowParallelLinear(ffn, cfg.hidden, group, bias=not self.swiglu, std=out_std)
+        self.up = ColumnParallelLinear(cfg.hidden, parts, group, bias=not self.swiglu, std=cfg.init_std,
+                                       sequence_parallel=sp)
+        self.down = RowParallelLinear(ffn, cfg.hidden, group, bias=not self.swiglu, std=out_std, sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)
@@ -115,21 +134,32 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    def __init__(self, cfg: Any, group: Group) -> None:
+    Residual dropout runs on the replicated stream (default generator, the same mask on every
+    TP rank) or, under sequence parallelism, on this rank's chunk (the TP rank's own stream).
+    """
+
+    def __init__(self, cfg: Any, group: Group, sp: bool, rng: TPRandom) -> None:
         super().__init__()
         rms = cfg.family == "llama"
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        self.attn_norm = Norm(cfg.hidden, cfg.norm_eps, rms)
-        self.attn = Attention(cfg, group, out_std)
-        self.mlp_norm = Norm(cfg.hidden, cfg.norm_eps, rms)
-        self.mlp = MLP(cfg, group, out_std)
+        self.sp, self.rng = sp, rng
+        self.attn_norm = Norm(cfg.hidden, cfg.norm_eps, rms, sp)
+        self.attn = Attention(cfg, group, out_std, sp, rng)
+        self.mlp_norm = Norm(cfg.hidden, cfg.norm_eps, rms, sp)
+        self.mlp = MLP(cfg, group, out_std, sp)
         self.dropout = nn.Dropout(cfg.dropout)
 
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and self.dropout.p > 0):
+            return x
+        with self.rng.fork(x.device) if self.sp else contextlib.nullcontext():
+            return self.dropout(x)
+
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), rope))
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+        x = x + self._drop(self.attn(self.attn_norm(x), rope))
+        return x + self._drop(self.mlp(self.mlp_norm(x)))
 
 
 class CausalLM(nn.Module):
@@ -138,46 +168,56 @@ class CausalLM(nn.Module):
     `layers` is the range of global layer indices built here; `pre` adds the embeddings,
     `post` the final norm, head and loss. `vocab_size` is the real vocabulary (the
     tokenizer's); the embedding is padded beyond it and padded logits never reach the loss.
+    With `sequence_parallel` (and tp > 1) hidden states between stages and layers are this TP
+    rank's sequence chunk [b, s/tp, h]; ids, labels and logits cover the whole sequence.
     """
 
     def __init__(self, cfg: Any, vocab_size: int, tp_group: Group = None, layers: Optional[range] = None,
-                 pre: bool = True, post: bool = True, seed: int = 0) -> None:
+                 pre: bool = True, post: bool = True, seed: int = 0, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.cfg, self.tp_group, self.pre, self.post = cfg, tp_group, pre, post
         self.vocab_size = vocab_size
-        self.padded_vocab = padded_vocab(vocab_size, cfg.make_vocab_size_divisible_by, C.size(tp_group))
+        tp = C.size(tp_group)
+        self.padded_vocab = padded_vocab(vocab_size, cfg.make_vocab_size_divisible_by, tp)
         self.layer_ids = layers if layers is not None else range(cfg.n_layers)
         self.gpt = cfg.family == "gpt"
+        self.sp = sp = sequence_parallel and tp > 1
+        self.rng = TPRandom(derive_seed(seed, "dropout", C.rank(tp_group), self.layer_ids.start))
         if pre:
-            self.tok_embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden, tp_group, cfg.init_std)
+            self.tok_embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden, tp_group, cfg.init_std, sp)
             if self.gpt:
                 self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.hidden)
-                annotate(self.pos_embed.weight, Init("normal", cfg.init_std))
-        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group) for i in self.layer_ids})
+                annotate(self.pos_embed.weight, Init("normal", cfg.init_std), sequence_parallel=sp)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group, sp, self.rng) for i in self.layer_ids})
         if not self.gpt:
             head_dim = cfg.hidden // cfg.n_heads
             cos, sin = rope_tables(head_dim, cfg.max_seq_len, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         if post:
-            self.norm = Norm(cfg.hidden, cfg.norm_eps, not self.gpt)
+            self.norm = Norm(cfg.hidden, cfg.norm_eps, not self.gpt, sp)
             if not (cfg.tie_embeddings and pre):
                 self.head = ColumnParallelLinear(cfg.hidden, (self.padded_vocab,), tp_group, bias=False,
-                                                 std=cfg.init_std)
+                                                 std=cfg.init_std, sequence_parallel=sp)
         init_parameters(self, seed)
 
     def head_weight(self) -> torch.Tensor:
         return self.tok_embed.weight if hasattr(self, "tok_embed") and not hasattr(self, "head") else self.head.weight
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token (+ position) embeddings: [b, s, h], or this rank's [b, s/tp, h] chunk under SP."""
         x = self.tok_embed(ids)
         if self.gpt:
-            x = x + self.pos_embed(torch.arange(ids.shape[1], device=ids.device))
+            positions = torch.arange(ids.shape[1], device=ids.device)
+            if self.sp:
+                positions = C.split_seq(positions.unsqueeze(0), self.tp_group).squeeze(0)
+            x = x + self.pos_embed(positions)
         return x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Vocab-split logits [b, s, padded_vocab / tp] (copy-to-region: all-reduce of dx backward)."""
-        return F.linear(C.copy_to_region(self.norm(x), self.tp_group), self.head_weight())
+        """Vocab-split logits [b, s, padded_vocab / tp] over the whole sequence (the head is
+        column-parallel: all-reduce of dx backward, or all-gather of the chunks under SP)."""
+        return column_linear(self.norm(x), self.head_weight(), None, self.tp_group, self.sp)
 
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """ids (first stage) or hidden states in; hidden states, logits, or the mean loss out."""

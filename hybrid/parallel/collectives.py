@@ -5,11 +5,20 @@ record (op, elements, dtype, group name) in a `CommCounter`, so tests and metric
 exact bytes moved per group instead of estimating them. A `None` group or a group of size
 one means "no communication": the op is the identity and nothing is recorded.
 
+Bytes are the size of the *whole* tensor a collective works on (elements × dtype size): the
+reduced tensor of an all-reduce, the gathered output of an all-gather, the input of a
+reduce-scatter. `wire_bytes` turns those into what one rank sends with ring algorithms:
+2(n−1)/n of the payload for an all-reduce and (n−1)/n for an all-gather or reduce-scatter, so
+one all-reduce moves as much as one all-gather plus one reduce-scatter.
+
 Region ops (Megatron's f/g conjugate pairs):
-  copy_to_region      forward identity,          backward all-reduce   (entering column-parallel)
-  reduce_from_region  forward all-reduce,        backward identity     (leaving row-parallel)
-  gather_from_region  forward all-gather (last), backward split        (gathering logits/outputs)
-  split_to_region     forward split (last),      backward all-gather
+  copy_to_region            forward identity,              backward all-reduce   (entering column-parallel)
+  reduce_from_region        forward all-reduce,            backward identity     (leaving row-parallel)
+  gather_from_region        forward all-gather (last dim), backward split        (gathering logits/outputs)
+  split_to_region           forward split (last dim),      backward all-gather
+Sequence-parallel pair (activations [b, s, h] split along s outside the TP regions):
+  gather_from_sequence      forward all-gather (seq),      backward reduce-scatter (entering column-parallel)
+  reduce_scatter_to_sequence forward reduce-scatter (seq), backward all-gather     (leaving row-parallel)
 """
 
 from __future__ import annotations
@@ -33,13 +42,22 @@ class CommCounter:
 
     bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    sizes: dict[str, int] = field(default_factory=dict)  # group name → ranks in it
 
-    def record(self, name: str, op: str, tensor: torch.Tensor) -> None:
+    def record(self, name: str, op: str, tensor: torch.Tensor, group_size: int = 0) -> None:
         self.bytes[(name, op)] += tensor.numel() * tensor.element_size()
         self.calls[(name, op)] += 1
+        if group_size:
+            self.sizes[name] = group_size
 
     def group_bytes(self, name: str) -> int:
         return sum(b for (g, _), b in self.bytes.items() if g == name)
+
+    def wire_bytes(self, name: str) -> float:
+        """Bytes one rank of group `name` sent, for ring all-reduce / all-gather / reduce-scatter."""
+        n = self.sizes.get(name, 1)
+        factor = {"all_reduce": 2 * (n - 1) / n}
+        return sum(b * factor.get(op, (n - 1) / n) for (g, op), b in self.bytes.items() if g == name)
 
     def reset(self) -> None:
         self.bytes.clear()
@@ -75,7 +93,7 @@ def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist
     """In-place all-reduce of `t` over `group`, counted."""
     if size(group) == 1:
         return None
-    COUNTER.record(group_name(group), "all_reduce", t)
+    COUNTER.record(group_name(group), "all_reduce", t, size(group))
     return dist.all_reduce(t, op=op, group=group, async_op=async_op)
 
 
@@ -84,10 +102,11 @@ def all_gather_last(t: torch.Tensor, group: Group) -> torch.Tensor:
     n = size(group)
     if n == 1:
         return t
-    COUNTER.record(group_name(group), "all_gather", t)
     parts = [torch.empty_like(t) for _ in range(n)]
     dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
+    out = torch.cat(parts, dim=-1)
+    COUNTER.record(group_name(group), "all_gather", out, n)
+    return out
 
 
 def split_last(t: torch.Tensor, group: Group) -> torch.Tensor:
@@ -96,6 +115,46 @@ def split_last(t: torch.Tensor, group: Group) -> torch.Tensor:
     if n == 1:
         return t
     return t.chunk(n, dim=-1)[rank(group)].contiguous()
+
+
+def all_gather_seq(t: torch.Tensor, group: Group, op: str = "all_gather") -> torch.Tensor:
+    """Concatenate every rank's [b, s/n, …] chunk into a contiguous [b, s, …] (group rank order).
+
+    `op` labels the count: "regather" marks the backward re-gather of a sequence-parallel
+    linear layer's input (see `hybrid.parallel.tensor.column_linear`).
+    """
+    n = size(group)
+    if n == 1:
+        return t
+    parts = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in range(n)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    out = torch.cat(parts, dim=1)
+    COUNTER.record(group_name(group), op, out, n)
+    return out
+
+
+def reduce_scatter_seq(t: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum [b, s, …] over the group and keep this rank's [b, s/n, …] chunk of the sum."""
+    n = size(group)
+    if n == 1:
+        return t
+    if t.shape[1] % n:
+        raise ValueError(f"sequence length {t.shape[1]} does not divide by the TP size {n}")
+    chunks = [c.contiguous() for c in t.chunk(n, dim=1)]
+    out = torch.empty_like(chunks[0])
+    COUNTER.record(group_name(group), "reduce_scatter", t, n)
+    dist.reduce_scatter(out, chunks, group=group)
+    return out
+
+
+def split_seq(t: torch.Tensor, group: Group) -> torch.Tensor:
+    """This rank's contiguous chunk of dim 1 (the sequence), no communication."""
+    n = size(group)
+    if n == 1:
+        return t
+    if t.shape[1] % n:
+        raise ValueError(f"sequence length {t.shape[1]} does not divide by the TP size {n}")
+    return t.chunk(n, dim=1)[rank(group)]
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -163,3 +222,36 @@ def gather_from_region(x: torch.Tensor, group: Group) -> torch.Tensor:
 def split_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Keep this rank's slice of the last dim forward; all-gather the gradient backward."""
     return x if size(group) == 1 else _SplitToRegion.apply(x, group)
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:  # noqa: ANN001
+        ctx.group = group
+        return all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # noqa: ANN001, ANN205
+        return reduce_scatter_seq(g, ctx.group), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:  # noqa: ANN001
+        ctx.group = group
+        return reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # noqa: ANN001, ANN205
+        return all_gather_seq(g, ctx.group), None
+
+
+def gather_from_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """All-gather the sequence chunks forward; reduce-scatter the gradient backward (each rank's
+    full-sequence gradient is a partial sum over its TP slice of the next layer)."""
+    return x if size(group) == 1 else _GatherFromSequence.apply(x, group)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Reduce-scatter partial sums into sequence chunks forward; all-gather the gradient backward."""
+    return x if size(group) == 1 else _ReduceScatterToSequence.apply(x, group)

@@ -7,6 +7,15 @@ all-reduced forward; bias added once after the reduction). VocabParallelEmbeddin
 with three small all-reduces instead of gathering them. At tp=1 every layer is the plain
 layer and no collective runs.
 
+Sequence parallelism (`sequence_parallel=True`): outside the TP regions activations are
+[b, s/tp, h] chunks. A column-parallel layer all-gathers its input along the sequence
+(reduce-scatter of the input gradient backward) instead of copying it in; a row-parallel
+layer and the embedding reduce-scatter their partial sums along the sequence (all-gather
+backward) instead of all-reducing them. Same bytes on the wire, but norms, residuals and
+dropout hold 1/tp of the sequence. Replicated parameters used on sequence chunks (norms,
+row-parallel biases, positions) get partial gradients on each TP rank, summed by
+`sync_sequence_parallel_grads`.
+
 Layout-independent initialisation: every parameter carries its *global* shape, how it is
 sliced (`Shard`) and how it is initialised (`Init`). `init_parameters` generates each full
 global tensor from a generator seeded by (seed, global name) and keeps this rank's slice,
@@ -15,10 +24,9 @@ so tp=1 and tp=4 start from the same model.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,6 +35,7 @@ from torch import nn
 
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
+from hybrid.parallel.rng import derive_seed
 
 
 @dataclass(frozen=True)
@@ -54,11 +63,14 @@ class Init:
     std: float = 0.0
 
 
-def annotate(p: nn.Parameter, init: Init, shard: Optional[Shard] = None) -> nn.Parameter:
-    """Attach init and shard descriptions; `tp_duplicate` marks a TP-replicated parameter."""
+def annotate(p: nn.Parameter, init: Init, shard: Optional[Shard] = None,
+             sequence_parallel: bool = False) -> nn.Parameter:
+    """Attach init and shard descriptions; `tp_duplicate` marks a TP-replicated parameter and
+    `sequence_parallel` one whose gradient is a partial sum over this rank's sequence chunk."""
     p.hybrid_init = init
     p.hybrid_shard = shard if shard is not None and shard.size > 1 else None
     p.tp_duplicate = p.hybrid_shard is None
+    p.sequence_parallel = sequence_parallel
     return p
 
 
@@ -69,10 +81,6 @@ def global_shape(p: nn.Parameter) -> tuple[int, ...]:
     shape = list(p.shape)
     shape[shard.dim] = sum(shard.parts)
     return tuple(shape)
-
-
-def _seed(seed: int, name: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & (2**63 - 1)
 
 
 @torch.no_grad()
@@ -86,7 +94,7 @@ def init_parameters(module: nn.Module, seed: int, names: Optional[dict[str, nn.P
         if init.kind == "ones":
             p.fill_(1.0)
             continue
-        gen = torch.Generator().manual_seed(_seed(seed, name))
+        gen = torch.Generator().manual_seed(derive_seed(seed, name))
         full = torch.empty(global_shape(p), dtype=torch.float32).normal_(0.0, init.std, generator=gen)
         shard = p.hybrid_shard
         p.copy_(shard.slice(full) if shard is not None else full)
@@ -99,18 +107,47 @@ def _split_parts(parts: Sequence[int], tp: int, what: str) -> int:
     return sum(parts) // tp
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x Wᵀ + b with W's output rows split across TP ranks.
+def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: Group,
+                  sequence_parallel: bool = False) -> torch.Tensor:
+    """x Wᵀ + b for a weight split along its output rows.
 
-    Forward: identity on x (every rank has it). Backward: all-reduce of x's gradient over
-    the TP group, since each rank contributed the gradient of its own output slice.
-    `gather_output=True` all-gathers y along the last dim.
+    Without SP: x is whole on every rank; backward all-reduces x's gradient (copy_to_region).
+    With SP: x is this rank's sequence chunk; forward all-gathers it along the sequence and
+    backward reduce-scatters its gradient. As in Megatron, only the chunk is kept for the
+    weight gradient: backward all-gathers it again (counted as op "regather"), trading one
+    more all-gather for 1/tp of the layer's saved input.
+    """
+    if C.size(group) == 1:
+        return F.linear(x, weight, bias)
+    if not sequence_parallel:
+        return F.linear(C.copy_to_region(x, group), weight, bias)
+    if torch.is_autocast_enabled(x.device.type):  # gather in the compute dtype; the cast below is then a no-op
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    full = C.gather_from_sequence(x, group)
+    full_ptr, chunk = full.data_ptr(), x.detach()
+
+    def pack(t: torch.Tensor) -> Any:
+        return ("regather", t.shape) if t.data_ptr() == full_ptr else t
+
+    def unpack(saved: Any) -> torch.Tensor:
+        if isinstance(saved, tuple):
+            return C.all_gather_seq(chunk, group, op="regather").reshape(saved[1])
+        return saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return F.linear(full, weight, bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x Wᵀ + b with W's output rows split across TP ranks (see `column_linear` for the
+    collectives with and without sequence parallelism). `gather_output=True` all-gathers y
+    along the last dim.
     """
 
     def __init__(self, in_features: int, out_parts: Sequence[int], group: Group, bias: bool = True,
-                 std: float = 0.02, gather_output: bool = False) -> None:
+                 std: float = 0.02, gather_output: bool = False, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.group, self.gather_output = group, gather_output
+        self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         tp, r = C.size(group), C.rank(group)
         out = _split_parts(out_parts, tp, "ColumnParallelLinear")
         shard = Shard(0, tuple(out_parts), r, tp)
@@ -118,7 +155,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = annotate(nn.Parameter(torch.empty(out)), Init("zeros"), shard) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(C.copy_to_region(x, self.group), self.weight, self.bias)
+        y = column_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
         return C.gather_from_region(y, self.group) if self.gather_output else y
 
 
@@ -126,21 +163,30 @@ class RowParallelLinear(nn.Module):
     """y = x Wᵀ + b with W's input columns split; x arrives already split (from a column layer).
 
     Forward: all-reduce of the partial products over the TP group, then the bias once.
-    Backward: identity (each rank's gradient of y is the full gradient).
+    Backward: identity (each rank's gradient of y is the full gradient). With sequence
+    parallelism the all-reduce becomes a reduce-scatter along the sequence (all-gather of the
+    gradient backward), and the bias is added to this rank's sequence chunk.
     """
 
     def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = True,
-                 std: float = 0.02) -> None:
+                 std: float = 0.02, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         tp, r = C.size(group), C.rank(group)
         local_in = _split_parts([in_features], tp, "RowParallelLinear")
         shard = Shard(1, (in_features,), r, tp)
         self.weight = annotate(nn.Parameter(torch.empty(out_features, local_in)), Init("normal", std), shard)
-        self.bias = annotate(nn.Parameter(torch.empty(out_features)), Init("zeros")) if bias else None
+        self.bias = None
+        if bias:
+            self.bias = annotate(nn.Parameter(torch.empty(out_features)), Init("zeros"),
+                                 sequence_parallel=sequence_parallel and tp > 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = C.reduce_from_region(F.linear(x, self.weight), self.group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = C.reduce_scatter_to_sequence(y, self.group)
+        else:
+            y = C.reduce_from_region(y, self.group)
         return y + self.bias if self.bias is not None else y
 
 
@@ -154,12 +200,15 @@ class VocabParallelEmbedding(nn.Module):
     """Token embedding with the padded vocabulary's rows split across TP ranks.
 
     Each rank looks up the ids in its row range (others give zeros); an all-reduce over the
-    TP group forward sums the pieces into the full embedding. Backward: identity.
+    TP group forward sums the pieces into the full embedding. Backward: identity. With
+    sequence parallelism a reduce-scatter along the sequence replaces the all-reduce (each
+    rank keeps its [b, s/tp, h] chunk; all-gather of the gradient backward).
     """
 
-    def __init__(self, padded_vocab_size: int, hidden: int, group: Group, std: float = 0.02) -> None:
+    def __init__(self, padded_vocab_size: int, hidden: int, group: Group, std: float = 0.02,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         tp, r = C.size(group), C.rank(group)
         rows = _split_parts([padded_vocab_size], tp, "VocabParallelEmbedding")
         self.start, self.end = r * rows, (r + 1) * rows
@@ -172,6 +221,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return C.reduce_scatter_to_sequence(out, self.group)
         return C.reduce_from_region(out, self.group)
 
 
@@ -220,3 +271,37 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
         return F.cross_entropy(logits[..., :vocab_size].flatten(0, -2).float(), target.flatten())
     start = C.rank(group) * logits.shape[-1]
     return _VocabParallelCE.apply(logits, target, group, start, vocab_size).mean()
+
+
+@torch.no_grad()
+def sync_sequence_parallel_grads(params: Sequence[nn.Parameter], group: Group) -> None:
+    """Sum, over the TP group, the gradients of replicated parameters that each TP rank applied
+    to its own sequence chunk only (norms, row-parallel biases, positions): one coalesced
+    all-reduce per step, after which these gradients are identical on every TP rank."""
+    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads or C.size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    C.all_reduce(flat, group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+
+
+@torch.no_grad()
+def full_tensor(p: torch.Tensor, group: Group) -> torch.Tensor:
+    """The global tensor of a TP-sharded parameter (the inverse of `Shard.slice`): every rank's
+    shard all-gathered over the TP group, then each part re-assembled. Replicated: a copy.
+    Export and checkpoint conversion only — not training traffic, so not counted."""
+    shard = getattr(p, "hybrid_shard", None)
+    if shard is None:
+        return p.detach().clone()
+    pieces = [torch.empty_like(p) for _ in range(shard.size)]
+    dist.all_gather(pieces, p.detach().contiguous(), group=group)
+    local = [n // shard.size for n in shard.parts]
+    per_rank = [t.split(local, dim=shard.dim) for t in pieces]
+    return torch.cat([torch.cat([r[i] for r in per_rank], dim=shard.dim) for i in range(len(local))], dim=shard.dim)
+
+
+def full_state_dict(module: nn.Module, group: Group) -> dict[str, torch.Tensor]:
+    """{global name: global tensor} of every parameter of `module`; a collective over `group`."""
+    return {name: full_tensor(p, group) for name, p in module.named_parameters()}

@@ -53,7 +53,8 @@ def test_derived_dp_and_microbatches() -> None:
     (["data.seq_len=4096"], 1, "exceeds model.max_seq_len"),
     (["model.n_layers=2", "parallel=pp4"], 4, "fewer than pp"),
     (["parallel=pp2"], 2, "pipeline parallelism is not available yet"),
-    (["parallel.sequence_parallel=true", "parallel=tp2"], 2, "sequence_parallel=true is not available yet"),
+    (["parallel.sequence_parallel=true", "parallel=tp2", "data.seq_len=127"], 2,
+     "data.seq_len=127 divisible by parallel.tp=2"),
     (["checkpoint.every=10"], 1, "sharded checkpoints are not available yet"),
 ])
 def test_validate_rejects(overrides: list[str], world: int, needle: str) -> None:

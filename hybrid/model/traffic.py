@@ -1,0 +1,51 @@
+"""Analytic TP traffic of our models: what `collectives.COUNTER` must count, op by op.
+
+Bytes are the whole tensor each collective works on (see `hybrid.parallel.collectives`);
+b = micro batch, s = sequence length, h = hidden, x = activation element size.
+
+Per microbatch, forward + backward, tp > 1:
+
+- without sequence parallelism, all-reduces of b·s·h: 4 per layer (attention and MLP
+  outputs forward; their column-parallel inputs' gradients backward), 1 for the embedding
+  (forward), 1 for the head's input gradient (backward);
+- with sequence parallelism, each all-reduce becomes an all-gather + a reduce-scatter of the
+  same b·s·h tensor (the same ring volume), plus Megatron's backward re-gather of every
+  column-parallel input: 2 per layer and 1 for the head;
+- in both, the vocab-parallel cross-entropy's three fp32 all-reduces of b·s elements.
+
+Per step: under sequence parallelism, one all-reduce of the gradients of the replicated
+parameters applied to sequence chunks (norms, row-parallel biases, positions); and the
+gradient-norm's scalar all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def tp_bytes_per_microbatch(cfg: Any, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
+                            layers: int | None = None, pre: bool = True, post: bool = True,
+                            itemsize: int = 4) -> dict[str, int]:
+    """{op: bytes} one rank's TP group moves for one microbatch, forward and backward."""
+    if tp == 1:
+        return {}
+    n_layers = cfg.n_layers if layers is None else layers
+    bsh = micro_batch * seq_len * cfg.hidden * itemsize
+    ends = int(pre) + int(post)  # embedding forward / head backward
+    ce = 3 * micro_batch * seq_len * 4 if post else 0
+    if not sequence_parallel:
+        out = {"all_reduce": (4 * n_layers + ends) * bsh + ce}
+    else:
+        out = {"all_gather": (4 * n_layers + ends) * bsh, "reduce_scatter": (4 * n_layers + ends) * bsh,
+               "regather": (2 * n_layers + int(post)) * bsh, "all_reduce": ce}
+    return {op: b for op, b in out.items() if b}
+
+
+def sequence_parallel_grad_elements(cfg: Any, layers: int | None = None, pre: bool = True,
+                                    post: bool = True) -> int:
+    """Gradient elements summed over TP once per step under sequence parallelism."""
+    h, gpt = cfg.hidden, cfg.family == "gpt"
+    n_layers = cfg.n_layers if layers is None else layers
+    norm = 2 * h if gpt else h
+    per_layer = 2 * norm + (2 * h if gpt else 0)  # two norms; GPT's two row-parallel biases
+    return n_layers * per_layer + (norm if post else 0) + (cfg.max_seq_len * h if gpt and pre else 0)
