@@ -150,13 +150,20 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         tp, r = C.size(group), C.rank(group)
         out = _split_parts(out_parts, tp, "ColumnParallelLinear")
+        self.local_parts = [n // tp for n in out_parts]
         shard = Shard(0, tuple(out_parts), r, tp)
         self.weight = annotate(nn.Parameter(torch.empty(out, in_features)), Init("normal", std), shard)
         self.bias = annotate(nn.Parameter(torch.empty(out)), Init("zeros"), shard) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = column_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
-        return C.gather_from_region(y, self.group) if self.gather_output else y
+        if not self.gather_output or C.size(self.group) == 1:
+            return y
+        ranks = C.gather_from_region(y, self.group).chunk(C.size(self.group), dim=-1)
+        if len(self.local_parts) == 1:
+            return torch.cat(ranks, dim=-1)
+        per_rank = [r.split(self.local_parts, dim=-1) for r in ranks]  # [p0_r p1_r …] → [p0 | p1 | …]
+        return torch.cat([torch.cat([r[i] for r in per_rank], dim=-1) for i in range(len(self.local_parts))], dim=-1)
 
 
 class RowParallelLinear(nn.Module):
@@ -258,7 +265,7 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # noqa: ANN001, ANN205
         softmax, local_t, outside = ctx.saved_tensors
-        grad = softmax
+        grad = softmax  # in place, as Megatron: a b·s·V/tp copy saved; a second backward is not supported
         hit = (~outside).to(grad.dtype)
         grad.scatter_add_(-1, local_t.unsqueeze(-1), -hit.unsqueeze(-1))
         return grad * g.unsqueeze(-1), None, None, None, None

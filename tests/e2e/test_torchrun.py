@@ -74,3 +74,28 @@ def test_bad_layout_under_torchrun_is_one_line_per_rank(tmp_path: Path, env: dic
     assert sorted(ln.split()[0] for ln in ours) == ["[rank0]", "[rank1]"]
     assert all("does not divide world size 2" in ln for ln in ours)
     assert "Traceback" not in r.stderr.split("hybrid: error:")[0]  # no rank printed a traceback before it
+
+
+def test_torchrun_tp2_sequence_parallel_trains(tmp_path: Path, env: dict[str, str]) -> None:
+    r = torchrun(2, *QUICK, "parallel=tp2", "parallel.sequence_parallel=true", "model=llama-tiny", "train.steps=6",
+                 "train.eval_every=0", f"logging.dir={tmp_path}", env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps, _ = read_metrics(tmp_path)
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    assert steps[0]["bytes_tp"] > 0 and steps[0]["bytes_dp"] == 0  # tp=2, dp=1
+    assert "layout: world=2 = pp1 × dp1 × tp2" in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["model.n_heads=3", "model.hidden=192"], "model.n_heads=3 is not divisible by parallel.tp=2"),
+    (["model=llama-tiny", "model.n_kv_heads=1"], "model.n_kv_heads=1 is not divisible by parallel.tp=2"),
+    (["model.ffn_hidden=1001"], "model.ffn_hidden=1001 is not divisible by parallel.tp=2"),
+])
+def test_tp_not_dividing_the_model_is_one_line_per_rank(overrides: list[str], needle: str, tmp_path: Path,
+                                                         env: dict[str, str]) -> None:
+    r = torchrun(2, "parallel=tp2", *overrides, f"logging.dir={tmp_path}", env=env, timeout=120)
+    assert r.returncode != 0
+    ours = [ln for ln in r.stderr.splitlines() if "hybrid: error:" in ln]
+    assert sorted(ln.split()[0] for ln in ours) == ["[rank0]", "[rank1]"], r.stderr[-2000:]
+    assert all(needle in ln for ln in ours), ours
+    assert "Traceback" not in r.stderr.split("hybrid: error:")[0]  # torchrun's own summary may follow
