@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -107,6 +107,32 @@ def _split_parts(parts: Sequence[int], tp: int, what: str) -> int:
     return sum(parts) // tp
 
 
+class _SequenceParallelLinear(torch.autograd.Function):
+    """x_chunk → all-gather along the sequence → x Wᵀ + b; only the chunk is saved.
+
+    Backward: all-gather the chunk again (op "regather") for the weight gradient, and
+    reduce-scatter the input gradient back to sequence chunks. Saving the chunk through
+    `save_for_backward` keeps outer saved-tensor hooks (offloading, checkpointing) in charge.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: ANN001
+                group: Group) -> torch.Tensor:
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(C.all_gather_seq(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # noqa: ANN001, ANN205
+        x, weight = ctx.saved_tensors
+        full = C.all_gather_seq(x, ctx.group, op="regather")
+        grad_x = C.reduce_scatter_seq(g.matmul(weight), ctx.group)
+        g2 = g.reshape(-1, g.shape[-1])
+        grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
+        grad_b = g2.sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
 def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: Group,
                   sequence_parallel: bool = False) -> torch.Tensor:
     """x Wᵀ + b for a weight split along its output rows.
@@ -121,21 +147,13 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         return F.linear(x, weight, bias)
     if not sequence_parallel:
         return F.linear(C.copy_to_region(x, group), weight, bias)
-    if torch.is_autocast_enabled(x.device.type):  # gather in the compute dtype; the cast below is then a no-op
-        x = x.to(torch.get_autocast_dtype(x.device.type))
-    full = C.gather_from_sequence(x, group)
-    full_ptr, chunk = full.data_ptr(), x.detach()
-
-    def pack(t: torch.Tensor) -> Any:
-        return ("regather", t.shape) if t.data_ptr() == full_ptr else t
-
-    def unpack(saved: Any) -> torch.Tensor:
-        if isinstance(saved, tuple):
-            return C.all_gather_seq(chunk, group, op="regather").reshape(saved[1])
-        return saved
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        return F.linear(full, weight, bias)
+    device = x.device.type
+    if torch.is_autocast_enabled(device):  # cast outside (differentiably), gather and multiply in that dtype
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    with torch.autocast(device, enabled=False):
+        return _SequenceParallelLinear.apply(x, weight, bias, group)
 
 
 class ColumnParallelLinear(nn.Module):

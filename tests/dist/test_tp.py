@@ -31,22 +31,25 @@ from hybrid.trainer import Trainer
 VOCAB = 201  # with make_vocab_size_divisible_by=1: padded to 202 (tp=2) and 204 (tp=4), not divisible by tp
 
 
-def model_cfg(family: str, tp: int, dp: int, micro: int, sp: bool, dropout: float = 0.0, kv_heads: int = 2) -> object:
+def model_cfg(family: str, tp: int, dp: int, micro: int, sp: bool, dropout: float = 0.0, kv_heads: int = 2,
+              heads: int = 4) -> object:
     cfg = tiny_cfg(family, dp, micro)
     cfg.parallel.tp, cfg.parallel.sequence_parallel = tp, sp
     cfg.model.make_vocab_size_divisible_by = 1
     cfg.model.dropout = dropout
     cfg.optim.grad_clip = 0.05
+    cfg.model.n_heads = heads
     if family == "llama":
         cfg.model.n_heads, cfg.model.n_kv_heads = 8, kv_heads  # GQA: KV heads < heads, split across TP
     return cfg
 
 
-def train(rank: int, world: int, family: str, tp: int, sp: bool, dropout: float = 0.0, kv_heads: int = 2) -> dict:
+def train(rank: int, world: int, family: str, tp: int, sp: bool, dropout: float = 0.0, kv_heads: int = 2,
+          heads: int = 4) -> dict:
     """Train 4 steps; return losses, grad norms, the gathered weights (TP rank 0 of DP rank 0),
     this rank's replicated parameters and the TP bytes counted per step."""
     dp = world // tp
-    cfg = model_cfg(family, tp, dp, GLOBAL_BATCH // dp // 2 if world > 1 else 2, sp, dropout, kv_heads)
+    cfg = model_cfg(family, tp, dp, GLOBAL_BATCH // dp // 2 if world > 1 else 2, sp, dropout, kv_heads, heads)
     ctx = ParallelContext.build(Layout.create(world, tp=tp)) if world > 1 else ParallelContext.single()
     C.name_group(ctx.dp_group, "dp")
     C.name_group(ctx.tp_group, "tp")
@@ -93,6 +96,16 @@ def test_tp_matches_single_process(family: str, world: int, tp: int, sp: bool) -
     for r in results[1:tp]:  # replicated parameters (norms, biases, positions) stay identical over TP
         for name, w in results[0]["replicated"].items():
             torch.testing.assert_close(r["replicated"][name], w, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp8_gpt_matches_single_process(sp: bool) -> None:
+    torch.set_num_threads(1)
+    ref = train(0, 1, "gpt", 1, False, heads=8)
+    results = run_ranks(train, 8, "gpt", 8, sp, heads=8, timeout=120)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
+    assert_same_weights(results[0]["state"], ref["state"])
 
 
 @pytest.mark.parametrize("sp", [False, True])

@@ -1,0 +1,81 @@
+"""Forked gloo ranks for benchmarks: `launch(fn, world, *args)` runs `fn(rank, world, *args)` on
+`world` processes (1 torch thread each, gloo over local TCP) and returns their results by rank.
+
+Forking a parent that has already imported torch starts ranks in a fraction of a second. A rank
+that raises fails the launch with its traceback; a hang fails it after `timeout` seconds with
+every child killed; each rank ends with the clean gloo shutdown (gc, barrier, destroy).
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn: Callable, rank: int, world: int, port: int, q: Any, args: tuple) -> None:
+    """One forked rank: 1 thread, gloo over TCP, `fn(rank, world, *args)` → queue, clean shutdown."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    ok = False
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=300))
+        q.put((rank, "ok", fn(rank, world, *args)))
+        ok = True
+    except BaseException:  # noqa: BLE001  (report everything to the parent)
+        q.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            gc.collect()
+            if ok:
+                dist.barrier()
+            dist.destroy_process_group()
+        os._exit(0)
+
+
+def launch(fn: Callable, world: int, *args: Any, timeout: float = 900.0) -> list[Any]:
+    """Run `fn(rank, world, *args)` on `world` forked gloo ranks; their (picklable) results by rank."""
+    ctx = mp.get_context("fork")
+    q, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, q, args), daemon=True) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world - len(results)} rank(s) did not finish within {timeout:.0f} s")
+            try:
+                rank, status, payload = q.get(timeout=1.0)
+            except queue.Empty:
+                if any(proc.exitcode not in (None, 0) for proc in procs):
+                    raise RuntimeError("a rank process died") from None
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [results[r] for r in range(world)]
