@@ -47,6 +47,8 @@ def _rank_main(fn: Callable, rank: int, world: int, port: int, q: Any, args: tup
             if ok:
                 dist.barrier()
             dist.destroy_process_group()
+        q.close()
+        q.join_thread()  # flush the result through the queue's feeder thread before the hard exit
         os._exit(0)
 
 

@@ -14,8 +14,9 @@ from and how:
 
 `load_hf_into` fills a model that may be one pipeline stage and/or one TP rank: every
 parameter's global tensor is built from the rule of its global name and cut with its
-`hybrid_shard`. Exporting a tp>1 model first gathers each parameter's shards into the
-global tensor (the inverse of `Shard.slice`), then calls `to_hf_state_dict`.
+`hybrid_shard`. Exporting a tp>1 model (`export_hf_state_dict`) first gathers each
+parameter's shards into the global tensor (the inverse of `Shard.slice`), then calls
+`to_hf_state_dict`; the model must hold every layer, embedding and head (no pipeline stage).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch import nn
 from transformers import GPT2Config, LlamaConfig, PretrainedConfig
 
 from hybrid.parallel import collectives as C
-from hybrid.parallel.tensor import padded_vocab
+from hybrid.parallel.tensor import full_state_dict, padded_vocab
 
 
 @dataclass(frozen=True)
@@ -206,3 +207,35 @@ def load_hf_into(model: nn.Module, hf_state: dict[str, torch.Tensor], cfg: Any, 
         if local.shape != p.shape:
             raise ValueError(f"{name}: converted shape {tuple(local.shape)} != parameter shape {tuple(p.shape)}")
         p.copy_(local)
+
+
+def _missing_parts(names: set[str], cfg: Any) -> list[str]:
+    """What of the whole model `names` lacks: layer indices as ranges, other tensors by name."""
+    missing = [n for n in conversion_rules(cfg) if n not in names]
+    layers = sorted({int(n.split(".")[1]) for n in missing if n.startswith("layers.")})
+    out = [n for n in missing if not n.startswith("layers.")]
+    if layers:
+        out.insert(0, f"layers {layers[0]}..{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1))
+                   else "layers " + ", ".join(map(str, layers)))
+    return out
+
+
+def export_hf_state_dict(model: nn.Module, cfg: Any, vocab_size: int) -> dict[str, torch.Tensor]:
+    """transformers' LM state dict of a whole, possibly TP-sharded, model; every TP rank gets it.
+
+    A collective over `model.tp_group`: `full_state_dict` runs one `all_gather` per TP-sharded
+    parameter (in `named_parameters` order, so every TP rank must call this together);
+    replicated parameters are copied locally. At tp=1 no collective runs. Then
+    `to_hf_state_dict` strips the vocabulary padding. The parts are checked before any
+    communication, so a pipeline stage (missing layers, embedding, final norm or head) raises
+    ValueError on every rank instead of hanging; pipeline export is not supported here.
+    """
+    names = {n for n, _ in model.named_parameters()}
+    missing = _missing_parts(names, cfg)
+    if missing:
+        raise ValueError(f"export_hf_state_dict needs the whole model, but this one (a pipeline stage?) lacks "
+                         f"{'; '.join(missing)}; exporting pipeline-parallel models is not supported")
+    ours = getattr(model, "vocab_size", vocab_size)
+    if ours != vocab_size:
+        raise ValueError(f"vocab_size={vocab_size} but the model was built for a vocabulary of {ours}")
+    return to_hf_state_dict(full_state_dict(model, getattr(model, "tp_group", None)), cfg, vocab_size)

@@ -50,6 +50,8 @@ def _worker(fn: Callable, rank: int, world: int, port: int, q: Any, args: tuple,
             if ok:
                 dist.barrier()
             dist.destroy_process_group()
+        q.close()
+        q.join_thread()  # flush the result through the queue's feeder thread before the hard exit
         os._exit(0)
 
 
