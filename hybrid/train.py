@@ -105,6 +105,8 @@ def run(cfg: DictConfig) -> None:
     if writer:
         n, analytic = trainer.n_params, analytic_param_count(cfg.model, vocab, layout.tp)
         metrics.message(layout.rank_map())
+        if cfg.parallel.sequence_parallel and layout.tp == 1:
+            metrics.message("note: parallel.sequence_parallel=true has no effect at tp=1")
         metrics.message(f"model {cfg.model.name}: {format_count(n)} parameters (analytic {format_count(analytic)}, "
                         f"exact match: {n == analytic}), {trainer.flops_per_token / 1e9:.3f} GFLOP/token "
                         f"(6N + 12·L·h·s), vocab {vocab}, {trainer.num_microbatches} microbatch(es)/step, "

@@ -1,4 +1,4 @@
-"""Forked gloo ranks for benchmarks: `launch(fn, world, *args)` runs `fn(rank, world, *args)` on
+"""Forked gloo ranks for benchmarks and tests: `launch(fn, world, *args)` runs `fn(rank, world, *args)` on
 `world` processes (1 torch thread each, gloo over local TCP) and returns their results by rank.
 
 Forking a parent that has already imported torch starts ranks in a fraction of a second. A rank
@@ -9,6 +9,7 @@ every child killed; each rank ends with the clean gloo shutdown (gc, barrier, de
 from __future__ import annotations
 
 import gc
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -29,17 +30,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn: Callable, rank: int, world: int, port: int, q: Any, args: tuple) -> None:
-    """One forked rank: 1 thread, gloo over TCP, `fn(rank, world, *args)` → queue, clean shutdown."""
-    os.environ["OMP_NUM_THREADS"] = "1"
+def _rank_main(fn: Callable, rank: int, world: int, port: int, q: Any, args: tuple, kwargs: dict,
+               init_timeout_s: float) -> None:
+    """One forked rank: 1 thread, torchrun-like env, gloo over TCP, `fn(rank, world, *args, **kwargs)`
+    serialised with torch.save onto the queue, then the clean shutdown (gc, barrier, destroy)."""
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     ok = False
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=300))
-        q.put((rank, "ok", fn(rank, world, *args)))
+                                timeout=timedelta(seconds=init_timeout_s))
+        buf = io.BytesIO()
+        torch.save(fn(rank, world, *args, **kwargs), buf)
+        q.put((rank, "ok", buf.getvalue()))
         ok = True
-    except BaseException:  # noqa: BLE001  (report everything to the parent)
+    except BaseException:  # noqa: BLE001  (report everything to the parent, including SystemExit)
         q.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
@@ -52,28 +58,36 @@ def _rank_main(fn: Callable, rank: int, world: int, port: int, q: Any, args: tup
         os._exit(0)
 
 
-def launch(fn: Callable, world: int, *args: Any, timeout: float = 900.0) -> list[Any]:
-    """Run `fn(rank, world, *args)` on `world` forked gloo ranks; their (picklable) results by rank."""
+def launch(fn: Callable, world: int, *args: Any, timeout: float = 900.0, init_timeout_s: float = 300.0,
+           **kwargs: Any) -> list[Any]:
+    """Run `fn(rank, world, *args, **kwargs)` on `world` forked gloo ranks; their results by rank.
+
+    `fn` must be importable by name (a module-level function). Raises with the rank's traceback
+    when a rank fails, and TimeoutError (every child killed) after `timeout` seconds.
+    """
     ctx = mp.get_context("fork")
     q, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, q, args), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, q, args, kwargs, init_timeout_s), daemon=True)
+             for r in range(world)]
     for proc in procs:
         proc.start()
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
         while len(results) < world:
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise TimeoutError(f"{world - len(results)} rank(s) did not finish within {timeout:.0f} s")
             try:
-                rank, status, payload = q.get(timeout=1.0)
+                rank, status, payload = q.get(timeout=min(left, 1.0))
             except queue.Empty:
-                if any(proc.exitcode not in (None, 0) for proc in procs):
-                    raise RuntimeError("a rank process died") from None
+                dead = [proc.exitcode for proc in procs if proc.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"a rank process died with exit code {dead[0]}") from None
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
         for proc in procs:
             proc.join(timeout=10)

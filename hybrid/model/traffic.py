@@ -1,7 +1,11 @@
 """Analytic TP traffic of our models: what `collectives.COUNTER` must count, op by op.
 
 Bytes are the whole tensor each collective works on (see `hybrid.parallel.collectives`);
-b = micro batch, s = sequence length, h = hidden, x = activation element size.
+b = micro batch, s = sequence length, h = hidden. `itemsize` is the element size of the
+activations exchanged inside and around the TP regions: 4 in fp32, 2 under bf16 autocast
+(column-parallel inputs are cast before their exchange; row-parallel outputs are bf16). The
+embedding's output and its gradient stay fp32 (the residual stream's dtype) and the
+cross-entropy's reductions are fp32, whatever `itemsize` is.
 
 Per microbatch, forward + backward, tp > 1:
 
@@ -30,14 +34,15 @@ def tp_bytes_per_microbatch(cfg: Any, micro_batch: int, seq_len: int, tp: int, s
     if tp == 1:
         return {}
     n_layers = cfg.n_layers if layers is None else layers
-    bsh = micro_batch * seq_len * cfg.hidden * itemsize
-    ends = int(pre) + int(post)  # embedding forward / head backward
+    bsh = micro_batch * seq_len * cfg.hidden
+    inner = (4 * n_layers + int(post)) * bsh * itemsize  # layers, and the head's input (gradient)
+    embed = bsh * 4 if pre else 0  # fp32: forward reduce (and, under SP, the gradient's all-gather)
     ce = 3 * micro_batch * seq_len * 4 if post else 0
     if not sequence_parallel:
-        out = {"all_reduce": (4 * n_layers + ends) * bsh + ce}
+        out = {"all_reduce": inner + embed + ce}
     else:
-        out = {"all_gather": (4 * n_layers + ends) * bsh, "reduce_scatter": (4 * n_layers + ends) * bsh,
-               "regather": (2 * n_layers + int(post)) * bsh, "all_reduce": ce}
+        out = {"all_gather": inner + embed, "reduce_scatter": inner + embed,
+               "regather": (2 * n_layers + int(post)) * bsh * itemsize, "all_reduce": ce}
     return {op: b for op, b in out.items() if b}
 
 

@@ -17,8 +17,10 @@ Region ops (Megatron's f/g conjugate pairs):
   gather_from_region        forward all-gather (last dim), backward split        (gathering logits/outputs)
   split_to_region           forward split (last dim),      backward all-gather
 Sequence-parallel pair (activations [b, s, h] split along s outside the TP regions):
-  gather_from_sequence      forward all-gather (seq),      backward reduce-scatter (entering column-parallel)
+  gather_from_sequence       forward all-gather (seq),     backward reduce-scatter (entering a TP region)
   reduce_scatter_to_sequence forward reduce-scatter (seq), backward all-gather     (leaving row-parallel)
+(The column-parallel layer fuses the first with its matmul to keep only the input chunk:
+`hybrid.parallel.tensor._SequenceParallelLinear`.)
 """
 
 from __future__ import annotations

@@ -34,11 +34,13 @@ def derive_seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & (2**63 - 1)
 
 
-def _default_generator(device: torch.device) -> torch.Generator:
+def _default_generator(device: torch.device) -> tuple[str, torch.Generator]:
+    """(a stable key, the default generator) of `device`."""
     if device.type == "cuda":
+        torch.cuda.init()  # the per-device generators exist only once CUDA is initialised
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return torch.cuda.default_generators[index]
-    return torch.default_generator
+        return f"cuda:{index}", torch.cuda.default_generators[index]
+    return "cpu", torch.default_generator
 
 
 class TPRandom:
@@ -50,8 +52,7 @@ class TPRandom:
 
     @contextlib.contextmanager
     def fork(self, device: torch.device) -> Iterator[None]:
-        gen = _default_generator(device)
-        key = str(device)
+        key, gen = _default_generator(device)
         outside = gen.get_state()
         if key in self.states:
             gen.set_state(self.states[key])

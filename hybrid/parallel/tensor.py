@@ -11,10 +11,15 @@ Sequence parallelism (`sequence_parallel=True`): outside the TP regions activati
 [b, s/tp, h] chunks. A column-parallel layer all-gathers its input along the sequence
 (reduce-scatter of the input gradient backward) instead of copying it in; a row-parallel
 layer and the embedding reduce-scatter their partial sums along the sequence (all-gather
-backward) instead of all-reducing them. Same bytes on the wire, but norms, residuals and
-dropout hold 1/tp of the sequence. Replicated parameters used on sequence chunks (norms,
-row-parallel biases, positions) get partial gradients on each TP rank, summed by
-`sync_sequence_parallel_grads`.
+backward) instead of all-reducing them: the same ring volume (an all-reduce is a
+reduce-scatter plus an all-gather), plus one re-gather per column-parallel input in backward,
+while norms, residuals and dropout hold 1/tp of the sequence. Replicated parameters used on
+sequence chunks (norms, row-parallel biases, positions) get partial gradients on each TP
+rank, summed by `sync_sequence_parallel_grads`.
+
+Under autocast, a column-parallel layer casts its input to the autocast dtype *before* the
+region op, so the TP exchanges of the input (and of its gradient) run in bf16, as the
+row-parallel outputs do.
 
 Layout-independent initialisation: every parameter carries its *global* shape, how it is
 sliced (`Shard`) and how it is initialised (`Init`). `init_parameters` generates each full
@@ -125,11 +130,16 @@ class _SequenceParallelLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # noqa: ANN001, ANN205
         x, weight = ctx.saved_tensors
-        full = C.all_gather_seq(x, ctx.group, op="regather")
-        grad_x = C.reduce_scatter_seq(g.matmul(weight), ctx.group)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g2 = g.reshape(-1, g.shape[-1])
-        grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
-        grad_b = g2.sum(0) if ctx.has_bias else None
+        grad_w = grad_b = grad_x = None
+        if need_w:
+            full = C.all_gather_seq(x, ctx.group, op="regather")
+            grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
+        if need_b and ctx.has_bias:
+            grad_b = g2.sum(0)
+        if need_x:
+            grad_x = C.reduce_scatter_seq(g.matmul(weight), ctx.group)
         return grad_x, grad_w, grad_b, None
 
 
@@ -145,13 +155,15 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     """
     if C.size(group) == 1:
         return F.linear(x, weight, bias)
-    if not sequence_parallel:
-        return F.linear(C.copy_to_region(x, group), weight, bias)
     device = x.device.type
-    if torch.is_autocast_enabled(device):  # cast outside (differentiably), gather and multiply in that dtype
+    if torch.is_autocast_enabled(device):  # cast outside (differentiably): exchange and multiply in that dtype
         dtype = torch.get_autocast_dtype(device)
         x, weight = x.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
+    if not sequence_parallel:
+        return F.linear(C.copy_to_region(x, group), weight, bias)
+    if x.dim() != 3:
+        raise ValueError(f"sequence-parallel input must be [batch, seq/tp, features], got shape {tuple(x.shape)}")
     with torch.autocast(device, enabled=False):
         return _SequenceParallelLinear.apply(x, weight, bias, group)
 
@@ -302,21 +314,25 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 def sync_sequence_parallel_grads(params: Sequence[nn.Parameter], group: Group) -> None:
     """Sum, over the TP group, the gradients of replicated parameters that each TP rank applied
     to its own sequence chunk only (norms, row-parallel biases, positions): one coalesced
-    all-reduce per step, after which these gradients are identical on every TP rank."""
-    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if not grads or C.size(group) == 1:
+    all-reduce per step, after which these gradients are identical on every TP rank. A missing
+    gradient counts as zeros, so every rank reduces the same number of elements."""
+    params = [p for p in params if getattr(p, "sequence_parallel", False)]
+    if not params or C.size(group) == 1:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
     C.all_reduce(flat, group)
-    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(part.view_as(g))
+    for p, part in zip(params, flat.split([p.numel() for p in params])):
+        p.grad.copy_(part.view_as(p.grad))
 
 
 @torch.no_grad()
 def full_tensor(p: torch.Tensor, group: Group) -> torch.Tensor:
     """The global tensor of a TP-sharded parameter (the inverse of `Shard.slice`): every rank's
     shard all-gathered over the TP group, then each part re-assembled. Replicated: a copy.
-    Export and checkpoint conversion only — not training traffic, so not counted."""
+    Export and checkpoint conversion: counted under op "gather_params"."""
     shard = getattr(p, "hybrid_shard", None)
     if shard is None:
         return p.detach().clone()
@@ -324,7 +340,9 @@ def full_tensor(p: torch.Tensor, group: Group) -> torch.Tensor:
     dist.all_gather(pieces, p.detach().contiguous(), group=group)
     local = [n // shard.size for n in shard.parts]
     per_rank = [t.split(local, dim=shard.dim) for t in pieces]
-    return torch.cat([torch.cat([r[i] for r in per_rank], dim=shard.dim) for i in range(len(local))], dim=shard.dim)
+    full = torch.cat([torch.cat([r[i] for r in per_rank], dim=shard.dim) for i in range(len(local))], dim=shard.dim)
+    C.COUNTER.record(C.group_name(group), "gather_params", full, shard.size)
+    return full
 
 
 def full_state_dict(module: nn.Module, group: Group) -> dict[str, torch.Tensor]:

