@@ -1,0 +1,83 @@
+"""Shared pieces of the tensor-parallel rank tests (test_tp_layers, test_tp_regions, test_tp_dtensor).
+
+Shapes, tolerances and the helpers that build tensors and a "tp" group on a rank, load a full
+(global) weight into a sharded module, record `collectives.COUNTER` traffic and compare every rank's
+(ours, reference) pairs. The tolerances are explained in each test file's docstring: fp64 runs differ
+from their references only by summation order (TOL); pure data movement is compared exactly (EXACT).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybrid.parallel import collectives as C
+
+B, S, H, FFN = 2, 8, 16, 32  # S, H and FFN divide by tp = 4
+PARTS = (16, 8, 8)  # a fused Q | K | V projection with fewer KV features (GQA), each part split on its own
+VOCAB = 51  # not a multiple of tp: padded to 56 (tp=2) / 64 (tp=4); rank 3 of 4 holds ids 48..50 + padding
+TOL = {"rtol": 1e-10, "atol": 1e-12}
+EXACT = {"rtol": 0.0, "atol": 0.0}
+TIMEOUT = 120
+
+Pairs = dict[str, tuple[torch.Tensor, torch.Tensor]]
+Traffic = dict[str, tuple[int, int]]  # op → (bytes, calls) on the group named "tp"
+
+
+def randn(seed: int, *shape: int) -> torch.Tensor:
+    """fp64 normal tensor from a private generator: identical on every rank for the same seed."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def tp_group(world: int) -> dist.ProcessGroup:
+    group = dist.new_group(list(range(world)))
+    C.name_group(group, "tp")
+    return group
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def traffic() -> Traffic:
+    """What COUNTER recorded on the "tp" group since the last reset."""
+    return {op: (b, C.COUNTER.calls[(g, op)]) for (g, op), b in C.COUNTER.bytes.items() if g == "tp" and b}
+
+
+@torch.no_grad()
+def load_full(module: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Copy each full (global) tensor into the parameter of that name: this rank's slice if sharded."""
+    for name, p in module.named_parameters():
+        shard = getattr(p, "hybrid_shard", None)  # plain torch parameters: the full tensor
+        p.copy_(shard.slice(full[name]) if shard is not None else full[name])
+
+
+def leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_()
+
+
+def detached(pairs: Pairs) -> Pairs:
+    return {k: (a.detach().clone(), b.detach().clone()) for k, (a, b) in pairs.items()}
+
+
+def assert_pairs(pairs: Pairs, where: str, tol: dict[str, float]) -> None:
+    for name, (ours, ref) in pairs.items():
+        assert ours.shape == ref.shape, f"{where} {name}: shape {tuple(ours.shape)} vs {tuple(ref.shape)}"
+        torch.testing.assert_close(ours, ref, **tol, msg=lambda m, n=name: f"{where} {n}: {m}")
+
+
+def assert_ranks(results: list[dict[str, Any]], tol: dict[str, float] = TOL) -> None:
+    """Every rank's `pairs` (for each case) match."""
+    for rank, cases in enumerate(results):
+        for case, r in cases.items():
+            assert_pairs(r["pairs"], f"rank {rank} {case}", tol)
+
+
+def assert_traffic(results: list[dict[str, Any]]) -> None:
+    for rank, cases in enumerate(results):
+        for case, r in cases.items():
+            for phase in ("fwd", "bwd"):
+                assert r[phase] == r["expect_" + phase], f"rank {rank} {case} {phase}: {r[phase]}"
