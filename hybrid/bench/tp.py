@@ -44,7 +44,7 @@ from hybrid.compression.hooks import make_hook
 from hybrid.config import compose_config
 from hybrid.data import Corpus
 from hybrid.model import build_model
-from hybrid.model.traffic import sequence_parallel_grad_elements, tp_bytes_per_microbatch
+from hybrid.model.traffic import tp_bytes_per_step
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.trainer import Trainer
@@ -298,15 +298,6 @@ def bytes_rank(rank: int, world: int, cfg: Any, corpus: Corpus) -> list[dict[str
     return rows
 
 
-def analytic_step_bytes(model_cfg: Any, micro_batch: int, seq: int, tp: int, sp: bool,
-                        microbatches: int) -> dict[str, int]:
-    """{op: bytes} of one step: per microbatch × microbatches, + SP grad all-reduce, + the grad-norm scalar."""
-    out = {op: b * microbatches for op, b in tp_bytes_per_microbatch(model_cfg, micro_batch, seq, tp, sp).items()}
-    extra = 4 + (4 * sequence_parallel_grad_elements(model_cfg) if sp else 0)
-    out["all_reduce"] = out.get("all_reduce", 0) + extra
-    return out
-
-
 def section_bytes(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[str, Any]]:
     """Counted vs analytic TP bytes of one step at every --tp > 1, with and without SP."""
     cfg = train_cfg(args, 1)
@@ -319,7 +310,7 @@ def section_bytes(args: argparse.Namespace, out: Callable[[str], None]) -> list[
     out("config  | op             | counted      | analytic     | equal")
     out("--------|----------------|--------------|--------------|------")
     for r in rows:
-        r["analytic"] = analytic_step_bytes(cfg.model, args.micro_batch, args.seq, r["tp"], r["sp"], r["microbatches"])
+        r["analytic"] = tp_bytes_per_step(cfg.model, args.micro_batch, args.seq, r["tp"], r["sp"], r["microbatches"])
         name = f"tp{r['tp']}" + ("+SP" if r["sp"] else "")
         for op in sorted(set(r["counted"]) | set(r["analytic"])) + ["total"]:
             c = sum(r["counted"].values()) if op == "total" else r["counted"].get(op, 0)

@@ -54,3 +54,16 @@ def sequence_parallel_grad_elements(cfg: Any, layers: int | None = None, pre: bo
     norm = 2 * h if gpt else h
     per_layer = 2 * norm + (2 * h if gpt else 0)  # two norms; GPT's two row-parallel biases
     return n_layers * per_layer + (norm if post else 0) + (cfg.max_seq_len * h if gpt and pre else 0)
+
+
+def tp_bytes_per_step(cfg: Any, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
+                      microbatches: int, itemsize: int = 4) -> dict[str, int]:
+    """{op: bytes} of one whole-model optimizer step (pp=1): every microbatch, the sequence-parallel
+    gradient all-reduce (fp32) and the gradient norm's fp32 scalar all-reduce."""
+    if tp == 1:
+        return {}
+    per_mb = tp_bytes_per_microbatch(cfg, micro_batch, seq_len, tp, sequence_parallel, itemsize=itemsize)
+    out = {op: b * microbatches for op, b in per_mb.items()}
+    extra = 4 + (4 * sequence_parallel_grad_elements(cfg) if sequence_parallel else 0)
+    out["all_reduce"] = out.get("all_reduce", 0) + extra
+    return out

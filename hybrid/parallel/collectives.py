@@ -26,6 +26,7 @@ Sequence-parallel pair (activations [b, s, h] split along s outside the TP regio
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -159,101 +160,56 @@ def split_seq(t: torch.Tensor, group: Group) -> torch.Tensor:
     return t.chunk(n, dim=1)[rank(group)]
 
 
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:  # noqa: ANN001
-        ctx.group = group
-        return x
+def _identity(t: torch.Tensor, group: Group) -> torch.Tensor:
+    return t
+
+
+def _summed(t: torch.Tensor, group: Group) -> torch.Tensor:
+    """A fresh tensor holding the all-reduced sum of `t` (`t` itself is left untouched)."""
+    t = t.contiguous().clone()
+    all_reduce(t, group)
+    return t
+
+
+class _Region(torch.autograd.Function):
+    """One conjugate pair of the TP regions: `fwd(x, group)` forward, `bwd(grad, group)` backward."""
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor):  # noqa: ANN001, ANN205
-        g = g.contiguous().clone()
-        all_reduce(g, ctx.group)
-        return g, None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:  # noqa: ANN001
-        x = x.contiguous().clone()
-        all_reduce(x, group)
-        return x
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # noqa: ANN001, ANN205
-        return g, None
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:  # noqa: ANN001
-        ctx.group = group
-        return all_gather_last(x, group)
+    def forward(ctx, x: torch.Tensor, group: Group, fwd: Callable, bwd: Callable) -> torch.Tensor:  # noqa: ANN001
+        ctx.group, ctx.bwd = group, bwd
+        return fwd(x, group)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # noqa: ANN001, ANN205
-        return split_last(g, ctx.group), None
-
-
-class _SplitToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:  # noqa: ANN001
-        ctx.group = group
-        return split_last(x, group)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # noqa: ANN001, ANN205
-        return all_gather_last(g, ctx.group), None
+        return ctx.bwd(g, ctx.group), None, None, None
 
 
 def copy_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Identity forward; all-reduce of the input gradient backward (each rank saw a slice)."""
-    return x if size(group) == 1 else _CopyToRegion.apply(x, group)
+    return x if size(group) == 1 else _Region.apply(x, group, _identity, _summed)
 
 
 def reduce_from_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """All-reduce of the partial sums forward; identity backward."""
-    return x if size(group) == 1 else _ReduceFromRegion.apply(x, group)
+    return x if size(group) == 1 else _Region.apply(x, group, _summed, _identity)
 
 
 def gather_from_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """All-gather along the last dim forward; keep this rank's slice backward."""
-    return x if size(group) == 1 else _GatherFromRegion.apply(x, group)
+    return x if size(group) == 1 else _Region.apply(x, group, all_gather_last, split_last)
 
 
 def split_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Keep this rank's slice of the last dim forward; all-gather the gradient backward."""
-    return x if size(group) == 1 else _SplitToRegion.apply(x, group)
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:  # noqa: ANN001
-        ctx.group = group
-        return all_gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # noqa: ANN001, ANN205
-        return reduce_scatter_seq(g, ctx.group), None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:  # noqa: ANN001
-        ctx.group = group
-        return reduce_scatter_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # noqa: ANN001, ANN205
-        return all_gather_seq(g, ctx.group), None
+    return x if size(group) == 1 else _Region.apply(x, group, split_last, all_gather_last)
 
 
 def gather_from_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """All-gather the sequence chunks forward; reduce-scatter the gradient backward (each rank's
     full-sequence gradient is a partial sum over its TP slice of the next layer)."""
-    return x if size(group) == 1 else _GatherFromSequence.apply(x, group)
+    return x if size(group) == 1 else _Region.apply(x, group, all_gather_seq, reduce_scatter_seq)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Reduce-scatter partial sums into sequence chunks forward; all-gather the gradient backward."""
-    return x if size(group) == 1 else _ReduceScatterToSequence.apply(x, group)
+    return x if size(group) == 1 else _Region.apply(x, group, reduce_scatter_seq, all_gather_seq)

@@ -22,9 +22,10 @@ import torch
 from harness import run_ranks
 from test_dp import GLOBAL_BATCH, SEQ, synthetic_corpus, tiny_cfg
 
+from hybrid.bench.tp import saved_tally
 from hybrid.compression.hooks import make_hook
 from hybrid.model import build_model
-from hybrid.model.traffic import sequence_parallel_grad_elements, tp_bytes_per_microbatch
+from hybrid.model.traffic import tp_bytes_per_microbatch, tp_bytes_per_step
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.parallel.tensor import full_state_dict
@@ -124,13 +125,7 @@ def test_dropout_under_tp(sp: bool) -> None:
 
 def expected_step_bytes(family: str, tp: int, sp: bool, micro: int, microbatches: int,
                         itemsize: int = 4) -> dict[str, int]:
-    cfg = model_cfg(family, tp, 1, micro, sp)
-    per_mb = tp_bytes_per_microbatch(cfg.model, micro, SEQ, tp, sp, itemsize=itemsize)
-    out = {op: b * microbatches for op, b in per_mb.items()}
-    out["all_reduce"] = out.get("all_reduce", 0) + 4  # the gradient norm's fp32 scalar
-    if sp:
-        out["all_reduce"] += 4 * sequence_parallel_grad_elements(cfg.model)
-    return out
+    return tp_bytes_per_step(model_cfg(family, tp, 1, micro, sp).model, micro, SEQ, tp, sp, microbatches, itemsize)
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
@@ -211,20 +206,11 @@ def saved_activation_bytes(rank: int, world: int, sp: bool) -> int:
     cfg = model_cfg("gpt", world, 1, 2, sp)
     ctx = ParallelContext.build(Layout.create(world, tp=world))
     model = build_model(cfg.model, VOCAB, ctx.tp_group, seed=0, sequence_parallel=sp)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
     ids = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_tally(model) as seen:  # the benchmark's tally: unique storages saved for backward
         loss = model(ids[:, :-1], ids[:, 1:])
     loss.backward()
-    return sum(seen.values())
+    return sum(n for _, n in seen.values())
 
 
 def test_sequence_parallel_saves_less_activation_memory() -> None:
