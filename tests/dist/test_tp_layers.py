@@ -41,13 +41,13 @@ from tp_helpers import (
     S,
     assert_ranks,
     assert_traffic,
+    counted_fwd_bwd,
     detached,
     leaf,
     load_full,
     nbytes,
     randn,
     tp_group,
-    traffic,
 )
 
 from hybrid.config import ModelConfig
@@ -85,12 +85,7 @@ def column_case(group: dist.ProcessGroup, parts: tuple[int, ...], sp: bool, gath
 
     by_part = Shard(-1, parts, r, n)  # this rank's output features: the same cut as the weight rows
     x_in = leaf(C.split_seq(x, group) if sp else x)
-    C.COUNTER.reset()
-    y = layer(x_in)
-    fwd = traffic()
-    C.COUNTER.reset()
-    y.backward(g if gather else by_part.slice(g))
-    bwd = traffic()
+    y, fwd, bwd = counted_fwd_bwd(lambda: layer(x_in), g if gather else by_part.slice(g))
 
     pairs = {
         "y": (y, y_ref if gather else by_part.slice(y_ref)),
@@ -130,12 +125,7 @@ def row_case(group: dist.ProcessGroup, sp: bool) -> dict[str, Any]:
     y_ref.backward(g)
 
     x_in = leaf(C.split_last(x, group))  # the input arrives split along features (from a column layer)
-    C.COUNTER.reset()
-    y = layer(x_in)
-    fwd = traffic()
-    C.COUNTER.reset()
-    y.backward(C.split_seq(g, group) if sp else g)
-    bwd = traffic()
+    y, fwd, bwd = counted_fwd_bwd(lambda: layer(x_in), C.split_seq(g, group) if sp else g)
 
     pairs = {
         "y": (y, C.split_seq(y_ref, group) if sp else y_ref),
@@ -178,12 +168,7 @@ def embedding_case(group: dist.ProcessGroup, sp: bool) -> dict[str, Any]:
     y_ref = F.embedding(ids, w_ref)
     y_ref.backward(g)
 
-    C.COUNTER.reset()
-    y = layer(ids)
-    fwd = traffic()
-    C.COUNTER.reset()
-    y.backward(C.split_seq(g, group) if sp else g)
-    bwd = traffic()
+    y, fwd, bwd = counted_fwd_bwd(lambda: layer(ids), C.split_seq(g, group) if sp else g)
 
     pairs = {
         "y": (y, C.split_seq(y_ref, group) if sp else y_ref),
@@ -212,12 +197,7 @@ def cross_entropy_checks(rank: int, world: int) -> dict[str, Any]:
     ref.backward()
 
     local = leaf(C.split_last(logits, group))
-    C.COUNTER.reset()
-    loss = vocab_parallel_cross_entropy(local, target, group, VOCAB)
-    fwd = traffic()
-    C.COUNTER.reset()
-    loss.backward()
-    bwd = traffic()
+    loss, fwd, bwd = counted_fwd_bwd(lambda: vocab_parallel_cross_entropy(local, target, group, VOCAB))
     start = rank * local.shape[-1]
     pad = torch.arange(start, start + local.shape[-1]) >= VOCAB
     fp32 = torch.empty((), dtype=torch.float32).element_size()  # the loss is computed on logits.float()

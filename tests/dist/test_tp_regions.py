@@ -21,6 +21,7 @@ RNG draws) is compared exactly.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -40,13 +41,13 @@ from tp_helpers import (
     S,
     assert_ranks,
     assert_traffic,
+    counted_fwd_bwd,
     detached,
     leaf,
     load_full,
     nbytes,
     randn,
     tp_group,
-    traffic,
 )
 
 from hybrid.config import ModelConfig
@@ -104,12 +105,7 @@ def region_checks(rank: int, world: int) -> dict[str, Any]:
         xs = [randn(100 * i + q, *in_shape(world)) for q in range(world)]  # every rank's input, on every rank
         gs = [randn(100 * i + 50 + q, *out_shape(world)) for q in range(world)]
         x = leaf(xs[rank])
-        C.COUNTER.reset()
-        y = op(x, group)
-        fwd = traffic()
-        C.COUNTER.reset()
-        y.backward(gs[rank])
-        bwd = traffic()
+        y, fwd, bwd = counted_fwd_bwd(functools.partial(op, x, group), gs[rank])
         size = {"in": nbytes(xs[0]), "out": nbytes(gs[0])}
         pairs = {"y": (y, fwd_math(xs, rank, world)), "dx": (x.grad, bwd_math(gs, rank, world))}
         out[name] = {"pairs": detached(pairs),

@@ -8,7 +8,8 @@ from their references only by summation order (TOL); pure data movement is compa
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,18 @@ def nbytes(t: torch.Tensor) -> int:
 def traffic() -> Traffic:
     """What COUNTER recorded on the "tp" group since the last reset."""
     return {op: (b, C.COUNTER.calls[(g, op)]) for (g, op), b in C.COUNTER.bytes.items() if g == "tp" and b}
+
+
+def counted_fwd_bwd(forward: Callable[[], torch.Tensor],
+                    grad: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Traffic, Traffic]:
+    """Run `forward()`, then backward from its output (with `grad`, or a scalar's implicit 1);
+    return the output and the "tp" traffic of each pass, counted separately."""
+    C.COUNTER.reset()
+    y = forward()
+    fwd = traffic()
+    C.COUNTER.reset()
+    y.backward(grad)
+    return y, fwd, traffic()
 
 
 @torch.no_grad()
