@@ -53,6 +53,7 @@ class ParallelConfig:
     dp: Optional[int] = None  # data-parallel size; None = world / (tp·pp)
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved)
+    stage_layers: Optional[list[int]] = None  # layers per model part (pp·virtual_stages counts); None = balanced
     sequence_parallel: bool = False  # split norms/dropout along the sequence inside TP
     ranks_per_node: Optional[int] = None  # override of the detected node size (emulated nodes)
     allow_tp_across_nodes: bool = False  # permit a TP group spanning nodes (warns)
@@ -224,9 +225,7 @@ def validate(cfg: Any, world_size: int, ranks_per_node: Optional[int] = None) ->
     _require(t.global_batch_size >= per_step and t.global_batch_size % per_step == 0,
              f"train.global_batch_size={t.global_batch_size} is not a multiple of "
              f"micro_batch_size·dp = {t.micro_batch_size}·{layout.dp} = {per_step}")
-    if p.schedule == "interleaved" and p.pp > 1:
-        mbs = t.global_batch_size // per_step
-        _require(mbs % p.pp == 0, f"interleaved schedule needs microbatches ({mbs}) divisible by pp={p.pp}")
+    _validate_pipeline(p, m, t.global_batch_size // per_step)
     _require(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
     _require(t.eval_every >= 0 and t.eval_batches >= 1, "train.eval_every must be >= 0 and eval_batches >= 1")
     _validate_data(cfg.data, m)
@@ -240,10 +239,26 @@ def validate(cfg: Any, world_size: int, ranks_per_node: Optional[int] = None) ->
     return layout
 
 
+def _validate_pipeline(p: Any, m: Any, microbatches: int) -> None:
+    """Schedule sizes (interleaving needs pp >= 2 and microbatches divisible by pp) and stage_layers."""
+    from hybrid.parallel.pipeline import partition_layers
+    from hybrid.parallel.schedules import ScheduleError, check_sizes
+
+    if p.pp > 1 or p.virtual_stages > 1:
+        try:
+            check_sizes(p.schedule, p.pp, microbatches, p.virtual_stages)
+        except ScheduleError as e:
+            raise ConfigError(f"parallel.schedule={p.schedule}: {e}") from None
+    if p.stage_layers is not None:
+        try:
+            partition_layers(m.n_layers, p.pp * p.virtual_stages, p.stage_layers)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
 def _require_available(cfg: Any) -> None:
     """Refuse, rather than silently ignore, knobs whose machinery has not landed yet."""
-    p, c = cfg.parallel, cfg.checkpoint
-    _require(p.pp == 1, f"parallel.pp={p.pp}: pipeline parallelism is not available yet in this version (use pp=1)")
+    c = cfg.checkpoint
     _require(c.every == 0 and c.resume == "none" and not c["async"],
              "checkpoint.every/resume/async: sharded checkpoints are not available yet in this version")
 

@@ -79,10 +79,11 @@ def run(cfg: DictConfig) -> None:
     from hybrid.compression.hooks import make_hook
     from hybrid.data import prepare_data
     from hybrid.metrics import format_count
-    from hybrid.model import analytic_param_count, build_model
+    from hybrid.model import analytic_param_count
     from hybrid.parallel import collectives as C
     from hybrid.parallel.context import ParallelContext
-    from hybrid.trainer import Trainer
+    from hybrid.parallel.rng import derive_seed
+    from hybrid.trainer import Trainer, build_chunks
 
     world, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
     layout = validate(cfg, world, _env_int("LOCAL_WORLD_SIZE", world))
@@ -95,9 +96,9 @@ def run(cfg: DictConfig) -> None:
     ctx = ParallelContext.build(layout)
     for name in ("tp", "dp", "pp", "dp_intra", "dp_inter", "embedding"):
         C.name_group(getattr(ctx, f"{name}_group"), name)
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, vocab, ctx.tp_group, seed=cfg.train.seed,
-                        sequence_parallel=cfg.parallel.sequence_parallel).to(device)
+    # dropout on replicated activations: the same stream on every TP rank, a different one per stage
+    torch.manual_seed(derive_seed(cfg.train.seed, "stage", ctx.pp_rank))
+    model = build_chunks(cfg, vocab, ctx).to(device)
     hook, state = make_hook(cfg.compression, ctx.dp_group)
     writer = rank == 0
     metrics = _metrics_logger(cfg, writer)
@@ -107,6 +108,8 @@ def run(cfg: DictConfig) -> None:
         metrics.message(layout.rank_map())
         if cfg.parallel.sequence_parallel and layout.tp == 1:
             metrics.message("note: parallel.sequence_parallel=true has no effect at tp=1")
+        if layout.pp > 1:
+            metrics.message(pipeline_summary(trainer.schedule, cfg))
         metrics.message(f"model {cfg.model.name}: {format_count(n)} parameters (analytic {format_count(analytic)}, "
                         f"exact match: {n == analytic}), {trainer.flops_per_token / 1e9:.3f} GFLOP/token "
                         f"(6N + 12·L·h·s), vocab {vocab}, {trainer.num_microbatches} microbatch(es)/step, "
@@ -115,6 +118,18 @@ def run(cfg: DictConfig) -> None:
         trainer.fit()
     finally:
         metrics.close()
+
+
+def pipeline_summary(schedule: Any, cfg: DictConfig) -> str:
+    """One start-up line: schedule, layers per part, and the simulator's bubble at unit costs."""
+    from hybrid.parallel.pipeline import partition_layers
+    from hybrid.parallel.schedules import simulate
+
+    parts = partition_layers(cfg.model.n_layers, schedule.num_parts, cfg.parallel.stage_layers)
+    sim = simulate(schedule)
+    return (f"pipeline: schedule {schedule.name}, pp={schedule.pp} × {schedule.virtual_stages} chunk(s), "
+            f"{schedule.microbatches} microbatches, layers per part {[len(r) for r in parts]}, "
+            f"simulated bubble {sim.bubble:.3f} (forward:backward 1:2), peak in flight {sim.peak_in_flight}")
 
 
 def _metrics_logger(cfg: DictConfig, writer: bool) -> Any:

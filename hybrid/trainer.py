@@ -1,11 +1,14 @@
 """The training step and loop.
 
-One step: the rank's microbatches run forward and backward (each loss scaled by
-1/microbatches, so gradients sum to the mean over the global batch); `GradSync` has
-meanwhile launched each DP bucket's comm hook as soon as that bucket's gradients were final;
-`finish()` waits for them; under sequence parallelism the replicated parameters' partial
-gradients are summed over TP (one all-reduce); then the global gradient norm (counted once across TP/PP), clipping,
-the LR for this step and AdamW. Eval runs every `train.eval_every` steps on the held-out split.
+One step: the rank's microbatches run through the pipeline schedule (`parallel.schedule`; with
+pp=1 it is plain forward/backward per microbatch), each loss scaled by 1/microbatches so
+gradients sum to the mean over the global batch; `GradSync` has meanwhile launched each DP
+bucket's comm hook as soon as that bucket's gradients were final; `finish()` waits for them;
+the tied embedding's two pipeline copies sum their gradients (embedding group); under sequence
+parallelism the replicated parameters' partial gradients are summed over TP (one all-reduce);
+then the global gradient norm (counted once across TP/PP), clipping, the LR for this step and
+AdamW. The loss lives on the last pipeline stage and is broadcast over PP for the metrics.
+Eval runs every `train.eval_every` steps on the held-out split, forward-only through the pipeline.
 """
 
 from __future__ import annotations
@@ -17,13 +20,17 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from hybrid.data import Corpus, StepSampler, batch_from, eval_indices
 from hybrid.metrics import MetricsLogger, model_flops_per_token, peak_flops
+from hybrid.model import build_model
 from hybrid.optim import build_optimizer, clip_grads, global_grad_norm, lr_at
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.data import GradSync
+from hybrid.parallel.pipeline import P2P, PipelineStats, partition_layers, run_schedule, sync_tied_grads
+from hybrid.parallel.schedules import Schedule, build_schedule
 from hybrid.parallel.tensor import sync_sequence_parallel_grads
 
 
@@ -35,27 +42,61 @@ class StepResult:
     step_time_s: float
 
 
-class Trainer:
-    """Holds the model, optimizer, gradient sync, sampler and metrics of one rank."""
+def build_chunks(cfg: Any, vocab: int, ctx: ParallelContext) -> nn.ModuleList:
+    """This rank's model chunks: part c·pp + pp_rank of the pp·v parts for each chunk c (one chunk
+    without interleaving; the whole model at pp=1). Only these parameters are ever built."""
+    p = cfg.parallel
+    parts = partition_layers(cfg.model.n_layers, ctx.pp_size * p.virtual_stages, p.stage_layers)
+    chunks = []
+    for c in range(p.virtual_stages):
+        s = c * ctx.pp_size + ctx.pp_rank
+        chunks.append(build_model(cfg.model, vocab, ctx.tp_group, layers=parts[s], pre=s == 0,
+                                  post=s == len(parts) - 1, seed=cfg.train.seed,
+                                  sequence_parallel=p.sequence_parallel))
+    return nn.ModuleList(chunks)
 
-    def __init__(self, cfg: Any, ctx: ParallelContext, model: torch.nn.Module, corpus: Corpus,
+
+class Trainer:
+    """Holds the model chunks, optimizer, gradient sync, schedule, sampler and metrics of one rank."""
+
+    def __init__(self, cfg: Any, ctx: ParallelContext, model: nn.Module, corpus: Corpus,
                  device: torch.device, hook: Any, hook_state: Any, metrics: Optional[MetricsLogger] = None) -> None:
-        self.cfg, self.ctx, self.model, self.corpus, self.device = cfg, ctx, model, corpus, device
+        self.cfg, self.ctx, self.corpus, self.device = cfg, ctx, corpus, device
+        self.model = model if isinstance(model, nn.ModuleList) else nn.ModuleList([model])
         t = cfg.train
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * ctx.dp_size)
-        self.optimizer = build_optimizer(model, cfg.optim, t.lr)
-        self.grad_sync = GradSync(list(model.parameters()), ctx.dp_group, hook, hook_state, cfg.parallel.bucket_mb)
+        self.optimizer = build_optimizer(self.model, cfg.optim, t.lr)
+        self.grad_sync = GradSync(list(self.model.parameters()), ctx.dp_group, hook, hook_state, cfg.parallel.bucket_mb)
         self.grad_sync.begin_step(self.num_microbatches)
         self.sampler = StepSampler(len(corpus.train), t.micro_batch_size, self.num_microbatches, ctx.dp_size,
                                    ctx.dp_rank, t.seed)
+        self.schedule = self._schedule(self.num_microbatches)
+        self.p2p = self._p2p()
+        self.stats = PipelineStats()  # compute seconds of the last step (measured bubble)
         self.metrics = metrics
         self.step = 0
         bf16 = t.precision == "bf16" or (t.precision == "auto" and device.type == "cuda")
         self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+        self._microbatches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.n_params = self.count_params()  # collective over TP and PP: every rank computes it here, once
         m = cfg.model
         self.flops_per_token = model_flops_per_token(self.n_params, m.n_layers, m.hidden, corpus.seq_len)
         self.peak = peak_flops(device)
+
+    def _schedule(self, microbatches: int, forward_only: bool = False) -> Schedule:
+        p = self.cfg.parallel
+        name = p.schedule if self.ctx.pp_size > 1 else "1f1b"  # one stage: forward, backward per microbatch
+        return build_schedule(name, self.ctx.pp_size, microbatches, p.virtual_stages, forward_only)
+
+    def _p2p(self) -> Optional[P2P]:
+        """Hidden states between stages: [micro batch, seq (or seq/tp under SP), hidden], fp32."""
+        if self.ctx.pp_size == 1:
+            return None
+        seq = self.corpus.seq_len
+        if self.cfg.parallel.sequence_parallel and self.ctx.tp_size > 1:
+            seq //= self.ctx.tp_size
+        shape = (self.cfg.train.micro_batch_size, seq, self.cfg.model.hidden)
+        return P2P(self.ctx.pp_group, shape, torch.float32, self.device)
 
     def count_params(self) -> int:
         """Parameters of the whole model: local counts summed over TP (shards) and PP (stages)."""
@@ -71,6 +112,26 @@ class Trainer:
         x, y = batch_from(samples, idx)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
+    def forward_step(self, chunk: int, mb: int, x: Optional[torch.Tensor]) -> torch.Tensor:
+        """The schedule's forward step: ids in on the first part, the mean loss out on the last."""
+        module = self.model[chunk]
+        ids, labels = self._microbatches[mb]
+        with self.autocast():
+            return module(ids if module.pre else x, labels if module.post else None)
+
+    def _run(self, schedule: Schedule, samples: Any, indices: list[Any]) -> torch.Tensor:
+        """Run `schedule` over the microbatches `indices`; the mean loss (on the last stage, else 0)."""
+        self._microbatches = [self._batch(samples, idx) for idx in indices]
+        self.stats = PipelineStats()
+        try:
+            losses = run_schedule(schedule, self.ctx.pp_rank, self.forward_step, self.p2p, self.stats)
+        finally:
+            self._microbatches = []
+        total = torch.zeros((), device=self.device)
+        for loss in losses:
+            total += loss.float() / len(indices)
+        return total
+
     def train_step(self) -> StepResult:
         """One optimizer step over this rank's microbatches of the global batch."""
         start = time.perf_counter()
@@ -79,25 +140,26 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
-        total = torch.zeros((), device=self.device)
-        for idx in self.sampler.next_step():
-            x, y = self._batch(self.corpus.train, idx)
-            with self.autocast():
-                loss = self.model(x, y) / self.num_microbatches
-            loss.backward()
-            total += loss.detach().float()
+        total = self._run(self.schedule, self.corpus.train, list(self.sampler.next_step()))
         self.grad_sync.finish()
         params = self.grad_sync.parameters()
+        sync_tied_grads(params, self.ctx.embedding_group)
         sync_sequence_parallel_grads(params, self.ctx.tp_group)
         norm = global_grad_norm(params, self.ctx)
         clip_grads(params, self.cfg.optim.grad_clip, norm)
         self.optimizer.step()
         self.grad_sync.zero_grad()
         self.step += 1
-        loss_value = self._dp_mean(total)
+        loss_value = self._dp_mean(self._from_last_stage(total))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return StepResult(loss_value, float(norm), lr, time.perf_counter() - start)
+
+    def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
+        """The last stage's value on every stage (metrics only: uncounted, not training traffic)."""
+        if self.ctx.pp_size > 1:
+            dist.broadcast(t, group=self.ctx.pp_group, group_src=self.ctx.pp_size - 1)
+        return t
 
     def _dp_mean(self, t: torch.Tensor) -> float:
         """Mean of a scalar over DP ranks (metrics only: uncounted, not gradient traffic)."""
@@ -114,13 +176,9 @@ class Trainer:
         t = self.cfg.train
         batches = eval_indices(len(self.corpus.eval), t.micro_batch_size, self.ctx.dp_size, self.ctx.dp_rank,
                                t.eval_batches * self.num_microbatches)
-        total = torch.zeros((), device=self.device)
-        for idx in batches:
-            x, y = self._batch(self.corpus.eval, idx)
-            with self.autocast():
-                total += self.model(x, y).float()
+        total = self._run(self._schedule(len(batches), forward_only=True), self.corpus.eval, list(batches))
         self.model.train()
-        return self._dp_mean(total / len(batches))
+        return self._dp_mean(self._from_last_stage(total))
 
     def step_metrics(self, r: StepResult) -> dict[str, Any]:
         """The metrics.jsonl record of a step (bytes are this rank's, counted at the collectives)."""
@@ -130,6 +188,7 @@ class Trainer:
         out = {"step": self.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens_per_s": tps,
                "step_time_s": r.step_time_s, "bytes_tp": C.COUNTER.group_bytes("tp"),
                "bytes_pp": C.COUNTER.group_bytes("pp"), "bytes_dp": C.COUNTER.group_bytes("dp"),
+               "bytes_embedding": C.COUNTER.group_bytes("embedding"),
                "gflops_per_rank": flops / 1e9}
         if self.peak:
             out["mfu"] = flops / self.peak

@@ -199,7 +199,22 @@ class CausalLM(nn.Module):
             if not (cfg.tie_embeddings and pre):
                 self.head = ColumnParallelLinear(cfg.hidden, (self.padded_vocab,), tp_group, bias=False,
                                                  std=cfg.init_std, sequence_parallel=sp)
-        init_parameters(self, seed)
+        self._mark_pipeline_tied()
+        tied_head = {"head.weight": "tok_embed.weight"} if cfg.tie_embeddings else {}
+        init_parameters(self, seed, {tied_head.get(n, n): p for n, p in self.named_parameters()})
+
+    def _mark_pipeline_tied(self) -> None:
+        """A tied embedding split between the first stage (token embedding) and the last (head):
+        both copies are `pp_tied` (their gradients are summed over the embedding group), the
+        last stage's is the `pp_duplicate` (counted once in norms and parameter counts). The head
+        is initialised from the embedding's global name, so both start identical."""
+        if not self.cfg.tie_embeddings or (self.pre and self.post):
+            return
+        if self.pre:
+            self.tok_embed.weight.pp_tied = True
+        if self.post:
+            self.head.weight.pp_tied = True
+            self.head.weight.pp_duplicate = True
 
     def head_weight(self) -> torch.Tensor:
         return self.tok_embed.weight if hasattr(self, "tok_embed") and not hasattr(self, "head") else self.head.weight

@@ -30,11 +30,7 @@ def test_every_config_file_composes(group: str, option: str) -> None:
     if group == "model":  # each model composes with the layouts it is meant for
         cfg = compose_config(overrides + ["parallel=tp2pp4", "train.global_batch_size=64"])
         world = 8
-    if cfg.parallel.pp > 1:  # composes and passes every other check; PP itself has not landed yet
-        with pytest.raises(ConfigError, match="pipeline parallelism is not available yet"):
-            validate(cfg, world)
-    else:
-        validate(cfg, world)
+    validate(cfg, world)
 
 
 def test_derived_dp_and_microbatches() -> None:
@@ -52,7 +48,17 @@ def test_derived_dp_and_microbatches() -> None:
     (["train.global_batch_size=30"], 4, "not a multiple of micro_batch_size"),
     (["data.seq_len=4096"], 1, "exceeds model.max_seq_len"),
     (["model.n_layers=2", "parallel=pp4"], 4, "fewer than pp"),
-    (["parallel=pp2"], 2, "pipeline parallelism is not available yet"),
+    (["parallel=pp2", "parallel.virtual_stages=2"], 2, "virtual_stages=2 needs schedule=interleaved"),
+    (["parallel=pp2", "parallel.schedule=interleaved", "parallel.virtual_stages=2", "train.micro_batch_size=4",
+      "train.global_batch_size=12"], 2, r"microbatches \(3\) divisible by pp=2"),
+    (["parallel.schedule=interleaved", "parallel.virtual_stages=2"], 1, "interleaved schedule needs pp >= 2"),
+    (["parallel=pp2", "parallel.schedule=zigzag"], 2, "parallel.schedule='zigzag' is not one of"),
+    (["parallel=pp2", "parallel.stage_layers=[1,2]"], 2, r"summing to model.n_layers=4"),
+    (["parallel=pp2", "parallel.virtual_stages=2", "parallel.schedule=interleaved", "parallel.stage_layers=[1,3]"],
+     2, r"must list 4 layer counts"),
+    (["parallel=pp4", "parallel.stage_layers=[2,0,1,1]"], 4, "only the first and last part may be empty"),
+    (["model.n_layers=4", "parallel=pp2", "parallel.virtual_stages=3", "parallel.schedule=interleaved"], 2,
+     "fewer than pp"),
     (["parallel.sequence_parallel=true", "parallel=tp2", "data.seq_len=127"], 2,
      "data.seq_len=127 divisible by parallel.tp=2"),
     (["checkpoint.every=10"], 1, "sharded checkpoints are not available yet"),

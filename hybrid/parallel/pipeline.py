@@ -1,0 +1,184 @@
+"""Pipeline parallelism: stage partitioning, p2p exchange, and the executor that runs a schedule.
+
+The model is cut into pp·v parts (`partition_layers`); rank r of the pipeline holds parts
+r, r+pp, … (one model chunk each, see `schedules.py`). The first part also holds the
+embedding, the last the final norm, head and loss. Each TP rank of a stage exchanges with the
+same TP rank of the neighbouring stage over the PP group: its whole [b, s, h] hidden state, or
+its [b, s/tp, h] sequence chunk under sequence parallelism.
+
+`run_schedule` walks this rank's action list. A compute action calls the `forward_step` it is
+handed (the trainer owns the data, the model call and autocast) or runs a backward; a batch of
+consecutive comm actions becomes one `batch_isend_irecv` that is waited on before going on (the
+rendezvous model the simulator proves deadlock-free). The loss exists only on the last part;
+its backward is scaled by 1/microbatches so gradients sum to the global-batch mean. After an
+activation is sent its storage is freed at once (Megatron's trick: the tensor keeps its autograd
+node, its data becomes one element) and its backward is run through the autograd engine directly,
+which does not check the freed shape. DP gradient sync is not called here: `GradSync` launches
+each bucket itself once its gradients are final, whatever the schedule.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from hybrid.parallel import collectives as C
+from hybrid.parallel.collectives import Group
+from hybrid.parallel.schedules import Action, Schedule, steps
+
+ForwardStep = Callable[[int, int, Optional[torch.Tensor]], torch.Tensor]
+"""(chunk, microbatch, received hidden states or None on the first part) → hidden states, or the
+microbatch's mean loss on the last part."""
+
+
+def partition_layers(n_layers: int, parts: int, stage_layers: Optional[Sequence[int]] = None) -> list[range]:
+    """Global layer indices of each model part. Balanced by default: every part gets
+    n_layers // parts, and the first n_layers % parts get one more. `stage_layers` sets the counts
+    explicitly (the first and last part may be empty: embedding-only or head-only)."""
+    if stage_layers is None:
+        base, extra = divmod(n_layers, parts)
+        counts = [base + (i < extra) for i in range(parts)]
+    else:
+        counts = list(stage_layers)
+        if len(counts) != parts or sum(counts) != n_layers or min(counts) < 0:
+            raise ValueError(f"parallel.stage_layers={counts} must list {parts} layer counts (pp·virtual_stages) "
+                             f"summing to model.n_layers={n_layers}")
+        if any(c < 1 for c in counts[1:-1]):
+            raise ValueError(f"parallel.stage_layers={counts}: only the first and last part may be empty")
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
+class P2P:
+    """Batched sends and receives with the neighbouring pipeline ranks (over `group`).
+
+    Received hidden states and gradients all have `shape` and `dtype` (the residual stream's).
+    Sent bytes are counted as ops `send_fwd` / `send_bwd` of the group.
+    """
+
+    def __init__(self, group: Group, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.group, self.shape, self.dtype, self.device = group, shape, dtype, device
+        self.name = C.group_name(group)
+
+    def exchange(self, schedule: Schedule, rank: int, batch: list[Action],
+                 tensors: dict[Action, torch.Tensor]) -> dict[Action, torch.Tensor]:
+        """Post every op of `batch` at once, wait for all of them; return the received tensors."""
+        ops, received = [], {}
+        for a in batch:
+            peer = schedule.peer(rank, a)
+            if a.op.startswith("SEND"):
+                t = tensors[a].detach().contiguous()
+                C.COUNTER.record(self.name, "send_fwd" if a.op == "SEND_F" else "send_bwd", t, schedule.pp)
+                ops.append(dist.P2POp(dist.isend, t, group=self.group, group_peer=peer))
+            else:
+                buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                received[a] = buf
+                ops.append(dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return received
+
+
+@dataclass
+class PipelineStats:
+    """Wall-clock seconds this rank spent computing, per action kind (for the measured bubble)."""
+
+    forward_s: list[float] = field(default_factory=list)
+    backward_s: list[float] = field(default_factory=list)
+
+    @property
+    def busy_s(self) -> float:
+        return sum(self.forward_s) + sum(self.backward_s)
+
+
+class _Run:
+    """The state of one rank walking one schedule: inputs kept for backward, outputs in flight."""
+
+    def __init__(self, schedule: Schedule, rank: int, forward_step: ForwardStep, p2p: Optional[P2P],
+                 stats: PipelineStats) -> None:
+        self.schedule, self.rank, self.forward_step, self.p2p, self.stats = schedule, rank, forward_step, p2p, stats
+        self.inputs: dict[tuple[int, int], Optional[torch.Tensor]] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.received: dict[Action, torch.Tensor] = {}
+        self.losses: list[torch.Tensor] = []
+        self.last_part = schedule.num_parts - 1
+
+    def forward(self, a: Action) -> None:
+        x = self.received.pop(Action("RECV_F", a.chunk, a.mb), None)
+        if x is not None and torch.is_grad_enabled():
+            x.requires_grad_(True)
+        start = time.perf_counter()
+        out = self.forward_step(a.chunk, a.mb, x)
+        self.stats.forward_s.append(time.perf_counter() - start)
+        if self.schedule.part(self.rank, a.chunk) == self.last_part:
+            self.losses.append(out.detach())
+        if out.requires_grad:
+            self.inputs[(a.chunk, a.mb)] = x
+        self.outputs[(a.chunk, a.mb)] = out
+
+    def backward(self, a: Action) -> None:
+        out = self.outputs.pop((a.chunk, a.mb))
+        start = time.perf_counter()
+        if self.schedule.part(self.rank, a.chunk) == self.last_part:
+            torch.autograd.backward(out / self.schedule.microbatches)
+        else:
+            grad = self.received.pop(Action("RECV_B", a.chunk, a.mb))
+            # `out` may have been freed after its send: skip autograd's shape check (Megatron does the same)
+            torch.autograd.Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
+        self.stats.backward_s.append(time.perf_counter() - start)
+
+    def exchange(self, batch: list[Action]) -> None:
+        tensors = {}
+        for a in batch:
+            if a.op == "SEND_F":
+                tensors[a] = self.outputs[(a.chunk, a.mb)]
+            elif a.op == "SEND_B":
+                tensors[a] = self.inputs.pop((a.chunk, a.mb)).grad
+        self.received.update(self.p2p.exchange(self.schedule, self.rank, batch, tensors))
+        for a in batch:
+            if a.op == "SEND_F":
+                self._free(a)
+
+    def _free(self, a: Action) -> None:
+        """The activation has been sent: keep its autograd node for the backward, drop its data."""
+        out = self.outputs[(a.chunk, a.mb)]
+        if out.grad_fn is None:
+            del self.outputs[(a.chunk, a.mb)]  # forward-only: nothing to keep
+        else:
+            out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
+
+
+def run_schedule(schedule: Schedule, rank: int, forward_step: ForwardStep, p2p: Optional[P2P] = None,
+                 stats: Optional[PipelineStats] = None) -> list[torch.Tensor]:
+    """Run pipeline rank `rank`'s actions of `schedule`; return the last part's per-microbatch
+    losses in microbatch order (an empty list on other ranks). A schedule with no backward
+    actions (`forward_only`) runs evaluation; call it under `torch.no_grad()`."""
+    run = _Run(schedule, rank, forward_step, p2p, stats if stats is not None else PipelineStats())
+    for item in steps(schedule.actions[rank]):
+        if isinstance(item, list):
+            run.exchange(item)
+        elif item.op == "F":
+            run.forward(item)
+        else:
+            run.backward(item)
+    if run.received or any(o.grad_fn is not None for o in run.outputs.values()):
+        raise RuntimeError(f"pipeline rank {rank}: schedule {schedule.name} left tensors unused")
+    return run.losses
+
+
+def sync_tied_grads(params: Sequence[torch.nn.Parameter], group: Group) -> None:
+    """Sum the gradient of the tied embedding between the first stage (token embedding) and the
+    last (output head, its `pp_duplicate` copy) over the embedding group, as Megatron does: both
+    copies then take the same optimizer step and stay identical. One all-reduce per step."""
+    tied = [p for p in params if getattr(p, "pp_tied", False) and p.grad is not None]
+    if C.size(group) > 1:
+        for p in tied:
+            C.all_reduce(p.grad, group)
