@@ -67,3 +67,25 @@ def tp_bytes_per_step(cfg: Any, micro_batch: int, seq_len: int, tp: int, sequenc
     extra = 4 + (4 * sequence_parallel_grad_elements(cfg) if sequence_parallel else 0)
     out["all_reduce"] = out.get("all_reduce", 0) + extra
     return out
+
+
+def pp_bytes_per_step(micro_batch: int, seq_len: int, hidden: int, tp: int, sequence_parallel: bool,
+                      microbatches: int, pp: int, virtual_stages: int, pp_rank: int) -> dict[str, int]:
+    """{op: bytes} one rank sends over its PP group in one optimizer step.
+
+    Every microbatch crosses each boundary between model parts once forward (its hidden states)
+    and once backward (their gradient): b·s·h fp32 elements (the residual stream's dtype, also
+    under bf16 autocast), or the b·(s/tp)·h sequence chunk under sequence parallelism. Rank r holds
+    parts r, r+pp, …: it sends forward from each part but the last and backward from each part but
+    the first. Plus the gradient norm's fp32 scalar all-reduce over PP.
+    """
+    if pp == 1:
+        return {}
+    seq = seq_len // tp if sequence_parallel and tp > 1 else seq_len
+    per_message = micro_batch * seq * hidden * 4
+    last = pp * virtual_stages - 1
+    parts = [c * pp + pp_rank for c in range(virtual_stages)]
+    out = {"send_fwd": sum(s < last for s in parts) * microbatches * per_message,
+           "send_bwd": sum(s > 0 for s in parts) * microbatches * per_message,
+           "all_reduce": 4}
+    return {op: b for op, b in out.items() if b}

@@ -59,7 +59,7 @@ class CommCounter:
     def wire_bytes(self, name: str) -> float:
         """Bytes one rank of group `name` sent, for ring all-reduce / all-gather / reduce-scatter."""
         n = self.sizes.get(name, 1)
-        factor = {"all_reduce": 2 * (n - 1) / n}
+        factor = {"all_reduce": 2 * (n - 1) / n, "send_fwd": 1.0, "send_bwd": 1.0}  # p2p: sent as is
         return sum(b * factor.get(op, (n - 1) / n) for (g, op), b in self.bytes.items() if g == name)
 
     def reset(self) -> None:
