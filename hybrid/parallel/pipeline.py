@@ -76,6 +76,9 @@ class P2P:
             peer = schedule.peer(rank, a)
             if a.op.startswith("SEND"):
                 t = tensors[a].detach().contiguous()
+                if t.shape != self.shape or t.dtype != self.dtype:
+                    raise RuntimeError(f"pipeline {a}: sending {tuple(t.shape)} {t.dtype}, but every stage "
+                                       f"receives {self.shape} {self.dtype}")
                 C.COUNTER.record(self.name, "send_fwd" if a.op == "SEND_F" else "send_bwd", t, schedule.pp)
                 ops.append(dist.P2POp(dist.isend, t, group=self.group, group_peer=peer))
             else:

@@ -99,3 +99,32 @@ def test_tp_not_dividing_the_model_is_one_line_per_rank(overrides: list[str], ne
     assert sorted(ln.split()[0] for ln in ours) == ["[rank0]", "[rank1]"], r.stderr[-2000:]
     assert all(needle in ln for ln in ours), ours
     assert "Traceback" not in r.stderr.split("hybrid: error:")[0]  # torchrun's own summary may follow
+
+
+def test_torchrun_pipeline_interleaved_trains(tmp_path: Path, env: dict[str, str]) -> None:
+    r = torchrun(2, *QUICK, "parallel=pp2", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
+                 "train.steps=6", f"logging.dir={tmp_path}", env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps, evals = read_metrics(tmp_path)
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.3  # the last stage's loss reached rank 0's log
+    assert evals and evals[-1]["eval_loss"] < steps[0]["loss"]
+    assert steps[0]["bytes_pp"] > 0 and steps[0]["bytes_embedding"] > 0 and steps[0]["bytes_dp"] == 0
+    out = r.stdout + r.stderr
+    assert "layout: world=2 = pp2 × dp1 × tp1" in out
+    assert "pipeline: schedule interleaved, pp=2 × 2 chunk(s), 4 microbatches, layers per part [1, 1, 1, 1]" in out
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["parallel.schedule=interleaved", "parallel.virtual_stages=2", "train.global_batch_size=12"],
+     "interleaved schedule needs microbatches (3) divisible by pp=2"),
+    (["parallel.stage_layers=[3,2]"], "summing to model.n_layers=4"),
+])
+def test_bad_pipeline_config_is_one_line_per_rank(overrides: list[str], needle: str, tmp_path: Path,
+                                                  env: dict[str, str]) -> None:
+    r = torchrun(2, "parallel=pp2", "train.micro_batch_size=4", *overrides, f"logging.dir={tmp_path}", env=env,
+                 timeout=120)
+    assert r.returncode != 0
+    ours = [ln for ln in r.stderr.splitlines() if "hybrid: error:" in ln]
+    assert sorted(ln.split()[0] for ln in ours) == ["[rank0]", "[rank1]"], r.stderr[-2000:]
+    assert all(needle in ln for ln in ours), ours
+    assert "Traceback" not in r.stderr.split("hybrid: error:")[0]
