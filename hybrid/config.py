@@ -244,6 +244,9 @@ def _validate_pipeline(p: Any, m: Any, microbatches: int) -> None:
     from hybrid.parallel.pipeline import partition_layers
     from hybrid.parallel.schedules import ScheduleError, check_sizes
 
+    _require(p.schedule != "interleaved" or p.virtual_stages >= 2,
+             "parallel.schedule=interleaved needs parallel.virtual_stages >= 2 (with 1 it is 1f1b with a "
+             "deeper warm-up: the same bubble, more activation memory)")
     if p.pp > 1 or p.virtual_stages > 1:
         try:
             check_sizes(p.schedule, p.pp, microbatches, p.virtual_stages)

@@ -264,8 +264,7 @@ def simulate(schedule: Schedule, forward: float = 1.0, backward: float = 2.0, co
     validate(schedule)
     p, v = schedule.pp, schedule.virtual_stages
     items = [steps(acts) for acts in schedule.actions]
-    keys = [[_channel_keys(schedule, r, it) if isinstance(it, list) else None for it in rank_items]
-            for r, rank_items in enumerate(items)]
+    keys = [_channel_keys(schedule, r, rank_items) for r, rank_items in enumerate(items)]
     pos, clock, busy = [0] * p, [0.0] * p, [0.0] * p
     live, peak = [0] * p, [0] * p
     posted: dict[tuple[str, int, int, int], float] = {}  # (SEND|RECV, src, dst, k) → post time
@@ -301,17 +300,18 @@ def simulate(schedule: Schedule, forward: float = 1.0, backward: float = 2.0, co
     return sim
 
 
-def _channel_keys(schedule: Schedule, r: int, batch: list[Action]) -> list[tuple[str, int, int, int]]:
-    """(SEND|RECV, src, dst, k): the k-th op on the src → dst channel, k counted over the rank's list."""
+def _channel_keys(schedule: Schedule, r: int, items: list) -> list[list[tuple[str, int, int, int]]]:
+    """Per item of rank r, the keys (SEND|RECV, src, dst, k) of its comm ops: the k-th op on the
+    src → dst channel, counted along the rank's list (empty for compute actions)."""
     counts: dict[tuple[str, int, int], int] = defaultdict(int)
     out = []
-    for a in schedule.actions[r]:
-        kind = "SEND" if a.op.startswith("SEND") else "RECV" if a.op.startswith("RECV") else None
-        if kind is None:
-            continue
-        peer = schedule.peer(r, a)
-        ch = (kind, r, peer) if kind == "SEND" else (kind, peer, r)
-        if a in batch:
-            out.append(ch + (counts[ch],))
-        counts[ch] += 1
+    for it in items:
+        batch_keys = []
+        for a in it if isinstance(it, list) else []:
+            kind = "SEND" if a.op.startswith("SEND") else "RECV"
+            peer = schedule.peer(r, a)
+            ch = (kind, r, peer) if kind == "SEND" else (kind, peer, r)
+            batch_keys.append(ch + (counts[ch],))
+            counts[ch] += 1
+        out.append(batch_keys)
     return out

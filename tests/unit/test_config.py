@@ -52,6 +52,7 @@ def test_derived_dp_and_microbatches() -> None:
     (["parallel=pp2", "parallel.schedule=interleaved", "parallel.virtual_stages=2", "train.micro_batch_size=4",
       "train.global_batch_size=12"], 2, r"microbatches \(3\) divisible by pp=2"),
     (["parallel.schedule=interleaved", "parallel.virtual_stages=2"], 1, "interleaved schedule needs pp >= 2"),
+    (["parallel=pp2", "parallel.schedule=interleaved"], 2, "interleaved needs parallel.virtual_stages >= 2"),
     (["parallel=pp2", "parallel.schedule=zigzag"], 2, "parallel.schedule='zigzag' is not one of"),
     (["parallel=pp2", "parallel.stage_layers=[1,2]"], 2, r"summing to model.n_layers=4"),
     (["parallel=pp2", "parallel.virtual_stages=2", "parallel.schedule=interleaved", "parallel.stage_layers=[1,3]"],

@@ -1,0 +1,306 @@
+"""Pipeline schedules as data (hybrid/parallel/schedules.py) and the `python -m hybrid.tools.schedule` tool.
+
+No process group: the schedules are pure functions and the simulator a virtual clock. References: the
+analytic bubble (p−1)/(v·m+p−1), and torch.distributed.pipelining's own interleaved 1F1B order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+
+import pytest
+
+from hybrid.parallel.schedules import (
+    SCHEDULES,
+    Action,
+    Schedule,
+    ScheduleError,
+    build_schedule,
+    simulate,
+    steps,
+    validate,
+)
+from hybrid.tools import schedule as tool
+
+COSTS = [(1.0, 2.0), (1.0, 1.0), (1.5, 4.0), (2.0, 1.0)]
+
+
+def analytic(p: int, m: int, v: int = 1) -> float:
+    return (p - 1) / (v * m + p - 1)
+
+
+def valid_sizes(max_p: int = 8, max_m: int = 16, max_v: int = 4):
+    """Every (name, p, m, v) of the grid that build_schedule accepts."""
+    for name in SCHEDULES:
+        for p in range(1, max_p + 1):
+            for m in range(1, max_m + 1):
+                for v in range(1, max_v + 1):
+                    if v > 1 and name != "interleaved" or name == "interleaved" and (p < 2 or m % p):
+                        continue
+                    yield name, p, m, v
+
+
+def with_rank(sched: Schedule, r: int, acts: list[Action]) -> Schedule:
+    """`sched` with rank r's action list replaced."""
+    lists = list(sched.actions)
+    lists[r] = tuple(acts)
+    return dataclasses.replace(sched, actions=tuple(lists))
+
+
+# ---- bubble and memory against the analytic formulas ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("p,m", [(1, 1), (1, 4), (2, 1), (2, 4), (3, 7), (4, 3), (4, 8), (8, 16)])
+@pytest.mark.parametrize("fwd,bwd", COSTS)
+def test_bubble_1f1b_gpipe_is_analytic(name, p, m, fwd, bwd):
+    sim = simulate(build_schedule(name, p, m), forward=fwd, backward=bwd)
+    assert sim.bubble == pytest.approx(analytic(p, m), abs=1e-12)
+    assert sim.bubble_per_rank == pytest.approx([analytic(p, m)] * p, abs=1e-12)
+    assert sim.busy == pytest.approx([m * (fwd + bwd)] * p)
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 8, 3), (3, 6, 2), (4, 4, 2), (4, 8, 2), (4, 8, 4), (8, 8, 2)])
+@pytest.mark.parametrize("fwd,bwd", COSTS)
+def test_bubble_interleaved_is_analytic_and_below_1f1b(p, m, v, fwd, bwd):
+    sim = simulate(build_schedule("interleaved", p, m, v), forward=fwd, backward=bwd)
+    plain = simulate(build_schedule("1f1b", p, m), forward=fwd, backward=bwd)
+    assert sim.bubble == pytest.approx(analytic(p, m, v), abs=1e-12)
+    assert sim.bubble < plain.bubble
+    assert sim.busy == pytest.approx(plain.busy)  # same work, shorter step
+
+
+@pytest.mark.parametrize("p,v", [(2, 2), (2, 4), (4, 2), (4, 3)])
+def test_interleaved_bubble_shrinks_by_about_v_when_m_much_larger_than_p(p, v):
+    m = 8 * p
+    ratio = simulate(build_schedule("1f1b", p, m)).bubble / simulate(build_schedule("interleaved", p, m, v)).bubble
+    assert ratio == pytest.approx((v * m + p - 1) / (m + p - 1))
+    assert 0.9 * v <= ratio <= v
+
+
+@pytest.mark.parametrize("p,m", [(1, 3), (2, 1), (2, 5), (4, 2), (4, 8), (8, 16)])
+def test_peak_in_flight_1f1b_and_gpipe(p, m):
+    assert simulate(build_schedule("1f1b", p, m)).peak_in_flight == [min(p - r, m) for r in range(p)]
+    assert simulate(build_schedule("gpipe", p, m)).peak_in_flight == [m] * p
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 8, 3), (4, 4, 2), (4, 8, 2), (4, 16, 4), (8, 8, 4)])
+def test_peak_in_flight_interleaved(p, m, v):
+    peak = simulate(build_schedule("interleaved", p, m, v)).peak_in_flight
+    assert all(n <= v * m for n in peak)  # GPipe over v chunks would hold every chunk-activation
+    # Megatron's warm-up of 2(p−r−1) + (v−1)p chunk-forwards, plus the steady state's one more
+    assert peak == [min(2 * (p - r - 1) + (v - 1) * p + 1, v * m) for r in range(p)]
+
+
+# ---- every valid size: validates, replays without deadlock, keeps backward order --------------------------------
+
+
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_grid_validates_and_simulates(forward_only):
+    count = 0
+    for name, p, m, v in valid_sizes():
+        sched = build_schedule(name, p, m, v, forward_only=forward_only)
+        sim = simulate(sched)  # validates first, then replays; raises ScheduleError on either failure
+        work = m * (1.0 if forward_only else 3.0)
+        assert sim.busy == pytest.approx([work] * p), (name, p, m, v)
+        assert sim.makespan >= work
+        count += 1
+    assert count > 300
+
+
+def test_backward_runs_in_microbatch_order_for_every_chunk():
+    """What makes losses bit-identical across schedules: each chunk accumulates gradients in mb order."""
+    for name, p, m, v in valid_sizes(max_p=6, max_m=12, max_v=3):
+        sched = build_schedule(name, p, m, v)
+        for r, acts in enumerate(sched.actions):
+            for c in range(v):
+                assert [a.mb for a in acts if a.op == "B" and a.chunk == c] == list(range(m)), (name, p, m, v, r, c)
+                assert [a.mb for a in acts if a.op == "F" and a.chunk == c] == list(range(m)), (name, p, m, v, r, c)
+
+
+def test_interleaved_matches_torch_pipelining_order():
+    """Reference: torch.distributed.pipelining's ScheduleInterleaved1F1B computes the same per-rank compute order
+    (its `pipeline_order` is built without a process group; the stages here are stand-ins)."""
+    pipelining = pytest.importorskip("torch.distributed.pipelining.schedules")
+    try:
+        base = pipelining._PipelineStageBase
+        names = {pipelining._ComputationType.FORWARD: "F", pipelining._ComputationType.FULL_BACKWARD: "B"}
+    except AttributeError as e:
+        pytest.skip(f"torch.distributed.pipelining internals changed: {e}")
+
+    class Stage(base):  # only what the schedule's constructor reads
+        def __init__(self, index: int, p: int, v: int):
+            self.stage_index, self.num_stages, self.group_size, self.group_rank = index, p * v, p, index % p
+            self.stage_index_to_group_rank = {i: i % p for i in range(p * v)}
+
+        _create_grad_recv_info = _prepare_backward_infra = _prepare_forward_infra = lambda *a, **k: None
+        is_first = property(lambda self: self.stage_index == 0)
+        is_last = property(lambda self: self.stage_index == self.num_stages - 1)
+
+    for p, m, v in [(2, 2, 2), (2, 6, 3), (3, 6, 2), (4, 4, 2), (4, 8, 2), (4, 8, 3)]:
+        ours = build_schedule("interleaved", p, m, v)
+        for r in range(p):
+            try:
+                theirs = pipelining.ScheduleInterleaved1F1B([Stage(c * p + r, p, v) for c in range(v)], m)
+            except (TypeError, AttributeError) as e:
+                pytest.skip(f"torch.distributed.pipelining internals changed: {e}")
+            want = [(names[a.computation_type], a.stage_index, a.microbatch_index)
+                    for a in theirs.pipeline_order[r] if a is not None]
+            got = [(a.op, ours.part(r, a.chunk), a.mb) for a in ours.actions[r] if a.op in ("F", "B")]
+            assert got == want, (p, m, v, r)
+
+
+# ---- broken orders ----------------------------------------------------------------------------------------------
+
+
+def test_swapped_sends_on_one_channel_are_flagged():
+    sched = build_schedule("interleaved", 2, 4, 2)
+    for r, acts in enumerate(sched.actions):  # a batch with two sends to the same peer (F of chunk 0, B of chunk 1)
+        acts = list(acts)
+        for i in range(len(acts) - 1):
+            a, b = acts[i], acts[i + 1]
+            if a.op.startswith("SEND") and b.op.startswith("SEND") and sched.peer(r, a) == sched.peer(r, b):
+                acts[i], acts[i + 1] = b, a
+                with pytest.raises(ScheduleError, match=r"channel rank \d → rank \d, message \d+"):
+                    validate(with_rank(sched, r, acts))
+                with pytest.raises(ScheduleError, match="sends"):
+                    simulate(with_rank(sched, r, acts))
+                return
+    pytest.fail("no batch with two sends on one channel")
+
+
+def test_gradient_received_after_its_backward_is_flagged():
+    sched = build_schedule("1f1b", 2, 2)
+    acts = list(sched.actions[0])
+    i = acts.index(Action("RECV_B", 0, 0))
+    acts.insert(acts.index(Action("B", 0, 0)) + 1, acts.pop(i))
+    with pytest.raises(ScheduleError, match="before its gradient is received"):
+        simulate(with_rank(sched, 0, acts))
+
+
+def test_deadlock_is_detected():
+    """Rank 0 waits for the gradient of mb 0 before sending mb 0's activation: locally valid, channels matched,
+    but rank 1 can't produce that gradient. Only the replay finds it."""
+    sched = build_schedule("1f1b", 2, 2)
+    acts = list(sched.actions[0])
+    acts.remove(Action("RECV_B", 0, 0))
+    broken = with_rank(sched, 0, [Action("RECV_B", 0, 0), *acts])
+    assert [s for s in steps(broken.actions[0]) if isinstance(s, list)][0] == [Action("RECV_B", 0, 0)]
+    validate(broken)
+    with pytest.raises(ScheduleError, match="deadlock: rank 0 waits at .*RECV_B0.*rank 1 waits at .*RECV_F0"):
+        simulate(broken)
+
+
+def test_missing_backward_is_flagged():
+    sched = build_schedule("1f1b", 2, 3)
+    acts = [a for a in sched.actions[0] if a != Action("B", 0, 2)]
+    with pytest.raises(ScheduleError, match="rank 0: missing B2"):
+        simulate(with_rank(sched, 0, acts))
+
+
+def test_duplicated_forward_is_flagged():
+    sched = build_schedule("gpipe", 2, 3)
+    acts = list(sched.actions[1])
+    acts.insert(acts.index(Action("F", 0, 1)) + 1, Action("F", 0, 1))
+    with pytest.raises(ScheduleError, match="rank 1: action F1 is repeated"):
+        simulate(with_rank(sched, 1, acts))
+
+
+@pytest.mark.parametrize("name,p,m,v,match", [
+    ("interleaved", 4, 6, 2, "divisible by pp"),
+    ("interleaved", 1, 4, 2, "pp >= 2"),
+    ("1f1b", 4, 8, 2, "needs schedule=interleaved"),
+    ("gpipe", 2, 4, 3, "needs schedule=interleaved"),
+    ("1f1b", 0, 4, 1, ">= 1"),
+    ("gpipe", 2, 0, 1, ">= 1"),
+    ("1f1b", 2, -3, 1, ">= 1"),
+    ("interleaved", 2, 4, 0, ">= 1"),
+    ("zero-bubble", 2, 4, 1, "unknown schedule"),
+])
+def test_invalid_sizes_are_rejected(name, p, m, v, match):
+    with pytest.raises(ScheduleError, match=match):
+        build_schedule(name, p, m, v)
+
+
+# ---- the tool ---------------------------------------------------------------------------------------------------
+
+
+def rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("rank ")]
+
+
+def test_tool_prints_timeline_bubble_and_deadlock_check(capsys):
+    assert tool.main(["pp=4", "microbatches=8", "schedule=interleaved", "virtual_stages=2"]) == 0
+    out = capsys.readouterr().out
+    assert len(rows(out)) == 4
+    assert f"bubble: {analytic(4, 8, 2):.4f} simulated" in out and "3/19" in out
+    assert "without deadlock" in out and "rendezvous" in out
+    assert "r0 11 (5.5 stages)" in out
+    assert tool.main(["pp=4", "m=8", "schedule=interleaved", "v=2"]) == 0  # aliases
+    assert capsys.readouterr().out == out
+
+
+@pytest.mark.parametrize("name,p,m,v,fwd,bwd", [("1f1b", 4, 8, 1, 1.0, 2.0), ("gpipe", 3, 5, 1, 1.0, 3.0),
+                                                ("interleaved", 4, 8, 2, 1.0, 2.0), ("interleaved", 2, 4, 3, 2.0, 1.0)])
+def test_timeline_cells(name, p, m, v, fwd, bwd):
+    sim = simulate(build_schedule(name, p, m, v), forward=fwd, backward=bwd)
+    lines = rows(tool.render_timeline(sim))
+    assert len(lines) == p
+    width = max(len(tool.label(a, v)) for *_, a in sim.intervals)
+    cell = min(fwd, bwd) / v
+    ncells = round(sim.makespan / cell)
+    for r, line in enumerate(lines):
+        body = line.split("| ", 1)[1]
+        assert all(t.start() % (width + 1) == 0 for t in re.finditer(r"\S+", body))  # columns line up
+        cells = [body[i:i + width].strip() for i in range(0, len(body), width + 1)]
+        assert len(cells) == ncells
+        labels = [c for c in cells if c not in (".", "-" * width)]
+        assert len(labels) == 2 * m * v
+        assert labels.count(f"F0{'a' if v > 1 else ''}") == 1
+        assert len(cells) - cells.count(".") == m * v * (round(fwd / v / cell) + round(bwd / v / cell))
+        assert cells.count(".") / ncells == pytest.approx(sim.bubble_per_rank[r])
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["pp=x"], "pp must be an integer"),
+    (["microbatches=2.5"], "microbatches must be an integer"),
+    (["foo=1"], "unknown key 'foo'"),
+    (["pp"], "expected key=value"),
+    (["schedule=zigzag"], "unknown schedule 'zigzag'"),
+    (["schedule=interleaved", "pp=4", "m=6", "v=2"], "divisible by pp"),
+    (["schedule=interleaved", "pp=1", "m=4", "v=2"], "pp >= 2"),
+    (["schedule=1f1b", "v=2"], "needs schedule=interleaved"),
+    (["pp=0"], ">= 1"),
+    (["m=2", "microbatches=3"], "given twice"),
+    (["backward=0"], "backward > 0"),
+    (["forward_only=maybe"], "forward_only must be true or false"),
+])
+def test_tool_bad_input_is_one_line_and_exit_2(capsys, argv, match):
+    assert tool.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("hybrid: error: ") and match in err, err
+
+
+def test_tool_forward_only_and_comm(capsys):
+    assert tool.main(["pp=2", "m=4", "schedule=gpipe", "forward_only=true", "comm=0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "B0" not in out and "analytic ignores comm" in out and "without deadlock" in out
+
+
+def test_tool_writes_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "schedule.png"
+    assert tool.main(["pp=4", "m=8", "schedule=interleaved", "v=2", f"png={path}"]) == 0
+    assert f"wrote {path}" in capsys.readouterr().out
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
+
+
+def test_tool_png_without_matplotlib(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    assert tool.main(["pp=2", "m=2", f"png={tmp_path / 'x.png'}"]) == 2
+    out, err = capsys.readouterr()
+    want = f"hybrid: error: png={tmp_path / 'x.png'} needs matplotlib (pip install matplotlib)"
+    assert out == "" and err.strip() == want
