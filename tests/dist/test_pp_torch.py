@@ -1,0 +1,123 @@
+"""Our pipeline executor against PyTorch's own `torch.distributed.pipelining` schedules.
+
+Both run one training step (forward + backward of every microbatch, no optimizer) of the same
+pipeline stages — two copies of each stage built from the same seed, tp=1, untied embeddings
+(torch's pipelining does not sync a weight shared between stages) — on the same global batch,
+split into the same microbatches, and every parameter gradient and per-microbatch loss must agree.
+
+Loss scaling, the one semantic difference to line up: our last stage returns each
+microbatch's mean token cross-entropy and back-propagates it scaled by 1/m (m microbatches), so
+the accumulated gradient is Σ_i ∇(CE_i / m). Torch's schedules back-propagate `loss_fn`'s value
+unscaled and, with `scale_grads=True` (the default), divide the accumulated gradients by m once
+after the step: (Σ_i ∇CE_i) / m. Same mean over the global batch; they differ only in where the
+1/m rounds. With m = 4 microbatches (a power of two) both scalings are exact and both backward
+every microbatch in the same order, so the gradients must be bit-identical; with another m they
+would agree to a few ulps (GRAD_TOL: rtol 1e-5, atol 1e-8 against gradients ~1e-4..1e-1). The
+per-microbatch losses (taken before any scaling) agree exactly either way.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from harness import run_ranks
+from pp_helpers import GLOBAL_BATCH, LAYERS, MICRO, SEQ, TIMEOUT, VOCAB, Case, make_cfg
+from test_dp import synthetic_corpus
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from hybrid.data import batch_from
+from hybrid.model import build_model
+from hybrid.parallel import collectives as C
+from hybrid.parallel.pipeline import P2P, partition_layers, run_schedule
+from hybrid.parallel.schedules import build_schedule
+
+TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+GRAD_TOL = {"rtol": 1e-5, "atol": 1e-8}
+
+
+class TorchStage(nn.Module):
+    """A stage as torch's pipelining calls it: one positional input; the last stage returns the
+    real vocabulary's logits (our module returns the padded vocab-parallel logits without labels)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.module(x)
+        return out[..., : self.module.vocab_size] if self.module.post else out
+
+
+def mean_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, -2), target.flatten())
+
+
+def grads_vs_torch(rank: int, world: int, family: str, schedule: str, v: int) -> dict:
+    pp = world
+    cfg = make_cfg(Case(family, pp=pp, schedule=schedule, v=v), world, extra=["model.tie_embeddings=false"])
+    m = GLOBAL_BATCH // MICRO
+    parts = partition_layers(LAYERS, pp * v)
+    ours, theirs = [], []
+    for c in range(v):
+        s = c * pp + rank
+        chunk = build_model(cfg.model, VOCAB, None, layers=parts[s], pre=s == 0, post=s == pp * v - 1,
+                            seed=cfg.train.seed)
+        ours.append(chunk)
+        theirs.append(copy.deepcopy(chunk))
+    ids, labels = batch_from(synthetic_corpus(vocab=VOCAB).train, list(range(GLOBAL_BATCH)))
+    microbatches = list(zip(ids.chunk(m), labels.chunk(m)))  # what torch's default split along dim 0 makes
+
+    group = dist.new_group(list(range(world)))
+    C.name_group(group, "pp")
+
+    def forward_step(chunk: int, mb: int, x: torch.Tensor | None) -> torch.Tensor:
+        module = ours[chunk]
+        x_ids, y = microbatches[mb]
+        return module(x_ids if module.pre else x, y if module.post else None)
+
+    p2p = P2P(group, (MICRO, SEQ, cfg.model.hidden), torch.float32, torch.device("cpu"))
+    our_losses = run_schedule(build_schedule(schedule, pp, m, v), rank, forward_step, p2p)
+
+    # No input_args/output_args: torch (2.13) infers the stages' shapes at runtime on the first step.
+    # `step` takes the whole batch on the first stage and the whole target on the last, and splits
+    # both along dim 0 into m microbatches (= `microbatches` above).
+    stages = [PipelineStage(TorchStage(t), c * pp + rank, pp * v, torch.device("cpu"), group=group)
+              for c, t in enumerate(theirs)]
+    cls = TORCH_SCHEDULES[schedule]
+    sched = cls(stages if schedule == "interleaved" else stages[0], m, loss_fn=mean_cross_entropy)
+    their_losses: list[torch.Tensor] = []
+    if rank == 0:
+        sched.step(ids)
+    elif rank == pp - 1:
+        sched.step(target=labels, losses=their_losses)
+    else:
+        sched.step()
+
+    def grads(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
+        return {n: p.grad.clone() for ch in chunks for n, p in ch.named_parameters()}
+
+    return {"ours": grads(ours), "theirs": grads(theirs), "our_losses": [x.detach() for x in our_losses],
+            "their_losses": [x.detach() for x in their_losses]}
+
+
+@pytest.mark.parametrize("family,pp,schedule,v", [
+    ("gpt", 2, "1f1b", 1), ("llama", 4, "1f1b", 1), ("gpt", 4, "1f1b", 1), ("llama", 2, "1f1b", 1),
+    ("gpt", 2, "gpipe", 1), ("llama", 2, "interleaved", 2), ("gpt", 4, "interleaved", 2),
+])
+def test_gradients_equal_torch_pipelining(family: str, pp: int, schedule: str, v: int) -> None:
+    results = run_ranks(grads_vs_torch, pp, family, schedule, v, timeout=TIMEOUT)
+    m = GLOBAL_BATCH // MICRO
+    tol = {"rtol": 0.0, "atol": 0.0} if m & (m - 1) == 0 else GRAD_TOL  # 1/m exact for a power of two
+    for rank, r in enumerate(results):
+        assert r["ours"].keys() == r["theirs"].keys()
+        for name, g in r["theirs"].items():
+            assert g.abs().max() > 0, f"rank {rank} {name}: zero gradient"
+            torch.testing.assert_close(r["ours"][name], g, **tol, msg=lambda e, n=name: f"rank {rank} {n}: {e}")
+    last = results[-1]
+    assert len(last["our_losses"]) == len(last["their_losses"]) == GLOBAL_BATCH // MICRO
+    torch.testing.assert_close(torch.stack(last["our_losses"]), torch.stack(last["their_losses"]), rtol=0, atol=0)
