@@ -180,16 +180,23 @@ class Trainer:
         self.model.train()
         return self._dp_mean(self._from_last_stage(total))
 
+    def mean_bytes(self) -> dict[str, float]:
+        """This step's bytes per group, counted at the collectives and averaged over all ranks (stages
+        send different amounts). Collective over the world: every rank calls it on logging steps."""
+        names = ("tp", "pp", "dp", "embedding")
+        t = torch.tensor([float(C.COUNTER.group_bytes(n)) for n in names], dtype=torch.float64, device=self.device)
+        if self.ctx.layout.world > 1:
+            dist.all_reduce(t)  # metrics only: uncounted, not training traffic
+            t /= self.ctx.layout.world
+        return {f"bytes_{n}": v for n, v in zip(names, t.tolist())}
+
     def step_metrics(self, r: StepResult) -> dict[str, Any]:
-        """The metrics.jsonl record of a step (bytes are this rank's, counted at the collectives)."""
+        """The metrics.jsonl record of a step. Collective (see `mean_bytes`)."""
         tokens = self.cfg.train.global_batch_size * self.corpus.seq_len
         tps = tokens / r.step_time_s
         flops = tps * self.flops_per_token / self.ctx.layout.world  # achieved per rank
         out = {"step": self.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens_per_s": tps,
-               "step_time_s": r.step_time_s, "bytes_tp": C.COUNTER.group_bytes("tp"),
-               "bytes_pp": C.COUNTER.group_bytes("pp"), "bytes_dp": C.COUNTER.group_bytes("dp"),
-               "bytes_embedding": C.COUNTER.group_bytes("embedding"),
-               "gflops_per_rank": flops / 1e9}
+               "step_time_s": r.step_time_s, **self.mean_bytes(), "gflops_per_rank": flops / 1e9}
         if self.peak:
             out["mfu"] = flops / self.peak
         return out
@@ -200,11 +207,12 @@ class Trainer:
         while self.step < t.steps:
             C.COUNTER.reset()
             last = self.train_step()
-            if self.metrics is not None:
-                if self.step % self.cfg.logging.log_every == 0 or self.step == t.steps:
-                    self.metrics.log(self.step, self.step_metrics(last))
-                else:
-                    self.metrics.update_progress(self.step)
+            if self.step % self.cfg.logging.log_every == 0 or self.step == t.steps:
+                record = self.step_metrics(last)  # on every rank: the bytes are averaged over ranks
+                if self.metrics is not None:
+                    self.metrics.log(self.step, record)
+            elif self.metrics is not None:
+                self.metrics.update_progress(self.step)
             if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
                 eval_loss = self.evaluate()
                 if self.metrics is not None:
