@@ -34,6 +34,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from hybrid.bench import common
+from hybrid.bench.common import split_sections
 from hybrid.bench.model_size import model_names
 from hybrid.bench.ranks import launch
 from hybrid.bench.tp import synthetic_corpus
@@ -56,8 +58,8 @@ CPU = torch.device("cpu")
 GB = 2**30
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """The command line; the defaults (bubble, torch, bytes) take about a minute on 2 idle cores."""
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of this benchmark."""
     p = argparse.ArgumentParser(prog="python -m hybrid.bench.pp", description=__doc__.splitlines()[0])
     p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS), help="comma-separated subset of "
                    + ",".join(SECTIONS) + " (headline only when named)")
@@ -74,10 +76,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--bytes-layers", type=int, default=8, help="model.n_layers of bytes (pp4 × v2 = 8 parts)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before a set of ranks is killed")
     p.add_argument("--headline-timeout", type=float, default=900.0, help="seconds before torchrun is killed")
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The command line; the defaults (bubble, torch, bytes) take about a minute on 2 idle cores."""
+    p = build_parser()
     args = p.parse_args(argv)
-    args.sections = [s for s in args.sections.split(",") if s]
-    if not args.sections or any(s not in SECTIONS for s in args.sections):
-        p.error(f"--sections must be a comma-separated subset of {','.join(SECTIONS)}")
+    split_sections(p, args, SECTIONS)
     if args.model not in model_names():
         p.error(f"unknown model {args.model}; configs/model has {', '.join(model_names())}")
     sizes = (args.seq, args.micro_batch, args.steps, args.torch_steps, *args.microbatches)
@@ -90,11 +96,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def reproduce_command(args: argparse.Namespace) -> str:
     """The command line that repeats this run, every setting spelled out."""
-    return (f"OMP_NUM_THREADS=1 PYTHONPATH=. python -m hybrid.bench.pp --sections {','.join(args.sections)} "
-            f"--model {args.model} --layers {args.layers} --vocab {args.vocab} --seq {args.seq} --micro-batch "
-            f"{args.micro_batch} --microbatches {' '.join(map(str, args.microbatches))} --torch-microbatches "
-            f"{args.torch_microbatches} --steps {args.steps} --torch-steps {args.torch_steps} --warmup {args.warmup} "
-            f"--bytes-layers {args.bytes_layers}")
+    return common.reproduce_command("hybrid.bench.pp", build_parser(), args)
 
 
 def bench_cfg(args: argparse.Namespace, *overrides: str) -> Any:
@@ -465,26 +467,11 @@ def section_headline(args: argparse.Namespace, out: Callable[[str], None]) -> di
 
 # ---- driver ----------------------------------------------------------------------------------------------------
 
-def header(args: argparse.Namespace) -> str:
-    """The exact command, torch version and threads."""
-    return (f"# hybrid.bench.pp — torch {torch.__version__}, {os.cpu_count()} CPUs, parent threads "
-            f"{torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}), each rank "
-            f"1 thread, gloo over local TCP\n# command: {reproduce_command(args)}")
-
-
 def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the chosen sections in order; returns their rows (for tests)."""
-    out(header(args))
-    start, result, load = time.perf_counter(), {}, os.getloadavg()[0]
-    for name, fn in (("bubble", section_bubble), ("torch", section_torch), ("bytes", section_bytes),
-                     ("headline", section_headline)):
-        if name in args.sections:
-            t = time.perf_counter()
-            result[name] = fn(args, out)
-            out(f"({name}: {time.perf_counter() - t:.1f} s)")
-    out(f"\ntotal {time.perf_counter() - start:.1f} s; 1-min load average {load:.2f} before, {os.getloadavg()[0]:.2f} "
-        f"after (ours counts for up to 2 of it); reproduce: {reproduce_command(args)}")
-    return result
+    sections = (("bubble", section_bubble), ("torch", section_torch), ("bytes", section_bytes),
+                     ("headline", section_headline))
+    return common.run_sections(sections, args, reproduce_command(args), "hybrid.bench.pp", out)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
 import time
@@ -38,6 +37,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hybrid.bench import common
+from hybrid.bench.common import split_sections
 from hybrid.bench.model_size import model_names
 from hybrid.bench.ranks import launch
 from hybrid.compression.hooks import make_hook
@@ -54,8 +55,8 @@ VARIANTS = (("tp1·dp2", 1, False), ("tp2", 2, False), ("tp2+SP", 2, True))  # t
 MB = 2**20
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """The command line; the defaults are the full run (~3–5 minutes on 2 cores)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of this benchmark."""
     p = argparse.ArgumentParser(prog="python -m hybrid.bench.tp", description=__doc__.splitlines()[0])
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of " + ",".join(SECTIONS))
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4], help="TP sizes of params/activations/bytes")
@@ -73,10 +74,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per contender per round")
     p.add_argument("--rounds", type=int, default=10, help="throughput rounds (ABC CBA …)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before a set of ranks is killed")
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The command line; the defaults are the full run (~3–5 minutes on 2 cores)."""
+    p = build_parser()
     args = p.parse_args(argv)
-    args.sections = [s for s in args.sections.split(",") if s]
-    if not args.sections or any(s not in SECTIONS for s in args.sections):
-        p.error(f"--sections must be a comma-separated subset of {','.join(SECTIONS)}")
+    split_sections(p, args, SECTIONS)
     for m in (args.param_model, args.act_model, args.model):
         if m not in model_names():
             p.error(f"unknown model {m}; configs/model has {', '.join(model_names())}")
@@ -89,12 +94,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def reproduce_command(args: argparse.Namespace) -> str:
     """The command line that repeats this run, every setting spelled out."""
-    return (f"OMP_NUM_THREADS=1 PYTHONPATH=. python -m hybrid.bench.tp --sections {','.join(args.sections)} "
-            f"--tp {' '.join(map(str, args.tp))} --param-model {args.param_model} --act-model {args.act_model} "
-            f"--act-layers {args.act_layers} --act-seq {args.act_seq} --act-batch {args.act_batch} "
-            f"--model {args.model} --seq {args.seq} --micro-batch {args.micro_batch} --global-batch "
-            f"{args.global_batch} --steps {args.steps} --warmup {args.warmup} --rounds {args.rounds}"
-            + (f" --vocab {args.vocab}" if args.vocab else ""))
+    return common.reproduce_command("hybrid.bench.tp", build_parser(), args)
 
 
 def tp_context(world: int, tp: int) -> ParallelContext:
@@ -321,29 +321,11 @@ def section_bytes(args: argparse.Namespace, out: Callable[[str], None]) -> list[
     return rows
 
 
-def header(args: argparse.Namespace) -> str:
-    """The exact command, torch version and threads."""
-    cpu = "unknown CPU"
-    with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo", encoding="utf-8") as f:
-        cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    return (f"# hybrid.bench.tp — torch {torch.__version__}, {cpu}, {os.cpu_count()} CPUs, parent threads "
-            f"{torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}), "
-            f"each rank 1 thread, gloo over local TCP\n# command: {reproduce_command(args)}")
-
-
 def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the chosen sections in order; returns their rows (for tests)."""
-    out(header(args))
-    start, result, load = time.perf_counter(), {}, os.getloadavg()[0]
-    for name, fn in (("params", section_params), ("activations", section_activations),
-                     ("throughput", section_throughput), ("bytes", section_bytes)):
-        if name in args.sections:
-            t = time.perf_counter()
-            result[name] = fn(args, out)
-            out(f"({name}: {time.perf_counter() - t:.1f} s)")
-    out(f"\ntotal {time.perf_counter() - start:.1f} s; 1-min load average {load:.2f} before, {os.getloadavg()[0]:.2f} "
-        f"after (ours counts for up to 2 of it); reproduce: {reproduce_command(args)}")
-    return result
+    sections = (("params", section_params), ("activations", section_activations),
+                     ("throughput", section_throughput), ("bytes", section_bytes))
+    return common.run_sections(sections, args, reproduce_command(args), "hybrid.bench.tp", out)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
