@@ -87,7 +87,17 @@ class OptimConfig:
 
 @dataclass
 class CompressionConfig:
-    method: str = "none"  # none = exact all-reduce (mean); more methods arrive with compression
+    # none | fp16 | bf16 | int8 | sign | topk | powersgd | hierarchical | torch_fp16 | torch_bf16 | torch_powersgd
+    method: str = "none"
+    rank: int = 4  # powersgd, torch_powersgd: rank of the low-rank factors
+    fraction: float = 0.01  # topk: fraction of each chunk's elements sent, in (0, 1]
+    block_size: int = 256  # int8, sign: elements sharing one fp32 scale
+    error_feedback: bool = True  # sign, topk, powersgd, torch_powersgd: add last step's compression error back
+    warmup_steps: int = 0  # steps of exact all-reduce before compressing
+    min_compression_rate: float = 2.0  # powersgd: compress a matrix only if its factors are this much smaller
+    seed: int = 0  # powersgd: seed of the first random factors (shared by the DP ranks)
+    inner: str = ""  # hierarchical: the method between nodes (exact inside a node)
+    measure_error: bool = True  # logged steps: one extra exact all-reduce to report compression_error
 
 
 @dataclass
@@ -201,11 +211,10 @@ def validate(cfg: Any, world_size: int, ranks_per_node: Optional[int] = None) ->
     `ranks_per_node` is the detected node size (torchrun's LOCAL_WORLD_SIZE);
     `parallel.ranks_per_node` overrides it.
     """
-    from hybrid.compression.hooks import REGISTRY
+    from hybrid.compression.hooks import check
     from hybrid.parallel.context import Layout, LayoutError
 
-    _require(cfg.compression.method in REGISTRY,
-             f"compression.method={cfg.compression.method!r} is not one of {', '.join(sorted(REGISTRY))}")
+    check(cfg.compression)
     for key, allowed in _CHOICES.items():
         _require(_get(cfg, key) in allowed, f"{key}={_get(cfg, key)!r} is not one of {', '.join(allowed)}")
     p, m, t = cfg.parallel, cfg.model, cfg.train

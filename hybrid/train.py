@@ -99,7 +99,7 @@ def run(cfg: DictConfig) -> None:
     # dropout on replicated activations: the same stream on every TP rank, a different one per stage
     torch.manual_seed(derive_seed(cfg.train.seed, "stage", ctx.pp_rank))
     model = build_chunks(cfg, vocab, ctx).to(device)
-    hook, state = make_hook(cfg.compression, ctx.dp_group)
+    hook, state = make_hook(cfg.compression, ctx.dp_group, ctx.dp_intra_group, ctx.dp_inter_group)
     writer = rank == 0
     metrics = _metrics_logger(cfg, writer)
     trainer = Trainer(cfg, ctx, model, corpus, device, hook, state, metrics)

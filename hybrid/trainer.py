@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybrid.compression.hooks import Compression
 from hybrid.data import Corpus, StepSampler, batch_from, eval_indices
 from hybrid.metrics import MetricsLogger, model_flops_per_token, peak_flops
 from hybrid.model import build_model
@@ -32,6 +33,9 @@ from hybrid.parallel.data import GradSync
 from hybrid.parallel.pipeline import P2P, PipelineStats, partition_layers, run_schedule, sync_tied_grads
 from hybrid.parallel.schedules import Schedule, build_schedule
 from hybrid.parallel.tensor import sync_sequence_parallel_grads
+
+DP_GROUPS = ("dp", "dp_intra", "dp_inter")
+"""The groups whose traffic is gradient sync (`bytes_dp`); the last two only under hierarchical."""
 
 
 @dataclass
@@ -182,13 +186,29 @@ class Trainer:
 
     def mean_bytes(self) -> dict[str, float]:
         """This step's bytes per group, counted at the collectives and averaged over all ranks (stages
-        send different amounts). Collective over the world: every rank calls it on logging steps."""
-        names = ("tp", "pp", "dp", "embedding")
-        t = torch.tensor([float(C.COUNTER.group_bytes(n)) for n in names], dtype=torch.float64, device=self.device)
+        send different amounts), and the DP compression figures. `bytes_dp` covers every DP group
+        (dp, and dp_intra + dp_inter under hierarchical sync). Collective over the world: every rank
+        calls it on logging steps."""
+        count = C.COUNTER
+        dp_wire = sum(count.wire_bytes(g) for g in DP_GROUPS)
+        n, numel = self.ctx.dp_size, sum(b.buffer().numel() for b in self.grad_sync.buckets)
+        plain_wire = 4 * numel * 2 * (n - 1) / n  # what the exact fp32 ring all-reduce would send
+        state = self.grad_sync.state
+        err_sq, ref_sq = state.take_error() if isinstance(state, Compression) else (0.0, 0.0)
+        values = [count.group_bytes("tp"), count.group_bytes("pp"), sum(count.group_bytes(g) for g in DP_GROUPS),
+                  count.group_bytes("embedding"), count.group_bytes("dp_inter"), dp_wire, plain_wire, err_sq, ref_sq]
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
         if self.ctx.layout.world > 1:
             dist.all_reduce(t)  # metrics only: uncounted, not training traffic
-            t /= self.ctx.layout.world
-        return {f"bytes_{n}": v for n, v in zip(names, t.tolist())}
+        out = {f"bytes_{k}": v / self.ctx.layout.world for k, v in zip(("tp", "pp", "dp", "embedding"), t.tolist())}
+        inter, dp_wire, plain_wire, err_sq, ref_sq = t[4:].tolist()
+        if self.cfg.compression.method == "hierarchical":
+            out["bytes_dp_inter"] = inter / self.ctx.layout.world  # the compressed, between-node part
+        if n > 1:
+            out["compression_ratio"] = plain_wire / dp_wire if dp_wire else 1.0
+            if self.cfg.compression.measure_error:
+                out["compression_error"] = (err_sq / ref_sq) ** 0.5 if ref_sq else 0.0
+        return out
 
     def step_metrics(self, r: StepResult) -> dict[str, Any]:
         """The metrics.jsonl record of a step. Collective (see `mean_bytes`)."""
@@ -206,6 +226,10 @@ class Trainer:
         t, last = self.cfg.train, None
         while self.step < t.steps:
             C.COUNTER.reset()
+            if isinstance(self.grad_sync.state, Compression):  # meter ‖ĝ − g‖ on the steps that get logged
+                logged = (self.step + 1) % self.cfg.logging.log_every == 0 or self.step + 1 == t.steps
+                c = self.cfg.compression
+                self.grad_sync.state.measure = logged and c.measure_error and c.method != "none"
             last = self.train_step()
             if self.step % self.cfg.logging.log_every == 0 or self.step == t.steps:
                 record = self.step_metrics(last)  # on every rank: the bytes are averaged over ranks

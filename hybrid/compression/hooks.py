@@ -1,19 +1,39 @@
 """DP comm hooks: PyTorch DDP's protocol `hook(state, bucket) -> Future[Tensor]`, and a registry.
 
 A hook receives a bucket (`buffer()`, `index()`, `is_last()`, `parameters()`, `gradients()`,
-`set_buffer()`) holding the summed local gradients, and returns a future whose value is the
-DP *mean* of that buffer. The same function runs in hybrid's `GradSync` and in
-`torch.nn.parallel.DistributedDataParallel.register_comm_hook`. Bytes are counted at the
-collective calls (`hybrid.parallel.collectives`).
+`set_buffer()`) holding this rank's summed gradients, and returns a future whose value is the
+DP *mean* of that buffer (exact or approximated). The same function runs in hybrid's `GradSync`
+and in `torch.nn.parallel.DistributedDataParallel.register_comm_hook`, and PyTorch's own hooks
+(`torch_fp16`, `torch_bf16`, `torch_powersgd`) run in `GradSync` unchanged.
+
+Methods (`compression=<method>`, knobs under `compression.*`):
+  none        exact fp32 all-reduce (mean)
+  fp16, bf16  all-reduce of the gradients cast to 16 bits (2× fewer bytes)
+  int8        block-wise int8, two-phase (all-to-all → average → all-gather), `codecs.py`
+  sign        1 bit per element + a scale per block, two-phase, error feedback
+  topk        the largest `fraction` of each chunk, values + indices, two-phase, error feedback
+  powersgd    rank-`rank` factors, error feedback, warm start, `powersgd.py`
+  hierarchical  exact inside a node, `inner` method between nodes, `hierarchical.py`
+
+`make_hook` wraps every method in `Compression`, the hook state that adds what is common to all:
+exact all-reduce for the first `warmup_steps` steps, the optional measurement of the relative
+compression error ‖ĝ − g‖/‖g‖, and `state_dict()` / `load_state_dict()` for checkpoints.
+Bytes are counted at the collective calls (`hybrid.parallel.collectives`); PyTorch's hooks call
+`torch.distributed` themselves, so their module sees a counting proxy of it (`_CountingDist`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
+from hybrid.compression import codecs, powersgd
+from hybrid.compression.codecs import done
+from hybrid.compression.hierarchical import HierarchicalState, hierarchical_hook
 from hybrid.config import ConfigError
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
@@ -26,23 +46,177 @@ def allreduce_hook(group: Group, bucket: Any) -> torch.futures.Future:
     buf = bucket.buffer()
     buf.div_(C.size(group))
     work = C.all_reduce(buf, group, async_op=True)
-    if work is None:
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(buf)
-        return fut
-    return work.get_future().then(lambda f: f.value()[0])
+    return done(buf) if work is None else work.get_future().then(lambda f: f.value()[0])
 
+
+@dataclass
+class CastState:
+    group: Group
+    dtype: torch.dtype
+
+
+def cast_hook(st: CastState, bucket: Any) -> torch.futures.Future:
+    """Mean in 16 bits: divide in fp32, cast, all-reduce (sum) the 16-bit copy, cast back.
+
+    Dividing before the cast keeps the n-term sum inside fp16's range whenever each term is."""
+    buf = bucket.buffer()
+    low = (buf / C.size(st.group)).to(st.dtype)
+    work = C.all_reduce(low, st.group, async_op=True)
+
+    def back(_: Any = None) -> torch.Tensor:
+        return buf.copy_(low)
+
+    return done(back()) if work is None else work.get_future().then(back)
+
+
+@dataclass
+class Compression:
+    """The state `make_hook`'s hook runs with: a method's (hook, state) plus warm-up and metering.
+
+    `measure = True` (set by the trainer on logged steps) adds one exact, uncounted fp32
+    all-reduce per bucket, to report ‖ĝ − g‖ and ‖g‖; `take_error()` returns and clears them.
+    """
+
+    method: str
+    group: Group
+    hook: Hook
+    state: Any
+    warmup_steps: int = 0
+    serial: bool = False  # wait for the previous bucket first: the hook issues collectives in callbacks
+    iteration: int = 0  # steps whose last bucket was launched
+    measure: bool = False
+    _sq: list[float] = field(default_factory=lambda: [0.0, 0.0])  # Σ‖ĝ − g‖², Σ‖g‖²
+    _pending: Optional[torch.futures.Future] = None
+
+    def take_error(self) -> tuple[float, float]:
+        out, self._sq = (self._sq[0], self._sq[1]), [0.0, 0.0]
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "iteration": self.iteration, "hook": _state_dict(self.state)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd["method"] != self.method:
+            raise ValueError(f"hook state is for compression={sd['method']}, this run uses {self.method}")
+        self.iteration = sd["iteration"]
+        _load_state_dict(self.state, sd["hook"])
+
+    def _meter(self, exact: torch.Tensor, fut: torch.futures.Future) -> torch.Tensor:
+        value = fut.value()
+        value = value[0] if isinstance(value, list) else value
+        self._sq[0] += float((value - exact).pow(2).sum())
+        self._sq[1] += float(exact.pow(2).sum())
+        return value
+
+
+def run_hook(st: Compression, bucket: Any) -> torch.futures.Future:
+    """The hook `make_hook` returns: warm-up, then the method; meters the error when asked."""
+    if st.serial and st._pending is not None:
+        st._pending.wait()
+    exact = None
+    if st.measure and C.size(st.group) > 1:
+        exact = bucket.buffer().clone()
+        dist.all_reduce(exact, group=st.group)  # the reference: uncounted, it is not training traffic
+        exact /= C.size(st.group)
+    if st.iteration < st.warmup_steps:
+        fut = allreduce_hook(st.group, bucket)
+    else:
+        fut = st.hook(st.state, bucket)
+    if bucket.is_last():
+        st.iteration += 1
+    if exact is not None:
+        fut = fut.then(lambda f: st._meter(exact, f))
+    st._pending = fut
+    return fut
+
+
+def _state_dict(state: Any) -> Any:
+    if hasattr(state, "state_dict"):
+        return state.state_dict()
+    if hasattr(state, "__getstate__") and type(state).__name__ == "PowerSGDState":
+        return state.__getstate__()  # PyTorch's PowerSGD state (the process group left out)
+    return {}
+
+
+def _load_state_dict(state: Any, sd: Any) -> None:
+    if hasattr(state, "load_state_dict"):
+        state.load_state_dict(sd)
+    elif type(state).__name__ == "PowerSGDState":
+        group = state.process_group
+        state.__setstate__(sd)
+        state.process_group = group
+
+
+# ---- the registry: method → factory(cfg, dp group) → (hook, state) --------------------------
 
 def _allreduce(cfg: Any, group: Group) -> tuple[Hook, Any]:
     return allreduce_hook, group
 
 
-REGISTRY: dict[str, Callable[[Any, Group], tuple[Hook, Any]]] = {"none": _allreduce}
-"""method name → factory(compression cfg, DP group) → (hook, state)."""
+def _cast(dtype: torch.dtype) -> Callable[[Any, Group], tuple[Hook, Any]]:
+    return lambda cfg, group: (cast_hook, CastState(group, dtype))
 
 
-def make_hook(cfg: Any, group: Group) -> tuple[Hook, Any]:
-    """The (hook, state) pair for `compression.method`; one ConfigError line if unknown."""
-    if cfg.method not in REGISTRY:
-        raise ConfigError(f"compression.method={cfg.method!r} is not one of {', '.join(sorted(REGISTRY))}")
-    return REGISTRY[cfg.method](cfg, group)
+def _two_phase(codec: Callable[[Any], codecs.Codec], feedback: bool) -> Callable[[Any, Group], tuple[Hook, Any]]:
+    def make(cfg: Any, group: Group) -> tuple[Hook, Any]:
+        return codecs.two_phase_hook, codecs.TwoPhaseState(codec(cfg), group, feedback and cfg.error_feedback)
+    return make
+
+
+def _powersgd(cfg: Any, group: Group) -> tuple[Hook, Any]:
+    return powersgd.powersgd_hook, powersgd.PowerSGDState(group, cfg.rank, cfg.error_feedback,
+                                                          cfg.min_compression_rate, cfg.seed)
+
+
+REGISTRY: dict[str, Callable[[Any, Group], tuple[Hook, Any]]] = {
+    "none": _allreduce,
+    "fp16": _cast(torch.float16),
+    "bf16": _cast(torch.bfloat16),
+    "int8": _two_phase(lambda cfg: codecs.Int8Codec(cfg.block_size), feedback=False),
+    "sign": _two_phase(lambda cfg: codecs.SignCodec(cfg.block_size), feedback=True),
+    "topk": _two_phase(lambda cfg: codecs.TopKCodec(cfg.fraction), feedback=True),
+    "powersgd": _powersgd,
+}
+"""Flat methods: name → factory(compression cfg, group) → (hook, state). See also TORCH_HOOKS."""
+
+METHODS = (*REGISTRY, "hierarchical", "torch_fp16", "torch_bf16", "torch_powersgd")
+
+
+def check(cfg: Any) -> None:
+    """Validate the `compression` config; one ConfigError line naming the bad knob."""
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    need(cfg.method in METHODS, f"compression.method={cfg.method!r} is not one of {', '.join(METHODS)}")
+    need(cfg.rank > 0, f"compression.rank must be > 0, got {cfg.rank}")
+    need(0 < cfg.fraction <= 1, f"compression.fraction must be in (0, 1], got {cfg.fraction}")
+    need(cfg.block_size > 0, f"compression.block_size must be > 0, got {cfg.block_size}")
+    need(cfg.warmup_steps >= 0, f"compression.warmup_steps must be >= 0, got {cfg.warmup_steps}")
+    need(cfg.min_compression_rate > 0, f"compression.min_compression_rate must be > 0, got {cfg.min_compression_rate}")
+    if cfg.method == "hierarchical":
+        need(cfg.inner in REGISTRY, f"compression=hierarchical needs compression.inner set to one of "
+             f"{', '.join(REGISTRY)} (the method between nodes), got {cfg.inner!r}")
+    if cfg.method == "torch_powersgd" and cfg.error_feedback:
+        need(cfg.warmup_steps >= 2, "compression=torch_powersgd with error feedback needs "
+             f"compression.warmup_steps >= 2 (PyTorch's start_powerSGD_iter), got {cfg.warmup_steps}")
+
+
+def make_hook(cfg: Any, group: Group, dp_intra: Group = None, dp_inter: Group = None) -> tuple[Hook, Compression]:
+    """The (hook, state) pair for `cfg` (the `compression` config) over the DP `group`.
+
+    Hierarchical uses `dp_intra` / `dp_inter` (ParallelContext's node-cut DP groups). The pair
+    also works as `DistributedDataParallel.register_comm_hook(state, hook)`."""
+    check(cfg)
+    warmup, serial = cfg.warmup_steps, False
+    if cfg.method == "hierarchical":
+        inner_hook, inner_state = REGISTRY[cfg.inner](cfg, dp_inter)
+        hook, state = hierarchical_hook, HierarchicalState(dp_intra, dp_inter, inner_hook, inner_state)
+    elif cfg.method.startswith("torch_"):
+        from hybrid.compression.torch_hooks import make_torch_hook
+
+        hook, state = make_torch_hook(cfg, group)
+        warmup, serial = (0, True) if cfg.method == "torch_powersgd" else (warmup, False)
+    else:
+        hook, state = REGISTRY[cfg.method](cfg, group)
+    return run_hook, Compression(cfg.method, group, hook, state, warmup, serial)

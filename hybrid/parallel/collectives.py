@@ -150,6 +150,36 @@ def reduce_scatter_seq(t: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
+    """Rank i's chunk j of `inp` (dim 0 split in equal parts) lands in rank j's chunk i of `out`.
+
+    Counted as the input's bytes (each rank sends all but its own chunk: (n−1)/n on the wire)."""
+    if size(group) == 1:
+        out.copy_(inp)
+        return
+    COUNTER.record(group_name(group), "all_to_all", inp, size(group))
+    dist.all_to_all_single(out.view(-1), inp.reshape(-1), group=group)
+
+
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Group,
+                    async_op: bool = False) -> Optional[dist.Work]:
+    """Every rank's `inp` stacked along dim 0 of `out` (group rank order). Counted as the output."""
+    if size(group) == 1:
+        out.copy_(inp.view_as(out))
+        return None
+    COUNTER.record(group_name(group), "all_gather", out, size(group))
+    return dist.all_gather_single(out.view(-1), inp.reshape(-1), group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
+    """Sum `inp` over the group and keep this rank's chunk of dim 0 in `out`. Counted as the input."""
+    if size(group) == 1:
+        out.copy_(inp.view_as(out))
+        return
+    COUNTER.record(group_name(group), "reduce_scatter", inp, size(group))
+    dist.reduce_scatter_single(out.view(-1), inp.reshape(-1), group=group)
+
+
 def split_seq(t: torch.Tensor, group: Group) -> torch.Tensor:
     """This rank's contiguous chunk of dim 1 (the sequence), no communication."""
     n = size(group)

@@ -1,0 +1,196 @@
+"""int8, sign (1-bit) and top-k: codecs run by one two-phase compressed all-reduce.
+
+Summing compressed values directly would overflow int8 and lose sign bits, so every codec here
+runs the same exchange (the scheme of 1-bit Adam's compressed all-reduce):
+
+  1. pad the bucket to n chunks of L elements (n = DP size), encode each chunk to E bytes;
+  2. **all-to-all**: rank j receives chunk j from every rank;
+  3. decode the n copies of chunk j, average them in fp32, encode the average again;
+  4. **all-gather** the re-encoded chunks; every rank decodes the whole bucket.
+
+Each rank sends (n−1)·E bytes in each collective, against the 2(n−1)/n·4·N bytes of a ring
+all-reduce of N fp32 elements: the ratio is 4N/(n·E) whatever n is. The counted payload per
+bucket is `payload_bytes` = 2·n·E (the all-to-all's input plus the all-gather's output).
+
+Error feedback (sign, top-k): the *worker* residual keeps what step 1 lost on this rank, the
+*server* residual what step 3 lost on the chunk this rank owns; both are added back next step,
+so the applied updates track the true gradients' sum (residuals stay bounded).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hybrid.parallel import collectives as C
+from hybrid.parallel.collectives import Group
+
+_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+
+
+def _f32_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+class Int8Codec:
+    """Block-wise absmax int8: one fp32 scale per `block` elements (x ≈ q · absmax/127)."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+
+    def chunk_len(self, n: int) -> int:
+        return _round_up(n, self.block)
+
+    def encoded_bytes(self, length: int) -> int:
+        return length + 4 * (length // self.block)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        blocks = x.view(-1, self.block)
+        scale = blocks.abs().amax(dim=1) / 127.0
+        q = torch.where(scale[:, None] > 0, blocks / scale.clamp_min(1e-30)[:, None], 0.0)
+        q = q.round_().clamp_(-127, 127).to(torch.int8)
+        return torch.cat([q.view(torch.uint8).view(-1), _f32_bytes(scale)])
+
+    def decode(self, data: torch.Tensor, length: int) -> torch.Tensor:
+        q = data[:length].view(torch.int8).view(-1, self.block)
+        scale = data[length:].view(torch.float32)
+        return (q.float() * scale[:, None]).view(-1)
+
+
+class SignCodec:
+    """1 bit per element (the sign, 8 per byte) and one fp32 scale per block: the block's mean
+    |x|, which minimises ‖x − scale·sign(x)‖ for a fixed sign pattern."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+
+    def chunk_len(self, n: int) -> int:
+        return _round_up(n, math.lcm(self.block, 8))
+
+    def encoded_bytes(self, length: int) -> int:
+        return length // 8 + 4 * (length // self.block)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        scale = x.view(-1, self.block).abs().mean(dim=1)
+        bits = (x >= 0).view(-1, 8).to(torch.uint8) * _BIT_WEIGHTS.to(x.device)
+        return torch.cat([bits.sum(dim=1, dtype=torch.uint8), _f32_bytes(scale)])
+
+    def decode(self, data: torch.Tensor, length: int) -> torch.Tensor:
+        packed = data[: length // 8]
+        bits = (packed[:, None] & _BIT_WEIGHTS.to(data.device)) > 0
+        signs = bits.view(-1, self.block).float() * 2 - 1
+        scale = data[length // 8:].view(torch.float32)
+        return (signs * scale[:, None]).view(-1)
+
+
+class TopKCodec:
+    """The k = ⌈fraction·L⌉ largest-magnitude elements of a chunk: int32 indices + fp32 values."""
+
+    def __init__(self, fraction: float) -> None:
+        self.fraction = fraction
+
+    def k(self, length: int) -> int:
+        return max(1, math.ceil(self.fraction * length))
+
+    def chunk_len(self, n: int) -> int:
+        return max(n, 1)
+
+    def encoded_bytes(self, length: int) -> int:
+        return 8 * self.k(length)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        idx = x.abs().topk(self.k(x.numel()), sorted=False).indices
+        return torch.cat([_f32_bytes(idx.to(torch.int32)), _f32_bytes(x[idx])])
+
+    def decode(self, data: torch.Tensor, length: int) -> torch.Tensor:
+        k = self.k(length)
+        idx = data[: 4 * k].view(torch.int32).long()
+        out = torch.zeros(length, dtype=torch.float32, device=data.device)
+        return out.index_put_((idx,), data[4 * k:].view(torch.float32))
+
+
+Codec = Int8Codec | SignCodec | TopKCodec
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return max(1, math.ceil(n / multiple)) * multiple
+
+
+def chunk_len(codec: Codec, numel: int, n: int) -> int:
+    """Elements per rank's chunk for a bucket of `numel` elements over `n` ranks."""
+    return codec.chunk_len(math.ceil(numel / n))
+
+
+def payload_bytes(codec: Codec, numel: int, n: int) -> int:
+    """Counted bytes of one bucket: all-to-all input n·E plus all-gather output n·E."""
+    if n == 1:
+        return 0
+    return 2 * n * codec.encoded_bytes(chunk_len(codec, numel, n))
+
+
+@dataclass
+class TwoPhaseState:
+    """A codec, the DP group, and the error-feedback residuals per bucket index."""
+
+    codec: Codec
+    group: Group
+    error_feedback: bool
+    worker: dict[int, torch.Tensor] = field(default_factory=dict)  # n·L: what encoding lost here
+    server: dict[int, torch.Tensor] = field(default_factory=dict)  # L: what re-encoding our chunk lost
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"worker": dict(self.worker), "server": dict(self.server)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.worker, self.server = dict(sd["worker"]), dict(sd["server"])
+
+
+def _residual(store: dict[int, torch.Tensor], index: int, like: torch.Tensor) -> torch.Tensor:
+    """The stored residual of bucket `index`, zeroed if missing or of another size (DDP rebuilds)."""
+    r = store.get(index)
+    if r is None or r.shape != like.shape:
+        r = store[index] = torch.zeros_like(like)
+    return r
+
+
+def done(value: torch.Tensor) -> torch.futures.Future:
+    """A future that already holds `value` (no communication was needed)."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+def two_phase_hook(st: TwoPhaseState, bucket: Any) -> torch.futures.Future:
+    """all-to-all of encoded chunks → average own chunk → re-encode → all-gather (see module doc)."""
+    buf, n, idx = bucket.buffer(), C.size(st.group), bucket.index()
+    if n == 1:
+        return done(buf)  # nothing to exchange, so nothing to lose
+    length = chunk_len(st.codec, buf.numel(), n)
+    x = torch.zeros(n * length, dtype=torch.float32, device=buf.device)
+    x[: buf.numel()] = buf
+    if st.error_feedback:
+        x += _residual(st.worker, idx, x)
+    sent = torch.stack([st.codec.encode(c) for c in x.view(n, length)])
+    if st.error_feedback:
+        decoded = torch.cat([st.codec.decode(e, length) for e in sent])
+        st.worker[idx] = x - decoded
+    received = torch.empty_like(sent)
+    C.all_to_all(received, sent, st.group)
+    mine = sum(st.codec.decode(e, length) for e in received) / n
+    if st.error_feedback:
+        mine = mine + _residual(st.server, idx, mine)
+    encoded = st.codec.encode(mine)
+    if st.error_feedback:
+        st.server[idx] = mine - st.codec.decode(encoded, length)
+    gathered = torch.empty_like(sent)
+    work = C.all_gather_flat(gathered, encoded, st.group, async_op=True)
+
+    def decode_all(_: Any) -> torch.Tensor:
+        full = torch.cat([st.codec.decode(e, length) for e in gathered])
+        buf.copy_(full[: buf.numel()])
+        return buf
+
+    return work.get_future().then(decode_all)
