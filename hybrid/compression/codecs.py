@@ -177,14 +177,18 @@ def two_phase_hook(st: TwoPhaseState, bucket: Any) -> torch.futures.Future:
     if st.error_feedback:
         decoded = torch.cat([st.codec.decode(e, length) for e in sent])
         st.worker[idx] = x - decoded
+        st.worker[idx][buf.numel():] = 0  # padding is not gradient: nothing to carry over
     received = torch.empty_like(sent)
     C.all_to_all(received, sent, st.group)
     mine = sum(st.codec.decode(e, length) for e in received) / n
+    valid = max(0, min(length, buf.numel() - C.rank(st.group) * length))  # our chunk's real elements
+    mine[valid:] = 0
     if st.error_feedback:
         mine = mine + _residual(st.server, idx, mine)
     encoded = st.codec.encode(mine)
     if st.error_feedback:
         st.server[idx] = mine - st.codec.decode(encoded, length)
+        st.server[idx][valid:] = 0
     gathered = torch.empty_like(sent)
     work = C.all_gather_flat(gathered, encoded, st.group, async_op=True)
 

@@ -60,7 +60,7 @@ def cast_hook(st: CastState, bucket: Any) -> torch.futures.Future:
 
     Dividing before the cast keeps the n-term sum inside fp16's range whenever each term is."""
     buf = bucket.buffer()
-    low = (buf / C.size(st.group)).to(st.dtype)
+    low = buf.to(st.dtype)
     work = C.all_reduce(low, st.group, async_op=True)
 
     def back(_: Any = None) -> torch.Tensor:
@@ -109,8 +109,11 @@ class Compression:
         return value
 
 
-def run_hook(st: Compression, bucket: Any) -> torch.futures.Future:
-    """The hook `make_hook` returns: warm-up, then the method; meters the error when asked."""
+def run_hook(st: Compression, bucket):  # noqa: ANN001, ANN201
+    """The hook `make_hook` returns: warm-up, then the method; meters the error when asked.
+
+    `bucket` and the result are unannotated on purpose: DDP's `register_comm_hook` rejects any
+    annotation but `dist.GradBucket` / `Future[Tensor]`, and ours would be strings here."""
     if st.serial and st._pending is not None:
         st._pending.wait()
     exact = None
@@ -118,7 +121,7 @@ def run_hook(st: Compression, bucket: Any) -> torch.futures.Future:
         exact = bucket.buffer().clone()
         dist.all_reduce(exact, group=st.group)  # the reference: uncounted, it is not training traffic
         exact /= C.size(st.group)
-    if st.iteration < st.warmup_steps:
+    if st.iteration <= st.warmup_steps:
         fut = allreduce_hook(st.group, bucket)
     else:
         fut = st.hook(st.state, bucket)
