@@ -13,7 +13,8 @@ the bucket cut into r row-aligned ranges of about N/r elements each:
 Ranges end on row boundaries of the gradients' matrix views, so the inner method still sees
 matrices (PowerSGD compresses row blocks of a weight; a row block of a low-rank matrix is low
 rank). Ranges are padded to the longest for the equal-size collectives. Counted payload: the
-intra group 2·4·r·L_max per bucket, the inter group the inner method's payload for range j.
+intra group 2·4·r·L_max per bucket, the inter group the inner method's payload for range j (a
+group of one rank sends nothing: one node, or one rank per node).
 """
 
 from __future__ import annotations

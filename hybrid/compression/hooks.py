@@ -60,7 +60,7 @@ def cast_hook(st: CastState, bucket: Any) -> torch.futures.Future:
 
     Dividing before the cast keeps the n-term sum inside fp16's range whenever each term is."""
     buf = bucket.buffer()
-    low = buf.to(st.dtype)
+    low = (buf / C.size(st.group)).to(st.dtype)
     work = C.all_reduce(low, st.group, async_op=True)
 
     def back(_: Any = None) -> torch.Tensor:
@@ -121,7 +121,7 @@ def run_hook(st: Compression, bucket):  # noqa: ANN001, ANN201
         exact = bucket.buffer().clone()
         dist.all_reduce(exact, group=st.group)  # the reference: uncounted, it is not training traffic
         exact /= C.size(st.group)
-    if st.iteration <= st.warmup_steps:
+    if st.iteration < st.warmup_steps:
         fut = allreduce_hook(st.group, bucket)
     else:
         fut = st.hook(st.state, bucket)
