@@ -56,7 +56,7 @@ class Int8Codec:
 
     def decode(self, data: torch.Tensor, length: int) -> torch.Tensor:
         q = data[:length].view(torch.int8).view(-1, self.block)
-        scale = data[length:].view(torch.float32)
+        scale = data[length:].clone().view(torch.float32)  # copied: a row may start unaligned
         return (q.float() * scale[:, None]).view(-1)
 
 
@@ -82,7 +82,7 @@ class SignCodec:
         packed = data[: length // 8]
         bits = (packed[:, None] & _BIT_WEIGHTS.to(data.device)) > 0
         signs = bits.view(-1, self.block).float() * 2 - 1
-        scale = data[length // 8:].view(torch.float32)
+        scale = data[length // 8:].clone().view(torch.float32)  # copied: a row may start unaligned
         return (signs * scale[:, None]).view(-1)
 
 

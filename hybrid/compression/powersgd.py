@@ -100,12 +100,18 @@ def powersgd_hook(st: PowerSGDState, bucket: Any) -> torch.futures.Future:
             exact.append(g)
     qs = _initial_qs(st, idx, mats)
     ps = [m @ q for (m, _), q in zip(mats, qs)]
-    flat = torch.cat([e.reshape(-1) for e in exact] + [p.reshape(-1) for p in ps])
-    C.all_reduce(flat, st.group)
+    parts = [e.reshape(-1) for e in exact] + [p.reshape(-1) for p in ps]
+    flat = torch.cat(parts) if parts else buf.new_zeros(0)  # empty: a hierarchical range with no rows
+    if flat.numel():  # every rank of the group has the same shapes, so all skip together
+        C.all_reduce(flat, st.group)
     offset = 0
     for e in exact:
         e.copy_(flat[offset: offset + e.numel()].view_as(e) / n)
         offset += e.numel()
+    if not mats:  # nothing worth compressing in this bucket: it went exactly
+        if st.error_feedback:
+            st.residual[idx] = local - buf
+        return done(buf)
     for i, p in enumerate(ps):
         ps[i] = _orthonormal(flat[offset: offset + p.numel()].view_as(p))
         offset += p.numel()

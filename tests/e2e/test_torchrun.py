@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -128,3 +129,40 @@ def test_bad_pipeline_config_is_one_line_per_rank(overrides: list[str], needle: 
     assert sorted(ln.split()[0] for ln in ours) == ["[rank0]", "[rank1]"], r.stderr[-2000:]
     assert all(needle in ln for ln in ours), ours
     assert "Traceback" not in r.stderr.split("hybrid: error:")[0]
+
+
+def test_torchrun_dp4_powersgd_compression_metrics(tmp_path: Path, env: dict[str, str]) -> None:
+    r = torchrun(4, *QUICK, "parallel=dp", "compression=powersgd", "train.steps=4", "train.eval_every=0",
+                 f"logging.dir={tmp_path}", env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps, _ = read_metrics(tmp_path)
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    assert "layout: world=4 = pp1 × dp4 × tp1" in r.stdout + r.stderr
+    for s in steps:
+        assert s["bytes_dp"] > 0
+        assert s["compression_ratio"] > 1, s  # rank-4 factors instead of fp32 gradients
+        assert 0 < s["compression_error"] < 10, s  # metered on every logged step (log_every=1)
+        assert "bytes_dp_inter" not in s  # only under hierarchical
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["compression=nonexistent"], "Could not find 'compression/nonexistent'"),
+    (["compression=powersgd", "compression.rank=0"], "compression.rank must be > 0, got 0"),
+    (["compression=topk", "compression.fraction=1.5"], "compression.fraction must be in (0, 1], got 1.5"),
+    (["compression=int8", "compression.block_size=0"], "compression.block_size must be > 0, got 0"),
+    (["compression=hierarchical"], "compression=hierarchical needs compression.inner set to one of"),
+])
+def test_bad_compression_config_is_one_line_per_rank(overrides: list[str], needle: str, tmp_path: Path,
+                                                     env: dict[str, str]) -> None:
+    r = torchrun(2, *overrides, f"logging.dir={tmp_path}", env=env, timeout=120)
+    assert r.returncode != 0
+    ours = [ln for ln in r.stderr.splitlines() if "hybrid: error:" in ln]
+    assert sorted(ln.split()[0] for ln in ours) == ["[rank0]", "[rank1]"], r.stderr[-2000:]
+    assert all(needle in ln for ln in ours), ours
+    assert "Traceback" not in r.stderr.split("hybrid: error:")[0]
+    # torchrun's failure report: the first rank to exit left with status 2 (bad input); a peer still
+    # shutting down when torchrun stopped the others may show SIGTERM instead
+    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", r.stderr)]
+    root = r.stderr.split("Root Cause")[-1]
+    assert int(re.search(r"exitcode\s*:\s*(-?\d+)", root).group(1)) == 2, r.stderr[-2000:]
+    assert set(codes) <= {2, -15}, codes

@@ -24,8 +24,11 @@ def test_every_config_file_composes(group: str, option: str) -> None:
     overrides = [f"{group}={option}"]
     if group == "data" and option == "local":
         overrides.append(f"data.path={ROOT / 'pyproject.toml'}")
+    if group == "compression" and option == "hierarchical":  # the file leaves the inner method to the user
+        overrides.append("compression.inner=int8")
     cfg = compose_config(overrides)
-    assert cfg[group].get("name", cfg[group].get("method")) == option
+    expected = option.split("-")[0] if group == "compression" else option  # hierarchical-<inner>
+    assert cfg[group].get("name", cfg[group].get("method")) == expected
     world = cfg.parallel.tp * cfg.parallel.pp * (cfg.parallel.dp or 1)
     if group == "model":  # each model composes with the layouts it is meant for
         cfg = compose_config(overrides + ["parallel=tp2pp4", "train.global_batch_size=64"])
@@ -97,3 +100,36 @@ def test_cfg_job_prints_the_composed_config() -> None:
     r = run_train("--cfg", "job", "model=llama-tiny", "train.steps=7")
     assert r.returncode == 0, r.stderr
     assert "family: llama" in r.stdout and "steps: 7" in r.stdout
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["compression.method=zip"], r"compression.method='zip' is not one of"),
+    (["compression=powersgd", "compression.rank=0"], r"compression.rank must be > 0, got 0"),
+    (["compression=powersgd", "compression.rank=-2"], r"compression.rank must be > 0, got -2"),
+    (["compression=topk", "compression.fraction=0"], r"compression.fraction must be in \(0, 1\], got 0"),
+    (["compression=topk", "compression.fraction=1.5"], r"compression.fraction must be in \(0, 1\], got 1.5"),
+    (["compression=int8", "compression.block_size=0"], r"compression.block_size must be > 0, got 0"),
+    (["compression=sign", "compression.warmup_steps=-1"], r"compression.warmup_steps must be >= 0"),
+    (["compression=powersgd", "compression.min_compression_rate=0"], r"compression.min_compression_rate must be > 0"),
+    (["compression=hierarchical"], r"compression=hierarchical needs compression.inner"),
+    (["compression=hierarchical", "compression.inner=hierarchical"], r"compression.inner .*got 'hierarchical'"),
+    (["compression=hierarchical", "compression.inner=torch_fp16"], r"compression.inner .*got 'torch_fp16'"),
+    (["compression=torch_powersgd", "compression.warmup_steps=1"], r"compression.warmup_steps >= 2"),
+])
+def test_validate_rejects_bad_compression(overrides: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        validate(compose_config(overrides), 1)
+
+
+def test_compression_knobs_that_are_fine() -> None:
+    """The boundaries of the checks above are accepted (fraction 1, rank 1, torch_powersgd without
+    error feedback needs no warm-up), and make_hook applies the same check."""
+    from hybrid.compression.hooks import make_hook
+    from hybrid.config import CompressionConfig
+
+    for overrides in (["compression=topk", "compression.fraction=1"], ["compression=powersgd", "compression.rank=1"],
+                      ["compression=torch_powersgd", "compression.warmup_steps=0", "compression.error_feedback=false"],
+                      ["compression=hierarchical", "compression.inner=int8"]):
+        validate(compose_config(overrides), 1)
+    with pytest.raises(ConfigError, match="compression.inner"):
+        make_hook(CompressionConfig(method="hierarchical"), None)

@@ -1,0 +1,297 @@
+"""DP gradient compression inside the Trainer, on gloo ranks, against references.
+
+One world-8 launch trains every method (`compression=<method>`) at tp2pp2dp2, one after another
+with a fresh model and Trainer each (the process groups are built once), plus hierarchical at
+tp2dp4 where both the intra-node and the inter-node part of the DP group have two ranks. For
+every step of every method it records how often the hook ran per bucket, the bytes counted per DP
+group, and what the library's own payload formulas say those bytes must be (`codecs.payload_bytes`,
+`powersgd.payload_bytes`, `hierarchical.row_ranges`): they must agree exactly. The loss must fall
+under every method, and `Trainer.mean_bytes()` must report the ratio those counted bytes imply.
+
+A world-2 launch (dp=2) checks the warm-up against an uncompressed run (bit for bit, then not) and
+PyTorch's own DDP hooks against ours: `torch_fp16` vs `fp16`, `torch_powersgd` vs `powersgd`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import pytest
+import torch
+from harness import run_ranks
+from pp_helpers import GROUPS, VOCAB, Case, make_cfg
+from test_dp import synthetic_corpus
+
+from hybrid.compression import codecs, hierarchical, powersgd
+from hybrid.compression.hooks import make_hook
+from hybrid.parallel import collectives as C
+from hybrid.parallel.context import Layout, ParallelContext
+from hybrid.trainer import DP_GROUPS, Trainer, build_chunks
+
+STEPS = 6
+TIMEOUT = 240
+BUCKET_MB = 0.05  # ~7 buckets per stage of the 8-layer tp2 model (and per rank at pp=1)
+# 8 training sequences = one global batch: every step sees the same batch (in another order), so the
+# loss falls steadily within STEPS steps instead of wandering with the batch (5.30 → 4.35 uncompressed).
+SAMPLES = 16
+COMMON = [f"train.steps={STEPS}", "train.lr=1e-2"]
+
+# label → (case, ranks per node, overrides); all on 8 ranks
+RUNS: dict[str, tuple[Case, int, list[str]]] = {
+    m: (Case(tp=2, pp=2), 4, [f"compression={m}"])
+    for m in ("none", "fp16", "bf16", "int8", "sign", "topk", "powersgd", "torch_fp16", "torch_powersgd")
+}
+RUNS["hierarchical"] = (Case(tp=2, pp=2), 4, ["compression=hierarchical", "compression.inner=powersgd"])
+# tp2pp2dp2 on nodes of 4 keeps each DP pair inside a node (the inter-node part is one rank): there
+# hierarchical is exact. At tp2dp4 each DP group is 2 ranks on each of 2 nodes, so both hops are real.
+RUNS["hierarchical-tp2dp4"] = (Case(tp=2, pp=1), 4, ["compression=hierarchical", "compression.inner=powersgd"])
+
+ALL_REDUCE, TWO_PHASE = "all_reduce", "two_phase"
+
+
+def _wire(kind: str, payload: int, n: int) -> float:
+    """What one rank sends for a counted payload: ring all-reduce 2(n−1)/n, all-to-all/gather/scatter (n−1)/n."""
+    return payload * (2 if kind == ALL_REDUCE else 1) * (n - 1) / n
+
+
+def _flat(method: str, c: Any, numel: int, shapes: list[torch.Size], n: int) -> tuple[int, str]:
+    """Counted payload of one bucket (numel elements, gradient `shapes`) under a flat method over n ranks."""
+    if n == 1:
+        return 0, ALL_REDUCE  # size-1 group: no collective runs
+    if method == "none":
+        return 4 * numel, ALL_REDUCE
+    if method in ("fp16", "bf16", "torch_fp16", "torch_bf16"):
+        return 2 * numel, ALL_REDUCE
+    if method in ("powersgd", "torch_powersgd"):
+        return powersgd.payload_bytes(shapes, c.rank, c.min_compression_rate), ALL_REDUCE
+    codec = {"int8": lambda: codecs.Int8Codec(c.block_size), "sign": lambda: codecs.SignCodec(c.block_size),
+             "topk": lambda: codecs.TopKCodec(c.fraction)}[method]()
+    return codecs.payload_bytes(codec, numel, n), TWO_PHASE
+
+
+def expected_step(c: Any, step: int, buckets: list[Any], ctx: ParallelContext) -> tuple[dict[str, int], float]:
+    """(counted payload per DP group, wire bytes this rank sends) of one step, from the library's formulas."""
+    payload, wire = dict.fromkeys(DP_GROUPS, 0), 0.0
+
+    def add(group: str, amount: tuple[int, str], n: int) -> None:
+        nonlocal wire
+        payload[group] += amount[0]
+        wire += _wire(amount[1], amount[0], n)
+
+    for b in buckets:
+        numel, shapes = b.buffer().numel(), [g.shape for g in b.gradients()]
+        # warm-up: ours via Compression (exact fp32), PyTorch's PowerSGD via start_powerSGD_iter (the same)
+        method = "none" if step < c.warmup_steps else c.method
+        if method != "hierarchical":
+            add("dp", _flat(method, c, numel, shapes, ctx.dp_size), ctx.dp_size)
+            continue
+        r, j, n_inter = C.size(ctx.dp_intra_group), C.rank(ctx.dp_intra_group), C.size(ctx.dp_inter_group)
+        ranges = hierarchical.row_ranges(shapes, r)
+        longest = max(e - s for s, e in ranges)
+        add("dp_intra", (2 * 4 * r * longest if r > 1 else 0, TWO_PHASE), r)  # reduce-scatter in + all-gather out
+        piece = hierarchical.piece_shapes(shapes, ranges[j])
+        add("dp_inter", _flat(c.inner, c, ranges[j][1] - ranges[j][0], piece, n_inter), n_inter)
+    return payload, wire
+
+
+def train_method(ctx: ParallelContext, case: Case, world: int, overrides: list[str], steps: int = STEPS,
+                 measure_last: bool = True) -> dict[str, Any]:
+    """Train one method from scratch on this rank; record per step what the hook and the counter saw."""
+    cfg = make_cfg(case, world, bucket_mb=BUCKET_MB,
+                   extra=[*COMMON, f"parallel.ranks_per_node={ctx.layout.ranks_per_node}", *overrides])
+    model = build_chunks(cfg, VOCAB, ctx)
+    hook, state = make_hook(cfg.compression, ctx.dp_group, ctx.dp_intra_group, ctx.dp_inter_group)
+    calls: list[int] = []
+
+    def counted(st: Any, bucket: Any) -> torch.futures.Future:
+        calls.append(bucket.index())
+        return hook(st, bucket)
+
+    trainer = Trainer(cfg, ctx, model, synthetic_corpus(vocab=VOCAB, n=SAMPLES), torch.device("cpu"), counted, state)
+    buckets = trainer.grad_sync.buckets
+    out: dict[str, Any] = {"coord": (ctx.coord.pp, ctx.coord.dp, ctx.coord.tp), "buckets": len(buckets), "losses": [], "norms": [],
+                           "calls": [], "bytes": [], "expected": [], "wire": [], "expected_wire": []}
+    for step in range(steps):
+        C.COUNTER.reset()
+        calls.clear()
+        state.measure = measure_last and step == steps - 1  # the meter's exact all-reduce must stay uncounted
+        r = trainer.train_step()
+        out["losses"].append(r.loss)
+        out["norms"].append(r.grad_norm)
+        out["calls"].append(list(calls))
+        out["bytes"].append({g: C.COUNTER.group_bytes(g) for g in DP_GROUPS})
+        out["wire"].append(sum(C.COUNTER.wire_bytes(g) for g in DP_GROUPS))
+        payload, wire = expected_step(cfg.compression, step, buckets, ctx)
+        out["expected"].append(payload)
+        out["expected_wire"].append(wire)
+    n = ctx.dp_size
+    out["plain_wire"] = 4 * sum(b.buffer().numel() for b in buckets) * 2 * (n - 1) / n
+    out["mean_bytes"] = trainer.mean_bytes()  # collective over the world: the last step's figures
+    out["iteration"] = state.iteration
+    out["torch_iter"] = getattr(state.state, "iter", None)  # PyTorch's PowerSGDState counts steps too
+    return out
+
+
+def train_runs(rank: int, world: int, runs: dict[str, tuple[Case, int, list[str]]]) -> dict[str, dict[str, Any]]:
+    """Rank function: every run in turn; process groups built once per (tp, pp, ranks per node)."""
+    torch.set_num_threads(1)
+    contexts: dict[tuple[int, int, int], ParallelContext] = {}
+    out = {}
+    for label, (case, rpn, overrides) in runs.items():
+        key = (case.tp, case.pp, rpn)
+        if key not in contexts:
+            ctx = ParallelContext.build(Layout.create(world, tp=case.tp, pp=case.pp, ranks_per_node=rpn))
+            for name in GROUPS:
+                C.name_group(getattr(ctx, f"{name}_group"), name)
+            contexts[key] = ctx
+        out[label] = train_method(contexts[key], case, world, overrides)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def world8() -> dict[str, list[dict[str, Any]]]:
+    """label → results by rank, from the one world-8 launch (run once per session)."""
+    torch.set_num_threads(1)
+    results = run_ranks(train_runs, 8, RUNS, timeout=TIMEOUT)
+    return {label: [r[label] for r in results] for label in RUNS}
+
+
+@pytest.mark.parametrize("label", list(RUNS))
+def test_hook_runs_once_per_bucket_per_step(label: str) -> None:
+    for r in world8()[label]:
+        assert r["buckets"] >= 3, (label, r["coord"], r["buckets"])  # several buckets per stage
+        for step, calls in enumerate(r["calls"]):
+            assert calls == list(range(r["buckets"])), (label, r["coord"], step, calls)
+        assert r["iteration"] == STEPS, (label, r["coord"], r["iteration"])
+        if label == "torch_powersgd":
+            assert r["torch_iter"] == STEPS  # PyTorch's own state saw each step's last bucket once
+
+
+@pytest.mark.parametrize("label", list(RUNS))
+def test_counted_dp_bytes_equal_the_method_formula(label: str) -> None:
+    results = world8()[label]
+    for r in results:
+        for step in range(STEPS):
+            assert r["bytes"][step] == r["expected"][step], (label, r["coord"], step)
+            assert r["wire"][step] == pytest.approx(r["expected_wire"][step], rel=1e-12)
+    first, last = results[0]["bytes"][0], results[0]["bytes"][-1]
+    if label.startswith("hierarchical"):
+        assert first["dp"] == 0 and first["dp_intra"] > 0  # exact inside the node, by reduce-scatter/all-gather
+        if label == "hierarchical-tp2dp4":
+            assert 0 < first["dp_inter"] < first["dp_intra"] / 4  # the slow hop carries rank-4 factors of 1/2
+        else:
+            assert first["dp_inter"] == 0  # the DP pair lives inside one node: nothing crosses nodes
+    elif label == "torch_powersgd":
+        assert first["dp"] > 4 * last["dp"]  # 2 exact warm-up steps (start_powerSGD_iter), then compressed
+    elif label != "none":
+        sent, exact = results[0]["wire"][-1], world8()["none"][0]["wire"][-1]
+        assert 0 < sent <= exact / 2, (label, sent, exact)  # every method sends at most half of fp32's bytes
+
+
+@pytest.mark.parametrize("label", list(RUNS))
+def test_loss_falls_under_every_method(label: str) -> None:
+    results = world8()[label]
+    losses = results[0]["losses"]
+    assert losses[-1] < losses[0] - 0.1, (label, losses)
+    for r in results:  # the loss is the DP mean of the last stage's: the same number on every rank
+        assert r["losses"] == losses, (label, r["coord"])
+
+
+@pytest.mark.parametrize("label", list(RUNS))
+def test_mean_bytes_reports_the_counted_compression(label: str) -> None:
+    results = world8()[label]
+    world = len(results)
+    plain = sum(r["plain_wire"] for r in results)
+    wire = sum(r["expected_wire"][-1] for r in results)
+    dp = sum(sum(r["expected"][-1].values()) for r in results) / world
+    for r in results:
+        m = r["mean_bytes"]
+        assert m["compression_ratio"] == pytest.approx(plain / wire, rel=1e-9), label
+        assert m["bytes_dp"] == pytest.approx(dp, rel=1e-12), label
+        if label.startswith("hierarchical"):
+            inter = sum(q["expected"][-1]["dp_inter"] for q in results) / world
+            assert m["bytes_dp_inter"] == pytest.approx(inter, rel=1e-12)
+        else:
+            assert "bytes_dp_inter" not in m
+        # the last step was metered: ‖ĝ − g‖/‖g‖ against an exact all-reduce
+        err = m["compression_error"]
+        assert math.isfinite(err) and err >= 0, (label, err)
+        if label in ("none", "hierarchical"):  # exact (hierarchical: no inter-node hop at this layout)
+            assert err < 1e-6, (label, err)
+        elif label in ("fp16", "bf16", "torch_fp16"):
+            assert 1e-7 < err < 1e-2, (label, err)  # 16-bit rounding: small but not zero
+        else:
+            assert err > 1e-3, (label, err)  # lossy compression shows
+    if label == "none":
+        assert results[0]["mean_bytes"]["compression_ratio"] == 1.0
+    if label in ("fp16", "bf16", "torch_fp16"):
+        assert results[0]["mean_bytes"]["compression_ratio"] == pytest.approx(2.0, rel=1e-12)
+
+
+# ---- dp=2: warm-up against an uncompressed run; PyTorch's hooks against ours ----------------------
+
+PAIR_RUNS: dict[str, tuple[Case, int, list[str]]] = {
+    "none": (Case(), 2, ["compression=none"]),
+    "powersgd-warm2": (Case(), 2, ["compression=powersgd", "compression.warmup_steps=2"]),
+    "sign-warm3": (Case(), 2, ["compression=sign", "compression.warmup_steps=3"]),
+    "fp16": (Case(), 2, ["compression=fp16"]),
+    "torch_fp16": (Case(), 2, ["compression=torch_fp16"]),
+    "torch_powersgd": (Case(), 2, ["compression=torch_powersgd", "compression.warmup_steps=2"]),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def world2() -> dict[str, list[dict[str, Any]]]:
+    torch.set_num_threads(1)
+    results = run_ranks(train_runs, 2, PAIR_RUNS, timeout=TIMEOUT)
+    return {label: [r[label] for r in results] for label in PAIR_RUNS}
+
+
+@pytest.mark.parametrize("label,warmup", [("powersgd-warm2", 2), ("sign-warm3", 3)])
+def test_warmup_steps_are_exact_then_compressed(label: str, warmup: int) -> None:
+    runs = world2()
+    for ref, r in zip(runs["none"], runs[label]):
+        # step k's gradient norm is taken after step k's sync; step k's loss before it
+        assert r["norms"][:warmup] == ref["norms"][:warmup], (label, r["norms"], ref["norms"])
+        assert r["norms"][warmup] != ref["norms"][warmup]
+        assert r["losses"][:warmup + 1] == ref["losses"][:warmup + 1], (label, r["losses"], ref["losses"])
+        assert all(a != b for a, b in zip(r["losses"][warmup + 1:], ref["losses"][warmup + 1:])), label
+        assert r["bytes"][:warmup] == ref["bytes"][:warmup]  # exact fp32 all-reduce while warming up
+        assert all(b["dp"] < ref["bytes"][0]["dp"] / 4 for b in r["bytes"][warmup:])
+        assert r["bytes"] == r["expected"]
+
+
+def test_torch_fp16_hook_matches_ours() -> None:
+    runs = world2()
+    for ours, theirs, exact in zip(runs["fp16"], runs["torch_fp16"], runs["none"]):
+        assert theirs["bytes"] == ours["bytes"] == theirs["expected"]
+        # PyTorch casts, then divides in fp16; we divide in fp32, then cast: the same but for fp16
+        # subnormals, whose differences Adam then carries along the run
+        torch.testing.assert_close(torch.tensor(theirs["losses"]), torch.tensor(ours["losses"]), rtol=0, atol=1e-3)
+        torch.testing.assert_close(torch.tensor(theirs["norms"]), torch.tensor(ours["norms"]), rtol=1e-3, atol=0)
+        # the first step's synced gradient is the exact mean rounded to fp16 (a missing 1/n doubles it)
+        assert theirs["norms"][0] == pytest.approx(exact["norms"][0], rel=1e-4)
+        assert theirs["norms"][0] != exact["norms"][0]  # and it was rounded
+        assert theirs["losses"][1:] != exact["losses"][1:]
+        assert theirs["mean_bytes"]["compression_error"] == pytest.approx(ours["mean_bytes"]["compression_error"],
+                                                                         rel=0.1)
+
+
+def test_torch_powersgd_hook_matches_ours() -> None:
+    runs = world2()
+    for ours, theirs, exact in zip(runs["powersgd-warm2"], runs["torch_powersgd"], runs["none"]):
+        assert theirs["bytes"] == ours["bytes"] == theirs["expected"]  # same rank, same warm-up, same factors sent
+        assert theirs["bytes"][2]["dp"] < theirs["bytes"][0]["dp"] / 4
+        assert theirs["losses"][:3] == ours["losses"][:3] == exact["losses"][:3]  # warm-up: exact for both
+        assert theirs["norms"][:2] == ours["norms"][:2] == exact["norms"][:2]
+        # from the first compressed step on they differ from the exact run, and (different random
+        # first factors) from each other, but approximate the same mean at the same rank
+        assert theirs["norms"][2] != exact["norms"][2] and ours["norms"][2] != exact["norms"][2]
+        assert theirs["norms"][2] == pytest.approx(ours["norms"][2], rel=1e-2)
+        lt, lo = torch.tensor(theirs["losses"]), torch.tensor(ours["losses"])
+        assert (lt - lo).abs().max() < 0.1, (lt, lo)
+        assert lt[-1] < lt[0] - 0.5 and lo[-1] < lo[0] - 0.5
+        e_theirs, e_ours = theirs["mean_bytes"]["compression_error"], ours["mean_bytes"]["compression_error"]
+        assert 0.75 < e_theirs / e_ours < 1.33, (e_theirs, e_ours)  # rank-4 errors of the same size
