@@ -110,6 +110,8 @@ def run(cfg: DictConfig) -> None:
             metrics.message("note: parallel.sequence_parallel=true has no effect at tp=1")
         if layout.pp > 1:
             metrics.message(pipeline_summary(trainer.schedule, cfg))
+        if cfg.compression.method != "none":
+            metrics.message(compression_summary(cfg.compression, layout))
         metrics.message(f"model {cfg.model.name}: {format_count(n)} parameters (analytic {format_count(analytic)}, "
                         f"exact match: {n == analytic}), {trainer.flops_per_token / 1e9:.3f} GFLOP/token "
                         f"(6N + 12·L·h·s), vocab {vocab}, {trainer.num_microbatches} microbatch(es)/step, "
@@ -118,6 +120,22 @@ def run(cfg: DictConfig) -> None:
         trainer.fit()
     finally:
         metrics.close()
+
+
+def compression_summary(c: DictConfig, layout: Any) -> str:
+    """One start-up line: the DP hook, and under hierarchical how the DP groups split over nodes."""
+    line = f"compression: {c.method} over dp={layout.dp}"
+    if c.warmup_steps:
+        line += f", exact for the first {c.warmup_steps} steps"
+    if c.method != "hierarchical":
+        return line + ("" if layout.dp > 1 else " (dp=1: nothing to exchange)")
+    intra, inter = len(layout.dp_intra_node_groups()[0]), len(layout.dp_inter_node_groups()[0])
+    line += f": exact inside a node ({intra} DP ranks), {c.inner} between nodes ({inter} DP ranks)"
+    if intra == 1 or inter == 1:
+        line += (f" — warning: with {layout.ranks_per_node} ranks per node one of the two hops is a single "
+                 "rank, so this is plain " + ("exact sync" if inter == 1 else c.inner) +
+                 " (set parallel.ranks_per_node to emulate nodes)")
+    return line
 
 
 def pipeline_summary(schedule: Any, cfg: DictConfig) -> str:
