@@ -148,8 +148,7 @@ def test_torchrun_dp4_powersgd_compression_metrics(tmp_path: Path, env: dict[str
 @pytest.mark.parametrize("overrides,needle", [
     (["compression=nonexistent"], "Could not find 'compression/nonexistent'"),
     (["compression=powersgd", "compression.rank=0"], "compression.rank must be > 0, got 0"),
-    (["compression=topk", "compression.fraction=1.5"], "compression.fraction must be in (0, 1], got 1.5"),
-    (["compression=int8", "compression.block_size=0"], "compression.block_size must be > 0, got 0"),
+    # fraction and block_size take the same path; their messages are checked in tests/unit/test_config.py
     (["compression=hierarchical"], "compression=hierarchical needs compression.inner set to one of"),
 ])
 def test_bad_compression_config_is_one_line_per_rank(overrides: list[str], needle: str, tmp_path: Path,
