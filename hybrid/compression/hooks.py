@@ -180,7 +180,8 @@ REGISTRY: dict[str, Callable[[Any, Group], tuple[Hook, Any]]] = {
     "topk": _two_phase(lambda cfg: codecs.TopKCodec(cfg.fraction), feedback=True),
     "powersgd": _powersgd,
 }
-"""Flat methods: name → factory(compression cfg, group) → (hook, state). See also TORCH_HOOKS."""
+"""Flat methods: name → factory(compression cfg, group) → (hook, state). `make_hook` also builds
+hierarchical (around one of these) and PyTorch's hooks (`torch_hooks.py`)."""
 
 METHODS = (*REGISTRY, "hierarchical", "torch_fp16", "torch_bf16", "torch_powersgd")
 
@@ -213,6 +214,9 @@ def make_hook(cfg: Any, group: Group, dp_intra: Group = None, dp_inter: Group = 
     check(cfg)
     warmup, serial = cfg.warmup_steps, False
     if cfg.method == "hierarchical":
+        if C.size(dp_intra) * C.size(dp_inter) != C.size(group):
+            raise ValueError(f"compression=hierarchical needs node-cut DP groups covering the DP group: "
+                             f"{C.size(dp_intra)} × {C.size(dp_inter)} ranks != {C.size(group)}")
         inner_hook, inner_state = REGISTRY[cfg.inner](cfg, dp_inter)
         hook, state = hierarchical_hook, HierarchicalState(dp_intra, dp_inter, inner_hook, inner_state)
     elif cfg.method.startswith("torch_"):
