@@ -221,17 +221,20 @@ class Trainer:
             out["mfu"] = flops / self.peak
         return out
 
+    def _logs(self, step: int) -> bool:
+        """Whether step `step` (counted from 1) writes a metrics record."""
+        return step % self.cfg.logging.log_every == 0 or step == self.cfg.train.steps
+
     def fit(self) -> Optional[StepResult]:
         """Train to `train.steps`, logging every `logging.log_every` steps and evaluating periodically."""
         t, last = self.cfg.train, None
         while self.step < t.steps:
             C.COUNTER.reset()
             if isinstance(self.grad_sync.state, Compression):  # meter ‖ĝ − g‖ on the steps that get logged
-                logged = (self.step + 1) % self.cfg.logging.log_every == 0 or self.step + 1 == t.steps
                 c = self.cfg.compression
-                self.grad_sync.state.measure = logged and c.measure_error and c.method != "none"
+                self.grad_sync.state.measure = self._logs(self.step + 1) and c.measure_error and c.method != "none"
             last = self.train_step()
-            if self.step % self.cfg.logging.log_every == 0 or self.step == t.steps:
+            if self._logs(self.step):
                 record = self.step_metrics(last)  # on every rank: the bytes are averaged over ranks
                 if self.metrics is not None:
                     self.metrics.log(self.step, record)

@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
 from hybrid.compression import codecs, powersgd
 from hybrid.compression.codecs import done
@@ -136,7 +137,7 @@ def run_hook(st: Compression, bucket):  # noqa: ANN001, ANN201
 def _state_dict(state: Any) -> Any:
     if hasattr(state, "state_dict"):
         return state.state_dict()
-    if hasattr(state, "__getstate__") and type(state).__name__ == "PowerSGDState":
+    if isinstance(state, PowerSGDState):
         return state.__getstate__()  # PyTorch's PowerSGD state (the process group left out)
     return {}
 
@@ -144,7 +145,7 @@ def _state_dict(state: Any) -> Any:
 def _load_state_dict(state: Any, sd: Any) -> None:
     if hasattr(state, "load_state_dict"):
         state.load_state_dict(sd)
-    elif type(state).__name__ == "PowerSGDState":
+    elif isinstance(state, PowerSGDState):
         group = state.process_group
         state.__setstate__(sd)
         state.process_group = group
