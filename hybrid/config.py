@@ -244,7 +244,7 @@ def validate(cfg: Any, world_size: int, ranks_per_node: Optional[int] = None) ->
     _require(cfg.optim.grad_clip >= 0, f"optim.grad_clip must be >= 0, got {cfg.optim.grad_clip}")
     _require(cfg.optim.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {cfg.optim.warmup_steps}")
     _require(cfg.logging.log_every >= 1, f"logging.log_every must be >= 1, got {cfg.logging.log_every}")
-    _require_available(cfg)
+    _validate_checkpoint(cfg.checkpoint)
     return layout
 
 
@@ -268,11 +268,11 @@ def _validate_pipeline(p: Any, m: Any, microbatches: int) -> None:
             raise ConfigError(str(e)) from None
 
 
-def _require_available(cfg: Any) -> None:
-    """Refuse, rather than silently ignore, knobs whose machinery has not landed yet."""
-    c = cfg.checkpoint
-    _require(c.every == 0 and c.resume == "none" and not c["async"],
-             "checkpoint.every/resume/async: sharded checkpoints are not available yet in this version")
+def _validate_checkpoint(c: Any) -> None:
+    _require(c.every >= 0, f"checkpoint.every must be >= 0 (0 disables saving), got {c.every}")
+    _require(c.keep >= 0, f"checkpoint.keep must be >= 0 (0 keeps all), got {c.keep}")
+    _require(bool(str(c.resume).strip()), "checkpoint.resume must be none, auto or a checkpoint path")
+    _require(bool(str(c.dir).strip()), "checkpoint.dir must not be empty")
 
 
 def _validate_model(m: Any, tp: int) -> None:

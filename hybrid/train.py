@@ -76,6 +76,7 @@ def _init_distributed(device: torch.device) -> None:
 
 def run(cfg: DictConfig) -> None:
     """Build everything from a composed config and train."""
+    from hybrid.checkpoint import Checkpointer, plan_resume
     from hybrid.compression.hooks import make_hook
     from hybrid.data import prepare_data
     from hybrid.metrics import format_count
@@ -101,8 +102,12 @@ def run(cfg: DictConfig) -> None:
     model = build_chunks(cfg, vocab, ctx).to(device)
     hook, state = make_hook(cfg.compression, ctx.dp_group, ctx.dp_intra_group, ctx.dp_inter_group)
     writer = rank == 0
-    metrics = _metrics_logger(cfg, writer)
+    resume = plan_resume(cfg, vocab, writer, _warn)  # before anything is written: a bad checkpoint is bad input
+    metrics = _metrics_logger(cfg, writer, resume[1]["step"] if resume else 0)
     trainer = Trainer(cfg, ctx, model, corpus, device, hook, state, metrics)
+    trainer.checkpointer = Checkpointer(cfg, ctx, device, metrics.message)
+    if resume:
+        trainer.checkpointer.load(trainer, *resume)
     if writer:
         n, analytic = trainer.n_params, analytic_param_count(cfg.model, vocab, layout.tp)
         metrics.message(layout.rank_map())
@@ -150,7 +155,11 @@ def pipeline_summary(schedule: Any, cfg: DictConfig) -> str:
             f"simulated bubble {sim.bubble:.3f} (forward:backward 1:2), peak in flight {sim.peak_in_flight}")
 
 
-def _metrics_logger(cfg: DictConfig, writer: bool) -> Any:
+def _warn(msg: str) -> None:
+    print(f"hybrid: {msg}", file=sys.stderr, flush=True)
+
+
+def _metrics_logger(cfg: DictConfig, writer: bool, start_step: int = 0) -> Any:
     """Rank 0 writes metrics.jsonl, wandb and the progress bar; a wandb failure is bad input."""
     from hybrid.metrics import MetricsLogger
 
@@ -158,7 +167,7 @@ def _metrics_logger(cfg: DictConfig, writer: bool) -> Any:
         return MetricsLogger(cfg.logging.dir, OmegaConf.to_container(cfg, resolve=True), is_writer=writer,
                    total_steps=cfg.train.steps, wandb_mode=cfg.logging.wandb.mode,
                    wandb_project=cfg.logging.wandb.project, wandb_entity=cfg.logging.wandb.entity,
-                   progress=cfg.logging.progress, run_name=cfg.run_name)
+                   progress=cfg.logging.progress, run_name=cfg.run_name, start_step=start_step)
     except RuntimeError as e:
         raise ConfigError(str(e)) from None
 

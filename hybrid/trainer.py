@@ -78,6 +78,7 @@ class Trainer:
         self.p2p = self._p2p()
         self.stats = PipelineStats()  # compute seconds of the last step (measured bubble)
         self.metrics = metrics
+        self.checkpointer: Optional[Any] = None  # hybrid.checkpoint.Checkpointer, set by train.py
         self.step = 0
         bf16 = t.precision == "bf16" or (t.precision == "auto" and device.type == "cuda")
         self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
@@ -226,7 +227,8 @@ class Trainer:
         return step % self.cfg.logging.log_every == 0 or step == self.cfg.train.steps
 
     def fit(self) -> Optional[StepResult]:
-        """Train to `train.steps`, logging every `logging.log_every` steps and evaluating periodically."""
+        """Train to `train.steps` (from `self.step`, which a resume sets), logging every `logging.log_every`
+        steps, evaluating every `train.eval_every` and checkpointing every `checkpoint.every`."""
         t, last = self.cfg.train, None
         while self.step < t.steps:
             C.COUNTER.reset()
@@ -244,4 +246,8 @@ class Trainer:
                 eval_loss = self.evaluate()
                 if self.metrics is not None:
                     self.metrics.log_eval(self.step, eval_loss)
+            if self.checkpointer is not None:
+                self.checkpointer.after_step(self)
+        if self.checkpointer is not None:
+            self.checkpointer.wait()  # an async save still in flight completes before the run ends
         return last

@@ -65,7 +65,9 @@ def test_derived_dp_and_microbatches() -> None:
      "fewer than pp"),
     (["parallel.sequence_parallel=true", "parallel=tp2", "data.seq_len=127"], 2,
      "data.seq_len=127 divisible by parallel.tp=2"),
-    (["checkpoint.every=10"], 1, "sharded checkpoints are not available yet"),
+    (["checkpoint.every=-1"], 1, "checkpoint.every must be >= 0"),
+    (["checkpoint.keep=-2"], 1, "checkpoint.keep must be >= 0"),
+    (["checkpoint.resume=''"], 1, "checkpoint.resume must be none, auto or a checkpoint path"),
 ])
 def test_validate_rejects(overrides: list[str], world: int, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):

@@ -1,0 +1,199 @@
+"""What a checkpoint holds: one flat `torch.distributed.checkpoint` (DCP) state dict whose keys do
+not depend on the layout, and the load planner that reshards it.
+
+Keys (every rank contributes only what it holds; DCP writes each distinct shard once):
+
+- `model.<global name>`: a parameter, by its global name (`layers.17.attn.qkv.weight`). A
+  TP-sharded one is a DTensor `Shard(dim)` over the TP group's 1-D device mesh; a replicated
+  one a plain tensor (DP and TP replicas are deduplicated by DCP's save planner).
+  A fused parameter whose TP shard is a concatenation of per-part slices (QKV = [Q | K | V],
+  SwiGLU's [gate | up]) is stored as one key per part, `model.<name>#<k>`: each part on its own
+  is an evenly `Shard(0)`-ed tensor, which is what a DTensor can describe, so tp=2 parts load
+  under tp=4 by DCP's own resharding.
+- `optim.<key>.exp_avg`, `optim.<key>.exp_avg_sq` (sharded like the parameter), `optim.<name>.step`.
+- `rng.pp<p>.dp<d>.tp<t>`, `hook.pp<p>.dp<d>.tp<t>`: per-rank blobs (RNG streams; the DP
+  compression hook's residuals and factors), keyed by the rank's coordinates, restored only
+  under the same layout.
+
+The last pipeline stage's copy of a tied embedding (`head.weight`, `pp_duplicate`) is not
+saved; it loads from `model.tok_embed.weight`. Embedding rows are padded to a multiple of
+`make_vocab_size_divisible_by · tp`, so the global row count of `tok_embed.weight` and
+`head.weight` depends on tp: `ReshardingLoadPlanner` lets exactly those keys differ in dim 0
+and reads the overlapping rows (the real vocabulary); padding rows are never used.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.tensor import DTensor, Shard
+
+VOCAB_PARAMS = ("tok_embed.weight", "head.weight")
+"""Parameters whose rows are the padded vocabulary (row count depends on tp)."""
+OPTIM_TENSORS = ("exp_avg", "exp_avg_sq")
+
+
+class StateMismatch(ValueError):
+    """The checkpoint's tensors do not fit this model (a key missing, a shape that differs)."""
+
+
+@dataclass
+class Piece:
+    """One checkpoint key's worth of this rank's data: a view into a local tensor."""
+
+    key: str
+    local: torch.Tensor  # view into the parameter (or its optimizer state)
+    dim: Optional[int]  # the TP-sharded dim, None when replicated
+    shape: tuple[int, ...]  # global shape of the key
+
+
+def pieces(name: str, t: torch.Tensor, p: nn.Parameter) -> list[tuple[str, torch.Tensor, Optional[int], tuple]]:
+    """(key suffix, view of `t`, shard dim, global shape) per part of parameter `p` (global name
+    `name`); `t` is `p` itself or a tensor of its shape (an Adam moment)."""
+    shard = getattr(p, "hybrid_shard", None)
+    if shard is None:
+        return [(name, t, None, tuple(t.shape))]
+    out, start = [], 0
+    for k, n_global in enumerate(shard.parts):
+        n_local = n_global // shard.size
+        shape = list(t.shape)
+        shape[shard.dim] = n_global
+        key = name if len(shard.parts) == 1 else f"{name}#{k}"
+        out.append((key, t.narrow(shard.dim, start, n_local), shard.dim, tuple(shape)))
+        start += n_local
+    return out
+
+
+def named_parameters(model: nn.ModuleList, duplicates: bool) -> Iterator[tuple[str, nn.Parameter]]:
+    """(checkpoint name, parameter) of every chunk; the tied head copy of a last stage is named
+    `tok_embed.weight` and only yielded with `duplicates` (loading, not saving)."""
+    for chunk in model:
+        for name, p in chunk.named_parameters():
+            if getattr(p, "pp_duplicate", False):
+                if duplicates:
+                    yield "tok_embed.weight", p
+                continue
+            yield name, p
+
+
+def model_pieces(model: nn.ModuleList, optimizer: torch.optim.Optimizer, duplicates: bool) -> list[Piece]:
+    """Every parameter and Adam moment of this rank as checkpoint pieces (the optimizer state must exist)."""
+    out: list[Piece] = []
+    for name, p in named_parameters(model, duplicates):
+        out += [Piece(f"model.{k}", v, d, s) for k, v, d, s in pieces(name, p.detach(), p)]
+        state = optimizer.state[p]
+        for moment in OPTIM_TENSORS:
+            out += [Piece(f"optim.{k}.{moment}", v, d, s) for k, v, d, s in pieces(name, state[moment], p)]
+        out.append(Piece(f"optim.{name}.step", state["step"], None, ()))
+    return out
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create AdamW's state (zero moments, step 0) for every parameter that has none yet, so that a
+    load can fill it in place; AdamW itself creates exactly this on its first step."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state[p]:
+                optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                      "exp_avg_sq": torch.zeros_like(p)}
+
+
+def to_dcp(piece: Piece, mesh: Any) -> torch.Tensor:
+    """The value DCP sees: a DTensor `Shard(dim)` over the TP mesh for a sharded piece, else the tensor."""
+    if piece.dim is None or mesh is None:
+        return piece.local
+    shape = torch.Size(piece.shape)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(piece.local, mesh, [Shard(piece.dim)], run_check=False, shape=shape, stride=stride)
+
+
+def blob(obj: Any) -> bytes:
+    """A per-rank Python object (RNG states, hook state) as bytes: one opaque DCP item."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def unblob(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def coord_key(kind: str, pp: int, dp: int, tp: int) -> str:
+    return f"{kind}.pp{pp}.dp{dp}.tp{tp}"
+
+
+# ---- RNG ------------------------------------------------------------------------------------
+
+def rng_state(model: nn.ModuleList) -> dict[str, Any]:
+    """This rank's random streams: the default CPU (and CUDA) generator and each chunk's TP stream."""
+    out: dict[str, Any] = {"cpu": torch.get_rng_state(), "tp": [chunk.rng.state_dict() for chunk in model]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def set_rng_state(model: nn.ModuleList, state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    for chunk, tp_state in zip(model, state["tp"], strict=True):
+        chunk.rng.load_state_dict(tp_state)
+
+
+def derive_rng_state(model: nn.ModuleList, seed: int, step: int, pp_rank: int) -> None:
+    """Fresh streams for a rank whose saved ones do not exist (the layout changed): seeded from
+    (seed, step, coordinates) as at start-up, so the continuation is reproducible."""
+    from hybrid.parallel.rng import derive_seed
+
+    torch.manual_seed(derive_seed(seed, "stage", pp_rank, "step", step))
+    for chunk in model:
+        chunk.rng.seed = derive_seed(chunk.rng.seed, "step", step)
+        chunk.rng.load_state_dict({})
+
+
+# ---- loading with vocabulary rows that may differ -------------------------------------------
+
+class ReshardingLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load plan, except that keys of vocabulary-padded tensors may differ from the
+    saved ones in their row count (dim 0): those read the rows both have. Any other difference in
+    shape, and any missing key, raises `StateMismatch` naming the key."""
+
+    def create_local_plan(self) -> LoadPlan:
+        saved = self.metadata.state_dict_metadata
+        strict, relaxed = {}, []
+        for key, obj in self.state_dict.items():
+            md = saved.get(key)
+            if md is None:
+                raise StateMismatch(f"it has no {key!r}")
+            if isinstance(md, TensorStorageMetadata) and isinstance(obj, torch.Tensor) and md.size != obj.size():
+                vocab = key.split("#")[0].split(".", 1)[1] in VOCAB_PARAMS or _vocab_moment(key)
+                if not (vocab and md.size[1:] == obj.size()[1:]):
+                    raise StateMismatch(f"{key} has shape {tuple(md.size)} there but {tuple(obj.size())} here")
+                relaxed.append((key, md, obj))
+            else:
+                strict[key] = obj
+        plan = create_default_local_load_plan(strict, self.metadata, True)
+        for key, md, obj in relaxed:
+            plan.items.extend(create_read_items_for_chunk_list(key, md, _chunks(obj)))
+        return plan
+
+
+def _vocab_moment(key: str) -> bool:
+    name = key.removeprefix("optim.")
+    return any(name == f"{v}.{m}" for v in VOCAB_PARAMS for m in OPTIM_TENSORS)
+
+
+def _chunks(obj: torch.Tensor) -> list[ChunkStorageMetadata]:
+    if isinstance(obj, DTensor):
+        return obj.__create_chunk_list__()
+    return [ChunkStorageMetadata(offsets=torch.Size([0] * obj.dim()), sizes=obj.size())]
