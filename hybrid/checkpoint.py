@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from hybrid.checkpoint_state import (
+    Piece,
     ReshardingLoadPlanner,
     StateMismatch,
     blob,
@@ -42,6 +43,8 @@ from hybrid.checkpoint_state import (
     derive_rng_state,
     init_optimizer_state,
     model_pieces,
+    named_parameters,
+    pieces,
     rng_state,
     set_rng_state,
     to_dcp,
@@ -199,6 +202,35 @@ def plan_resume(cfg: Any, vocab: int, is_writer: bool, warn: Log) -> Optional[tu
     return None if answer[0] is None else (Path(answer[0][0]), answer[0][1])
 
 
+def load_weights(model: Any, path: Path, mesh: Any = None) -> None:
+    """Load only the parameters of checkpoint `path` into `model` (a ModuleList of chunks, any layout;
+    `mesh`: the TP device mesh when tp > 1). Export and tools use it; training resumes with `load`."""
+    state: dict[str, Any] = {}
+    copies = []
+    for name, p in named_parameters(model, duplicates=True):
+        for key, view, dim, shape in pieces(name, p.detach(), p):
+            piece = Piece(f"model.{key}", view, dim, shape)
+            if piece.key in state:
+                copies.append(piece)
+            else:
+                state[piece.key] = to_dcp(piece, mesh)
+    _dcp_load(state, path)
+    for piece in copies:
+        piece.local.copy_(_local(state[piece.key]))
+
+
+def _dcp_load(state: dict[str, Any], path: Path) -> None:
+    """`dcp.load` with the resharding planner; any failure is a CheckpointError naming `path`."""
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path), planner=ReshardingLoadPlanner(), no_dist=not _distributed())
+    except StateMismatch as e:
+        raise CheckpointError(f"checkpoint {path} does not fit this model: {e}") from None
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} could not be read ({type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+
+
 def _tp_mesh(ctx: Any, device: torch.device) -> Any:
     if ctx.tp_size == 1 or ctx.tp_group is None:
         return None
@@ -338,14 +370,7 @@ class Checkpointer:
             state[rng_key] = b""
         if same_hook:
             state[hook_key] = b""
-        try:
-            with _single_process_quiet():
-                dcp.load(state, checkpoint_id=str(path), planner=ReshardingLoadPlanner(), no_dist=not _distributed())
-        except StateMismatch as e:
-            raise CheckpointError(f"checkpoint {path} does not fit this model: {e}") from None
-        except Exception as e:
-            raise CheckpointError(f"checkpoint {path} could not be read ({type(e).__name__}: "
-                                  f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+        _dcp_load(state, path)
         for piece in copies:
             piece.local.copy_(_local(state[piece.key]))
         self._restore_rest(trainer, state, manifest, rng_key if same_layout else None,

@@ -58,19 +58,22 @@ class Piece:
 
 
 def pieces(name: str, t: torch.Tensor, p: nn.Parameter) -> list[tuple[str, torch.Tensor, Optional[int], tuple]]:
-    """(key suffix, view of `t`, shard dim, global shape) per part of parameter `p` (global name
-    `name`); `t` is `p` itself or a tensor of its shape (an Adam moment)."""
+    """(key, view of `t`, shard dim or None, global shape) per part of parameter `p` (global name
+    `name`); `t` is `p` itself or a tensor of its shape (an Adam moment). A fused parameter is split
+    into its parts under every layout (tp=1 included), so its keys never depend on tp."""
+    fused = getattr(p, "hybrid_parts", None)
     shard = getattr(p, "hybrid_shard", None)
-    if shard is None:
+    if fused is None or (shard is None and len(fused[1]) == 1):
         return [(name, t, None, tuple(t.shape))]
+    dim, parts = fused
+    size = shard.size if shard is not None else 1
     out, start = [], 0
-    for k, n_global in enumerate(shard.parts):
-        n_local = n_global // shard.size
+    for k, n_global in enumerate(parts):
         shape = list(t.shape)
-        shape[shard.dim] = n_global
-        key = name if len(shard.parts) == 1 else f"{name}#{k}"
-        out.append((key, t.narrow(shard.dim, start, n_local), shard.dim, tuple(shape)))
-        start += n_local
+        shape[dim] = n_global
+        key = name if len(parts) == 1 else f"{name}#{k}"
+        out.append((key, t.narrow(dim, start, n_global // size), dim if size > 1 else None, tuple(shape)))
+        start += n_global // size
     return out
 
 

@@ -70,9 +70,11 @@ class Init:
 
 def annotate(p: nn.Parameter, init: Init, shard: Optional[Shard] = None,
              sequence_parallel: bool = False) -> nn.Parameter:
-    """Attach init and shard descriptions; `tp_duplicate` marks a TP-replicated parameter and
+    """Attach init and shard descriptions (`hybrid_parts`: the fused parts along the split dim, kept
+    at tp=1 too); `tp_duplicate` marks a TP-replicated parameter and
     `sequence_parallel` one whose gradient is a partial sum over this rank's sequence chunk."""
     p.hybrid_init = init
+    p.hybrid_parts = (shard.dim, shard.parts) if shard is not None else None  # also at tp=1 (checkpoint keys)
     p.hybrid_shard = shard if shard is not None and shard.size > 1 else None
     p.tp_duplicate = p.hybrid_shard is None
     p.sequence_parallel = sequence_parallel
