@@ -174,11 +174,11 @@ def resolve_resume(cfg: Any, warn: Log) -> Optional[Path]:
     if path.is_dir() and not (path / MANIFEST).exists() and list_steps(path):
         latest = find_latest(path, warn)
         if latest is None:
-            raise CheckpointError(f"checkpoint.resume={r}: no complete checkpoint in that folder")
+            raise CheckpointError(f"checkpoint.resume: no complete checkpoint in {path}")
         return latest
     why = problem(path)
     if why is not None:
-        raise CheckpointError(f"checkpoint.resume={r}: {path} {why}")
+        raise CheckpointError(f"checkpoint.resume: {path} {why}")
     return path
 
 

@@ -191,3 +191,34 @@ def test_same_layout_resume_restores_rng_and_hook_state(tmp_path: Path) -> None:
     log = " ".join(results[0]["log"])
     assert "layout changed tp1pp1dp2 → tp2pp1dp1" in log and "compression state" in log and "dropped" in log
     assert "dropped" not in " ".join(m for m in results[0]["log"] if "/same" in m)
+
+
+def async_runs(rank: int, world: int, root: Path) -> dict[str, Any]:
+    """Async saves every 2 steps (keep 2) while training goes on; then a same-layout resume of step 8."""
+    ctx = _context(world, Case())
+    first = _trainer(_cfg(Case(), world, root, "async", "checkpoint.every=2", "checkpoint.keep=2",
+                          "checkpoint.async=true"), ctx)
+    losses = _train(first)
+    before = _weights(first)
+    first.checkpointer.save(first)  # step 10 once more; then change every weight while it is written
+    with torch.no_grad():
+        for p in first.model.parameters():
+            p.add_(1.0)
+    first.checkpointer.wait()
+    check = _resume(_cfg(Case(), world, root, "check"), ctx, step_path(root / "async", 10))
+    unchanged = all(torch.equal(w, before[n]) for n, w in _weights(check).items())
+    again = _resume(_cfg(Case(), world, root, "again"), ctx, step_path(root / "async", 8))
+    return {"losses": losses, "resumed": _train(again), "log": list(LOG), "unchanged": unchanged}
+
+
+def test_async_save_snapshots_the_step_it_was_started_at(tmp_path: Path) -> None:
+    """Training runs on (and changes every weight) while the background thread writes step 8: the
+    checkpoint still holds step 8's state exactly, so resuming it reproduces steps 9..10 bit for bit.
+    keep=2 leaves the newest two, step 8 and step 10."""
+    results = run_ranks(async_runs, 2, tmp_path, timeout=TIMEOUT)
+    for r in results:
+        assert r["resumed"] == r["losses"][8:]
+        assert r["unchanged"], "the async save wrote weights changed after it was started"
+    assert sorted(p.name for p in (tmp_path / "async").iterdir()) == ["step_0000008", "step_0000010"]
+    log = results[0]["log"]
+    assert sum("async" in m and "saved" in m for m in log) == STEPS // 2 + 1
