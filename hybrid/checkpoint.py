@@ -333,6 +333,7 @@ class Checkpointer:
         size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
         self.log(f"checkpoint: saved {path} ({size / 2**20:.1f} MiB, {time.perf_counter() - start:.2f} s"
                  f"{', async' if self.use_async else ''})")
+        _point_latest(self.root, path)
         self.cleanup()
 
     def cleanup(self) -> None:
@@ -403,6 +404,14 @@ def _single_process_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process")
         yield
+
+
+def _point_latest(root: Path, path: Path) -> None:
+    """`<root>/latest` → the newest complete checkpoint (a relative symlink, swapped in by rename)."""
+    tmp = root / ".latest.tmp"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(path.name)
+    tmp.replace(root / "latest")
 
 
 def _distributed() -> bool:

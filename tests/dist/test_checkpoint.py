@@ -219,6 +219,7 @@ def test_async_save_snapshots_the_step_it_was_started_at(tmp_path: Path) -> None
     for r in results:
         assert r["resumed"] == r["losses"][8:]
         assert r["unchanged"], "the async save wrote weights changed after it was started"
-    assert sorted(p.name for p in (tmp_path / "async").iterdir()) == ["step_0000008", "step_0000010"]
+    assert sorted(p.name for p in (tmp_path / "async").iterdir()) == ["latest", "step_0000008", "step_0000010"]
+    assert (tmp_path / "async" / "latest").resolve() == (tmp_path / "async" / "step_0000010").resolve()
     log = results[0]["log"]
     assert sum("async" in m and "saved" in m for m in log) == STEPS // 2 + 1
