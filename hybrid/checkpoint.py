@@ -379,6 +379,9 @@ class Checkpointer:
         self.protected.add(path)
         if self.writer:
             self.log(_resume_line(path, manifest, here, same_hook))
+            changed = config_changes(manifest.get("config", {}), cfg)
+            if changed:
+                self.log("checkpoint: config changed since the save: " + "; ".join(changed))
 
     def _restore_rest(self, trainer: Any, state: dict[str, Any], manifest: dict[str, Any],
                       rng_key: Optional[str], hook_key: Optional[str]) -> None:
@@ -404,6 +407,24 @@ def _single_process_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process")
         yield
+
+
+def config_changes(saved: dict[str, Any], cfg: Any, limit: int = 12) -> list[str]:
+    """`key: old → new` for every config value that differs from the saved run's, except the layout,
+    checkpoint and logging keys (a resumed run is expected to change those)."""
+    from omegaconf import OmegaConf
+
+    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+        return out
+
+    old, new = flat(saved), flat(OmegaConf.to_container(cfg, resolve=True))
+    skip = ("parallel.", "checkpoint.", "logging.", "run_name")
+    keys = [k for k in sorted(old.keys() | new.keys()) if not k.startswith(skip) and old.get(k) != new.get(k)]
+    lines = [f"{k}: {old.get(k)} → {new.get(k)}" for k in keys[:limit]]
+    return lines + ([f"and {len(keys) - limit} more"] if len(keys) > limit else [])
 
 
 def _point_latest(root: Path, path: Path) -> None:
