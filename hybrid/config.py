@@ -43,6 +43,7 @@ class ModelConfig:
     tie_embeddings: bool = True  # output head shares the token embedding
     dropout: float = 0.0  # attention/residual dropout probability
     init_std: float = 0.02  # normal init std; output projections scaled by 1/sqrt(2L)
+    init_from: Optional[str] = None  # transformers folder (config.json + weights) to start from; a resume wins
 
 
 @dataclass
@@ -290,6 +291,8 @@ def _validate_model(m: Any, tp: int) -> None:
     _require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
     if m.family == "llama":
         _require((m.hidden // m.n_heads) % 2 == 0, "llama needs an even head dimension for RoPE")
+    _require(m.init_from is None or (Path(m.init_from) / "config.json").is_file(),
+             f"model.init_from={m.init_from} is not a transformers model folder (a directory with config.json)")
 
 
 def _validate_data(d: Any, m: Any) -> None:

@@ -108,6 +108,14 @@ def run(cfg: DictConfig) -> None:
     trainer.checkpointer = Checkpointer(cfg, ctx, device, metrics.message)
     if resume:
         trainer.checkpointer.load(trainer, *resume)
+        if cfg.model.init_from and writer:
+            metrics.message(f"note: model.init_from={cfg.model.init_from} ignored: resuming {resume[0]} wins")
+    elif cfg.model.init_from:
+        from hybrid.model.hf import load_pretrained
+
+        line = load_pretrained(trainer.model, cfg.model.init_from, cfg.model, vocab)  # no collective
+        if writer:
+            metrics.message(line)
     if writer:
         n, analytic = trainer.n_params, analytic_param_count(cfg.model, vocab, layout.tp)
         metrics.message(layout.rank_map())

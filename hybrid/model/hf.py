@@ -17,17 +17,26 @@ parameter's global tensor is built from the rule of its global name and cut with
 `hybrid_shard`. Exporting a tp>1 model (`export_hf_state_dict`) first gathers each
 parameter's shards into the global tensor (the inverse of `Shard.slice`), then calls
 `to_hf_state_dict`; the model must hold every layer, embedding and head (no pipeline stage).
+
+`load_pretrained` (`model.init_from`) fills a rank's chunks from a transformers folder: its
+config must match the model (`check_hf_config`: family, shapes, vocabulary, tying, norm eps, RoPE,
+activation; a mismatch is a ConfigError naming the fields), its tensors are read lazily by name
+(`HFTensors`: model.safetensors, a sharded index, or pytorch_model.bin), then `load_hf_into`.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import GPT2Config, LlamaConfig, PretrainedConfig
 
+from hybrid.config import ConfigError
 from hybrid.parallel import collectives as C
 from hybrid.parallel.tensor import full_state_dict, padded_vocab
 
@@ -137,7 +146,7 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if t.shape[0] < rows else t
 
 
-def _import(rule: Rule, hf_state: dict[str, torch.Tensor], vocab_rows: int) -> torch.Tensor:
+def _import(rule: Rule, hf_state: Mapping[str, torch.Tensor], vocab_rows: int) -> torch.Tensor:
     missing = [k for k in rule.hf if k not in hf_state]
     if missing:
         raise KeyError(f"transformers state dict lacks {', '.join(missing)}")
@@ -186,7 +195,7 @@ def from_hf_state_dict(hf_state: dict[str, torch.Tensor], cfg: Any, vocab_size: 
 
 
 @torch.no_grad()
-def load_hf_into(model: nn.Module, hf_state: dict[str, torch.Tensor], cfg: Any, vocab_size: int) -> None:
+def load_hf_into(model: nn.Module, hf_state: Mapping[str, torch.Tensor], cfg: Any, vocab_size: int) -> None:
     """Copy transformers weights into `model`: whole, one pipeline stage, and/or one TP rank.
 
     For each of the model's own parameters (global names), the global tensor is built from
@@ -239,3 +248,125 @@ def export_hf_state_dict(model: nn.Module, cfg: Any, vocab_size: int) -> dict[st
     if ours != vocab_size:
         raise ValueError(f"vocab_size={vocab_size} but the model was built for a vocabulary of {ours}")
     return to_hf_state_dict(full_state_dict(model, getattr(model, "tp_group", None)), cfg, vocab_size)
+
+
+# ---- model.init_from: a transformers folder as the starting point -----------------------------
+
+HF_MODEL_TYPE = {"gpt": "gpt2", "llama": "llama"}
+
+
+def hf_shape(hf: PretrainedConfig) -> dict[str, Any]:
+    """The fields of a transformers GPT2Config / LlamaConfig that fix our tensors and numerics,
+    under our ModelConfig names (defaults resolved as transformers resolves them)."""
+    if hf.model_type == "gpt2":
+        return {"n_layers": hf.n_layer, "hidden": hf.n_embd, "n_heads": hf.n_head, "n_kv_heads": hf.n_head,
+                "ffn_hidden": hf.n_inner or 4 * hf.n_embd, "max_seq_len": hf.n_positions,
+                "norm_eps": hf.layer_norm_epsilon, "tie_embeddings": hf.tie_word_embeddings,
+                "activation": hf.activation_function}
+    rope = getattr(hf, "rope_parameters", None) or {}
+    return {"n_layers": hf.num_hidden_layers, "hidden": hf.hidden_size, "n_heads": hf.num_attention_heads,
+            "n_kv_heads": hf.num_key_value_heads, "ffn_hidden": hf.intermediate_size,
+            "head_dim": getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+            "norm_eps": hf.rms_norm_eps, "rope_theta": rope.get("rope_theta", getattr(hf, "rope_theta", None)),
+            "rope_type": rope.get("rope_type", "default"), "tie_embeddings": hf.tie_word_embeddings,
+            "activation": hf.hidden_act, "bias": bool(hf.attention_bias or hf.mlp_bias)}
+
+
+def check_hf_config(hf: PretrainedConfig, cfg: Any, vocab_size: int, where: str) -> None:
+    """ConfigError naming every field in which transformers config `hf` differs from `cfg` (the
+    family, shapes, vocabulary, tying, norm eps, RoPE, activation): the weights would not fit, or
+    would make another function."""
+    want = HF_MODEL_TYPE.get(cfg.family)
+    if hf.model_type != want:
+        raise ConfigError(f"{where} holds a transformers {hf.model_type!r} model, but model.family={cfg.family} "
+                          f"needs {want!r}")
+    ref = hf_shape(hf_config(cfg, vocab_size))
+    there = hf_shape(hf)
+    diff = [f"{k}={there[k]} there, {v} here" for k, v in ref.items() if k != "max_seq_len" and there[k] != v]
+    if cfg.family == "gpt" and there["max_seq_len"] != ref["max_seq_len"]:
+        diff.append(f"max_seq_len={there['max_seq_len']} there, {ref['max_seq_len']} here")
+    if hf.vocab_size != vocab_size:
+        diff.append(f"vocab_size={hf.vocab_size} there, {vocab_size} here (set model.vocab_size)")
+    if diff:
+        raise ConfigError(f"{where} does not fit model={cfg.name}: {'; '.join(diff)}")
+
+
+class HFTensors(Mapping[str, torch.Tensor]):
+    """The tensors of a transformers folder, read lazily by name: `model.safetensors`, a sharded
+    `model.safetensors.index.json`, or `pytorch_model.bin`. Names of a base model saved without
+    its LM wrapper (`h.0...` for `transformer.h.0...`, `layers.0...` for `model.layers.0...`) resolve too."""
+
+    def __init__(self, folder: Path) -> None:
+        from safetensors import safe_open
+
+        self._bin: dict[str, torch.Tensor] = {}
+        self._files: dict[str, Any] = {}
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            names = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            opened = {f: safe_open(str(folder / f), "pt") for f in sorted(set(names.values()))}
+            self._files = {k: opened[f] for k, f in names.items()}
+        elif (folder / "model.safetensors").is_file():
+            f = safe_open(str(folder / "model.safetensors"), "pt")
+            self._files = dict.fromkeys(f.keys(), f)
+        elif (folder / "pytorch_model.bin").is_file():
+            self._bin = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        else:
+            raise ConfigError(f"{folder} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+    def _name(self, key: str) -> str:
+        for name in (key, key.removeprefix("transformer."), key.removeprefix("model.")):
+            if name in self._files or name in self._bin:
+                return name
+        raise KeyError(key)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        name = self._name(key)
+        return self._bin[name] if self._bin else self._files[name].get_tensor(name)
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            self._name(str(key))
+        except KeyError:
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._bin or self._files)
+
+    def __len__(self) -> int:
+        return len(self._bin or self._files)
+
+
+def load_pretrained(model: nn.ModuleList, folder: str | Path, cfg: Any, vocab_size: int) -> str:
+    """Fill this rank's chunks (any layout: a pipeline part, a TP shard) with the weights of the
+    transformers folder `folder` (`model.init_from`); returns a one-line summary.
+
+    No collective: every rank reads the folder's config and the tensors its own parameters need
+    (each global tensor, then its TP slice) and checks the same things, so a bad folder is the
+    same ConfigError on every rank. Padding rows of the vocabulary start at zero.
+    """
+    from transformers import AutoConfig
+
+    folder, where = Path(folder), f"model.init_from={folder}"
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"{where} is not a transformers model folder (no config.json)")
+    try:
+        hf = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # noqa: BLE001  (any unreadable config is bad input)
+        raise ConfigError(f"{where}: cannot read config.json ({type(e).__name__}: {_first_line(e)})") from None
+    check_hf_config(hf, cfg, vocab_size, where)
+    try:
+        tensors = HFTensors(folder)
+        for chunk in model:
+            load_hf_into(chunk, tensors, cfg, vocab_size)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    except (KeyError, ValueError, RuntimeError, OSError) as e:
+        raise ConfigError(f"{where}: cannot load its weights ({type(e).__name__}: {_first_line(e)})") from None
+    return f"model: initialised from {folder} (transformers {hf.model_type}, {len(tensors)} tensors)"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().strip("'\"")
+    return text.splitlines()[0] if text else ""

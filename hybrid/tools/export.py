@@ -1,0 +1,297 @@
+"""Export a checkpoint (saved under any layout) as a transformers model folder.
+
+    python -m hybrid.tools.export checkpoint=checkpoints/gpt-tiny-tp2pp2/step_0000100 out=exported/gpt-tiny
+    python -m hybrid.tools.export checkpoint=checkpoints/gpt-tiny-tp2pp2 out=exported/gpt-tiny force=true
+
+Keys (key=value): checkpoint (a step folder, or a run folder: its newest complete checkpoint), out (the
+folder to write; it must not exist or be empty unless force=true), force (true | false: replace a
+non-empty out), verify (true | false, default true: load the written folder with transformers and
+compare its logits with ours before publishing it).
+
+One process, no process group: the model is rebuilt from the checkpoint's manifest (its `config`
+model section and the real vocabulary), its weights loaded with `hybrid.checkpoint.load_weights`
+(resharded from whatever layout saved them), converted with `hybrid.model.hf.to_hf_state_dict`, and
+written by transformers' own `save_pretrained` (config.json, generation_config.json,
+model.safetensors without the tied head), plus the checkpoint's tokenizer. Everything is written to
+a temporary folder next to `out` and renamed into place at the end, so a failure leaves `out` as it
+was. Bad input (or an unwritable out) is one `hybrid: error: ...` line on stderr and exit status 2; a
+failed verification is such a line and exit status 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from hybrid.checkpoint import MANIFEST, CheckpointError, find_latest, list_steps, problem, read_manifest
+from hybrid.config import ConfigError
+
+KEYS = ("checkpoint", "out", "force", "verify")
+BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+EOS_TOKEN = "<|endoftext|>"
+VERIFY_IDS = (2, 16)  # the batch of random token ids the verification runs
+VERIFY_RTOL = 1e-3  # max |Δlogits| allowed, relative to max(1, max |logits|): a conversion bug is O(1)
+
+
+class UsageError(ConfigError):
+    """Bad command-line input: reported as one line and exit status 2."""
+
+
+class VerifyError(RuntimeError):
+    """transformers does not reproduce our model from the written folder (a bug, not bad input): exit 1."""
+
+
+@dataclass
+class Options:
+    """The parsed command line."""
+
+    checkpoint: Path
+    out: Path
+    force: bool = False
+    verify: bool = True
+
+
+@dataclass
+class Report:
+    """What an export did."""
+
+    checkpoint: Path
+    out: Path
+    family: str
+    step: int
+    n_tensors: int
+    tokenizer: bool
+    max_abs_diff: Optional[float]  # max |Δlogits| of the verification (None: not verified)
+
+
+def parse_args(argv: list[str]) -> Options:
+    """Turn `key=value` words into Options; raise UsageError on anything else."""
+    seen: dict[str, str] = {}
+    for word in argv:
+        key, sep, value = word.partition("=")
+        if not sep or not key:
+            raise UsageError(f"expected key=value, got {word!r}")
+        if key not in KEYS:
+            raise UsageError(f"unknown key {key!r}; expected one of {', '.join(KEYS)}")
+        if key in seen:
+            raise UsageError(f"{key} given twice")
+        seen[key] = value
+    for key in ("checkpoint", "out"):
+        if not seen.get(key):
+            raise UsageError(f"{key}= is required (python -m hybrid.tools.export checkpoint=<dir> out=<dir>)")
+    flags = {}
+    for key in ("force", "verify"):
+        if key in seen:
+            if seen[key].lower() not in BOOLS:
+                raise UsageError(f"{key} must be true or false, got {seen[key]!r}")
+            flags[key] = BOOLS[seen[key].lower()]
+    return Options(Path(seen["checkpoint"]), Path(seen["out"]), **flags)
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """The complete checkpoint `path` names: itself, or a run folder's newest complete one (newer,
+    incomplete ones are skipped with a warning line each; none complete is one error line)."""
+    if path.is_dir() and not (path / MANIFEST).exists() and list_steps(path):
+        skipped: list[str] = []
+        latest = find_latest(path, skipped.append)
+        if latest is None:
+            raise CheckpointError(f"checkpoint={path}: no complete checkpoint in that folder "
+                                  f"({len(skipped)} incomplete or corrupt step folder(s) skipped)")
+        for msg in skipped:
+            print(f"hybrid: {msg}", file=sys.stderr, flush=True)
+        return latest
+    why = problem(path)
+    if why is not None:
+        raise CheckpointError(f"checkpoint={path} {why}")
+    return path
+
+
+def check_out(out: Path, force: bool) -> None:
+    """`out` may be new, an empty folder, or (force=true) a folder to replace; never a file."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"out={out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise UsageError(f"out={out} exists and is not empty (force=true replaces it)")
+    if not out.resolve().parent.is_dir():
+        raise UsageError(f"out={out}: its parent folder does not exist")
+
+
+def model_config(manifest: dict[str, Any], path: Path) -> tuple[Any, int]:
+    """The checkpoint's model config (typed by ModelConfig; fields unknown to it dropped, missing ones
+    defaulted) and its real vocabulary."""
+    from omegaconf import OmegaConf
+
+    from hybrid.config import ModelConfig
+
+    try:
+        saved = manifest["config"]["model"]
+        vocab = int(manifest["model_shape"]["vocab_size"])
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"checkpoint {path}: its {MANIFEST} lacks the model config or vocab_size") from None
+    base = OmegaConf.structured(ModelConfig)
+    cfg = OmegaConf.merge(base, {k: v for k, v in saved.items() if k in base})
+    if cfg.family not in ("gpt", "llama"):
+        raise CheckpointError(f"checkpoint {path}: model.family={cfg.family} has no transformers counterpart")
+    return cfg, vocab
+
+
+def load_model(path: Path, cfg: Any, vocab: int) -> nn.Module:
+    """The whole model in one process, its weights read from checkpoint `path` (DCP reshards any layout)."""
+    from hybrid.checkpoint import load_weights
+    from hybrid.model import build_model
+
+    model = build_model(cfg, vocab)
+    load_weights(nn.ModuleList([model]), path)
+    return model.eval()
+
+
+def token_ids(tokenizer_dir: Path) -> dict[str, Optional[int]]:
+    """bos/eos/pad ids for the transformers config from the checkpoint's tokenizer (pad falls back to
+    eos when the tokenizer has none, as `generate` would); all None without a tokenizer or an EOS."""
+    from transformers import AutoTokenizer
+
+    if not tokenizer_dir.is_dir():
+        return {}
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    eos = tok.eos_token_id
+    if eos is None:
+        return {}
+    bos = tok.bos_token_id if tok.bos_token_id is not None else eos
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    return {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}
+
+
+def write_folder(folder: Path, model: nn.Module, cfg: Any, vocab: int, tokenizer_dir: Path) -> int:
+    """transformers' `save_pretrained` from a model skeleton on the meta device given our converted
+    state dict (so no second copy of the weights is built): config.json, generation_config.json,
+    model.safetensors (a tied lm_head is left out, as transformers does); then the tokenizer files.
+    Returns the number of tensors converted."""
+    from transformers import AutoModelForCausalLM
+
+    from hybrid.model.hf import export_hf_state_dict, hf_config
+
+    state = export_hf_state_dict(model, cfg, vocab)  # tp=1: no collective
+    config = hf_config(cfg, vocab, **token_ids(tokenizer_dir))
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    skeleton.save_pretrained(str(folder), state_dict={k: v.detach().contiguous() for k, v in state.items()})
+    if tokenizer_dir.is_dir():
+        for f in tokenizer_dir.iterdir():
+            if f.is_file():
+                shutil.copy2(f, folder / f.name)
+    return len(state)
+
+
+@torch.no_grad()
+def verify(folder: Path, model: nn.Module, vocab: int) -> float:
+    """Load `folder` with `AutoModelForCausalLM.from_pretrained` (no missing, unexpected or mismatched
+    keys allowed) and compare its logits with our `full_logits` on random ids; the max |Δlogits|."""
+    from transformers import AutoModelForCausalLM
+
+    theirs, info = AutoModelForCausalLM.from_pretrained(str(folder), output_loading_info=True, dtype=torch.float32)
+    bad = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v} | (
+        {"error_msgs": info["error_msgs"]} if info.get("error_msgs") else {})
+    if bad:
+        raise VerifyError(f"transformers loads {folder} with {bad}")
+    seq = min(VERIFY_IDS[1], getattr(model.cfg, "max_seq_len", VERIFY_IDS[1]))
+    ids = torch.randint(0, vocab, (VERIFY_IDS[0], seq), generator=torch.Generator().manual_seed(0))
+    ours, ref = model.full_logits(ids), theirs.eval()(ids).logits
+    diff = (ours - ref).abs().max().item()
+    if not diff <= VERIFY_RTOL * max(1.0, ref.abs().max().item()):
+        raise VerifyError(f"transformers' logits differ from ours by up to {diff:.3g}")
+    return diff
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No progress bars or info lines from transformers while it saves and loads (errors still show)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Rename the finished `tmp` to `out` (a previous `out` is moved aside first and removed after)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in tmp.rglob("*"):  # transformers writes model.safetensors 0600 through a temp file
+        if f.is_file():
+            f.chmod(0o666 & ~mask)
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    if out.exists():
+        out.rename(old)
+    try:
+        tmp.rename(out)
+    except OSError:
+        if old.exists():
+            old.rename(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def export(opts: Options) -> Report:
+    """Check the input, then convert and write (into a temp folder, published at the end)."""
+    path = resolve_checkpoint(opts.checkpoint)
+    check_out(opts.out, opts.force)
+    manifest = read_manifest(path)
+    cfg, vocab = model_config(manifest, path)
+    model = load_model(path, cfg, vocab)
+    tmp = opts.out.parent / f".{opts.out.name}.export-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        with _quiet_transformers():
+            n = write_folder(tmp, model, cfg, vocab, path / "tokenizer")
+            diff = verify(tmp, model, vocab) if opts.verify else None
+        publish(tmp, opts.out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Report(path, opts.out, cfg.family, int(manifest["step"]), n, (path / "tokenizer").is_dir(), diff)
+
+
+def render(r: Report) -> str:
+    hf = "GPT2LMHeadModel" if r.family == "gpt" else "LlamaForCausalLM"
+    files = ", ".join(sorted(f.name for f in r.out.iterdir()))
+    check = ("not verified (verify=false)" if r.max_abs_diff is None else
+             f"verified: transformers loads it with no missing/unexpected keys, max |Δlogits| = {r.max_abs_diff:.3g}")
+    tok = "" if r.tokenizer else " (the checkpoint has no tokenizer: none written)"
+    return (f"exported {r.checkpoint} (step {r.step}) as {hf} to {r.out}: {r.n_tensors} tensors; {check}\n"
+            f"files: {files}{tok}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line: print the report and return 0; one error line and 2 (bad input) or 1."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(__doc__.strip())
+        return 0
+    try:
+        print(render(export(parse_args(argv))))
+    except (ConfigError, OSError) as e:  # bad input, or an out folder that cannot be written
+        print(f"hybrid: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except VerifyError as e:
+        print(f"hybrid: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
