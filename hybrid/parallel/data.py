@@ -16,6 +16,7 @@ through that protocol.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -85,6 +86,7 @@ class GradSync:
         self.enabled = C.size(group) > 1
         groups = assign_buckets([p for p in params if p.requires_grad], int(bucket_mb * 2**20))
         self.buckets: list[GradBucket] = []
+        on_ready = _weak_hook(self)
         self._bucket_of: dict[int, int] = {}
         for i, ps in enumerate(groups):
             device = ps[0].device
@@ -93,7 +95,7 @@ class GradSync:
             for p, view in zip(ps, bucket.gradients()):
                 p.grad = view
                 self._bucket_of[id(p)] = i
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.register_post_accumulate_grad_hook(on_ready)
             self.buckets.append(bucket)
         self.launch_log: list[tuple[int, bool]] = []  # (bucket index, launched inside the backward)
         self.last_launch_log: list[tuple[int, bool]] = []  # the previous step's, kept by finish()
@@ -154,3 +156,17 @@ class GradSync:
 def _is_view_of(t: torch.Tensor, buf: torch.Tensor) -> bool:
     start = buf.data_ptr()
     return start <= t.data_ptr() < start + buf.numel() * buf.element_size()
+
+
+def _weak_hook(sync: GradSync) -> Any:
+    """The parameters' grad hook, holding `sync` weakly: a bound method would tie every parameter to
+    the GradSync (and back) through autograd's hook table, which Python's GC cannot see, so a dropped
+    Trainer's model and gradient buffers would never be freed."""
+    ref = weakref.ref(sync)
+
+    def on_ready(p: nn.Parameter) -> None:
+        target = ref()
+        if target is not None:
+            target._on_grad_ready(p)
+
+    return on_ready

@@ -196,8 +196,9 @@ def test_same_layout_resume_restores_rng_and_hook_state(tmp_path: Path) -> None:
 
 def async_runs(rank: int, world: int, root: Path) -> dict[str, Any]:
     """Async saves every 2 steps (keep 2) while training goes on; then a same-layout resume of step 8."""
-    ctx = _context(world, Case())
-    first = _trainer(_cfg(Case(), world, root, "async", "checkpoint.every=2", "checkpoint.keep=2",
+    case = Case(tp=2)  # TP-sharded fused parameters: their part views are staged too
+    ctx = _context(world, case)
+    first = _trainer(_cfg(case, world, root, "async", "checkpoint.every=2", "checkpoint.keep=2",
                           "checkpoint.async=true"), ctx)
     losses = _train(first)
     before = _weights(first)
@@ -206,9 +207,9 @@ def async_runs(rank: int, world: int, root: Path) -> dict[str, Any]:
         for p in first.model.parameters():
             p.add_(1.0)
     first.checkpointer.wait()
-    check = _resume(_cfg(Case(), world, root, "check"), ctx, step_path(root / "async", 10))
+    check = _resume(_cfg(case, world, root, "check"), ctx, step_path(root / "async", 10))
     unchanged = all(torch.equal(w, before[n]) for n, w in _weights(check).items())
-    again = _resume(_cfg(Case(), world, root, "again"), ctx, step_path(root / "async", 8))
+    again = _resume(_cfg(case, world, root, "again"), ctx, step_path(root / "async", 8))
     return {"losses": losses, "resumed": _train(again), "log": list(LOG), "unchanged": unchanged}
 
 
@@ -216,7 +217,7 @@ def test_async_save_snapshots_the_step_it_was_started_at(tmp_path: Path) -> None
     """Training runs on (and changes every weight) while the background thread writes step 8: the
     checkpoint still holds step 8's state exactly, so resuming it reproduces steps 9..10 bit for bit.
     keep=2 leaves the newest two, step 8 and step 10."""
-    results = run_ranks(async_runs, 2, tmp_path, timeout=TIMEOUT)
+    results = run_ranks(async_runs, 4, tmp_path, timeout=TIMEOUT)
     for r in results:
         assert r["resumed"] == r["losses"][8:]
         assert r["unchanged"], "the async save wrote weights changed after it was started"
