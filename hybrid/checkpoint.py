@@ -33,6 +33,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from hybrid.checkpoint_state import (
     Piece,
@@ -89,10 +90,13 @@ def problem(path: Path) -> Optional[str]:
     if not (path / METADATA).is_file():
         return f"is incomplete: {METADATA} is missing (the save did not finish)"
     try:
-        md = dcp.FileSystemReader(str(path)).read_metadata()
         read_manifest(path)
+    except Exception as e:  # noqa: BLE001  (any unreadable manifest is a corrupt checkpoint)
+        return f"is corrupt: cannot read its {MANIFEST} ({_first_line(e)})"
+    try:
+        md = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001  (any unreadable index is a corrupt checkpoint)
-        return f"is corrupt: cannot read its index ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        return f"is corrupt: cannot read its index {METADATA} ({_first_line(e)})"
     need: dict[str, int] = {}
     for info in (md.storage_data or {}).values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
@@ -224,11 +228,22 @@ def _dcp_load(state: dict[str, Any], path: Path) -> None:
     try:
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=str(path), planner=ReshardingLoadPlanner(), no_dist=not _distributed())
-    except StateMismatch as e:
-        raise CheckpointError(f"checkpoint {path} does not fit this model: {e}") from None
+    except CheckpointException as e:  # DCP wraps each rank's error (a BaseException): report the first
+        failures = [exc for exc, _ in e.failures.values()]
+        raise CheckpointError(_load_failure(path, failures[0] if failures else e)) from None
     except Exception as e:
-        raise CheckpointError(f"checkpoint {path} could not be read ({type(e).__name__}: "
-                              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+        raise CheckpointError(_load_failure(path, e)) from None
+
+
+def _load_failure(path: Path, e: BaseException) -> str:
+    if isinstance(e, StateMismatch):
+        return f"checkpoint {path} does not fit this model: {e}"
+    return f"checkpoint {path} could not be read ({_first_line(e)})"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def _tp_mesh(ctx: Any, device: torch.device) -> Any:
@@ -341,11 +356,11 @@ class Checkpointer:
     def cleanup(self) -> None:
         """Keep the newest `keep` complete checkpoints (0: all) and the one resumed from; remove older
         complete ones and incomplete ones older than the newest complete. Nothing is in flight here."""
-        steps = list_steps(self.root)
+        steps = [(s, p.resolve()) for s, p in list_steps(self.root)]
         complete = [p for _, p in steps if (p / METADATA).is_file()]
         if not complete:
             return
-        kept = set(complete[-self.keep:] if self.keep > 0 else complete) | self.protected
+        kept = set(complete[-self.keep:] if self.keep > 0 else complete) | {p.resolve() for p in self.protected}
         newest = max(s for s, p in steps if p == complete[-1])
         for step, p in steps:
             stale = p not in kept and (p in complete or step < newest)

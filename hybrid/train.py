@@ -31,7 +31,8 @@ def _fail(msg: str) -> None:
     """One readable line on this rank's stderr, then a non-zero exit (no traceback)."""
     rank = os.environ.get("RANK")
     prefix = f"[rank{rank}] " if rank is not None and _env_int("WORLD_SIZE", 1) > 1 else ""
-    print(f"{prefix}hybrid: error: {msg}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"{prefix}hybrid: error: {msg}\n")  # one write: lines of two ranks never interleave
+    sys.stderr.flush()
     _wait_for_peers_to_report()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -103,19 +104,21 @@ def run(cfg: DictConfig) -> None:
     hook, state = make_hook(cfg.compression, ctx.dp_group, ctx.dp_intra_group, ctx.dp_inter_group)
     writer = rank == 0
     resume = plan_resume(cfg, vocab, writer, _warn)  # before anything is written: a bad checkpoint is bad input
-    metrics = _metrics_logger(cfg, writer, resume[1]["step"] if resume else 0)
-    trainer = Trainer(cfg, ctx, model, corpus, device, hook, state, metrics)
-    trainer.checkpointer = Checkpointer(cfg, ctx, device, metrics.message)
+    trainer = Trainer(cfg, ctx, model, corpus, device, hook, state)
+    early: list[str] = []  # lines of the load, shown once the metrics sink exists
+    trainer.checkpointer = Checkpointer(cfg, ctx, device, early.append)
     if resume:
-        trainer.checkpointer.load(trainer, *resume)
-        if cfg.model.init_from and writer:
-            metrics.message(f"note: model.init_from={cfg.model.init_from} ignored: resuming {resume[0]} wins")
+        trainer.checkpointer.load(trainer, *resume)  # a checkpoint that cannot be read fails before any write
+        if cfg.model.init_from:
+            early.append(f"note: model.init_from={cfg.model.init_from} ignored: resuming {resume[0]} wins")
     elif cfg.model.init_from:
         from hybrid.model.hf import load_pretrained
 
-        line = load_pretrained(trainer.model, cfg.model.init_from, cfg.model, vocab)  # no collective
-        if writer:
-            metrics.message(line)
+        early.append(load_pretrained(trainer.model, cfg.model.init_from, cfg.model, vocab))  # no collective
+    metrics = trainer.metrics = _metrics_logger(cfg, writer, trainer.step)
+    trainer.checkpointer.log = metrics.message
+    for line in early:
+        metrics.message(line)  # rank 0 only
     if writer:
         n, analytic = trainer.n_params, analytic_param_count(cfg.model, vocab, layout.tp)
         metrics.message(layout.rank_map())
@@ -164,7 +167,8 @@ def pipeline_summary(schedule: Any, cfg: DictConfig) -> str:
 
 
 def _warn(msg: str) -> None:
-    print(f"hybrid: {msg}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"hybrid: {msg}\n")
+    sys.stderr.flush()
 
 
 def _metrics_logger(cfg: DictConfig, writer: bool, start_step: int = 0) -> Any:

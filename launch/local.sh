@@ -1,25 +1,38 @@
 #!/usr/bin/env bash
-# Single-node launch: torchrun --standalone with NPROC ranks running `python -m hybrid.train`.
+# Single-node launch: torchrun --standalone with NPROC ranks running `python -m hybrid.train`;
+# a failed worker group restarts (up to MAX_RESTARTS times) and resumes from its newest checkpoint.
 set -euo pipefail
 
 usage() {
   cat <<'USAGE'
 Usage: launch/local.sh [NPROC] [hydra overrides...]
 
-Runs `torchrun --standalone --nproc_per_node=NPROC -m hybrid.train OVERRIDES` on this machine.
+Runs on this machine:
+  torchrun --standalone --nproc_per_node=NPROC --max-restarts=MAX_RESTARTS \
+      -m hybrid.train [checkpoint.resume=auto] OVERRIDES
 
   NPROC      ranks to start (default: number of GPUs, or 2 without GPUs)
   overrides  passed to hybrid.train unchanged, e.g. model=gpt-tiny parallel=tp2 train.steps=50
 
+Fault tolerance: when a rank fails, torchrun stops and restarts all ranks (at most MAX_RESTARTS
+times) and, with checkpoint.resume=auto, they continue from the newest complete checkpoint of the
+run (checkpoint.dir/run_name/step_*; incomplete ones are skipped). Save some with checkpoint.every=N.
+checkpoint.resume=auto is added unless the overrides set checkpoint.resume themselves:
+checkpoint.resume=none starts from scratch, checkpoint.resume=PATH resumes that checkpoint.
+Re-running a finished run with auto resumes its last step and ends at once.
+
 Environment:
+  MAX_RESTARTS     worker-group restarts after a failure (default: 3; 0 = fail at once)
   OMP_NUM_THREADS  threads per rank (default: max(1, cores / NPROC))
   TORCHRUN         torchrun command to use (default: torchrun)
-  HYBRID_MODULE    module to run instead of hybrid.train (smoke tests)
+  HYBRID_MODULE    module to run instead of hybrid.train (smoke tests); gets the same arguments
 
 Examples:
   launch/local.sh                                   # all GPUs (or 2 CPU ranks), default config
   launch/local.sh 8 model=gpt-1b parallel=tp2pp4
   launch/local.sh 4 parallel=tp2pp2 logging.wandb.mode=disabled
+  launch/local.sh 2 checkpoint.every=50             # restartable: saves every 50 steps, resumes after a crash
+  MAX_RESTARTS=0 launch/local.sh 2 checkpoint.resume=none   # no restarts, always from scratch
 USAGE
 }
 
@@ -47,6 +60,21 @@ if [[ "$NPROC" -lt 1 ]]; then
   echo "local.sh: NPROC must be >= 1, got $NPROC" >&2
   exit 2
 fi
+MAX_RESTARTS="${MAX_RESTARTS:-3}"
+if [[ ! "$MAX_RESTARTS" =~ ^[0-9]+$ ]]; then
+  echo "local.sh: MAX_RESTARTS must be a non-negative integer, got '$MAX_RESTARTS'" >&2
+  exit 2
+fi
+
+# torch >= 2.5 shares the agent's TCPStore with the ranks and keeps it across restarts: a restarted
+# rank then reads its peers' addresses of the failed attempt and gloo/NCCL set-up fails (pytorch#135712).
+# A fresh store per attempt (hosted by rank 0, as before 2.5) makes restarts work.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
+# Restarted ranks resume by themselves, unless the overrides choose checkpoint.resume (or +, ++, ~ it).
+RESUME=(checkpoint.resume=auto)
+for arg in "$@"; do
+  if [[ "$arg" =~ ^[+~]*checkpoint\.resume(=|$) ]]; then RESUME=(); fi
+done
 
 CORES="$(nproc 2>/dev/null || echo 1)"
 THREADS=$(( CORES / NPROC ))
@@ -57,4 +85,5 @@ REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # shellcheck disable=SC2086  # TORCHRUN may hold a command with arguments (e.g. "python -m torch.distributed.run")
-exec ${TORCHRUN:-torchrun} --standalone --nproc_per_node="$NPROC" -m "${HYBRID_MODULE:-hybrid.train}" "$@"
+exec ${TORCHRUN:-torchrun} --standalone --nproc_per_node="$NPROC" --max-restarts="$MAX_RESTARTS" \
+  -m "${HYBRID_MODULE:-hybrid.train}" ${RESUME[@]+"${RESUME[@]}"} "$@"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Multi-node launch: one torchrun agent per node, joined by a c10d rendezvous, running `-m hybrid.train`.
+# A failed worker group restarts (up to --max-restarts times) and resumes from its newest checkpoint.
 set -euo pipefail
 
 usage() {
@@ -20,7 +21,15 @@ Options (each falls back to the environment variable in brackets):
   -h, --help          this text
 The first argument that is not one of these options (or everything after `--`)
 is passed to hybrid.train unchanged. Extra torchrun flags: TORCHRUN_ARGS="...";
-HYBRID_MODULE=pkg.mod runs another module instead of hybrid.train (smoke tests).
+TORCHRUN="cmd" replaces the torchrun command; HYBRID_MODULE=pkg.mod runs another
+module instead of hybrid.train with the same arguments (smoke tests).
+
+Fault tolerance: when a rank on any node fails, every agent stops and restarts its
+ranks (at most --max-restarts times, 0 = fail at once) and, with checkpoint.resume=auto,
+they continue from the newest complete checkpoint of the run (checkpoint.dir/run_name/
+step_*, on storage every node sees; incomplete ones are skipped). Save some with
+checkpoint.every=N. checkpoint.resume=auto is added unless the overrides set
+checkpoint.resume themselves (none: from scratch; PATH: that checkpoint).
 
 Examples:
   # node 0 and node 1 of a 2-node job, 8 GPUs each (node0 reachable as node0:29500)
@@ -85,6 +94,16 @@ fi
 [[ "$NODE_RANK" =~ ^[0-9]+$ ]] || die "--node-rank must be a non-negative integer, got '$NODE_RANK'"
 [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || die "--max-restarts must be a non-negative integer, got '$MAX_RESTARTS'"
 
+# torch >= 2.5 shares the agent's TCPStore with the ranks and keeps it across restarts: a restarted
+# rank then reads its peers' addresses of the failed attempt and gloo/NCCL set-up fails (pytorch#135712).
+# A fresh store per attempt (hosted by rank 0, as before 2.5) makes restarts work.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
+# Restarted ranks resume by themselves, unless the overrides choose checkpoint.resume (or +, ++, ~ it).
+RESUME=(checkpoint.resume=auto)
+for arg in "$@"; do
+  if [[ "$arg" =~ ^[+~]*checkpoint\.resume(=|$) ]]; then RESUME=(); fi
+done
+
 CORES="$(nproc 2>/dev/null || echo 1)"
 THREADS=$(( CORES / NPROC ))
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( THREADS > 0 ? THREADS : 1 ))}"
@@ -101,4 +120,4 @@ ARGS=(
 [[ -z "${TORCHRUN_ARGS:-}" ]] || ARGS+=($TORCHRUN_ARGS)
 
 # shellcheck disable=SC2086  # TORCHRUN may hold a command with arguments
-exec ${TORCHRUN:-torchrun} "${ARGS[@]}" -m "${HYBRID_MODULE:-hybrid.train}" "$@"
+exec ${TORCHRUN:-torchrun} "${ARGS[@]}" -m "${HYBRID_MODULE:-hybrid.train}" ${RESUME[@]+"${RESUME[@]}"} "$@"

@@ -51,7 +51,8 @@ def test_torchrun_two_ranks_loss_falls(tmp_path: Path, env: dict[str, str]) -> N
 def test_emulated_two_nodes_with_multinode_sh(tmp_path: Path, env: dict[str, str]) -> None:
     port = str(29400 + os.getpid() % 500)
     args = ["--nnodes", "2", "--nproc", "1", "--endpoint", f"127.0.0.1:{port}", "--run-id", f"e2e{os.getpid()}",
-            "--max-restarts", "0", *QUICK, "train.steps=6", f"logging.dir={tmp_path}"]
+            "--max-restarts", "0", *QUICK, "train.steps=6", f"logging.dir={tmp_path}",
+            f"checkpoint.dir={tmp_path / 'ck'}"]  # multinode.sh adds checkpoint.resume=auto: nothing stale there
     procs = [subprocess.Popen(["bash", str(ROOT / "launch" / "multinode.sh"), "--node-rank", str(n), *args],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for n in range(2)]

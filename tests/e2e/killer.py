@@ -1,0 +1,76 @@
+"""A torchrun entry for the fault-tolerance tests: `python -m killer <hybrid.train overrides>`
+(with tests/e2e on PYTHONPATH) runs `hybrid.train.main()`, and on the first attempt only
+(`TORCHELASTIC_RESTART_COUNT == 0`) rank `HYBRID_KILL_RANK` (default 1) SIGKILLs itself:
+
+- `HYBRID_KILL=step:N`: at the start of optimizer step N (after steps 1..N-1 completed);
+- `HYBRID_KILL=save:N`: while writing its shard file of checkpoint `step_%07d` % N, after its
+  first item is in the file (flushed), so the shard is cut short and `.metadata` never written.
+
+A real SIGKILL, not an exception: no `finally`, no atexit, no flush. Every rank prints one
+`killer: attempt A rank R` line on stderr at start so the test can count attempts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+
+def _say(line: str) -> None:
+    """One write(2) per line: ranks share the stderr pipe, and print() under PYTHONUNBUFFERED=1 writes the
+    text and its newline separately, so two ranks' lines could merge."""
+    os.write(sys.stderr.fileno(), f"killer: {line}\n".encode())
+
+
+def _die(what: str) -> None:
+    _say(f"SIGKILL rank {os.environ.get('RANK', '0')} {what}")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_at_step(step: int) -> None:
+    from hybrid.trainer import Trainer
+
+    original = Trainer.train_step
+
+    def train_step(self: Trainer) -> Any:
+        if self.step == step - 1:
+            _die(f"at the start of step {step}")
+        return original(self)
+
+    Trainer.train_step = train_step  # type: ignore[method-assign]
+
+
+def _kill_mid_save(step: int) -> None:
+    from torch.distributed.checkpoint import filesystem
+
+    original = filesystem._write_item
+    folder = f"step_{step:07d}"
+
+    def write_item(transforms: Any, stream: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(transforms, stream, *args, **kwargs)
+        if os.path.basename(os.path.dirname(str(getattr(stream, "name", "")))) == folder:
+            stream.flush()
+            _die(f"mid-write of {stream.name} ({stream.tell()} bytes written)")
+        return result
+
+    filesystem._write_item = write_item
+
+
+def arm() -> None:
+    """Patch the kill point named by HYBRID_KILL into this process (first attempt, chosen rank only)."""
+    attempt, rank = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), os.environ.get("RANK", "0")
+    _say(f"attempt {attempt} rank {rank}")
+    spec = os.environ.get("HYBRID_KILL", "")
+    if not spec or attempt != "0" or rank != os.environ.get("HYBRID_KILL_RANK", "1"):
+        return
+    kind, step = spec.split(":")
+    {"step": _kill_at_step, "save": _kill_mid_save}[kind](int(step))
+
+
+if __name__ == "__main__":
+    arm()
+    from hybrid.train import main
+
+    main()
