@@ -199,6 +199,8 @@ def plan_resume(cfg: Any, vocab: int, is_writer: bool, warn: Log) -> Optional[tu
                 answer[0] = (str(path), manifest)
         except CheckpointError as e:
             answer[0] = e
+        except Exception as e:  # noqa: BLE001  (anything else unreadable: still one answer for every rank)
+            answer[0] = CheckpointError(f"checkpoint.resume={cfg.checkpoint.resume}: {_first_line(e)}")
     if _distributed():
         dist.broadcast_object_list(answer, src=0)
     if isinstance(answer[0], CheckpointError):
@@ -306,8 +308,8 @@ class Checkpointer:
         self.pending = None
         try:
             future.result()
-        except Exception as e:
-            raise RuntimeError(f"checkpoint save to {path} failed: {e}") from e
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            raise RuntimeError(f"checkpoint save to {path} failed: {_first_line(e)}") from e
         self._finish(path, start)
 
     def state_dict(self, trainer: Any) -> dict[str, Any]:
