@@ -109,6 +109,16 @@ def train_case(ctx: ParallelContext, case: Case, world: int) -> dict[str, Any]:
             "state": full if c.tp == 0 and c.dp == 0 else None}
 
 
+def layout_context(world: int, case: Case) -> ParallelContext:
+    """The groups of `case`'s layout on `world` ranks (built now, all named); one process: no groups."""
+    if world == 1:
+        return ParallelContext.single()
+    ctx = ParallelContext.build(Layout.create(world, tp=case.tp, pp=case.pp))
+    for name in GROUPS:
+        C.name_group(getattr(ctx, f"{name}_group"), name)
+    return ctx
+
+
 def train_cases(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]]:
     """Rank function: train each case in turn (groups built once per (tp, pp) layout, all named)."""
     contexts: dict[tuple[int, int], ParallelContext] = {}

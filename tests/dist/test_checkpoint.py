@@ -24,13 +24,12 @@ from typing import Any
 import pytest
 import torch
 from harness import run_ranks
-from pp_helpers import GROUPS, VOCAB, Case, make_cfg
+from pp_helpers import VOCAB, Case, layout_context, make_cfg
 from test_dp import synthetic_corpus
 
 from hybrid.checkpoint import Checkpointer, plan_resume, step_path
 from hybrid.compression.hooks import make_hook
-from hybrid.parallel import collectives as C
-from hybrid.parallel.context import Layout, ParallelContext
+from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.tensor import full_state_dict
 from hybrid.trainer import Trainer, build_chunks
 
@@ -43,15 +42,6 @@ RESHARDED = [Case(tp=1, pp=2), Case(tp=2, pp=1), Case(tp=4, pp=2), Case(tp=2, pp
 def _cfg(case: Case, world: int, root: Path, run: str, *extra: str) -> Any:
     return make_cfg(case, world, extra=[f"train.steps={STEPS}", f"checkpoint.dir={root}", f"run_name={run}",
                                         "optim.warmup_steps=2", *extra])
-
-
-def _context(world: int, case: Case) -> ParallelContext:
-    if world == 1:
-        return ParallelContext.single()
-    ctx = ParallelContext.build(Layout.create(world, tp=case.tp, pp=case.pp))
-    for name in GROUPS:
-        C.name_group(getattr(ctx, f"{name}_group"), name)
-    return ctx
 
 
 LOG: list[str] = []  # this rank's checkpoint messages
@@ -101,7 +91,7 @@ def _record(trainer: Trainer, losses: list[float], loaded: dict[str, torch.Tenso
 def resume_runs(rank: int, world: int, root: Path, base: Case, resharded: list[Case],
                 extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """Rank function: the uninterrupted run, the same-layout resume, then each resharded resume."""
-    ctx = _context(world, base)
+    ctx = layout_context(world, base)
     first = _trainer(_cfg(base, world, root, "base", f"checkpoint.every={SAVE_AT}", *extra), ctx)
     saved: dict[str, torch.Tensor] = {}
     losses = []
@@ -117,7 +107,7 @@ def resume_runs(rank: int, world: int, root: Path, base: Case, resharded: list[C
     out["same"] = _record(again, _train(again), {})
     out["same_final"] = _weights(again)
     for case in resharded:
-        cctx = _context(world, case)
+        cctx = layout_context(world, case)
         trainer = _resume(_cfg(case, world, root, str(case), *extra), cctx, path)
         loaded, consumed = _weights(trainer), trainer.sampler.consumed_samples
         out[str(case)] = _record(trainer, _train(trainer), loaded) | {"consumed": consumed}
@@ -197,7 +187,7 @@ def test_same_layout_resume_restores_rng_and_hook_state(tmp_path: Path) -> None:
 def async_runs(rank: int, world: int, root: Path) -> dict[str, Any]:
     """Async saves every 2 steps (keep 2) while training goes on; then a same-layout resume of step 8."""
     case = Case(tp=2)  # TP-sharded fused parameters: their part views are staged too
-    ctx = _context(world, case)
+    ctx = layout_context(world, case)
     first = _trainer(_cfg(case, world, root, "async", "checkpoint.every=2", "checkpoint.keep=2",
                           "checkpoint.async=true"), ctx)
     losses = _train(first)

@@ -42,7 +42,7 @@ from typing import Any
 import pytest
 import torch
 from harness import run_ranks
-from pp_helpers import GROUPS, VOCAB, Case, make_cfg
+from pp_helpers import VOCAB, Case, layout_context, make_cfg
 from test_dp import synthetic_corpus
 
 from hybrid.checkpoint import METADATA, Checkpointer, step_path
@@ -50,8 +50,7 @@ from hybrid.compression.hooks import make_hook
 from hybrid.config import ConfigError
 from hybrid.model import build_model
 from hybrid.model.hf import from_hf_state_dict, load_hf_into, load_pretrained, to_hf_state_dict
-from hybrid.parallel import collectives as C
-from hybrid.parallel.context import Layout, ParallelContext
+from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.tensor import full_state_dict
 from hybrid.tools.export import Options, export
 from hybrid.trainer import Trainer, build_chunks
@@ -82,15 +81,6 @@ def _cfg(family: str, case: Case, world: int, *extra: str) -> Any:
     return make_cfg(Case(family, case.tp, case.pp), world, extra=[*FAMILIES[family], *extra])
 
 
-def _context(world: int, case: Case) -> ParallelContext:
-    if world == 1:
-        return ParallelContext.single()
-    ctx = ParallelContext.build(Layout.create(world, tp=case.tp, pp=case.pp))
-    for name in GROUPS:
-        C.name_group(getattr(ctx, f"{name}_group"), name)
-    return ctx
-
-
 def _trainer(cfg: Any, ctx: ParallelContext, tokenizer: Any = None) -> Trainer:
     torch.manual_seed(1234 + ctx.pp_rank)
     corpus = synthetic_corpus(vocab=VOCAB)
@@ -110,7 +100,7 @@ def _gathered(trainer: Trainer) -> dict[str, torch.Tensor] | None:
 
 def save_runs(rank: int, world: int, root: Path) -> dict[str, Any]:
     """Rank function: train each family at tp2pp2 for SAVE_STEP steps and save a checkpoint."""
-    ctx = _context(world, Case(tp=2, pp=2))
+    ctx = layout_context(world, Case(tp=2, pp=2))
     out: dict[str, Any] = {}
     for family in FAMILIES:
         cfg = _cfg(family, Case(tp=2, pp=2), world, f"checkpoint.dir={root}", f"run_name={family}",
@@ -208,7 +198,7 @@ def import_runs(rank: int, world: int, folder: Path, cases: list[Case]) -> list[
     """Rank function: per layout, a fresh Trainer initialised from `folder`, then IMPORT_STEPS steps."""
     out = []
     for case in cases:
-        ctx = _context(world, case)
+        ctx = layout_context(world, case)
         cfg = _cfg("llama", case, world, f"model.init_from={folder}", f"train.steps={IMPORT_STEPS}")
         trainer = _trainer(cfg, ctx)
         line = load_pretrained(trainer.model, cfg.model.init_from, cfg.model, VOCAB)
@@ -221,7 +211,7 @@ def import_runs(rank: int, world: int, folder: Path, cases: list[Case]) -> list[
 def single_process_losses(folder: Path | None) -> list[float]:
     """The reference: one process, weights from transformers' `state_dict()` (or random: None)."""
     cfg = _cfg("llama", Case(), 1, f"train.steps={IMPORT_STEPS}")
-    trainer = _trainer(cfg, _context(1, Case()))
+    trainer = _trainer(cfg, layout_context(1, Case()))
     if folder is not None:
         load_hf_into(trainer.model[0], load_hf(folder).state_dict(), cfg.model, VOCAB)
     return [trainer.train_step().loss for _ in range(IMPORT_STEPS)]
