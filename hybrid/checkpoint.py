@@ -461,8 +461,10 @@ def _distributed() -> bool:
 class Stager:
     """The blocking part of an async save: copy every tensor of the state into CPU buffers that are kept
     from one save to the next (one save is in flight at a time, so a buffer is free again when the next
-    save stages). Reusing them is ~6× faster than fresh allocations (measured: 0.43 s vs 2.61 s for
-    gpt-125m's 1.4 GiB). A DTensor's local shard becomes a fresh DTensor over its own buffer."""
+    save stages). Reusing them is ~9× faster than the first save's fresh allocations (measured with
+    gpt-125m at tp2pp2dp2: 0.22 s vs 2.06 s). A DTensor's local shard becomes a DTensor over its buffer.
+    Every rank stages its whole state, DP replicas included (DCP drops duplicates only when it plans
+    the write), so the buffers hold about 2× the checkpoint at dp=2."""
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}

@@ -18,15 +18,15 @@ at the end. Sections:
   exactly 12·N + 4·(one fp32 `step` per parameter) tensor bytes, every byte of the shard files must be an item
   of the index, and each tensor item carries at most DCP_FRAMING bytes of torch.save framing. Both loads are
   checked (parameter and moment checksums equal the saved ones). The files are read back from the page cache.
-- async: --async-model at --async-layout (tp1pp2dp2: 4 ranks), a real Trainer with `checkpoint.async=true`
-  and a second, sync Checkpointer on the same Trainer. Not tp2: on torch 2.13 DCP's async staging copy
-  (`StateDictStager`) fails on a DTensor whose local tensor starts at a nonzero storage offset, which the
-  second and third parts of a fused TP-sharded QKV (or SwiGLU) parameter are ("invalid python storage").
-  --warmup untimed steps, then --rounds rounds of: --steps steps with no save; a sync save (its blocking
-  seconds); an async save (its blocking part: the manifest, a barrier and DCP's staging copy of the state)
-  followed at once by --steps steps while the write runs in a background thread, then `wait()`. Step seconds
-  are the slowest rank's; the in-flight window runs from the end of the staging copy to the last rank's
-  completion; the overlap is the share of that window the steps covered.
+- async: --async-model at --async-layout (tp2pp2dp2: 8 ranks, the size section's layout), a real Trainer with
+  `checkpoint.async=true` and a second, sync Checkpointer on the same Trainer. --warmup untimed steps, then
+  --rounds rounds of: --steps steps with no save; a sync save (its blocking seconds); an async save (its
+  blocking part: the manifest, a barrier, the Checkpointer's `Stager` copying the state into its CPU buffers,
+  timed on its own, and the start of DCP's background write) followed at once by --steps steps while the write
+  runs in a background thread, then `wait()`. The Stager keeps its buffers across saves: round 0's async save
+  allocates them, later rounds copy into them. Step seconds are the slowest rank's; the in-flight window runs
+  from the end of the blocking part to the last rank's completion; the overlap is the share of that window the
+  steps covered.
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from hybrid.bench import common
 from hybrid.bench.common import split_sections
@@ -59,7 +58,7 @@ from hybrid.bench.model_size import model_names
 from hybrid.bench.pp import descendants, proc_status_kb, sample_peaks
 from hybrid.bench.ranks import launch
 from hybrid.bench.tp import resolve_vocab, synthetic_corpus
-from hybrid.checkpoint import MANIFEST, METADATA, Checkpointer, read_manifest
+from hybrid.checkpoint import MANIFEST, METADATA, Checkpointer, Stager, read_manifest
 from hybrid.checkpoint_state import init_optimizer_state
 from hybrid.compression.hooks import make_hook
 from hybrid.config import compose_config, validate
@@ -91,8 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="gpt-350m", help="size: configs/model saved and loaded")
     p.add_argument("--layout", default="tp2pp2dp2", help="size: the sharded side's layout, tp<t>pp<p>dp<d>")
     p.add_argument("--async-model", default="gpt-125m", help="async: configs/model trained while a save is in flight")
-    p.add_argument("--async-layout", default="tp1pp2dp2", help="async: layout (tp1: DCP's async staging on torch "
-                   "2.13 fails on the DTensor views of fused TP-sharded parameters, see the docs)")
+    p.add_argument("--async-layout", default="tp2pp2dp2", help="async: layout, tp<t>pp<p>dp<d>")
     p.add_argument("--seq", type=int, default=64, help="async: tokens per sequence")
     p.add_argument("--micro-batch", type=int, default=1, help="async: sequences per microbatch")
     p.add_argument("--global-batch", type=int, default=8, help="async: sequences per step (all DP ranks)")
@@ -168,16 +166,6 @@ def make_trainer(cfg: Any, ctx: ParallelContext, vocab: int) -> Trainer:
     trainer = Trainer(cfg, ctx, build_chunks(cfg, vocab, ctx), corpus, CPU, hook, state)
     trainer.checkpointer = Checkpointer(cfg, ctx, CPU, lambda _: None)
     return trainer
-
-
-def release(trainer: Trainer) -> None:
-    """Let `trainer`'s tensors be freed when it is dropped. GradSync registers a bound method of itself as each
-    parameter's post-accumulate-grad hook; the parameter's autograd node (C++) keeps the parameter alive and
-    hides that cycle from Python's gc, so without this the model and its gradient buffers would outlive it."""
-    for p in trainer.model.parameters():
-        hooks = getattr(p, "_post_accumulate_grad_hooks", None)
-        if hooks:
-            hooks.clear()
 
 
 def fill_moments(optimizer: torch.optim.Optimizer) -> None:
@@ -303,8 +291,7 @@ def size_rank(rank: int, world_size: int, cfg: Any, fresh_cfg: Any, vocab: int) 
     path = trainer.checkpointer.save(trainer)
     save_s = time.perf_counter() - start
     rss["saved"] = rss_mib()
-    release(trainer)
-    del trainer
+    del trainer  # freed here (GradSync holds its grad hooks weakly)
     gc.collect()
     rss["dropped"] = rss_mib()
     fresh = make_trainer(fresh_cfg, ctx, vocab)  # another seed: other weights until the load
@@ -452,14 +439,31 @@ def timed_steps(trainer: Trainer, n: int) -> list[tuple[float, float]]:
     return out
 
 
+class TimedStager(Stager):
+    """The Checkpointer's Stager, recording each staging copy's (start, end) perf_counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[float, float]] = []
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        start = time.perf_counter()
+        staged = super().stage(state)
+        self.calls.append((start, time.perf_counter()))
+        return staged
+
+    def bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
 def async_rank(rank: int, world_size: int, cfg: Any, sync_cfg: Any, vocab: int, steps: int, warmup: int,
                rounds: int) -> dict[str, Any]:
-    """Per round: plain steps, a sync save (blocking seconds), an async save then steps while it is in flight.
-    Then the staging copy alone, twice through one `DefaultStager` (as `dcp.async_save` builds it): into fresh
-    buffers (what every async save of the Checkpointer does: its stager lives for one save) and into the reused
-    ones (a stager kept across saves caches its CPU storages)."""
+    """Per round: plain steps, a sync save (blocking seconds), an async save (blocking seconds, and its staging
+    copy's within them) then steps while it is in flight. The async Checkpointer's Stager lives for the whole
+    run: the first async save allocates its CPU buffers, the later ones copy into them."""
     ctx = ParallelContext.build(validate(cfg, world_size, world_size))
     trainer = make_trainer(cfg, ctx, vocab)  # checkpoint.async=true: its own gloo group, a background thread
+    stager = trainer.checkpointer.stager = TimedStager()
     sync = Checkpointer(sync_cfg, ctx, CPU, lambda _: None)
     timed_steps(trainer, warmup)
     out = []
@@ -480,17 +484,9 @@ def async_rank(rank: int, world_size: int, cfg: Any, sync_cfg: Any, vocab: int, 
         trainer.checkpointer.wait()
         waited = time.perf_counter()
         out.append({"plain": plain, "sync": (start, sync_end), "async": (start_async, staged, done[0], waited),
-                    "flight": flight})
-    state = trainer.checkpointer.state_dict(trainer)
-    stager = DefaultStager(StagingOptions(False, False, False, False))
-    staging = []
-    for _ in range(2):
-        dist.barrier()
-        start = time.perf_counter()
-        stager.stage(state)
-        staging.append(time.perf_counter() - start)
-    stager.close()
-    return {"rounds": out, "staging": staging}
+                    "copy": stager.calls[-1], "flight": flight})
+    assert len(stager.calls) == rounds
+    return {"rounds": out, "staging_bytes": stager.bytes()}
 
 
 def step_seconds(ranks: list[list[tuple[float, float]]]) -> list[float]:
@@ -512,7 +508,8 @@ def async_round(results: list[list[dict[str, Any]]], i: int) -> dict[str, Any]:
     flight_s = step_seconds(flight)
     return {"plain": step_seconds([r["plain"] for r in rs]), "flight": flight_s,
             "in_flight": [flight_s[k] for k in in_flight], "sync_s": max(r["sync"][1] - r["sync"][0] for r in rs),
-            "stage_s": staged - start, "window_s": done - staged, "async_total_s": done - start,
+            "block_s": staged - start, "copy_s": max(r["copy"][1] - r["copy"][0] for r in rs),
+            "window_s": done - staged, "async_total_s": done - start,
             "overlap": covered / window, "wait_s": max(r["async"][3] for r in rs) - steps_end}
 
 
@@ -529,8 +526,8 @@ def section_async(args: argparse.Namespace, out: Callable[[str], None]) -> dict[
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     rounds = [async_round([r["rounds"] for r in results], i) for i in range(args.rounds)]
-    fresh, reused = (max(r["staging"][k] for r in results) for k in (0, 1))
     n = analytic_param_count(cfg.model, vocab, cfg.parallel.tp)
+    staging_bytes = sum(r["staging_bytes"] for r in results)
     plain = [s for r in rounds for s in r["plain"]]
     flight = [s for r in rounds for s in r["flight"]]
     in_flight = [s for r in rounds for s in r["in_flight"]]
@@ -538,35 +535,50 @@ def section_async(args: argparse.Namespace, out: Callable[[str], None]) -> dict[
     out(f"\n## async: {args.async_model} (N = {n:,}, checkpoint {12 * n / MIB:,.0f} MiB) at {args.async_layout} "
         f"on {world(args.async_layout)} ranks, "
         f"{args.global_batch} × {args.seq} tokens per step, {args.rounds} round(s) of {args.steps} steps with no save, "
-        f"a sync save, then an async save followed at once by {args.steps} steps. Step seconds: the slowest rank.")
+        f"a sync save, then an async save followed at once by {args.steps} steps. Step seconds: the slowest rank. "
+        f"Async blocking: manifest + barrier + the Checkpointer's staging copy (timed alone: slowest rank) + the "
+        f"start of DCP's write; round 0's copy allocates the Stager's buffers, later rounds reuse them.")
     body = []
     for i, r in enumerate(rounds):
         body.append([str(i), f"{statistics.mean(r['plain']):.3f}", f"{statistics.mean(r['flight']):.3f}",
                      f"{statistics.mean(r['in_flight']):.3f} ({len(r['in_flight'])})",
                      f"{statistics.mean(r['flight']) / statistics.mean(r['plain']):.2f}×",
-                     f"{r['sync_s']:.2f}", f"{r['stage_s']:.2f}", f"{r['stage_s'] / r['sync_s']:.2f}×",
+                     f"{r['sync_s']:.2f}", f"{r['block_s']:.2f}", f"{r['copy_s']:.2f}",
+                     f"{r['block_s'] / r['sync_s']:.2f}×",
                      f"{r['window_s']:.2f}", f"{r['overlap']:.0%}", f"{r['wait_s']:.2f}"])
     for line in table(["round", "step s, no save", "step s, after async save", "step s, in flight (steps)",
-                       "ratio after / none", "sync save s", "async blocking s", "blocking async / sync",
-                       "in-flight window s", "window overlapped by steps", "wait() after steps s"], body):
+                       "ratio after / none", "sync save s", "async blocking s", "of which staging copy s",
+                       "blocking async / sync", "in-flight window s", "window overlapped by steps",
+                       "wait() after steps s"], body):
         out(line)
+    later = rounds[1:] or rounds  # buffers reused (round 0 allocates them)
     summary = {"plain_s": statistics.mean(plain), "flight_s": statistics.mean(flight),
                "in_flight_s": statistics.mean(in_flight), "sync_s": statistics.mean(r["sync_s"] for r in rounds),
-               "stage_s": statistics.mean(r["stage_s"] for r in rounds),
+               "block_s": statistics.mean(r["block_s"] for r in rounds),
+               "copy_s": statistics.mean(r["copy_s"] for r in rounds),
+               "first_block_s": rounds[0]["block_s"], "first_copy_s": rounds[0]["copy_s"],
+               "reused_block_s": statistics.mean(r["block_s"] for r in later),
+               "reused_copy_s": statistics.mean(r["copy_s"] for r in later),
+               "reused_sync_s": statistics.mean(r["sync_s"] for r in later),
                "window_s": statistics.mean(r["window_s"] for r in rounds),
-               "overlap": statistics.mean(r["overlap"] for r in rounds)}
+               "overlap": statistics.mean(r["overlap"] for r in rounds), "staging_bytes": staging_bytes}
     out(f"mean over rounds: step {summary['plain_s']:.3f} s with no save ({tokens / summary['plain_s']:.0f} tok/s), "
         f"{summary['flight_s']:.3f} s in the {args.steps} steps after an async save "
         f"(**{summary['flight_s'] / summary['plain_s']:.2f}×**), {summary['in_flight_s']:.3f} s for the steps started "
         f"while it was in flight (**{summary['in_flight_s'] / summary['plain_s']:.2f}×**); blocking: sync save "
-        f"{summary['sync_s']:.2f} s, async {summary['stage_s']:.2f} s (manifest + barrier + staging copy, "
-        f"**{summary['stage_s'] / summary['sync_s']:.2f}×**); the write ran {summary['window_s']:.2f} s in the "
-        f"background, {summary['overlap']:.0%} of it overlapped by steps. Memory: {watch.line()}.")
-    out(f"staging copy alone (DefaultStager as dcp.async_save builds it, slowest rank): {fresh:.2f} s into fresh "
-        f"buffers (each async save: its stager lives for one save), {reused:.2f} s into the same stager's cached "
-        f"buffers (**{reused / fresh:.2f}×**: a stager kept across saves skips allocating and faulting in "
-        f"{12 * n / MIB:,.0f} MiB).")
-    return {"rounds": rounds, "n": n, "staging_fresh_s": fresh, "staging_reused_s": reused, **summary}
+        f"{summary['sync_s']:.2f} s, async {summary['block_s']:.2f} s "
+        f"(**{summary['block_s'] / summary['sync_s']:.2f}×**), of which the staging copy {summary['copy_s']:.2f} s; "
+        f"the write ran {summary['window_s']:.2f} s in the background, {summary['overlap']:.0%} of it overlapped by "
+        f"steps. Memory: {watch.line()}.")
+    reused = (f"later saves (buffers reused, mean of {len(later)}): {summary['reused_block_s']:.2f} s, copy "
+              f"{summary['reused_copy_s']:.2f} s (**{summary['reused_block_s'] / summary['reused_sync_s']:.2f}×** "
+              f"their sync saves' {summary['reused_sync_s']:.2f} s)" if len(rounds) > 1
+              else "no later save (one round): none reused the buffers")
+    out(f"async blocking, first save (allocates the buffers): {summary['first_block_s']:.2f} s, copy "
+        f"{summary['first_copy_s']:.2f} s; {reused}. The Stager holds {staging_bytes / MIB:,.0f} MiB of CPU "
+        f"buffers over the ranks for the whole run ({staging_bytes / (12 * n):.2f}× the checkpoint's 12·N: every "
+        f"rank stages its whole state dict, DP replicas and TP-replicated tensors included).")
+    return {"rounds": rounds, "n": n, **summary}
 
 
 # ---- driver ----------------------------------------------------------------------------------------------------

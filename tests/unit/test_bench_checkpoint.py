@@ -17,6 +17,7 @@ def test_quick_defaults_reproduce_command_and_cli() -> None:
     assert "--quick" not in command and "--steps 3" in command and "--layout tp2pp2dp2" in command
     full = bench.parse_args([])
     assert full.model == "gpt-350m" and full.layout == "tp2pp2dp2" and full.sections == ["size", "async"]
+    assert full.async_model == "gpt-125m" and full.async_layout == "tp2pp2dp2"
     assert bench.layout("tp2pp4dp1") == {"tp": 2, "pp": 4, "dp": 1} and bench.world("tp2pp2dp2") == 8
     for bad in (["--sections", "nope"], ["--model", "no-such-model"], ["--layout", "tp2pp2"],
                 ["--layout", "tp1pp1dp1"], ["--global-batch", "7"], ["--steps", "0"]):
@@ -31,13 +32,14 @@ def _flight(starts: list[float], length: float) -> list[tuple[float, float]]:
 def test_async_round_overlap_and_in_flight_steps() -> None:
     # two ranks; the save starts at 0, staging ends at 1 (rank 1) and the write at 4.5 (rank 0's callback)
     ranks = [[{"plain": _flight([-10, -9], 1.0), "sync": (-8.0, -6.0), "async": (0.0, 0.9, 4.5, 6.2),
-               "flight": _flight([1, 2, 3, 4, 5], 1.0)}],
+               "copy": (0.3, 0.7), "flight": _flight([1, 2, 3, 4, 5], 1.0)}],
              [{"plain": _flight([-10, -9], 0.9), "sync": (-8.0, -5.5), "async": (0.0, 1.0, 4.0, 6.1),
-               "flight": _flight([1.1, 2.1, 3.1, 4.1, 5.1], 1.0)}]]
+               "copy": (0.2, 0.8), "flight": _flight([1.1, 2.1, 3.1, 4.1, 5.1], 1.0)}]]
     r = bench.async_round(ranks, 0)
     assert r["plain"] == [1.0, 1.0] and r["flight"] == pytest.approx([1.0] * 5)
     assert len(r["in_flight"]) == 4  # steps starting at 1, 2, 3, 4 began before 4.5
-    assert r["sync_s"] == 2.5 and r["stage_s"] == 1.0 and r["window_s"] == 3.5 and r["async_total_s"] == 4.5
+    assert r["sync_s"] == 2.5 and r["block_s"] == 1.0 and r["copy_s"] == pytest.approx(0.6)  # slowest rank's copy
+    assert r["window_s"] == 3.5 and r["async_total_s"] == 4.5
     assert r["overlap"] == pytest.approx(1.0)  # the steps span 1..6.1, the window 1..4.5
     assert r["wait_s"] == pytest.approx(6.2 - 6.1)
     late = [[{**ranks[0][0], "async": (0.0, 1.0, 10.0, 10.0)}], ranks[1]]
@@ -54,6 +56,7 @@ def test_quick_run_both_sections(capsys: pytest.CaptureFixture[str]) -> None:
     for needle in ("# command: OMP_NUM_THREADS=1", "## size: gpt-tiny, sharded at tp2pp2dp2 on 8", "## async: gpt-tiny",
                    "| sharded DCP (8 ranks)", "| torch.save (1 process)", "| ratio sharded / single",
                    "analytic 12·N B", "bytes on disk", "save s", "load s", "in-flight window s",
+                   "of which staging copy s", "async blocking, first save",
                    "window overlapped by steps", "reproduce: OMP_NUM_THREADS=1"):
         assert needle in out, needle
     size = result["size"]
@@ -75,6 +78,10 @@ def test_quick_run_both_sections(capsys: pytest.CaptureFixture[str]) -> None:
     assert min(sharded["save_s"], sharded["load_s"], single["save_s"], single["load_s"]) > 0
     timing = result["async"]
     assert len(timing["rounds"]) == 1 and len(timing["rounds"][0]["flight"]) == 2
-    assert min(timing["plain_s"], timing["flight_s"], timing["sync_s"], timing["stage_s"]) > 0
+    assert min(timing["plain_s"], timing["flight_s"], timing["sync_s"], timing["block_s"]) > 0
+    assert 0 < timing["copy_s"] < timing["block_s"]  # the staging copy is part of the blocking time
     assert timing["window_s"] >= 0 and 0 <= timing["overlap"] <= 1
-    assert timing["staging_fresh_s"] > 0 and timing["staging_reused_s"] > 0
+    # at tp2pp2dp2 (fused QKV parts are DTensor views at nonzero offsets): every rank staged its whole state
+    assert "## async: gpt-tiny" in out and "at tp2pp2dp2 on 8 ranks" in out
+    # every rank stages its whole state dict (2 DP replicas: > 2·12·N) but not the tied head's copy (< held)
+    assert 2 * 12 * timing["n"] < timing["staging_bytes"] < size["held"]
