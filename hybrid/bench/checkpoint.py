@@ -52,9 +52,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from hybrid.bench import common
-from hybrid.bench.common import split_sections
+from hybrid.bench.common import check_models, parse_with_quick
 from hybrid.bench.compression import table
-from hybrid.bench.model_size import model_names
 from hybrid.bench.pp import descendants, proc_status_kb, sample_peaks
 from hybrid.bench.ranks import launch
 from hybrid.bench.tp import resolve_vocab, synthetic_corpus
@@ -107,15 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The command line; `--quick` makes QUICK's values the defaults (options given explicitly still win)."""
     p = build_parser()
-    args = p.parse_args(argv)
-    if args.quick:
-        p.set_defaults(**QUICK)
-        args = p.parse_args(argv)
-    args.quick = None  # not repeated by the reproduce command: it spells out every value instead
-    split_sections(p, args, SECTIONS)
-    for m in (args.model, args.async_model):
-        if m not in model_names():
-            p.error(f"unknown model {m}; configs/model has {', '.join(model_names())}")
+    args = parse_with_quick(p, argv, QUICK, SECTIONS)
+    check_models(p, args.model, args.async_model)
     if min(args.seq, args.micro_batch, args.steps, args.rounds) < 1 or args.warmup < 0:
         p.error("--seq, --micro-batch, --steps and --rounds must be >= 1, --warmup >= 0")
     for name in (args.layout, args.async_layout):

@@ -7,9 +7,11 @@ import argparse
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
+
+from hybrid.bench.model_size import model_names
 
 Section = Callable[[argparse.Namespace, Callable[[str], None]], Any]
 
@@ -19,6 +21,26 @@ def split_sections(p: argparse.ArgumentParser, args: argparse.Namespace, known: 
     args.sections = [s for s in args.sections.split(",") if s]
     if not args.sections or any(s not in known for s in args.sections):
         p.error(f"--sections must be a comma-separated subset of {','.join(known)}")
+
+
+def parse_with_quick(p: argparse.ArgumentParser, argv: Optional[Sequence[str]], quick: dict[str, Any],
+                     sections: Sequence[str]) -> argparse.Namespace:
+    """Parse `argv`; with `--quick`, `quick`'s values become the defaults (options given explicitly
+    still win). `args.quick` is then cleared: the reproduce command spells out every value instead."""
+    args = p.parse_args(argv)
+    if args.quick:
+        p.set_defaults(**quick)
+        args = p.parse_args(argv)
+    args.quick = None
+    split_sections(p, args, sections)
+    return args
+
+
+def check_models(p: argparse.ArgumentParser, *models: str) -> None:
+    """Refuse (parser error, exit 2) a model name that configs/model does not have."""
+    for m in models:
+        if m not in model_names():
+            p.error(f"unknown model {m}; configs/model has {', '.join(model_names())}")
 
 
 def reproduce_command(module: str, p: argparse.ArgumentParser, args: argparse.Namespace) -> str:

@@ -43,8 +43,7 @@ from typing import Any, Optional
 import torch
 
 from hybrid.bench import common
-from hybrid.bench.common import split_sections
-from hybrid.bench.model_size import model_names
+from hybrid.bench.common import check_models, parse_with_quick
 from hybrid.bench.pp import proc_status_kb
 from hybrid.bench.ranks import launch
 from hybrid.bench.tp import resolve_vocab
@@ -132,15 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The command line; `--quick` makes QUICK's values the defaults (options given explicitly still win)."""
     p = build_parser()
-    args = p.parse_args(argv)
-    if args.quick:
-        p.set_defaults(**QUICK)
-        args = p.parse_args(argv)
-    args.quick = None  # not repeated by the reproduce command: it spells out every value instead
-    split_sections(p, args, SECTIONS)
-    for m in (args.model, args.parity_model):
-        if m not in model_names():
-            p.error(f"unknown model {m}; configs/model has {', '.join(model_names())}")
+    args = parse_with_quick(p, argv, QUICK, SECTIONS)
+    check_models(p, args.model, args.parity_model)
     if any(n < 2 or n % 2 for n in args.dp) or args.parity_dp < 2 or min(args.breakeven_dp) < 2:
         p.error("--dp must be even (2 emulated nodes), --parity-dp and --breakeven-dp >= 2")
     if min(args.seq, args.micro_batch, args.steps, args.eval_batches, args.error_every, *args.speed_mb,

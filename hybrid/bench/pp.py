@@ -35,8 +35,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.bench import common
-from hybrid.bench.common import split_sections
-from hybrid.bench.model_size import model_names
+from hybrid.bench.common import check_models, split_sections
 from hybrid.bench.ranks import launch
 from hybrid.bench.tp import synthetic_corpus
 from hybrid.compression.hooks import make_hook
@@ -84,8 +83,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     split_sections(p, args, SECTIONS)
-    if args.model not in model_names():
-        p.error(f"unknown model {args.model}; configs/model has {', '.join(model_names())}")
+    check_models(p, args.model)
     sizes = (args.seq, args.micro_batch, args.steps, args.torch_steps, *args.microbatches)
     if min(sizes) < 1 or args.layers < 4 or args.bytes_layers < 8 or args.torch_microbatches < 2 \
             or any(m % 2 for m in args.microbatches + [args.seq]):

@@ -38,8 +38,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.bench import common
-from hybrid.bench.common import split_sections
-from hybrid.bench.model_size import model_names
+from hybrid.bench.common import check_models, split_sections
 from hybrid.bench.ranks import launch
 from hybrid.compression.hooks import make_hook
 from hybrid.config import compose_config
@@ -82,9 +81,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     split_sections(p, args, SECTIONS)
-    for m in (args.param_model, args.act_model, args.model):
-        if m not in model_names():
-            p.error(f"unknown model {m}; configs/model has {', '.join(model_names())}")
+    check_models(p, args.param_model, args.act_model, args.model)
     if min(args.tp) < 1 or min(args.act_layers, args.act_seq, args.act_batch, args.seq, args.steps, args.rounds) < 1:
         p.error("--tp, --act-*, --seq, --steps and --rounds must be >= 1")
     if args.global_batch % (2 * args.micro_batch) or args.seq % max(args.tp) or args.act_seq % max(args.tp):
