@@ -44,8 +44,6 @@ from hybrid.checkpoint_state import (
     derive_rng_state,
     init_optimizer_state,
     model_pieces,
-    named_parameters,
-    pieces,
     rng_state,
     set_rng_state,
     to_dcp,
@@ -211,18 +209,23 @@ def plan_resume(cfg: Any, vocab: int, is_writer: bool, warn: Log) -> Optional[tu
 def load_weights(model: Any, path: Path, mesh: Any = None) -> None:
     """Load only the parameters of checkpoint `path` into `model` (a ModuleList of chunks, any layout;
     `mesh`: the TP device mesh when tp > 1). Export and tools use it; training resumes with `load`."""
-    state: dict[str, Any] = {}
-    copies = []
-    for name, p in named_parameters(model, duplicates=True):
-        for key, view, dim, shape in pieces(name, p.detach(), p):
-            piece = Piece(f"model.{key}", view, dim, shape)
-            if piece.key in state:
-                copies.append(piece)
-            else:
-                state[piece.key] = to_dcp(piece, mesh)
+    state, copies = _load_state(model_pieces(model, None, True), mesh)
     _dcp_load(state, path)
     for piece in copies:
         piece.local.copy_(_local(state[piece.key]))
+
+
+def _load_state(all_pieces: list[Piece], mesh: Any) -> tuple[dict[str, Any], list[Piece]]:
+    """The DCP state dict to load into, and the pieces whose key appears twice on this rank (the tied
+    head and the embedding on one rank): those are loaded once and copied after."""
+    state: dict[str, Any] = {}
+    copies = []
+    for piece in all_pieces:
+        if piece.key in state:
+            copies.append(piece)
+        else:
+            state[piece.key] = to_dcp(piece, mesh)
+    return state, copies
 
 
 def _dcp_load(state: dict[str, Any], path: Path) -> None:
@@ -375,13 +378,7 @@ class Checkpointer:
         data position; RNG streams and hook state restored under the same layout, else derived/dropped."""
         cfg, c = self.cfg, self.ctx.coord
         init_optimizer_state(trainer.optimizer)
-        state: dict[str, Any] = {}
-        copies = []
-        for piece in model_pieces(trainer.model, trainer.optimizer, True):
-            if piece.key in state:  # the tied head and the embedding on one rank: load once, copy
-                copies.append(piece)
-            else:
-                state[piece.key] = to_dcp(piece, self.mesh)
+        state, copies = _load_state(model_pieces(trainer.model, trainer.optimizer, True), self.mesh)
         here = layout_of(cfg, self.ctx.layout)
         same_layout = manifest["layout"] == here
         same_hook = manifest["hook_key"] == _hook_key(cfg, self.ctx.layout)

@@ -89,11 +89,14 @@ def named_parameters(model: nn.ModuleList, duplicates: bool) -> Iterator[tuple[s
             yield name, p
 
 
-def model_pieces(model: nn.ModuleList, optimizer: torch.optim.Optimizer, duplicates: bool) -> list[Piece]:
-    """Every parameter and Adam moment of this rank as checkpoint pieces (the optimizer state must exist)."""
+def model_pieces(model: nn.ModuleList, optimizer: Optional[torch.optim.Optimizer], duplicates: bool) -> list[Piece]:
+    """Every parameter and (with `optimizer`, whose state must exist) Adam moment of this rank as
+    checkpoint pieces."""
     out: list[Piece] = []
     for name, p in named_parameters(model, duplicates):
         out += [Piece(f"model.{k}", v, d, s) for k, v, d, s in pieces(name, p.detach(), p)]
+        if optimizer is None:
+            continue
         state = optimizer.state[p]
         for moment in OPTIM_TENSORS:
             out += [Piece(f"optim.{k}.{moment}", v, d, s) for k, v, d, s in pieces(name, state[moment], p)]
@@ -179,8 +182,7 @@ class ReshardingLoadPlanner(DefaultLoadPlanner):
             if md is None:
                 raise StateMismatch(f"it has no {key!r}")
             if isinstance(md, TensorStorageMetadata) and isinstance(obj, torch.Tensor) and md.size != obj.size():
-                vocab = key.split("#")[0].split(".", 1)[1] in VOCAB_PARAMS or _vocab_moment(key)
-                if not (vocab and md.size[1:] == obj.size()[1:]):
+                if not (_vocab_rows(key) and md.size[1:] == obj.size()[1:]):
                     raise StateMismatch(f"{key} has shape {tuple(md.size)} there but {tuple(obj.size())} here")
                 relaxed.append((key, md, obj))
             else:
@@ -191,9 +193,12 @@ class ReshardingLoadPlanner(DefaultLoadPlanner):
         return plan
 
 
-def _vocab_moment(key: str) -> bool:
-    name = key.removeprefix("optim.")
-    return any(name == f"{v}.{m}" for v in VOCAB_PARAMS for m in OPTIM_TENSORS)
+def _vocab_rows(key: str) -> bool:
+    """Whether `key` is a vocabulary-padded parameter (`model.<name>`) or one of its Adam moments."""
+    name = key.split(".", 1)[1]
+    for moment in OPTIM_TENSORS:
+        name = name.removesuffix(f".{moment}")
+    return name in VOCAB_PARAMS
 
 
 def _chunks(obj: torch.Tensor) -> list[ChunkStorageMetadata]:

@@ -31,8 +31,7 @@ def _fail(msg: str) -> None:
     """One readable line on this rank's stderr, then a non-zero exit (no traceback)."""
     rank = os.environ.get("RANK")
     prefix = f"[rank{rank}] " if rank is not None and _env_int("WORLD_SIZE", 1) > 1 else ""
-    sys.stderr.write(f"{prefix}hybrid: error: {msg}\n")  # one write: lines of two ranks never interleave
-    sys.stderr.flush()
+    _say(f"{prefix}hybrid: error: {msg}")
     _wait_for_peers_to_report()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -166,9 +165,14 @@ def pipeline_summary(schedule: Any, cfg: DictConfig) -> str:
             f"simulated bubble {sim.bubble:.3f} (forward:backward 1:2), peak in flight {sim.peak_in_flight}")
 
 
-def _warn(msg: str) -> None:
-    sys.stderr.write(f"hybrid: {msg}\n")
+def _say(line: str) -> None:
+    """One line on stderr in one write, so the lines of two ranks never interleave."""
+    sys.stderr.write(line + "\n")
     sys.stderr.flush()
+
+
+def _warn(msg: str) -> None:
+    _say(f"hybrid: {msg}")
 
 
 def _metrics_logger(cfg: DictConfig, writer: bool, start_step: int = 0) -> Any:
