@@ -190,8 +190,8 @@ def checkpointer(tmp_path: Path, keep: int, complete: list[int], partial: list[i
         if s in complete:
             (step_path(root, s) / METADATA).write_bytes(b"")
     log: list[str] = []
-    return Checkpointer(cfg(tmp_path, "none", keep=keep), ParallelContext.single(), torch.device("cpu"),
-                        log.append), log
+    return Checkpointer(cfg(tmp_path, "none", keep=keep), ParallelContext.single(), torch.device("cpu"), {},
+                        log=log.append), log
 
 
 def left(c: Checkpointer) -> list[int]:
@@ -246,7 +246,7 @@ def test_cleanup_protects_the_resumed_checkpoint_however_it_was_spelled(tmp_path
     for s in (1, 2, 3):
         step_path(root, s).mkdir(parents=True)
         (step_path(root, s) / METADATA).write_bytes(b"")
-    c = Checkpointer(cfg(Path("ck"), "none", keep=1), ParallelContext.single(), torch.device("cpu"), print)
+    c = Checkpointer(cfg(Path("ck"), "none", keep=1), ParallelContext.single(), torch.device("cpu"), {}, log=print)
     c.protected.add(step_path(root, 1).absolute())  # what checkpoint.resume=/abs/.../step_0000001 gives
     c.cleanup()
     assert left(c) == [1, 3]
