@@ -4,7 +4,9 @@ its manifest, the `latest` link, and which folders keep-k removes.
 One folder per step, `<checkpoint.dir>/<run name>/step_0000100/`. It is complete exactly when DCP's
 `.metadata` exists (written last, by rank 0, through a rename): a crash mid-save leaves a folder
 without it, which `checkpoint.resume=auto` skips with a warning and the next cleanup removes.
-No collectives here: only rank 0 (or one process) calls these.
+No collectives here: only rank 0 (or one process) calls these. Also the small helpers the other
+modules share: an exception's one-line text, whether a process group spans several ranks, and the
+filter for DCP's single-process warning.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Checkpoint folders without process groups: `problem()` for each way a folder can fail to be a
 checkpoint, `find_latest` skipping (and warning about) incomplete or corrupt ones, `resolve_resume`
-for none / auto / a checkpoint / a run folder, and `Checkpointer.cleanup`'s keep-k rule.
+for none / auto / a checkpoint / a run folder, and the keep-k rule (`stale`, and `Checkpointer.cleanup`
+removing what it names).
 
 The checkpoints are real DCP saves of two small tensors plus a manifest (`problem()` reads DCP's
 index and the shard sizes, never the model); cleanup only looks at `.metadata`, so its folders are
@@ -29,6 +30,7 @@ from hybrid.checkpoint import (
     list_steps,
     problem,
     resolve_resume,
+    stale,
     step_path,
 )
 from hybrid.parallel.context import ParallelContext
@@ -250,3 +252,12 @@ def test_cleanup_protects_the_resumed_checkpoint_however_it_was_spelled(tmp_path
     c.protected.add(step_path(root, 1).absolute())  # what checkpoint.resume=/abs/.../step_0000001 gives
     c.cleanup()
     assert left(c) == [1, 3]
+
+
+def test_stale_is_the_keep_k_rule_on_step_listings() -> None:
+    """The pure rule `Checkpointer.cleanup` applies: (step, folder, complete) in, folders to remove out."""
+    steps = [(s, Path(f"s{s}"), done) for s, done in ((1, True), (2, False), (3, True), (4, True), (5, False))]
+    assert stale(steps, 2, set()) == [Path("s1"), Path("s2")]
+    assert stale(steps, 1, {Path("s1")}) == [Path("s2"), Path("s3")]
+    assert stale(steps, 0, set()) == [Path("s2")]
+    assert stale([(1, Path("s1"), False)], 1, set()) == []
