@@ -16,7 +16,7 @@ from typing import Any
 import hydra
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from hybrid.config import CONFIG_DIR, ConfigError, compose_config, register_configs, validate
 
@@ -76,7 +76,7 @@ def _init_distributed(device: torch.device) -> None:
 
 def run(cfg: DictConfig) -> None:
     """Build everything from a composed config and train."""
-    from hybrid.checkpoint import Checkpointer, plan_resume
+    from hybrid.checkpoint import plan_resume
     from hybrid.compression.hooks import make_hook
     from hybrid.data import prepare_data
     from hybrid.metrics import format_count
@@ -104,20 +104,7 @@ def run(cfg: DictConfig) -> None:
     writer = rank == 0
     resume = plan_resume(cfg, vocab, writer, _warn)  # before anything is written: a bad checkpoint is bad input
     trainer = Trainer(cfg, ctx, model, corpus, device, hook, state)
-    early: list[str] = []  # lines of the load, shown once the metrics sink exists
-    trainer.checkpointer = Checkpointer(cfg, ctx, device, early.append)
-    if resume:
-        trainer.checkpointer.load(trainer, *resume)  # a checkpoint that cannot be read fails before any write
-        if cfg.model.init_from:
-            early.append(f"note: model.init_from={cfg.model.init_from} ignored: resuming {resume[0]} wins")
-    elif cfg.model.init_from:
-        from hybrid.model.hf import load_pretrained
-
-        early.append(load_pretrained(trainer.model, cfg.model.init_from, cfg.model, vocab))  # no collective
-    metrics = trainer.metrics = _metrics_logger(cfg, writer, trainer.step)
-    trainer.checkpointer.log = metrics.message
-    for line in early:
-        metrics.message(line)  # rank 0 only
+    metrics = trainer.start(resume)  # loads (a checkpoint that cannot be read fails before any write), then logs
     if writer:
         n, analytic = trainer.n_params, analytic_param_count(cfg.model, vocab, layout.tp)
         metrics.message(layout.rank_map())
@@ -134,7 +121,7 @@ def run(cfg: DictConfig) -> None:
     try:
         trainer.fit()
     finally:
-        metrics.close()
+        trainer.close()
 
 
 def compression_summary(c: DictConfig, layout: Any) -> str:
@@ -173,19 +160,6 @@ def _say(line: str) -> None:
 
 def _warn(msg: str) -> None:
     _say(f"hybrid: {msg}")
-
-
-def _metrics_logger(cfg: DictConfig, writer: bool, start_step: int = 0) -> Any:
-    """Rank 0 writes metrics.jsonl, wandb and the progress bar; a wandb failure is bad input."""
-    from hybrid.metrics import MetricsLogger
-
-    try:
-        return MetricsLogger(cfg.logging.dir, OmegaConf.to_container(cfg, resolve=True), is_writer=writer,
-                   total_steps=cfg.train.steps, wandb_mode=cfg.logging.wandb.mode,
-                   wandb_project=cfg.logging.wandb.project, wandb_entity=cfg.logging.wandb.entity,
-                   progress=cfg.logging.progress, run_name=cfg.run_name, start_step=start_step)
-    except RuntimeError as e:
-        raise ConfigError(str(e)) from None
 
 
 def _shutdown() -> None:

@@ -9,20 +9,28 @@ parallelism the replicated parameters' partial gradients are summed over TP (one
 then the global gradient norm (counted once across TP/PP), clipping, the LR for this step and
 AdamW. The loss lives on the last pipeline stage and is broadcast over PP for the metrics.
 Eval runs every `train.eval_every` steps on the held-out split, forward-only through the pipeline.
+
+The Trainer owns its run state (`state_dict`: the step and the sampler's position), its
+`Checkpointer` (fed the model, the optimizer, itself and the DP hook's state) and, once `start`
+has loaded what the run resumes from, its metrics logger.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybrid.checkpoint import Checkpointer
 from hybrid.compression.hooks import Compression
+from hybrid.config import ConfigError
 from hybrid.data import Corpus, StepSampler, batch_from, eval_indices
 from hybrid.metrics import MetricsLogger, model_flops_per_token, peak_flops
 from hybrid.model import build_model
@@ -61,10 +69,12 @@ def build_chunks(cfg: Any, vocab: int, ctx: ParallelContext) -> nn.ModuleList:
 
 
 class Trainer:
-    """Holds the model chunks, optimizer, gradient sync, schedule, sampler and metrics of one rank."""
+    """Holds the model chunks, optimizer, gradient sync, schedule, sampler, checkpointer and metrics of
+    one rank. `log` takes the trainer's lines (rank 0's checkpoint saves, resumes, notes) until `start`
+    opens the metrics logger; by default they are held and shown then."""
 
     def __init__(self, cfg: Any, ctx: ParallelContext, model: nn.Module, corpus: Corpus,
-                 device: torch.device, hook: Any, hook_state: Any, metrics: Optional[MetricsLogger] = None) -> None:
+                 device: torch.device, hook: Any, hook_state: Any, log: Optional[Callable[[str], None]] = None) -> None:
         self.cfg, self.ctx, self.corpus, self.device = cfg, ctx, corpus, device
         self.model = model if isinstance(model, nn.ModuleList) else nn.ModuleList([model])
         t = cfg.train
@@ -77,8 +87,9 @@ class Trainer:
         self.schedule = self._schedule(self.num_microbatches)
         self.p2p = self._p2p()
         self.stats = PipelineStats()  # compute seconds of the last step (measured bubble)
-        self.metrics = metrics
-        self.checkpointer: Optional[Any] = None  # hybrid.checkpoint.Checkpointer, set by train.py
+        self.metrics: Optional[MetricsLogger] = None  # opened by `start`
+        self._held: list[str] = []
+        self._say = log or self._held.append
         self.step = 0
         bf16 = t.precision == "bf16" or (t.precision == "auto" and device.type == "cuda")
         self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
@@ -87,6 +98,52 @@ class Trainer:
         m = cfg.model
         self.flops_per_token = model_flops_per_token(self.n_params, m.n_layers, m.hidden, corpus.seq_len)
         self.peak = peak_flops(device)
+        self.checkpointer = Checkpointer(cfg, ctx, device, self.checkpoint_states(),
+                                         tokenizer=getattr(corpus, "tokenizer", None), log=self.message)
+
+    def checkpoint_states(self) -> dict[str, Any]:
+        """What a checkpoint of this trainer holds (the `Checkpointer`'s states)."""
+        return {"model": self.model, "optimizer": self.optimizer, "trainer": self, "hook": self.grad_sync.state}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run's position, the same on every rank: steps done, samples consumed, the data order's seed."""
+        sampler = self.sampler.state_dict()
+        return {"step": self.step, "consumed_samples": sampler["consumed_samples"], "data_seed": sampler["seed"]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.sampler.load_state_dict({"consumed_samples": state["consumed_samples"], "seed": state["data_seed"]})
+
+    def message(self, line: str) -> None:
+        """One line of the run's log (printed by rank 0): through the metrics logger once it exists."""
+        if self.metrics is not None:
+            self.metrics.message(line)
+        else:
+            self._say(line)
+
+    def start(self, resume: Optional[tuple[Path, dict[str, Any]]] = None) -> MetricsLogger:
+        """Before `fit`: load the checkpoint `resume` (`plan_resume`'s answer; one that cannot be read
+        fails here, before anything is written) or else `model.init_from`, then open the metrics logger
+        at the step reached and show the lines held meanwhile. Collective: the load's (DCP's plan exchange)."""
+        init_from = self.cfg.model.init_from
+        if resume:
+            self.checkpointer.load(*resume)
+            if init_from:
+                self.message(f"note: model.init_from={init_from} ignored: resuming {resume[0]} wins")
+        elif init_from:
+            from hybrid.model.hf import load_pretrained
+
+            vocab = self.model[0].vocab_size
+            self.message(load_pretrained(self.model, init_from, self.cfg.model, vocab))  # no collective
+        self.metrics = open_metrics(self.cfg, self.ctx.rank == 0, self.step)
+        for line in self._held:
+            self.metrics.message(line)  # rank 0 only
+        self._held.clear()
+        return self.metrics
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
 
     def _schedule(self, microbatches: int, forward_only: bool = False) -> Schedule:
         p = self.cfg.parallel
@@ -246,8 +303,20 @@ class Trainer:
                 eval_loss = self.evaluate()
                 if self.metrics is not None:
                     self.metrics.log_eval(self.step, eval_loss)
-            if self.checkpointer is not None:
-                self.checkpointer.after_step(self)
-        if self.checkpointer is not None:
-            self.checkpointer.wait()  # an async save still in flight completes before the run ends
+            self.checkpointer.after_step(self.step)
+        self.checkpointer.wait()  # an async save still in flight completes before the run ends
         return last
+
+
+def open_metrics(cfg: Any, writer: bool, start_step: int = 0) -> MetricsLogger:
+    """Rank 0 writes metrics.jsonl (its lines after `start_step` dropped), wandb and the progress bar;
+    a wandb failure is bad input."""
+    from omegaconf import OmegaConf
+
+    try:
+        return MetricsLogger(cfg.logging.dir, OmegaConf.to_container(cfg, resolve=True), is_writer=writer,
+                             total_steps=cfg.train.steps, wandb_mode=cfg.logging.wandb.mode,
+                             wandb_project=cfg.logging.wandb.project, wandb_entity=cfg.logging.wandb.entity,
+                             progress=cfg.logging.progress, run_name=cfg.run_name, start_step=start_step)
+    except RuntimeError as e:
+        raise ConfigError(str(e)) from None

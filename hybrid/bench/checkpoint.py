@@ -57,8 +57,7 @@ from hybrid.bench.compression import table
 from hybrid.bench.pp import descendants, proc_status_kb, sample_peaks
 from hybrid.bench.ranks import launch
 from hybrid.bench.tp import resolve_vocab, synthetic_corpus
-from hybrid.checkpoint import MANIFEST, METADATA, Checkpointer, Stager, read_manifest
-from hybrid.checkpoint_state import init_optimizer_state
+from hybrid.checkpoint import MANIFEST, METADATA, Checkpointer, Stager, init_optimizer_state, read_manifest
 from hybrid.compression.hooks import make_hook
 from hybrid.config import compose_config, validate
 from hybrid.model import analytic_param_count, build_model
@@ -151,13 +150,11 @@ def bench_cfg(args: argparse.Namespace, model: str, lay: str, root: Path, run: s
 
 
 def make_trainer(cfg: Any, ctx: ParallelContext, vocab: int) -> Trainer:
-    """A real Trainer of `cfg` on this rank (synthetic tokens) with a Checkpointer of `cfg.checkpoint`."""
+    """A real Trainer of `cfg` on this rank (synthetic tokens), its Checkpointer of `cfg.checkpoint`."""
     torch.manual_seed(cfg.train.seed + ctx.pp_rank)
     hook, state = make_hook(cfg.compression, ctx.dp_group)
     corpus = synthetic_corpus(vocab, cfg.data.seq_len, 64)
-    trainer = Trainer(cfg, ctx, build_chunks(cfg, vocab, ctx), corpus, CPU, hook, state)
-    trainer.checkpointer = Checkpointer(cfg, ctx, CPU, lambda _: None)
-    return trainer
+    return Trainer(cfg, ctx, build_chunks(cfg, vocab, ctx), corpus, CPU, hook, state, log=lambda _: None)
 
 
 def fill_moments(optimizer: torch.optim.Optimizer) -> None:
@@ -280,7 +277,7 @@ def size_rank(rank: int, world_size: int, cfg: Any, fresh_cfg: Any, vocab: int) 
     state_bytes = sum(3 * p.numel() * 4 for p in trainer.model.parameters())
     dist.barrier()
     start = time.perf_counter()
-    path = trainer.checkpointer.save(trainer)
+    path = trainer.checkpointer.save()
     save_s = time.perf_counter() - start
     rss["saved"] = rss_mib()
     del trainer  # freed here (GradSync holds its grad hooks weakly)
@@ -293,7 +290,7 @@ def size_rank(rank: int, world_size: int, cfg: Any, fresh_cfg: Any, vocab: int) 
     manifest = read_manifest(path)
     dist.barrier()
     start = time.perf_counter()
-    fresh.checkpointer.load(fresh, path, manifest)
+    fresh.checkpointer.load(path, manifest)
     load_s = time.perf_counter() - start
     rss["loaded"], rss["peak"] = rss_mib(), rss_mib("VmHWM")
     after = checksums(fresh.model, fresh.optimizer)
@@ -456,7 +453,7 @@ def async_rank(rank: int, world_size: int, cfg: Any, sync_cfg: Any, vocab: int, 
     ctx = ParallelContext.build(validate(cfg, world_size, world_size))
     trainer = make_trainer(cfg, ctx, vocab)  # checkpoint.async=true: its own gloo group, a background thread
     stager = trainer.checkpointer.stager = TimedStager()
-    sync = Checkpointer(sync_cfg, ctx, CPU, lambda _: None)
+    sync = Checkpointer(sync_cfg, ctx, CPU, trainer.checkpoint_states())
     timed_steps(trainer, warmup)
     out = []
     for _ in range(rounds):
@@ -464,11 +461,11 @@ def async_rank(rank: int, world_size: int, cfg: Any, sync_cfg: Any, vocab: int, 
         plain = timed_steps(trainer, steps)
         dist.barrier()
         start = time.perf_counter()
-        sync.save(trainer)
+        sync.save()
         sync_end = time.perf_counter()
         dist.barrier()
         start_async = time.perf_counter()
-        trainer.checkpointer.save(trainer)
+        trainer.checkpointer.save()
         staged = time.perf_counter()
         done: list[float] = []
         trainer.checkpointer.pending[0].add_done_callback(lambda _, d=done: d.append(time.perf_counter()))

@@ -27,7 +27,7 @@ from harness import run_ranks
 from pp_helpers import VOCAB, Case, layout_context, make_cfg
 from test_dp import synthetic_corpus
 
-from hybrid.checkpoint import Checkpointer, plan_resume, step_path
+from hybrid.checkpoint import plan_resume, step_path
 from hybrid.compression.hooks import make_hook
 from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.tensor import full_state_dict
@@ -50,17 +50,15 @@ LOG: list[str] = []  # this rank's checkpoint messages
 def _trainer(cfg: Any, ctx: ParallelContext) -> Trainer:
     torch.manual_seed(1234 + ctx.pp_rank)  # the default generator as train.py seeds it per stage
     hook, state = make_hook(cfg.compression, ctx.dp_group)
-    trainer = Trainer(cfg, ctx, build_chunks(cfg, VOCAB, ctx), synthetic_corpus(vocab=VOCAB), torch.device("cpu"),
-                      hook, state)
-    trainer.checkpointer = Checkpointer(cfg, ctx, torch.device("cpu"), LOG.append)
-    return trainer
+    return Trainer(cfg, ctx, build_chunks(cfg, VOCAB, ctx), synthetic_corpus(vocab=VOCAB), torch.device("cpu"),
+                   hook, state, log=LOG.append)
 
 
 def _train(trainer: Trainer) -> list[float]:
     losses = []
     while trainer.step < trainer.cfg.train.steps:
         losses.append(trainer.train_step().loss)
-        trainer.checkpointer.after_step(trainer)
+        trainer.checkpointer.after_step(trainer.step)
     trainer.checkpointer.wait()
     return losses
 
@@ -79,7 +77,7 @@ def _resume(cfg: Any, ctx: ParallelContext, path: Path) -> Trainer:
     trainer = _trainer(cfg, ctx)
     found = plan_resume(cfg, VOCAB, ctx.rank == 0, lambda _: None)
     assert found is not None and found[0] == path
-    trainer.checkpointer.load(trainer, *found)
+    trainer.checkpointer.load(*found)
     return trainer
 
 
@@ -99,7 +97,7 @@ def resume_runs(rank: int, world: int, root: Path, base: Case, resharded: list[C
         losses.append(first.train_step().loss)
         if first.step == SAVE_AT:
             saved = _weights(first)
-        first.checkpointer.after_step(first)
+        first.checkpointer.after_step(first.step)
     first.checkpointer.wait()
     out: dict[str, Any] = {"base": _record(first, losses, saved), "final": _weights(first)}
     path = step_path(root / "base", SAVE_AT)
@@ -192,7 +190,7 @@ def async_runs(rank: int, world: int, root: Path) -> dict[str, Any]:
                           "checkpoint.async=true"), ctx)
     losses = _train(first)
     before = _weights(first)
-    first.checkpointer.save(first)  # step 10 once more; then change every weight while it is written
+    first.checkpointer.save()  # step 10 once more; then change every weight while it is written
     with torch.no_grad():
         for p in first.model.parameters():
             p.add_(1.0)

@@ -45,7 +45,7 @@ from harness import run_ranks
 from pp_helpers import VOCAB, Case, layout_context, make_cfg
 from test_dp import synthetic_corpus
 
-from hybrid.checkpoint import METADATA, Checkpointer, step_path
+from hybrid.checkpoint import METADATA, step_path
 from hybrid.compression.hooks import make_hook
 from hybrid.config import ConfigError
 from hybrid.model import build_model
@@ -106,10 +106,9 @@ def save_runs(rank: int, world: int, root: Path) -> dict[str, Any]:
         cfg = _cfg(family, Case(tp=2, pp=2), world, f"checkpoint.dir={root}", f"run_name={family}",
                    f"train.steps={SAVE_STEP}", f"checkpoint.every={SAVE_STEP}")
         trainer = _trainer(cfg, ctx, word_tokenizer())
-        trainer.checkpointer = Checkpointer(cfg, ctx, torch.device("cpu"), lambda _: None)
         while trainer.step < SAVE_STEP:
             trainer.train_step()
-            trainer.checkpointer.after_step(trainer)
+            trainer.checkpointer.after_step(trainer.step)
         trainer.checkpointer.wait()
         out[family] = _gathered(trainer)
     return out

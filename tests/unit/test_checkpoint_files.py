@@ -1,6 +1,7 @@
 """Checkpoint folders without process groups: `problem()` for each way a folder can fail to be a
 checkpoint, `find_latest` skipping (and warning about) incomplete or corrupt ones, `resolve_resume`
-for none / auto / a checkpoint / a run folder, and `Checkpointer.cleanup`'s keep-k rule.
+for none / auto / a checkpoint / a run folder, and the keep-k rule (`stale`, and `Checkpointer.cleanup`
+removing what it names).
 
 The checkpoints are real DCP saves of two small tensors plus a manifest (`problem()` reads DCP's
 index and the shard sizes, never the model); cleanup only looks at `.metadata`, so its folders are
@@ -29,6 +30,7 @@ from hybrid.checkpoint import (
     list_steps,
     problem,
     resolve_resume,
+    stale,
     step_path,
 )
 from hybrid.parallel.context import ParallelContext
@@ -190,8 +192,8 @@ def checkpointer(tmp_path: Path, keep: int, complete: list[int], partial: list[i
         if s in complete:
             (step_path(root, s) / METADATA).write_bytes(b"")
     log: list[str] = []
-    return Checkpointer(cfg(tmp_path, "none", keep=keep), ParallelContext.single(), torch.device("cpu"),
-                        log.append), log
+    return Checkpointer(cfg(tmp_path, "none", keep=keep), ParallelContext.single(), torch.device("cpu"), {},
+                        log=log.append), log
 
 
 def left(c: Checkpointer) -> list[int]:
@@ -246,7 +248,16 @@ def test_cleanup_protects_the_resumed_checkpoint_however_it_was_spelled(tmp_path
     for s in (1, 2, 3):
         step_path(root, s).mkdir(parents=True)
         (step_path(root, s) / METADATA).write_bytes(b"")
-    c = Checkpointer(cfg(Path("ck"), "none", keep=1), ParallelContext.single(), torch.device("cpu"), print)
+    c = Checkpointer(cfg(Path("ck"), "none", keep=1), ParallelContext.single(), torch.device("cpu"), {}, log=print)
     c.protected.add(step_path(root, 1).absolute())  # what checkpoint.resume=/abs/.../step_0000001 gives
     c.cleanup()
     assert left(c) == [1, 3]
+
+
+def test_stale_is_the_keep_k_rule_on_step_listings() -> None:
+    """The pure rule `Checkpointer.cleanup` applies: (step, folder, complete) in, folders to remove out."""
+    steps = [(s, Path(f"s{s}"), done) for s, done in ((1, True), (2, False), (3, True), (4, True), (5, False))]
+    assert stale(steps, 2, set()) == [Path("s1"), Path("s2")]
+    assert stale(steps, 1, {Path("s1")}) == [Path("s2"), Path("s3")]
+    assert stale(steps, 0, set()) == [Path("s2")]
+    assert stale([(1, Path("s1"), False)], 1, set()) == []

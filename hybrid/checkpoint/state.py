@@ -1,5 +1,6 @@
 """What a checkpoint holds: one flat `torch.distributed.checkpoint` (DCP) state dict whose keys do
-not depend on the layout, and the load planner that reshards it.
+not depend on the layout; the load planner that reshards it; reading it back (`read_state`,
+`load_weights`).
 
 Keys (every rank contributes only what it holds; DCP writes each distinct shard once):
 
@@ -27,16 +28,21 @@ from __future__ import annotations
 import io
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor, Shard
+
+from hybrid.checkpoint.files import CheckpointError, distributed, first_line, single_process_quiet
 
 VOCAB_PARAMS = ("tok_embed.weight", "head.weight")
 """Parameters whose rows are the padded vocabulary (row count depends on tp)."""
@@ -205,3 +211,52 @@ def _chunks(obj: torch.Tensor) -> list[ChunkStorageMetadata]:
     if isinstance(obj, DTensor):
         return obj.__create_chunk_list__()
     return [ChunkStorageMetadata(offsets=torch.Size([0] * obj.dim()), sizes=obj.size())]
+
+
+# ---- reading a checkpoint into live tensors -------------------------------------------------
+
+def load_target(all_pieces: list[Piece], mesh: Any) -> tuple[dict[str, Any], list[Piece]]:
+    """The DCP state dict to load into, and the pieces whose key appears twice on this rank (the tied
+    head and the embedding on one rank): those are loaded once and copied after (`fill_copies`)."""
+    state: dict[str, Any] = {}
+    copies = []
+    for piece in all_pieces:
+        if piece.key in state:
+            copies.append(piece)
+        else:
+            state[piece.key] = to_dcp(piece, mesh)
+    return state, copies
+
+
+def fill_copies(state: dict[str, Any], copies: list[Piece]) -> None:
+    for piece in copies:
+        value = state[piece.key]
+        piece.local.copy_(value.to_local() if isinstance(value, DTensor) else value)
+
+
+def read_state(state: dict[str, Any], path: Path) -> None:
+    """`dcp.load` with the resharding planner (collective: DCP's plan exchange over the world); any
+    failure is a CheckpointError naming `path`."""
+    try:
+        with single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path), planner=ReshardingLoadPlanner(), no_dist=not distributed())
+    except CheckpointException as e:  # DCP wraps each rank's error (a BaseException): report the first
+        failures = [exc for exc, _ in e.failures.values()]
+        raise CheckpointError(_load_failure(path, failures[0] if failures else e)) from None
+    except Exception as e:
+        raise CheckpointError(_load_failure(path, e)) from None
+
+
+def _load_failure(path: Path, e: BaseException) -> str:
+    if isinstance(e, StateMismatch):
+        return f"checkpoint {path} does not fit this model: {e}"
+    return f"checkpoint {path} could not be read ({first_line(e)})"
+
+
+def load_weights(model: nn.ModuleList, path: Path, mesh: Any = None) -> None:
+    """Load only the parameters of checkpoint `path` into `model` (a ModuleList of chunks, any layout;
+    `mesh`: the TP device mesh when tp > 1). Export and tools use it; training resumes with
+    `Checkpointer.load`."""
+    state, copies = load_target(model_pieces(model, None, True), mesh)
+    read_state(state, path)
+    fill_copies(state, copies)

@@ -1,0 +1,48 @@
+"""Sharded checkpoints through `torch.distributed.checkpoint` (DCP): save, find, resume (also under
+another layout), keep the newest k.
+
+One folder per step, `<checkpoint.dir>/<run name>/step_0000100/`:
+
+    hybrid.json          the manifest, written first by rank 0: step, consumed samples, layout,
+                         vocabulary, the resolved config
+    tokenizer/           the run's tokenizer (rank 0), so that export needs nothing else
+    __<rank>_<i>.distcp  each rank's own shards (DCP; a replicated tensor is written by one rank)
+    .metadata            DCP's index of every shard, written last, by rank 0, through a rename
+
+The rooms: `files` (step folders, completeness, `latest`, keep-k), `resume` (which checkpoint to
+resume and whether it fits), `state` (the layout-independent state dict and its resharding load),
+`stager` (the blocking copy of an async save), `checkpointer` (`Checkpointer`: save, load, cleanup).
+"""
+
+from hybrid.checkpoint.checkpointer import Checkpointer
+from hybrid.checkpoint.files import (
+    FORMAT,
+    MANIFEST,
+    METADATA,
+    CheckpointError,
+    find_latest,
+    list_steps,
+    problem,
+    read_manifest,
+    run_root,
+    stale,
+    step_path,
+)
+from hybrid.checkpoint.resume import (
+    check_compatible,
+    config_changes,
+    layout_name,
+    layout_of,
+    model_shape,
+    plan_resume,
+    resolve_resume,
+)
+from hybrid.checkpoint.stager import Stager
+from hybrid.checkpoint.state import init_optimizer_state, load_weights
+
+__all__ = [
+    "FORMAT", "MANIFEST", "METADATA", "CheckpointError", "Checkpointer", "Stager", "check_compatible",
+    "config_changes", "find_latest", "init_optimizer_state", "layout_name", "layout_of", "list_steps",
+    "load_weights", "model_shape", "plan_resume", "problem", "read_manifest", "resolve_resume", "run_root",
+    "stale", "step_path",
+]

@@ -1,0 +1,225 @@
+"""The Checkpointer: saves the states it is given every `checkpoint.every` steps (and at the last
+step), at most one save in flight, keeps the newest k, and loads a checkpoint back into them.
+
+It is handed what it saves, by name (as torchtitan's `CheckpointManager(states=...)`):
+
+- `model`: the rank's model chunks (an `nn.ModuleList`) and `optimizer`: its AdamW. Saved as the
+  layout-independent sharded keys of `hybrid.checkpoint.state`, with the rank's RNG streams (torch's
+  default generators and each chunk's TP stream), restored only under the same layout.
+- `trainer`: the run's position, the same on every rank (`state_dict()` with at least `step`, which
+  names the folder): written into the manifest by rank 0 and read back from it.
+- `hook` (optional): the DP compression hook's state (`state_dict()` / `load_state_dict()`), per
+  rank, restored only when the compression method, its knobs, the buckets and the layout are the
+  same; otherwise dropped (and its step count set to the resumed step).
+
+Collectives: a save runs DCP's plan gather/scatter and its final gather to rank 0 over the world (a
+dedicated gloo group for async saves, whose collectives run in a background thread) after one
+barrier; a load runs DCP's plan exchange.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from hybrid.checkpoint.files import (
+    FORMAT,
+    Log,
+    distributed,
+    first_line,
+    point_latest,
+    run_root,
+    scan,
+    single_process_quiet,
+    stale,
+    step_path,
+    write_manifest,
+)
+from hybrid.checkpoint.resume import hook_key, layout_of, model_shape, resume_lines
+from hybrid.checkpoint.stager import Staged, Stager
+from hybrid.checkpoint.state import (
+    blob,
+    coord_key,
+    derive_rng_state,
+    fill_copies,
+    init_optimizer_state,
+    load_target,
+    model_pieces,
+    read_state,
+    rng_state,
+    set_rng_state,
+    to_dcp,
+    unblob,
+)
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def _tp_mesh(ctx: Any, device: torch.device) -> Any:
+    if ctx.tp_size == 1 or ctx.tp_group is None:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(ctx.tp_group, device.type)
+
+
+class Checkpointer:
+    """Saves `states` (see the module docstring) every `checkpoint.every` steps and loads a checkpoint
+    into them. Rank 0 writes the manifest, logs through `log` and cleans up."""
+
+    def __init__(self, cfg: Any, ctx: Any, device: torch.device, states: Mapping[str, Any],
+                 tokenizer: Any = None, log: Log = _quiet) -> None:
+        c = cfg.checkpoint
+        self.cfg, self.ctx, self.states, self.tokenizer, self.log = cfg, ctx, states, tokenizer, log
+        self.every, self.keep, self.use_async = c.every, c.keep, bool(c["async"])
+        self.root = run_root(cfg)
+        self.writer = ctx.rank == 0
+        self.mesh = _tp_mesh(ctx, device)
+        # async saves run DCP's collectives in a background thread: on their own gloo group
+        self.group = dist.new_group(backend="gloo") if self.use_async and distributed() else None
+        self.pending: Optional[tuple[Any, Path, float]] = None
+        self.stager = Stager()
+        self.protected: set[Path] = set()  # the checkpoint this run resumed from
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and (step % self.every == 0 or step == self.cfg.train.steps)
+
+    def after_step(self, step: int) -> None:
+        """Finish a completed async save; start a save if step `step` is due."""
+        if self.pending is not None and self.pending[0].done():
+            self.wait()
+        if self.due(step):
+            self.save()
+
+    def save(self) -> Path:
+        """Save the states at the trainer's current step (waits for a save still in flight first)."""
+        self.wait()
+        run = self.states["trainer"].state_dict()
+        path = step_path(self.root, run["step"])
+        state = self.state_dict()
+        self._prepare(path, run)
+        start = time.perf_counter()
+        if self.use_async:
+            future = dcp.async_save(self.stager.stage(state), checkpoint_id=str(path), process_group=self.group,
+                                    async_stager=Staged())
+            self.pending = (future, path, start)
+        else:
+            with single_process_quiet():
+                dcp.save(state, checkpoint_id=str(path), no_dist=not distributed())
+            self._finish(path, start)
+        return path
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete, then clean up."""
+        if self.pending is None:
+            return
+        future, path, start = self.pending
+        self.pending = None
+        try:
+            future.result()
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            raise RuntimeError(f"checkpoint save to {path} failed: {first_line(e)}") from e
+        self._finish(path, start)
+
+    def _coord_keys(self) -> tuple[str, str]:
+        """This rank's RNG and hook blob keys."""
+        c = self.ctx.coord
+        return coord_key("rng", c.pp, c.dp, c.tp), coord_key("hook", c.pp, c.dp, c.tp)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's part of the checkpoint (tensors are views of the live state: save copies them)."""
+        model, optimizer = self.states["model"], self.states["optimizer"]
+        init_optimizer_state(optimizer)
+        state = {p.key: to_dcp(p, self.mesh) for p in model_pieces(model, optimizer, False)}
+        rng_key, hook_blob_key = self._coord_keys()
+        state[rng_key] = blob(rng_state(model))
+        hook = self.states.get("hook")
+        state[hook_blob_key] = blob(hook.state_dict() if hasattr(hook, "state_dict") else {})
+        return state
+
+    def _manifest(self, run: dict[str, Any]) -> dict[str, Any]:
+        from omegaconf import OmegaConf
+
+        cfg, layout = self.cfg, self.ctx.layout
+        vocab = self.states["model"][0].vocab_size
+        return {"format": FORMAT, **run, "model_shape": model_shape(cfg.model, vocab),
+                "layout": layout_of(cfg, layout), "hook_key": hook_key(cfg, layout), "time": time.time(),
+                "torch": torch.__version__, "config": OmegaConf.to_container(cfg, resolve=True)}
+
+    def _prepare(self, path: Path, run: dict[str, Any]) -> None:
+        """Rank 0 replaces any earlier folder of this step, writes the manifest and the tokenizer;
+        everyone waits for it before DCP writes a byte."""
+        if self.writer:
+            if path.exists():
+                shutil.rmtree(path)
+            path.mkdir(parents=True)
+            write_manifest(path, self._manifest(run))
+            if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
+                self.tokenizer.save_pretrained(str(path / "tokenizer"))
+        if distributed():
+            dist.barrier(group=self.group)
+
+    def _finish(self, path: Path, start: float) -> None:
+        if not self.writer:
+            return
+        size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        self.log(f"checkpoint: saved {path} ({size / 2**20:.1f} MiB, {time.perf_counter() - start:.2f} s"
+                 f"{', async' if self.use_async else ''})")
+        point_latest(self.root, path)
+        self.cleanup()
+
+    def cleanup(self) -> None:
+        """Remove what keep-k (`files.stale`) says, never the checkpoint resumed from. Nothing is in
+        flight here."""
+        for p in stale(scan(self.root), self.keep, {p.resolve() for p in self.protected}):
+            shutil.rmtree(p, ignore_errors=True)
+            self.log(f"checkpoint: removed {p}")
+
+    def load(self, path: Path, manifest: dict[str, Any]) -> None:
+        """Load `path` (with its `manifest`, from `plan_resume`): parameters and optimizer state
+        resharded to this layout, the trainer's position; RNG streams and hook state restored under
+        the same layout, else derived/dropped. A checkpoint that cannot be read raises CheckpointError."""
+        cfg, model, optimizer = self.cfg, self.states["model"], self.states["optimizer"]
+        init_optimizer_state(optimizer)
+        state, copies = load_target(model_pieces(model, optimizer, True), self.mesh)
+        here = layout_of(cfg, self.ctx.layout)
+        same_layout = manifest["layout"] == here
+        same_hook = manifest["hook_key"] == hook_key(cfg, self.ctx.layout)
+        rng_key, hook_blob_key = self._coord_keys()
+        if same_layout:
+            state[rng_key] = b""
+        if same_hook:
+            state[hook_blob_key] = b""
+        read_state(state, path)
+        fill_copies(state, copies)
+        self._restore_rest(state, manifest, rng_key if same_layout else None, hook_blob_key if same_hook else None)
+        self.protected.add(path)
+        if self.writer:
+            for line in resume_lines(path, manifest, cfg, here, same_hook):
+                self.log(line)
+
+    def _restore_rest(self, state: dict[str, Any], manifest: dict[str, Any], rng_key: Optional[str],
+                      hook_blob_key: Optional[str]) -> None:
+        run = self.states["trainer"]
+        run.load_state_dict({k: manifest[k] for k in run.state_dict()})
+        step, model = int(manifest["step"]), self.states["model"]
+        if rng_key is not None:
+            set_rng_state(model, unblob(state[rng_key]))
+        else:
+            derive_rng_state(model, self.cfg.train.seed, step, self.ctx.pp_rank)
+        hook = self.states.get("hook")
+        if hook_blob_key is not None:
+            if hasattr(hook, "load_state_dict"):
+                hook.load_state_dict(unblob(state[hook_blob_key]))
+        elif hasattr(hook, "iteration"):
+            hook.iteration = step  # the warm-up still counts from the run's first step
