@@ -1,4 +1,9 @@
-"""AdamW with no-decay groups, warmup + cosine LR, and the global gradient norm.
+"""The optimizer seam: `ModelOptimizer.step(lr)` is the whole update after `finalize_grads`.
+
+As Megatron's `optimizer.step()`: set this step's LR, take the global gradient norm, clip by it,
+run AdamW (no-decay groups for vectors), return the norm. `build_optimizer` builds it over the
+parameters of a `GradSync`, in bucket order; a sharded (ZeRO-1) optimizer over the same buckets
+would be a second class here with the same `step(lr)`, chosen by `build_optimizer`.
 
 The global norm counts every parameter exactly once across the mesh: a TP-sharded
 parameter contributes its shard on every TP rank, a TP-replicated one (norms, biases of
@@ -19,6 +24,7 @@ from torch import nn
 
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
+from hybrid.parallel.data import GradSync
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -28,7 +34,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: Any, lr: float) -> torch.optim.Optimizer:
+def adamw(model: nn.Module, cfg: Any, lr: float) -> torch.optim.AdamW:
     """AdamW over fp32 parameters (the master weights; bf16 exists only inside autocast)."""
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=lr, betas=(cfg.beta1, cfg.beta2),
                              eps=cfg.eps, foreach=True)
@@ -70,3 +76,44 @@ def clip_grads(params: Iterable[nn.Parameter], max_norm: float, norm: torch.Tens
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, scale.to(grads[0].device))
+
+
+class ModelOptimizer:
+    """AdamW plus clip-by-global-norm over one rank's parameters: `step(lr)` updates them.
+
+    `params` are the synced parameters in the order the norm sums them (GradSync's bucket order).
+    `param_groups`, `state`, `state_dict()` and `load_state_dict()` are AdamW's own (checkpoints
+    read the Adam moments per parameter through `state[p]`)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], ctx: ParallelContext,
+                 grad_clip: float) -> None:
+        self.optimizer, self.params, self.ctx, self.grad_clip = optimizer, params, ctx, grad_clip
+
+    def step(self, lr: float) -> torch.Tensor:
+        """Set `lr`, clip the final gradients by their global norm (all-reduced over TP, then PP),
+        take the AdamW step; return the norm before clipping."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        norm = global_grad_norm(self.params, self.ctx)
+        clip_grads(self.params, self.grad_clip, norm)
+        self.optimizer.step()
+        return norm
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+
+def build_optimizer(model: nn.Module, cfg: Any, lr: float, ctx: ParallelContext, grad_sync: GradSync) -> ModelOptimizer:
+    """The optimizer of `model`, whose gradients `grad_sync` owns: AdamW with clipping at `cfg.grad_clip`."""
+    return ModelOptimizer(adamw(model, cfg, lr), grad_sync.parameters(), ctx, cfg.grad_clip)

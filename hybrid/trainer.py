@@ -3,11 +3,10 @@
 One step: the rank's microbatches run through the pipeline schedule (`parallel.schedule`; with
 pp=1 it is plain forward/backward per microbatch), each loss scaled by 1/microbatches so
 gradients sum to the mean over the global batch; `GradSync` has meanwhile launched each DP
-bucket's comm hook as soon as that bucket's gradients were final; `finish()` waits for them;
-the tied embedding's two pipeline copies sum their gradients (embedding group); under sequence
-parallelism the replicated parameters' partial gradients are summed over TP (one all-reduce);
-then the global gradient norm (counted once across TP/PP), clipping, the LR for this step and
-AdamW. The loss lives on the last pipeline stage and is broadcast over PP for the metrics.
+bucket's comm hook as soon as that bucket's gradients were final; `finalize_grads` waits for
+them and sums the tied embedding and the sequence-parallel replicated gradients; then
+`optimizer.step(lr)` (the LR for this step, the global gradient norm, clipping, AdamW) and
+`grad_sync.zero_grad()`. The loss lives on the last pipeline stage and is broadcast over PP for the metrics.
 Eval runs every `train.eval_every` steps on the held-out split, forward-only through the pipeline.
 
 The Trainer owns its run state (`state_dict`: the step and the sampler's position), its
@@ -29,21 +28,16 @@ import torch.distributed as dist
 from torch import nn
 
 from hybrid.checkpoint import Checkpointer
-from hybrid.compression.hooks import Compression
 from hybrid.config import ConfigError
 from hybrid.data import Corpus, StepSampler, batch_from, eval_indices
 from hybrid.metrics import MetricsLogger, model_flops_per_token, peak_flops
 from hybrid.model import build_model
-from hybrid.optim import build_optimizer, clip_grads, global_grad_norm, lr_at
+from hybrid.optim import build_optimizer, lr_at
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
-from hybrid.parallel.data import GradSync
-from hybrid.parallel.pipeline import P2P, PipelineStats, partition_layers, run_schedule, sync_tied_grads
+from hybrid.parallel.data import GradSync, SyncReport, finalize_grads
+from hybrid.parallel.pipeline import P2P, PipelineStats, partition_layers, run_schedule
 from hybrid.parallel.schedules import Schedule, build_schedule
-from hybrid.parallel.tensor import sync_sequence_parallel_grads
-
-DP_GROUPS = ("dp", "dp_intra", "dp_inter")
-"""The groups whose traffic is gradient sync (`bytes_dp`); the last two only under hierarchical."""
 
 
 @dataclass
@@ -79,9 +73,12 @@ class Trainer:
         self.model = model if isinstance(model, nn.ModuleList) else nn.ModuleList([model])
         t = cfg.train
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * ctx.dp_size)
-        self.optimizer = build_optimizer(self.model, cfg.optim, t.lr)
-        self.grad_sync = GradSync(list(self.model.parameters()), ctx.dp_group, hook, hook_state, cfg.parallel.bucket_mb)
+        c = cfg.compression
+        report = SyncReport(error=c.measure_error, exact=c.method == "none", inter_node=c.method == "hierarchical")
+        self.grad_sync = GradSync(list(self.model.parameters()), ctx.dp_group, hook, hook_state, cfg.parallel.bucket_mb,
+                                  report)
         self.grad_sync.begin_step(self.num_microbatches)
+        self.optimizer = build_optimizer(self.model, cfg.optim, t.lr, ctx, self.grad_sync)
         self.sampler = StepSampler(len(corpus.train), t.micro_batch_size, self.num_microbatches, ctx.dp_size,
                                    ctx.dp_rank, t.seed)
         self.schedule = self._schedule(self.num_microbatches)
@@ -199,17 +196,10 @@ class Trainer:
         start = time.perf_counter()
         lr = lr_at(self.step, self.cfg.train.lr, self.cfg.train.steps, self.cfg.optim.warmup_steps,
                    self.cfg.optim.min_lr_ratio)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
         self.model.train()
         total = self._run(self.schedule, self.corpus.train, list(self.sampler.next_step()))
-        self.grad_sync.finish()
-        params = self.grad_sync.parameters()
-        sync_tied_grads(params, self.ctx.embedding_group)
-        sync_sequence_parallel_grads(params, self.ctx.tp_group)
-        norm = global_grad_norm(params, self.ctx)
-        clip_grads(params, self.cfg.optim.grad_clip, norm)
-        self.optimizer.step()
+        finalize_grads(self.grad_sync, self.ctx.embedding_group, self.ctx.tp_group)
+        norm = self.optimizer.step(lr)
         self.grad_sync.zero_grad()
         self.step += 1
         loss_value = self._dp_mean(self._from_last_stage(total))
@@ -244,29 +234,20 @@ class Trainer:
 
     def mean_bytes(self) -> dict[str, float]:
         """This step's bytes per group, counted at the collectives and averaged over all ranks (stages
-        send different amounts), and the DP compression figures. `bytes_dp` covers every DP group
-        (dp, and dp_intra + dp_inter under hierarchical sync). Collective over the world: every rank
-        calls it on logging steps."""
-        count = C.COUNTER
-        dp_wire = sum(count.wire_bytes(g) for g in DP_GROUPS)
-        n, numel = self.ctx.dp_size, sum(b.buffer().numel() for b in self.grad_sync.buckets)
-        plain_wire = 4 * numel * 2 * (n - 1) / n  # what the exact fp32 ring all-reduce would send
-        state = self.grad_sync.state
-        err_sq, ref_sq = state.take_error() if isinstance(state, Compression) else (0.0, 0.0)
-        values = [count.group_bytes("tp"), count.group_bytes("pp"), sum(count.group_bytes(g) for g in DP_GROUPS),
-                  count.group_bytes("embedding"), count.group_bytes("dp_inter"), dp_wire, plain_wire, err_sq, ref_sq]
+        send different amounts), and the DP figures `GradSync` reports (`bytes_dp` over every DP
+        group, the compression ratio and error). One all-reduce over the world: every rank calls it
+        on logging steps."""
+        count, world = C.COUNTER, self.ctx.layout.world
+        dp, *dp_rest = self.grad_sync.local_metrics()
+        # one tensor, its elements in a fixed order (gloo's ring sums each element in an order set by its position)
+        values = [count.group_bytes("tp"), count.group_bytes("pp"), dp, count.group_bytes("embedding"), *dp_rest]
         t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
-        if self.ctx.layout.world > 1:
+        if world > 1:
             dist.all_reduce(t)  # metrics only: uncounted, not training traffic
-        out = {f"bytes_{k}": v / self.ctx.layout.world for k, v in zip(("tp", "pp", "dp", "embedding"), t.tolist())}
-        inter, dp_wire, plain_wire, err_sq, ref_sq = t[4:].tolist()
-        if self.cfg.compression.method == "hierarchical":
-            out["bytes_dp_inter"] = inter / self.ctx.layout.world  # the compressed, between-node part
-        if n > 1:
-            out["compression_ratio"] = plain_wire / dp_wire if dp_wire else 1.0
-            if self.cfg.compression.measure_error:
-                out["compression_error"] = (err_sq / ref_sq) ** 0.5 if ref_sq else 0.0
-        return out
+        tp, pp, dp, embedding, *dp_rest = t.tolist()
+        sync = self.grad_sync.metrics([dp, *dp_rest], world)
+        return {"bytes_tp": tp / world, "bytes_pp": pp / world, "bytes_dp": sync.pop("bytes_dp"),
+                "bytes_embedding": embedding / world, **sync}
 
     def step_metrics(self, r: StepResult) -> dict[str, Any]:
         """The metrics.jsonl record of a step. Collective (see `mean_bytes`)."""
@@ -289,9 +270,7 @@ class Trainer:
         t, last = self.cfg.train, None
         while self.step < t.steps:
             C.COUNTER.reset()
-            if isinstance(self.grad_sync.state, Compression):  # meter ‖ĝ − g‖ on the steps that get logged
-                c = self.cfg.compression
-                self.grad_sync.state.measure = self._logs(self.step + 1) and c.measure_error and c.method != "none"
+            self.grad_sync.meter(self._logs(self.step + 1))  # ‖ĝ − g‖ is metered on the steps that get logged
             last = self.train_step()
             if self._logs(self.step):
                 record = self.step_metrics(last)  # on every rank: the bytes are averaged over ranks

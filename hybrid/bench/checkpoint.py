@@ -61,7 +61,7 @@ from hybrid.checkpoint import MANIFEST, METADATA, Checkpointer, Stager, init_opt
 from hybrid.compression.hooks import make_hook
 from hybrid.config import compose_config, validate
 from hybrid.model import analytic_param_count, build_model
-from hybrid.optim import build_optimizer
+from hybrid.optim import adamw
 from hybrid.parallel.context import ParallelContext
 from hybrid.trainer import Trainer, build_chunks
 
@@ -303,7 +303,7 @@ def single_process(cfg: Any, vocab: int, folder: Path) -> dict[str, Any]:
     load_state_dict into a fresh model and optimizer. Seconds, bytes, and whether the load restored it."""
     path = folder / "single.pt"
     model = torch.nn.ModuleList([build_model(cfg.model, vocab, None, seed=cfg.train.seed)])
-    optimizer = build_optimizer(model, cfg.optim, cfg.train.lr)
+    optimizer = adamw(model, cfg.optim, cfg.train.lr)
     fill_moments(optimizer)
     before = checksums(model, optimizer)
     start = time.perf_counter()
@@ -316,7 +316,7 @@ def single_process(cfg: Any, vocab: int, folder: Path) -> dict[str, Any]:
     del state, model, optimizer
     gc.collect()
     model = torch.nn.ModuleList([build_model(cfg.model, vocab, None, seed=cfg.train.seed + 1)])
-    optimizer = build_optimizer(model, cfg.optim, cfg.train.lr)  # no state yet: load_state_dict adopts the loaded
+    optimizer = adamw(model, cfg.optim, cfg.train.lr)  # no state yet: load_state_dict adopts the loaded
     start = time.perf_counter()
     state = torch.load(path, map_location="cpu", weights_only=True)
     model.load_state_dict(state["model"])

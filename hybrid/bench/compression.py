@@ -49,13 +49,13 @@ from hybrid.bench.ranks import launch
 from hybrid.bench.tp import resolve_vocab
 from hybrid.compression import codecs, powersgd
 from hybrid.compression.hierarchical import piece_shapes, row_ranges
-from hybrid.compression.hooks import REGISTRY, Compression, make_hook
+from hybrid.compression.hooks import REGISTRY, make_hook
 from hybrid.config import compose_config, validate
 from hybrid.model import build_model
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext
-from hybrid.parallel.data import GradBucket, assign_buckets
-from hybrid.trainer import DP_GROUPS, Trainer, build_chunks
+from hybrid.parallel.data import DP_GROUPS, GradBucket, assign_buckets
+from hybrid.trainer import Trainer, build_chunks
 
 SECTIONS = ("bytes", "parity", "speed", "breakeven")
 MIB, GIB, GB = 2**20, 2**30, 1e9
@@ -386,8 +386,7 @@ def parity_rank(rank: int, world: int, cfg: Any, corpus: Any, error_every: int) 
     for step in range(cfg.train.steps):
         C.COUNTER.reset()
         metered = c.method != "none" and c.measure_error and (step + 1) % error_every == 0
-        if isinstance(state, Compression):
-            state.measure = metered
+        trainer.grad_sync.meter(metered)
         result = trainer.train_step()
         m = trainer.mean_bytes()
         steps.append({"loss": result.loss, "bytes_dp": m["bytes_dp"], "ratio": m.get("compression_ratio", 1.0),

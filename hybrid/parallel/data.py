@@ -11,22 +11,52 @@ parameters, whose gradients finish first), so `is_last()` is the last launched.
 
 The hook is PyTorch DDP's comm-hook protocol: `hook(state, bucket) -> Future[Tensor]`, the
 future's value being the bucket's reduced (mean) gradient. This module knows compression only
-through that protocol.
+through that protocol, plus the optional `MeteredState` interface (`measure`, `take_error()`)
+through which GradSync meters the compression error on logged steps and reports its own
+figures (`bytes_dp`, `compression_ratio`, `compression_error`).
+
+`finalize_grads` is the one place where a step's gradients become final: the DP buckets, then
+the model-parallel sums of `grads.py` (tied embedding, sequence-parallel replicated parameters).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
-from typing import Any, Optional
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
+from hybrid.parallel.grads import sync_sequence_parallel_grads, sync_tied_grads
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
+
+DP_GROUPS = ("dp", "dp_intra", "dp_inter")
+"""The counter names whose traffic is gradient sync (`bytes_dp`); the last two only under hierarchical."""
+
+
+@runtime_checkable
+class MeteredState(Protocol):
+    """A hook state that can meter its error: with `measure` set, each bucket's hook also runs one
+    exact, uncounted all-reduce and accumulates Σ‖ĝ − g‖² and Σ‖g‖², which `take_error()` returns
+    and clears. (`hybrid.compression.hooks.Compression` is one.)"""
+
+    measure: bool
+
+    def take_error(self) -> tuple[float, float]: ...
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """Which figures GradSync's metrics records carry (set by whoever knows the compression config)."""
+
+    error: bool = False  # compression_error: ‖ĝ − g‖/‖g‖, metered on the steps `meter(True)` names
+    exact: bool = False  # the hook is the exact mean: never metered, its error reads 0
+    inter_node: bool = False  # bytes_dp_inter: the between-node part of hierarchical sync
 
 
 class GradBucket:
@@ -75,14 +105,17 @@ def assign_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[n
 class GradSync:
     """Owns the gradient buffers of `params` and syncs them over the DP group each step.
 
-    Per step: `begin_step(num_microbatches)`, the backward passes (hooks launch by themselves),
-    `finish()` (launches any bucket whose parameters got no gradient, waits, writes results
-    back), the optimizer step, `zero_grad()`.
+    Per step: `begin_step(num_microbatches)`, optionally `meter(on)`, the backward passes (hooks
+    launch by themselves), `finish()` (launches any bucket whose parameters got no gradient, waits,
+    writes results back; `finalize_grads` calls it), the optimizer step, `zero_grad()`. On a
+    logged step, `local_metrics()` and `metrics()` turn the counted DP traffic and the metered
+    error into the record's `bytes_dp`, `compression_ratio`, `compression_error` (`report` says
+    which of them the record carries).
     """
 
     def __init__(self, params: list[nn.Parameter], group: Group, hook: CommHook, state: Any,
-                 bucket_mb: float = 25.0) -> None:
-        self.group, self.hook, self.state = group, hook, state
+                 bucket_mb: float = 25.0, report: SyncReport = SyncReport()) -> None:
+        self.group, self.hook, self.state, self.report = group, hook, state, report
         self.enabled = C.size(group) > 1
         groups = assign_buckets([p for p in params if p.requires_grad], int(bucket_mb * 2**20))
         self.buckets: list[GradBucket] = []
@@ -128,20 +161,26 @@ class GradSync:
         self._next = i + 1
         self.launch_log.append((i, in_backward and torch._C._current_graph_task_id() != -1))
         if self.enabled:
-            self._futures[i] = self.hook(self.state, self.buckets[i])
+            self._futures[i] = self._start(self.buckets[i])
+
+    def _start(self, bucket: GradBucket) -> torch.futures.Future:
+        """The all-reduce path: the comm hook, whose future holds the bucket's DP mean."""
+        return self.hook(self.state, bucket)
+
+    def _write_back(self, bucket: GradBucket, result: Any) -> None:
+        """Put the comm hook's result (a tensor, or DDP's one-tensor list) into the bucket's buffer."""
+        if isinstance(result, list):
+            result = result[0]
+        if result.data_ptr() != bucket.buffer().data_ptr():
+            bucket.buffer().copy_(result)
 
     def finish(self) -> None:
         """Launch what has not launched (unused parameters), wait, write the results back."""
         while self._next < len(self.buckets):
             self._launch(self._next, in_backward=False)
         for bucket, fut in zip(self.buckets, self._futures):
-            if fut is None:
-                continue
-            result = fut.wait()
-            if isinstance(result, list):
-                result = result[0]
-            if result.data_ptr() != bucket.buffer().data_ptr():
-                bucket.buffer().copy_(result)
+            if fut is not None:
+                self._write_back(bucket, fut.wait())
         self.last_launch_log = self.launch_log
         self.begin_step(self._expected)
 
@@ -150,7 +189,52 @@ class GradSync:
             b.buffer().zero_()
 
     def parameters(self) -> list[nn.Parameter]:
+        """Every synced parameter, in bucket order (the order the gradient norm sums them in)."""
         return [p for b in self.buckets for p in b.parameters()]
+
+    # ---- metrics: the record's DP figures --------------------------------------------------
+
+    def meter(self, on: bool) -> None:
+        """Whether the coming step meters ‖ĝ − g‖ (one exact, uncounted all-reduce per bucket): on the
+        steps whose record carries `compression_error`, never for an exact hook."""
+        if isinstance(self.state, MeteredState):
+            self.state.measure = on and self.report.error and not self.report.exact
+
+    def local_metrics(self) -> list[float]:
+        """This rank's figures of the last step, to be summed over the world (by the caller's one
+        metrics all-reduce) and handed to `metrics`: bytes over the DP groups, over `dp_inter`, the
+        ring-wire bytes they imply, the wire bytes of an exact fp32 ring all-reduce of the buckets,
+        Σ‖ĝ − g‖² and Σ‖g‖² (taken from a metered state, which clears them)."""
+        count, n = C.COUNTER, C.size(self.group)
+        numel = sum(b.buffer().numel() for b in self.buckets)
+        plain_wire = 4 * numel * 2 * (n - 1) / n  # what the exact fp32 ring all-reduce would send
+        err_sq, ref_sq = self.state.take_error() if isinstance(self.state, MeteredState) else (0.0, 0.0)
+        return [sum(count.group_bytes(g) for g in DP_GROUPS), count.group_bytes("dp_inter"),
+                sum(count.wire_bytes(g) for g in DP_GROUPS), plain_wire, err_sq, ref_sq]
+
+    def metrics(self, sums: Sequence[float], world: int) -> dict[str, float]:
+        """The record's DP keys from `local_metrics()` summed over the `world` ranks: bytes averaged
+        per rank, the compression ratio (exact ring bytes / sent ring bytes) and the relative error."""
+        dp, inter, wire, plain_wire, err_sq, ref_sq = sums
+        out = {"bytes_dp": dp / world}
+        if self.report.inter_node:
+            out["bytes_dp_inter"] = inter / world  # the compressed, between-node part
+        if C.size(self.group) > 1:
+            out["compression_ratio"] = plain_wire / wire if wire else 1.0
+            if self.report.error:
+                out["compression_error"] = (err_sq / ref_sq) ** 0.5 if ref_sq else 0.0
+        return out
+
+
+def finalize_grads(grad_sync: GradSync, embedding_group: Group, tp_group: Group) -> None:
+    """Make this step's gradients final, the one place that does: wait for the DP buckets
+    (`GradSync.finish`), then sum the tied embedding's two pipeline copies over the embedding group
+    (one all-reduce) and, under sequence parallelism, the replicated parameters' partial gradients
+    over TP (one coalesced all-reduce). The order is fixed: results are bit-exact against it."""
+    grad_sync.finish()
+    params = grad_sync.parameters()
+    sync_tied_grads(params, embedding_group)
+    sync_sequence_parallel_grads(params, tp_group)
 
 
 def _is_view_of(t: torch.Tensor, buf: torch.Tensor) -> bool:

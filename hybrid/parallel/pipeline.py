@@ -176,12 +176,3 @@ def run_schedule(schedule: Schedule, rank: int, forward_step: ForwardStep, p2p: 
         raise RuntimeError(f"pipeline rank {rank}: schedule {schedule.name} left tensors unused")
     return run.losses
 
-
-def sync_tied_grads(params: Sequence[torch.nn.Parameter], group: Group) -> None:
-    """Sum the gradient of the tied embedding between the first stage (token embedding) and the
-    last (output head, its `pp_duplicate` copy) over the embedding group, as Megatron does: both
-    copies then take the same optimizer step and stay identical. One all-reduce per step."""
-    tied = [p for p in params if getattr(p, "pp_tied", False) and p.grad is not None]
-    if C.size(group) > 1:
-        for p in tied:
-            C.all_reduce(p.grad, group)

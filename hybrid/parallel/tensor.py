@@ -15,7 +15,7 @@ backward) instead of all-reducing them: the same ring volume (an all-reduce is a
 reduce-scatter plus an all-gather), plus one re-gather per column-parallel input in backward,
 while norms, residuals and dropout hold 1/tp of the sequence. Replicated parameters used on
 sequence chunks (norms, row-parallel biases, positions) get partial gradients on each TP
-rank, summed by `sync_sequence_parallel_grads`.
+rank, summed by `grads.sync_sequence_parallel_grads` once per step.
 
 Under autocast, a column-parallel layer casts its input to the autocast dtype *before* the
 region op, so the TP exchanges of the input (and of its gradient) run in bf16, as the
@@ -310,24 +310,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
         return F.cross_entropy(logits[..., :vocab_size].flatten(0, -2).float(), target.flatten())
     start = C.rank(group) * logits.shape[-1]
     return _VocabParallelCE.apply(logits, target, group, start, vocab_size).mean()
-
-
-@torch.no_grad()
-def sync_sequence_parallel_grads(params: Sequence[nn.Parameter], group: Group) -> None:
-    """Sum, over the TP group, the gradients of replicated parameters that each TP rank applied
-    to its own sequence chunk only (norms, row-parallel biases, positions): one coalesced
-    all-reduce per step, after which these gradients are identical on every TP rank. A missing
-    gradient counts as zeros, so every rank reduces the same number of elements."""
-    params = [p for p in params if getattr(p, "sequence_parallel", False)]
-    if not params or C.size(group) == 1:
-        return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    C.all_reduce(flat, group)
-    for p, part in zip(params, flat.split([p.numel() for p in params])):
-        p.grad.copy_(part.view_as(p.grad))
 
 
 @torch.no_grad()

@@ -28,7 +28,8 @@ from hybrid.compression import codecs, hierarchical, powersgd
 from hybrid.compression.hooks import make_hook
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext
-from hybrid.trainer import DP_GROUPS, Trainer, build_chunks
+from hybrid.parallel.data import DP_GROUPS
+from hybrid.trainer import Trainer, build_chunks
 
 STEPS = 6
 TIMEOUT = 240

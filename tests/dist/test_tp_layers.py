@@ -53,6 +53,7 @@ from tp_helpers import (
 from hybrid.config import ModelConfig
 from hybrid.model.layers import Block, rope_tables
 from hybrid.parallel import collectives as C
+from hybrid.parallel.grads import sync_sequence_parallel_grads
 from hybrid.parallel.rng import TPRandom
 from hybrid.parallel.tensor import (
     ColumnParallelLinear,
@@ -61,7 +62,6 @@ from hybrid.parallel.tensor import (
     VocabParallelEmbedding,
     init_parameters,
     padded_vocab,
-    sync_sequence_parallel_grads,
     vocab_parallel_cross_entropy,
 )
 
