@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from hybrid.parallel.schedules import SCHEDULES, ScheduleError, check_sizes
+
 if TYPE_CHECKING:
     from hybrid.parallel.context import Layout
 
@@ -52,7 +54,7 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel size (ranks inside one node)
     pp: int = 1  # pipeline stages
     dp: Optional[int] = None  # data-parallel size; None = world / (tp·pp)
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    schedule: str = "1f1b"  # a name in hybrid.parallel.schedules.SCHEDULES: gpipe | 1f1b | interleaved
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved)
     stage_layers: Optional[list[int]] = None  # layers per model part (pp·virtual_stages counts); None = balanced
     sequence_parallel: bool = False  # split norms/dropout along the sequence inside TP
@@ -188,7 +190,7 @@ def register_configs() -> None:
 
 _CHOICES = {
     "model.family": ("gpt", "llama"),
-    "parallel.schedule": ("gpipe", "1f1b", "interleaved"),
+    "parallel.schedule": SCHEDULES,  # the registry: its names
     "train.precision": ("auto", "fp32", "bf16"),
     "train.device": ("auto", "cpu", "cuda"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
@@ -252,11 +254,10 @@ def validate(cfg: Any, world_size: int, ranks_per_node: Optional[int] = None) ->
 def _validate_pipeline(p: Any, m: Any, microbatches: int) -> None:
     """Schedule sizes (interleaving needs pp >= 2 and microbatches divisible by pp) and stage_layers."""
     from hybrid.parallel.pipeline import partition_layers
-    from hybrid.parallel.schedules import ScheduleError, check_sizes
 
-    _require(p.schedule != "interleaved" or p.virtual_stages >= 2,
-             "parallel.schedule=interleaved needs parallel.virtual_stages >= 2 (with 1 it is 1f1b with a "
-             "deeper warm-up: the same bubble, more activation memory)")
+    spec = SCHEDULES[p.schedule]
+    _require(p.virtual_stages >= spec.min_virtual_stages, f"parallel.schedule={p.schedule} needs "
+             f"parallel.virtual_stages >= {spec.min_virtual_stages} ({spec.fewer_virtual})")
     if p.pp > 1 or p.virtual_stages > 1:
         try:
             check_sizes(p.schedule, p.pp, microbatches, p.virtual_stages)

@@ -15,7 +15,7 @@ import math
 import sys
 from dataclasses import dataclass
 
-from hybrid.parallel.schedules import COMPUTE, Action, ScheduleError, Simulation, build_schedule, simulate, steps
+from hybrid.parallel.schedules import Action, Op, ScheduleError, Simulation, build_schedule, simulate, steps
 
 ALIASES = {"m": "microbatches", "v": "virtual_stages"}
 INTS = ("pp", "microbatches", "virtual_stages")
@@ -139,7 +139,7 @@ def render_report(sim: Simulation, opts: Options) -> str:
                       for r, n in enumerate(sim.peak_in_flight))
     unit = "chunk-microbatch activations; ÷v = stage-equivalents" if v > 1 else "microbatch activations"
     freed = " (forward_only: nothing is freed by a backward)" if opts.forward_only else ""
-    n_ops = sum(a.op not in COMPUTE for acts in s.actions for a in acts)
+    n_ops = sum(a.op.is_comm for acts in s.actions for a in acts)
     n_batches = sum(isinstance(it, list) for acts in s.actions for it in steps(acts))
     check = (f"deadlock check: order validated and replayed without deadlock under the rendezvous model "
              f"({n_ops} p2p ops in {n_batches} batches, every op matched in FIFO order per src→dst channel)")
@@ -156,7 +156,7 @@ def write_png(sim: Simulation, path: str) -> None:
     s = sim.schedule
     fig = Figure(figsize=(min(40.0, max(6.0, 0.25 * len(sim.intervals) / s.pp)), 0.6 * s.pp + 1.2))
     ax = fig.subplots()
-    cmaps = {"F": colormaps["Blues"], "B": colormaps["Oranges"]}
+    cmaps = {Op.FORWARD: colormaps["Blues"], Op.FULL_BACKWARD: colormaps["Oranges"]}
     for r, start, end, a in sim.intervals:
         shade = 0.6 if s.virtual_stages == 1 else 0.35 + 0.45 * a.chunk / (s.virtual_stages - 1)
         ax.broken_barh([(start, end - start)], (r - 0.4, 0.8), facecolors=cmaps[a.op](shade), edgecolor="white")
