@@ -214,10 +214,9 @@ def validate(cfg: Any, world_size: int, ranks_per_node: Optional[int] = None) ->
     `ranks_per_node` is the detected node size (torchrun's LOCAL_WORLD_SIZE);
     `parallel.ranks_per_node` overrides it.
     """
-    from hybrid.compression.hooks import check
     from hybrid.parallel.context import Layout, LayoutError
 
-    check(cfg.compression)
+    _validate_compression(cfg.compression)
     for key, allowed in _CHOICES.items():
         _require(_get(cfg, key) in allowed, f"{key}={_get(cfg, key)!r} is not one of {', '.join(allowed)}")
     p, m, t = cfg.parallel, cfg.model, cfg.train
@@ -268,6 +267,17 @@ def _validate_pipeline(p: Any, m: Any, microbatches: int) -> None:
             partition_layers(m.n_layers, p.pp * p.virtual_stages, p.stage_layers)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+
+def _validate_compression(c: Any) -> None:
+    """The compression package's own check, its CompressionError reported as bad input."""
+    from hybrid.compression import CompressionError
+    from hybrid.compression.hooks import check
+
+    try:
+        check(c)
+    except CompressionError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _validate_checkpoint(c: Any) -> None:
