@@ -15,6 +15,7 @@ import math
 import sys
 from dataclasses import dataclass
 
+from hybrid.cli import EXIT_BAD_INPUT, UsageError, run_tool
 from hybrid.parallel.schedules import Action, Op, ScheduleError, Simulation, build_schedule, simulate, steps
 
 ALIASES = {"m": "microbatches", "v": "virtual_stages"}
@@ -22,10 +23,6 @@ INTS = ("pp", "microbatches", "virtual_stages")
 FLOATS = ("forward", "backward", "comm")
 KEYS = ("schedule", *INTS, *FLOATS, "forward_only", "png")
 BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-
-
-class UsageError(ValueError):
-    """Bad command-line input: reported as one line and exit status 2."""
 
 
 @dataclass
@@ -185,17 +182,8 @@ def run(opts: Options) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line: print the report and return 0, or one error line and 2."""
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help", "help") for a in argv):
-        print(__doc__.strip())
-        return 0
-    try:
-        print(run(parse_args(argv)))
-    except (UsageError, ScheduleError) as e:
-        print(f"hybrid: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    return 0
+    """The command line: print the report and return 0, or one error line and 2 (`hybrid.cli.run_tool`)."""
+    return run_tool(__doc__, argv, lambda args: run(parse_args(args)), [((UsageError, ScheduleError), EXIT_BAD_INPUT)])
 
 
 if __name__ == "__main__":
