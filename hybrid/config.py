@@ -109,9 +109,9 @@ class TrainConfig:
     seed: int = 1234  # weights, data order, dropout
     micro_batch_size: int = 8  # sequences per microbatch per DP rank
     global_batch_size: int = 32  # sequences per step = micro batch · microbatches · dp
-    lr: float = 1e-3  # peak learning rate
-    eval_every: int = 50  # steps between evals; 0 disables
-    eval_batches: int = 4  # held-out global batches (of global_batch_size sequences) per eval
+    lr: float = 3e-3  # peak learning rate
+    eval_every: int = 25  # steps between evals; 0 disables
+    eval_batches: int = 2  # held-out global batches (of global_batch_size sequences) per eval
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
     device: str = "auto"  # auto | cpu | cuda
 
