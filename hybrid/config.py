@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from hybrid.parallel.schedules import SCHEDULES, ScheduleError, check_sizes
+
 if TYPE_CHECKING:
     from hybrid.parallel.context import Layout
 
@@ -52,7 +54,7 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel size (ranks inside one node)
     pp: int = 1  # pipeline stages
     dp: Optional[int] = None  # data-parallel size; None = world / (tp·pp)
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    schedule: str = "1f1b"  # a name in hybrid.parallel.schedules.SCHEDULES: gpipe | 1f1b | interleaved
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved)
     stage_layers: Optional[list[int]] = None  # layers per model part (pp·virtual_stages counts); None = balanced
     sequence_parallel: bool = False  # split norms/dropout along the sequence inside TP
@@ -107,9 +109,9 @@ class TrainConfig:
     seed: int = 1234  # weights, data order, dropout
     micro_batch_size: int = 8  # sequences per microbatch per DP rank
     global_batch_size: int = 32  # sequences per step = micro batch · microbatches · dp
-    lr: float = 1e-3  # peak learning rate
-    eval_every: int = 50  # steps between evals; 0 disables
-    eval_batches: int = 4  # held-out global batches (of global_batch_size sequences) per eval
+    lr: float = 3e-3  # peak learning rate
+    eval_every: int = 25  # steps between evals; 0 disables
+    eval_batches: int = 2  # held-out global batches (of global_batch_size sequences) per eval
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
     device: str = "auto"  # auto | cpu | cuda
 
@@ -188,7 +190,7 @@ def register_configs() -> None:
 
 _CHOICES = {
     "model.family": ("gpt", "llama"),
-    "parallel.schedule": ("gpipe", "1f1b", "interleaved"),
+    "parallel.schedule": SCHEDULES,  # the registry: its names
     "train.precision": ("auto", "fp32", "bf16"),
     "train.device": ("auto", "cpu", "cuda"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
@@ -212,10 +214,9 @@ def validate(cfg: Any, world_size: int, ranks_per_node: Optional[int] = None) ->
     `ranks_per_node` is the detected node size (torchrun's LOCAL_WORLD_SIZE);
     `parallel.ranks_per_node` overrides it.
     """
-    from hybrid.compression.hooks import check
     from hybrid.parallel.context import Layout, LayoutError
 
-    check(cfg.compression)
+    _validate_compression(cfg.compression)
     for key, allowed in _CHOICES.items():
         _require(_get(cfg, key) in allowed, f"{key}={_get(cfg, key)!r} is not one of {', '.join(allowed)}")
     p, m, t = cfg.parallel, cfg.model, cfg.train
@@ -252,11 +253,10 @@ def validate(cfg: Any, world_size: int, ranks_per_node: Optional[int] = None) ->
 def _validate_pipeline(p: Any, m: Any, microbatches: int) -> None:
     """Schedule sizes (interleaving needs pp >= 2 and microbatches divisible by pp) and stage_layers."""
     from hybrid.parallel.pipeline import partition_layers
-    from hybrid.parallel.schedules import ScheduleError, check_sizes
 
-    _require(p.schedule != "interleaved" or p.virtual_stages >= 2,
-             "parallel.schedule=interleaved needs parallel.virtual_stages >= 2 (with 1 it is 1f1b with a "
-             "deeper warm-up: the same bubble, more activation memory)")
+    spec = SCHEDULES[p.schedule]
+    _require(p.virtual_stages >= spec.min_virtual_stages, f"parallel.schedule={p.schedule} needs "
+             f"parallel.virtual_stages >= {spec.min_virtual_stages} ({spec.fewer_virtual})")
     if p.pp > 1 or p.virtual_stages > 1:
         try:
             check_sizes(p.schedule, p.pp, microbatches, p.virtual_stages)
@@ -267,6 +267,17 @@ def _validate_pipeline(p: Any, m: Any, microbatches: int) -> None:
             partition_layers(m.n_layers, p.pp * p.virtual_stages, p.stage_layers)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+
+def _validate_compression(c: Any) -> None:
+    """The compression package's own check, its CompressionError reported as bad input."""
+    from hybrid.compression import CompressionError
+    from hybrid.compression.hooks import check
+
+    try:
+        check(c)
+    except CompressionError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _validate_checkpoint(c: Any) -> None:

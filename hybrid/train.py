@@ -9,8 +9,6 @@ from __future__ import annotations
 import gc
 import os
 import sys
-import time
-from datetime import timedelta
 from typing import Any
 
 import hydra
@@ -18,43 +16,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from hybrid.config import CONFIG_DIR, ConfigError, compose_config, register_configs, validate
-
-EXIT_BAD_INPUT = 2
-
-
-def _env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
-
-
-def _fail(msg: str) -> None:
-    """One readable line on this rank's stderr, then a non-zero exit (no traceback)."""
-    rank = os.environ.get("RANK")
-    prefix = f"[rank{rank}] " if rank is not None and _env_int("WORLD_SIZE", 1) > 1 else ""
-    _say(f"{prefix}hybrid: error: {msg}")
-    _wait_for_peers_to_report()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.exit(EXIT_BAD_INPUT)
-
-
-def _wait_for_peers_to_report(timeout_s: float = 5.0) -> None:
-    """Under torchrun, linger until every rank has printed its error (or `timeout_s`), so the
-    launcher, which stops all workers as soon as one exits, does not cut the others' lines.
-    Uses torchrun's own rendezvous store; no process group is needed."""
-    world = _env_int("WORLD_SIZE", 1)
-    if world == 1 or "MASTER_ADDR" not in os.environ:
-        return
-    try:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0), is_master=False,
-                              timeout=timedelta(seconds=timeout_s))
-        key = f"hybrid/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        store.add(key, 1)
-        deadline = time.monotonic() + timeout_s
-        while store.add(key, 0) < world and time.monotonic() < deadline:
-            time.sleep(0.05)
-    except Exception:  # noqa: BLE001  (best effort: never turn a clean error into a traceback)
-        pass
+from hybrid.cli import env_int, exit_on_error, precheck, warn
+from hybrid.config import CONFIG_DIR, ConfigError, register_configs, validate
 
 
 def _device(cfg: Any) -> torch.device:
@@ -62,8 +25,8 @@ def _device(cfg: Any) -> torch.device:
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("train.device=cuda but CUDA is not available")
-        torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
-        return torch.device("cuda", _env_int("LOCAL_RANK", 0))
+        torch.cuda.set_device(env_int("LOCAL_RANK", 0))
+        return torch.device("cuda", env_int("LOCAL_RANK", 0))
     return torch.device("cpu")
 
 
@@ -86,8 +49,8 @@ def run(cfg: DictConfig) -> None:
     from hybrid.parallel.rng import derive_seed
     from hybrid.trainer import Trainer, build_chunks
 
-    world, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
-    layout = validate(cfg, world, _env_int("LOCAL_WORLD_SIZE", world))
+    world, rank = env_int("WORLD_SIZE", 1), env_int("RANK", 0)
+    layout = validate(cfg, world, env_int("LOCAL_WORLD_SIZE", world))
     device = _device(cfg)
     corpus = prepare_data(cfg.data)
     vocab = cfg.model.vocab_size or corpus.vocab_size
@@ -102,7 +65,7 @@ def run(cfg: DictConfig) -> None:
     model = build_chunks(cfg, vocab, ctx).to(device)
     hook, state = make_hook(cfg.compression, ctx.dp_group, ctx.dp_intra_group, ctx.dp_inter_group)
     writer = rank == 0
-    resume = plan_resume(cfg, vocab, writer, _warn)  # before anything is written: a bad checkpoint is bad input
+    resume = plan_resume(cfg, vocab, writer, warn)  # before anything is written: a bad checkpoint is bad input
     trainer = Trainer(cfg, ctx, model, corpus, device, hook, state)
     metrics = trainer.start(resume)  # loads (a checkpoint that cannot be read fails before any write), then logs
     if writer:
@@ -152,14 +115,6 @@ def pipeline_summary(schedule: Any, cfg: DictConfig) -> str:
             f"simulated bubble {sim.bubble:.3f} (forward:backward 1:2), peak in flight {sim.peak_in_flight}")
 
 
-def _say(line: str) -> None:
-    """One line on stderr in one write, so the lines of two ranks never interleave."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
-
-
-def _warn(msg: str) -> None:
-    _say(f"hybrid: {msg}")
 
 
 def _shutdown() -> None:
@@ -172,43 +127,15 @@ def _shutdown() -> None:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except ConfigError as e:
-        _fail(str(e))
+    exit_on_error(lambda: run(cfg))  # bad input: one line per rank, exit 2 (hybrid.cli)
     _shutdown()
-
-
-def _precheck(argv: list[str]) -> None:
-    """Compose the config once with Hydra's compose API so that a bad override or an unknown
-    group option becomes one readable line instead of Hydra's multi-line report."""
-    if any(a.startswith("-") for a in argv):
-        return  # Hydra's own flags (--cfg, --help, -m, …): let Hydra handle the command line
-    try:
-        compose_config([a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/"))])
-    except Exception as e:  # noqa: BLE001  (any composition failure is bad input)
-        _fail(_one_line(e))
-
-
-def _one_line(e: BaseException) -> str:
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    msg = lines[0] if lines else type(e).__name__
-    options = [ln for ln in lines[1:] if not ln.startswith(("Config search path", "provider=", "Available"))]
-    if "Could not find" in msg and options:
-        return f"{msg} (available: {', '.join(o for o in options if not o.endswith('_schema'))})"
-    if msg.endswith("while composing config:") and len(lines) > 1:
-        msg = f"{msg.removesuffix(' raised while composing config:')}: {lines[1]}"
-    cause = e.__cause__
-    if cause is not None and str(cause).strip():
-        msg += " " + str(cause).strip().splitlines()[0]
-    return msg
 
 
 def main() -> None:
     register_configs()
-    if _env_int("RANK", 0) != 0:  # only rank 0 writes Hydra's outputs and log file
+    if env_int("RANK", 0) != 0:  # only rank 0 writes Hydra's outputs and log file
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
-    _precheck(sys.argv[1:])
+    precheck(sys.argv[1:])
     _hydra_main()
 
 

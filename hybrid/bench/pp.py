@@ -45,13 +45,13 @@ from hybrid.model.traffic import pp_bytes_per_step
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.parallel.pipeline import P2P, PipelineStats, partition_layers, run_schedule
-from hybrid.parallel.schedules import build_schedule, simulate
+from hybrid.parallel.schedules import SCHEDULES, build_schedule, simulate
 from hybrid.parallel.tensor import vocab_parallel_cross_entropy
 from hybrid.trainer import Trainer, build_chunks
 
 SECTIONS = ("bubble", "torch", "bytes", "headline")
 DEFAULT_SECTIONS = ("bubble", "torch", "bytes")
-BUBBLE_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+BUBBLE_SCHEDULES = tuple((name, s.min_virtual_stages) for name, s in SCHEDULES.items())  # (name, v): every schedule
 BYTES_LAYOUTS = ((1, 2, False), (1, 4, False), (2, 2, False), (2, 2, True))  # (tp, pp, sequence parallel)
 CPU = torch.device("cpu")
 GB = 2**30

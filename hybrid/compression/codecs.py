@@ -15,13 +15,19 @@ bucket is `payload_bytes` = 2·n·E (the all-to-all's input plus the all-gather'
 Error feedback (sign, top-k): the *worker* residual keeps what step 1 lost on this rank, the
 *server* residual what step 3 lost on the chunk this rank owns; both are added back next step,
 so the applied updates track the true gradients' sum (residuals stay bounded).
+
+A codec is anything with the four methods of `Codec`. `CODECS` registers each under its
+`compression=<method>` name with how to build it from the compression config and whether it runs
+with error feedback; `hooks.py` turns every entry into a two-phase method. A new codec is one
+class and one line there.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -29,6 +35,25 @@ from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+
+
+@runtime_checkable
+class Codec(Protocol):
+    """A chunk encoding for the two-phase exchange. `encode` takes a float32 chunk of `chunk_len(n)`
+    elements (n elements are the rank's share, padding added) and returns `encoded_bytes(length)`
+    uint8s; `decode(data, length)` returns the float32 approximation of the chunk."""
+
+    def chunk_len(self, n: int) -> int:
+        """The padded length of a chunk that must hold `n` elements (a multiple of the codec's block)."""
+
+    def encoded_bytes(self, length: int) -> int:
+        """Bytes of one encoded chunk of `length` elements (the same on every rank: all-to-all needs it)."""
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 chunk → uint8 bytes."""
+
+    def decode(self, data: torch.Tensor, length: int) -> torch.Tensor:
+        """uint8 bytes → float32 chunk of `length` elements."""
 
 
 def _f32_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -112,7 +137,21 @@ class TopKCodec:
         return out.index_put_((idx,), data[4 * k:].view(torch.float32))
 
 
-Codec = Int8Codec | SignCodec | TopKCodec
+@dataclass(frozen=True)
+class CodecSpec:
+    """A registered codec: how to build it from the `compression` config, and whether the method
+    runs with error feedback (when `compression.error_feedback` is on)."""
+
+    build: Callable[[Any], Codec]
+    error_feedback: bool
+
+
+CODECS: dict[str, CodecSpec] = {
+    "int8": CodecSpec(lambda cfg: Int8Codec(cfg.block_size), error_feedback=False),
+    "sign": CodecSpec(lambda cfg: SignCodec(cfg.block_size), error_feedback=True),
+    "topk": CodecSpec(lambda cfg: TopKCodec(cfg.fraction), error_feedback=True),
+}
+"""`compression=<method>` → the codec its two-phase hook runs (see `hooks.REGISTRY`)."""
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -32,10 +32,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
-from hybrid.compression import codecs, powersgd
+from hybrid.compression import CompressionError, codecs, powersgd
 from hybrid.compression.codecs import done
 from hybrid.compression.hierarchical import HierarchicalState, hierarchical_hook
-from hybrid.config import ConfigError
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 
@@ -161,9 +160,10 @@ def _cast(dtype: torch.dtype) -> Callable[[Any, Group], tuple[Hook, Any]]:
     return lambda cfg, group: (cast_hook, CastState(group, dtype))
 
 
-def _two_phase(codec: Callable[[Any], codecs.Codec], feedback: bool) -> Callable[[Any, Group], tuple[Hook, Any]]:
+def _two_phase(spec: codecs.CodecSpec) -> Callable[[Any, Group], tuple[Hook, Any]]:
     def make(cfg: Any, group: Group) -> tuple[Hook, Any]:
-        return codecs.two_phase_hook, codecs.TwoPhaseState(codec(cfg), group, feedback and cfg.error_feedback)
+        feedback = spec.error_feedback and cfg.error_feedback
+        return codecs.two_phase_hook, codecs.TwoPhaseState(spec.build(cfg), group, feedback)
     return make
 
 
@@ -176,9 +176,7 @@ REGISTRY: dict[str, Callable[[Any, Group], tuple[Hook, Any]]] = {
     "none": _allreduce,
     "fp16": _cast(torch.float16),
     "bf16": _cast(torch.bfloat16),
-    "int8": _two_phase(lambda cfg: codecs.Int8Codec(cfg.block_size), feedback=False),
-    "sign": _two_phase(lambda cfg: codecs.SignCodec(cfg.block_size), feedback=True),
-    "topk": _two_phase(lambda cfg: codecs.TopKCodec(cfg.fraction), feedback=True),
+    **{name: _two_phase(spec) for name, spec in codecs.CODECS.items()},  # int8, sign, topk
     "powersgd": _powersgd,
 }
 """Flat methods: name → factory(compression cfg, group) → (hook, state). `make_hook` also builds
@@ -188,10 +186,10 @@ METHODS = (*REGISTRY, "hierarchical", "torch_fp16", "torch_bf16", "torch_powersg
 
 
 def check(cfg: Any) -> None:
-    """Validate the `compression` config; one ConfigError line naming the bad knob."""
+    """Validate the `compression` config; one CompressionError line naming the bad knob."""
     def need(ok: bool, msg: str) -> None:
         if not ok:
-            raise ConfigError(msg)
+            raise CompressionError(msg)
 
     need(cfg.method in METHODS, f"compression.method={cfg.method!r} is not one of {', '.join(METHODS)}")
     need(cfg.rank > 0, f"compression.rank must be > 0, got {cfg.rank}")
@@ -211,12 +209,13 @@ def make_hook(cfg: Any, group: Group, dp_intra: Group = None, dp_inter: Group = 
     """The (hook, state) pair for `cfg` (the `compression` config) over the DP `group`.
 
     Hierarchical uses `dp_intra` / `dp_inter` (ParallelContext's node-cut DP groups). The pair
-    also works as `DistributedDataParallel.register_comm_hook(state, hook)`."""
+    also works as `DistributedDataParallel.register_comm_hook(state, hook)`. Raises
+    CompressionError for a bad config (`check`) or DP groups that hierarchical cannot use."""
     check(cfg)
     warmup, serial = cfg.warmup_steps, False
     if cfg.method == "hierarchical":
         if C.size(dp_intra) * C.size(dp_inter) != C.size(group):
-            raise ValueError(f"compression=hierarchical needs node-cut DP groups covering the DP group: "
+            raise CompressionError(f"compression=hierarchical needs node-cut DP groups covering the DP group: "
                              f"{C.size(dp_intra)} × {C.size(dp_inter)} ranks != {C.size(group)}")
         inner_hook, inner_state = REGISTRY[cfg.inner](cfg, dp_inter)
         hook, state = hierarchical_hook, HierarchicalState(dp_intra, dp_inter, inner_hook, inner_state)

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from hybrid.parallel import collectives as C
+from hybrid.parallel.actions import Action, Op, Schedule, steps
 from hybrid.parallel.collectives import Group
-from hybrid.parallel.schedules import Action, Schedule, steps
 
 ForwardStep = Callable[[int, int, Optional[torch.Tensor]], torch.Tensor]
 """(chunk, microbatch, received hidden states or None on the first part) → hidden states, or the
@@ -74,12 +74,12 @@ class P2P:
         ops, received = [], {}
         for a in batch:
             peer = schedule.peer(rank, a)
-            if a.op.startswith("SEND"):
+            if a.op.is_send:
                 t = tensors[a].detach().contiguous()
                 if t.shape != self.shape or t.dtype != self.dtype:
                     raise RuntimeError(f"pipeline {a}: sending {tuple(t.shape)} {t.dtype}, but every stage "
                                        f"receives {self.shape} {self.dtype}")
-                C.COUNTER.record(self.name, "send_fwd" if a.op == "SEND_F" else "send_bwd", t, schedule.pp)
+                C.COUNTER.record(self.name, "send_fwd" if a.op is Op.SEND_F else "send_bwd", t, schedule.pp)
                 ops.append(dist.P2POp(dist.isend, t, group=self.group, group_peer=peer))
             else:
                 buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -115,7 +115,7 @@ class _Run:
         self.last_part = schedule.num_parts - 1
 
     def forward(self, a: Action) -> None:
-        x = self.received.pop(Action("RECV_F", a.chunk, a.mb), None)
+        x = self.received.pop(Action(Op.RECV_F, a.chunk, a.mb), None)
         if x is not None and torch.is_grad_enabled():
             x.requires_grad_(True)
         start = time.perf_counter()
@@ -133,7 +133,7 @@ class _Run:
         if self.schedule.part(self.rank, a.chunk) == self.last_part:
             torch.autograd.backward(out / self.schedule.microbatches)
         else:
-            grad = self.received.pop(Action("RECV_B", a.chunk, a.mb))
+            grad = self.received.pop(Action(Op.RECV_B, a.chunk, a.mb))
             # `out` may have been freed after its send: skip autograd's shape check (Megatron does the same)
             torch.autograd.Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
         self.stats.backward_s.append(time.perf_counter() - start)
@@ -141,13 +141,13 @@ class _Run:
     def exchange(self, batch: list[Action]) -> None:
         tensors = {}
         for a in batch:
-            if a.op == "SEND_F":
+            if a.op is Op.SEND_F:
                 tensors[a] = self.outputs[(a.chunk, a.mb)]
-            elif a.op == "SEND_B":
+            elif a.op is Op.SEND_B:
                 tensors[a] = self.inputs.pop((a.chunk, a.mb)).grad
         self.received.update(self.p2p.exchange(self.schedule, self.rank, batch, tensors))
         for a in batch:
-            if a.op == "SEND_F":
+            if a.op is Op.SEND_F:
                 self._free(a)
 
     def _free(self, a: Action) -> None:
@@ -164,15 +164,24 @@ def run_schedule(schedule: Schedule, rank: int, forward_step: ForwardStep, p2p: 
     """Run pipeline rank `rank`'s actions of `schedule`; return the last part's per-microbatch
     losses in microbatch order (an empty list on other ranks). A schedule with no backward
     actions (`forward_only`) runs evaluation; call it under `torch.no_grad()`."""
+    _check_runnable(schedule, rank)
     run = _Run(schedule, rank, forward_step, p2p, stats if stats is not None else PipelineStats())
     for item in steps(schedule.actions[rank]):
         if isinstance(item, list):
             run.exchange(item)
-        elif item.op == "F":
+        elif item.op is Op.FORWARD:
             run.forward(item)
         else:
             run.backward(item)
     if run.received or any(o.grad_fn is not None for o in run.outputs.values()):
         raise RuntimeError(f"pipeline rank {rank}: schedule {schedule.name} left tensors unused")
     return run.losses
+
+
+def _check_runnable(schedule: Schedule, rank: int) -> None:
+    """Raise NotImplementedError if `rank`'s list has compute ops the executor does not run (I, W)."""
+    unrun = sorted({a.op for a in schedule.actions[rank] if a.op.is_compute} - {Op.FORWARD, Op.FULL_BACKWARD})
+    if unrun:
+        raise NotImplementedError(f"pipeline rank {rank}: schedule {schedule.name} has {'/'.join(map(str, unrun))} "
+                                  "actions (split backward), which the executor does not run yet")
 

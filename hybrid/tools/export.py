@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from hybrid.checkpoint import MANIFEST, CheckpointError, find_latest, list_steps, problem, read_manifest
+from hybrid.cli import EXIT_BAD_INPUT, EXIT_FAILED, UsageError, run_tool, warn
 from hybrid.config import ConfigError
 
 KEYS = ("checkpoint", "out", "force", "verify")
@@ -40,10 +41,6 @@ BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no":
 EOS_TOKEN = "<|endoftext|>"
 VERIFY_IDS = (2, 16)  # the batch of random token ids the verification runs
 VERIFY_RTOL = 1e-3  # max |Δlogits| allowed, relative to max(1, max |logits|): a conversion bug is O(1)
-
-
-class UsageError(ConfigError):
-    """Bad command-line input: reported as one line and exit status 2."""
 
 
 class VerifyError(RuntimeError):
@@ -107,7 +104,7 @@ def resolve_checkpoint(path: Path) -> Path:
             raise CheckpointError(f"checkpoint={path}: no complete checkpoint in that folder "
                                   f"({len(skipped)} incomplete or corrupt step folder(s) skipped)")
         for msg in skipped:
-            print(f"hybrid: {msg}", file=sys.stderr, flush=True)
+            warn(msg)
         return latest
     why = problem(path)
     if why is not None:
@@ -276,21 +273,13 @@ def render(r: Report) -> str:
             f"files: {files}{tok}")
 
 
+EXIT_CODES = (((ConfigError, OSError), EXIT_BAD_INPUT),  # bad input, or an out folder that cannot be written
+              (VerifyError, EXIT_FAILED))
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line: print the report and return 0; one error line and 2 (bad input) or 1."""
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help", "help") for a in argv):
-        print(__doc__.strip())
-        return 0
-    try:
-        print(render(export(parse_args(argv))))
-    except (ConfigError, OSError) as e:  # bad input, or an out folder that cannot be written
-        print(f"hybrid: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except VerifyError as e:
-        print(f"hybrid: error: {e}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+    return run_tool(__doc__, argv, lambda args: render(export(parse_args(args))), EXIT_CODES)
 
 
 if __name__ == "__main__":

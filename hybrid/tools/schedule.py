@@ -15,17 +15,14 @@ import math
 import sys
 from dataclasses import dataclass
 
-from hybrid.parallel.schedules import COMPUTE, Action, ScheduleError, Simulation, build_schedule, simulate, steps
+from hybrid.cli import EXIT_BAD_INPUT, UsageError, run_tool
+from hybrid.parallel.schedules import Action, Op, ScheduleError, Simulation, build_schedule, simulate, steps
 
 ALIASES = {"m": "microbatches", "v": "virtual_stages"}
 INTS = ("pp", "microbatches", "virtual_stages")
 FLOATS = ("forward", "backward", "comm")
 KEYS = ("schedule", *INTS, *FLOATS, "forward_only", "png")
 BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-
-
-class UsageError(ValueError):
-    """Bad command-line input: reported as one line and exit status 2."""
 
 
 @dataclass
@@ -139,7 +136,7 @@ def render_report(sim: Simulation, opts: Options) -> str:
                       for r, n in enumerate(sim.peak_in_flight))
     unit = "chunk-microbatch activations; ÷v = stage-equivalents" if v > 1 else "microbatch activations"
     freed = " (forward_only: nothing is freed by a backward)" if opts.forward_only else ""
-    n_ops = sum(a.op not in COMPUTE for acts in s.actions for a in acts)
+    n_ops = sum(a.op.is_comm for acts in s.actions for a in acts)
     n_batches = sum(isinstance(it, list) for acts in s.actions for it in steps(acts))
     check = (f"deadlock check: order validated and replayed without deadlock under the rendezvous model "
              f"({n_ops} p2p ops in {n_batches} batches, every op matched in FIFO order per src→dst channel)")
@@ -156,7 +153,7 @@ def write_png(sim: Simulation, path: str) -> None:
     s = sim.schedule
     fig = Figure(figsize=(min(40.0, max(6.0, 0.25 * len(sim.intervals) / s.pp)), 0.6 * s.pp + 1.2))
     ax = fig.subplots()
-    cmaps = {"F": colormaps["Blues"], "B": colormaps["Oranges"]}
+    cmaps = {Op.FORWARD: colormaps["Blues"], Op.FULL_BACKWARD: colormaps["Oranges"]}
     for r, start, end, a in sim.intervals:
         shade = 0.6 if s.virtual_stages == 1 else 0.35 + 0.45 * a.chunk / (s.virtual_stages - 1)
         ax.broken_barh([(start, end - start)], (r - 0.4, 0.8), facecolors=cmaps[a.op](shade), edgecolor="white")
@@ -185,17 +182,8 @@ def run(opts: Options) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line: print the report and return 0, or one error line and 2."""
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help", "help") for a in argv):
-        print(__doc__.strip())
-        return 0
-    try:
-        print(run(parse_args(argv)))
-    except (UsageError, ScheduleError) as e:
-        print(f"hybrid: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    return 0
+    """The command line: print the report and return 0, or one error line and 2 (`hybrid.cli.run_tool`)."""
+    return run_tool(__doc__, argv, lambda args: run(parse_args(args)), [((UsageError, ScheduleError), EXIT_BAD_INPUT)])
 
 
 if __name__ == "__main__":

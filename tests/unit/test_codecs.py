@@ -27,6 +27,24 @@ def codec_id(c: codecs.Codec) -> str:
     return f"{type(c).__name__}-{getattr(c, 'block', getattr(c, 'fraction', ''))}"
 
 
+def test_every_registered_codec_is_a_two_phase_method() -> None:
+    """CODECS is the one list: each entry builds a Codec from the compression config and becomes a method of
+    the hook registry, with error feedback where its spec says so."""
+    from hybrid.compression import hooks
+    from hybrid.config import CompressionConfig
+
+    cfg = CompressionConfig(block_size=32, fraction=0.1)
+    built = {name: spec.build(cfg) for name, spec in codecs.CODECS.items()}
+    assert {n: codec_id(c) for n, c in built.items()} == {"int8": "Int8Codec-32", "sign": "SignCodec-32",
+                                                          "topk": "TopKCodec-0.1"}
+    for name, codec in built.items():
+        assert isinstance(codec, codecs.Codec) and name in hooks.METHODS
+        hook, state = hooks.REGISTRY[name](cfg, None)
+        assert hook is codecs.two_phase_hook and codec_id(state.codec) == codec_id(codec)
+        assert state.error_feedback == codecs.CODECS[name].error_feedback
+        assert not hooks.REGISTRY[name](CompressionConfig(error_feedback=False), None)[1].error_feedback
+
+
 def blocky(length: int, block: int, seed: int = 0) -> torch.Tensor:
     """Random values whose blocks differ in scale by up to 10^±3 (so per-block scales matter)."""
     gen = torch.Generator().manual_seed(seed)

@@ -36,6 +36,49 @@ def test_every_config_file_composes(group: str, option: str) -> None:
     validate(cfg, world)
 
 
+IDENTITY = ("name", "method")  # a group file's own name: set even where it equals the schema's default
+
+
+def restated(yaml: object, schema: object, where: str) -> list[str]:
+    """The keys of a raw YAML mapping whose value equals the schema's default (nested mappings walked)."""
+    out = []
+    for key, value in yaml.items():  # type: ignore[attr-defined]
+        default = schema.get(key, "<not in the schema>")  # type: ignore[attr-defined]
+        if isinstance(value, dict) and isinstance(default, dict):
+            out += restated(value, default, f"{where}{key}.")
+        elif value == default and key not in IDENTITY:
+            out.append(f"{where}{key}: {value!r}")
+    return out
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(ROOT / "configs").as_posix()
+                                        for p in (ROOT / "configs").rglob("*.yaml") if p.parent.name != "model"))
+def test_no_config_file_restates_a_schema_default(path: str) -> None:
+    """The dataclasses of hybrid/config.py are the one source of defaults: a YAML value equal to the default
+    would hide a later change of it (model files define models and may spell out every field)."""
+    from omegaconf import OmegaConf
+
+    from hybrid.config import Config
+
+    schema = OmegaConf.to_container(OmegaConf.structured(Config), resolve=False)
+    raw = OmegaConf.to_container(OmegaConf.load(ROOT / "configs" / path), resolve=False)
+    group = path.split("/")[0] if "/" in path else None
+    raw = {k: v for k, v in raw.items() if k not in ("defaults", "hydra")} if group is None else raw
+    assert restated(raw, schema if group is None else schema[group], "" if group is None else f"{group}.") == []
+
+
+def test_the_schema_alone_gives_the_default_train_checkpoint_and_logging() -> None:
+    from omegaconf import OmegaConf
+
+    from hybrid.config import Config
+
+    cfg = OmegaConf.to_container(compose_config([]), resolve=False)
+    schema = OmegaConf.to_container(OmegaConf.structured(Config), resolve=False)
+    for key in ("run_name", "train", "checkpoint", "logging", "optim"):
+        assert cfg[key] == schema[key], key
+    assert (cfg["train"]["lr"], cfg["train"]["eval_every"], cfg["train"]["eval_batches"]) == (3e-3, 25, 2)
+
+
 def test_derived_dp_and_microbatches() -> None:
     cfg = compose_config(["parallel=tp2", "train.global_batch_size=64", "train.micro_batch_size=4"])
     layout = validate(cfg, 8)
@@ -126,6 +169,7 @@ def test_validate_rejects_bad_compression(overrides: list[str], needle: str) -> 
 def test_compression_knobs_that_are_fine() -> None:
     """The boundaries of the checks above are accepted (fraction 1, rank 1, torch_powersgd without
     error feedback needs no warm-up), and make_hook applies the same check."""
+    from hybrid.compression import CompressionError
     from hybrid.compression.hooks import make_hook
     from hybrid.config import CompressionConfig
 
@@ -133,5 +177,5 @@ def test_compression_knobs_that_are_fine() -> None:
                       ["compression=torch_powersgd", "compression.warmup_steps=0", "compression.error_feedback=false"],
                       ["compression=hierarchical", "compression.inner=int8"]):
         validate(compose_config(overrides), 1)
-    with pytest.raises(ConfigError, match="compression.inner"):
+    with pytest.raises(CompressionError, match="compression.inner"):  # the package's own error; validate translates
         make_hook(CompressionConfig(method="hierarchical"), None)

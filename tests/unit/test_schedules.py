@@ -15,9 +15,12 @@ import pytest
 from hybrid.parallel.schedules import (
     SCHEDULES,
     Action,
+    Op,
     Schedule,
     ScheduleError,
+    ScheduleSpec,
     build_schedule,
+    gpipe_order,
     simulate,
     steps,
     validate,
@@ -112,12 +115,13 @@ def test_grid_validates_and_simulates(forward_only):
 
 def test_backward_runs_in_microbatch_order_for_every_chunk():
     """What makes losses bit-identical across schedules: each chunk accumulates gradients in mb order."""
+    F, B = Op.FORWARD, Op.FULL_BACKWARD
     for name, p, m, v in valid_sizes(max_p=6, max_m=12, max_v=3):
         sched = build_schedule(name, p, m, v)
         for r, acts in enumerate(sched.actions):
             for c in range(v):
-                assert [a.mb for a in acts if a.op == "B" and a.chunk == c] == list(range(m)), (name, p, m, v, r, c)
-                assert [a.mb for a in acts if a.op == "F" and a.chunk == c] == list(range(m)), (name, p, m, v, r, c)
+                assert [a.mb for a in acts if a.op is B and a.chunk == c] == list(range(m)), (name, p, m, v, r, c)
+                assert [a.mb for a in acts if a.op is F and a.chunk == c] == list(range(m)), (name, p, m, v, r, c)
 
 
 def test_interleaved_matches_torch_pipelining_order():
@@ -126,7 +130,6 @@ def test_interleaved_matches_torch_pipelining_order():
     pipelining = pytest.importorskip("torch.distributed.pipelining.schedules")
     try:
         base = pipelining._PipelineStageBase
-        names = {pipelining._ComputationType.FORWARD: "F", pipelining._ComputationType.FULL_BACKWARD: "B"}
     except AttributeError as e:
         pytest.skip(f"torch.distributed.pipelining internals changed: {e}")
 
@@ -146,10 +149,23 @@ def test_interleaved_matches_torch_pipelining_order():
                 theirs = pipelining.ScheduleInterleaved1F1B([Stage(c * p + r, p, v) for c in range(v)], m)
             except (TypeError, AttributeError) as e:
                 pytest.skip(f"torch.distributed.pipelining internals changed: {e}")
-            want = [(names[a.computation_type], a.stage_index, a.microbatch_index)
+            want = [(Op(a.computation_type.value), a.stage_index, a.microbatch_index)
                     for a in theirs.pipeline_order[r] if a is not None]
-            got = [(a.op, ours.part(r, a.chunk), a.mb) for a in ours.actions[r] if a.op in ("F", "B")]
+            got = [(a.op, ours.part(r, a.chunk), a.mb) for a in ours.actions[r] if a.op.is_compute]
             assert got == want, (p, m, v, r)
+
+
+def test_ops_are_torch_pipelining_computation_types():
+    """Op names and values are torch.distributed.pipelining's, so split-backward (I/W) orders read the same."""
+    pipelining = pytest.importorskip("torch.distributed.pipelining.schedules")
+    theirs = getattr(pipelining, "_ComputationType", None)
+    if theirs is None:
+        pytest.skip("torch.distributed.pipelining internals changed")
+    for op in Op:
+        assert theirs[op.name].value == op.value
+    assert [f"{op}" for op in Op] == [str(op) for op in Op] == [op.value for op in Op]
+    assert str(Action(Op.SEND_B, 1, 3)) == f"{Action('SEND_B', 1, 3)}" == "SEND_B3.c1"
+    assert Action("F", 0, 2) == Action(Op.FORWARD, 0, 2) and hash(Action("F", 0, 2)) == hash(Action(Op.FORWARD, 0, 2))
 
 
 # ---- broken orders ----------------------------------------------------------------------------------------------
@@ -161,7 +177,7 @@ def test_swapped_sends_on_one_channel_are_flagged():
         acts = list(acts)
         for i in range(len(acts) - 1):
             a, b = acts[i], acts[i + 1]
-            if a.op.startswith("SEND") and b.op.startswith("SEND") and sched.peer(r, a) == sched.peer(r, b):
+            if a.op.is_send and b.op.is_send and sched.peer(r, a) == sched.peer(r, b):
                 acts[i], acts[i + 1] = b, a
                 with pytest.raises(ScheduleError, match=r"channel rank \d → rank \d, message \d+"):
                     validate(with_rank(sched, r, acts))
@@ -174,8 +190,8 @@ def test_swapped_sends_on_one_channel_are_flagged():
 def test_gradient_received_after_its_backward_is_flagged():
     sched = build_schedule("1f1b", 2, 2)
     acts = list(sched.actions[0])
-    i = acts.index(Action("RECV_B", 0, 0))
-    acts.insert(acts.index(Action("B", 0, 0)) + 1, acts.pop(i))
+    i = acts.index(Action(Op.RECV_B, 0, 0))
+    acts.insert(acts.index(Action(Op.FULL_BACKWARD, 0, 0)) + 1, acts.pop(i))
     with pytest.raises(ScheduleError, match="before its gradient is received"):
         simulate(with_rank(sched, 0, acts))
 
@@ -185,9 +201,9 @@ def test_deadlock_is_detected():
     but rank 1 can't produce that gradient. Only the replay finds it."""
     sched = build_schedule("1f1b", 2, 2)
     acts = list(sched.actions[0])
-    acts.remove(Action("RECV_B", 0, 0))
-    broken = with_rank(sched, 0, [Action("RECV_B", 0, 0), *acts])
-    assert [s for s in steps(broken.actions[0]) if isinstance(s, list)][0] == [Action("RECV_B", 0, 0)]
+    acts.remove(Action(Op.RECV_B, 0, 0))
+    broken = with_rank(sched, 0, [Action(Op.RECV_B, 0, 0), *acts])
+    assert [s for s in steps(broken.actions[0]) if isinstance(s, list)][0] == [Action(Op.RECV_B, 0, 0)]
     validate(broken)
     with pytest.raises(ScheduleError, match="deadlock: rank 0 waits at .*RECV_B0.*rank 1 waits at .*RECV_F0"):
         simulate(broken)
@@ -195,7 +211,7 @@ def test_deadlock_is_detected():
 
 def test_missing_backward_is_flagged():
     sched = build_schedule("1f1b", 2, 3)
-    acts = [a for a in sched.actions[0] if a != Action("B", 0, 2)]
+    acts = [a for a in sched.actions[0] if a != Action(Op.FULL_BACKWARD, 0, 2)]
     with pytest.raises(ScheduleError, match="rank 0: missing B2"):
         simulate(with_rank(sched, 0, acts))
 
@@ -203,7 +219,7 @@ def test_missing_backward_is_flagged():
 def test_duplicated_forward_is_flagged():
     sched = build_schedule("gpipe", 2, 3)
     acts = list(sched.actions[1])
-    acts.insert(acts.index(Action("F", 0, 1)) + 1, Action("F", 0, 1))
+    acts.insert(acts.index(Action(Op.FORWARD, 0, 1)) + 1, Action(Op.FORWARD, 0, 1))
     with pytest.raises(ScheduleError, match="rank 1: action F1 is repeated"):
         simulate(with_rank(sched, 1, acts))
 
@@ -222,6 +238,37 @@ def test_duplicated_forward_is_flagged():
 def test_invalid_sizes_are_rejected(name, p, m, v, match):
     with pytest.raises(ScheduleError, match=match):
         build_schedule(name, p, m, v)
+
+
+def test_registered_schedule_is_built_checked_and_accepted_by_the_config(monkeypatch):
+    """A new schedule is one order function and one registry entry: build, checks, config choices and the error
+    lines follow the registry."""
+    from hybrid.config import ConfigError, compose_config, validate
+
+    def late_order(pp, m, v, rank):  # every forward, then every backward: GPipe by another name
+        return gpipe_order(pp, m, v, rank)
+
+    monkeypatch.setitem(SCHEDULES, "late", ScheduleSpec(late_order))
+    assert build_schedule("late", 3, 4).actions == build_schedule("gpipe", 3, 4).actions
+    with pytest.raises(ScheduleError, match="unknown schedule 'x'; choose one of gpipe, 1f1b, interleaved, late"):
+        build_schedule("x", 2, 2)
+    with pytest.raises(ScheduleError, match=r"virtual_stages=2 needs schedule=interleaved \(got late\)"):
+        build_schedule("late", 2, 4, 2)
+    cfg = compose_config(["parallel=pp2", "parallel.schedule=late"])
+    assert validate(cfg, 2).pp == 2
+    with pytest.raises(ConfigError, match="is not one of gpipe, 1f1b, interleaved, late"):
+        validate(compose_config(["parallel.schedule=x"]), 1)
+
+
+def test_executor_and_simulator_refuse_split_backward():
+    from hybrid.parallel.pipeline import run_schedule
+
+    sched = build_schedule("1f1b", 1, 2)
+    broken = with_rank(sched, 0, [*sched.actions[0], Action(Op.BACKWARD_WEIGHT, 0, 0), Action(Op.BACKWARD_INPUT, 0, 1)])
+    with pytest.raises(NotImplementedError, match="schedule 1f1b has I/W actions"):
+        run_schedule(broken, 0, lambda *a: pytest.fail("ran an action"))
+    with pytest.raises(ScheduleError, match=r"rank 0: action W0: split backward \(I/W\)"):
+        simulate(broken)
 
 
 # ---- the tool ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,118 @@
+"""The vocabulary of pipeline schedules: ops, actions, a schedule's action lists, and their batches.
+
+An `Action` is one op of one rank on (model chunk, microbatch). `F`/`B` run a chunk's forward/full
+backward; `SEND_F`/`RECV_F` move an activation to/from the next model part, `SEND_B`/`RECV_B` its
+gradient to/from the previous part. The op names are `torch.distributed.pipelining`'s computation
+types (`_ComputationType`), including the split backward's `I` (input gradient) and `W` (weight
+gradient), so orders written in its notation read the same here. Consecutive comm actions form
+one *batch* (`steps`) that the executor posts together and waits on before going on.
+
+Pure data: no tensor, no process group. `schedules.py` builds and simulates the lists,
+`pipeline.py` runs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Union
+
+
+class ScheduleError(ValueError):
+    """Invalid (pp, microbatches, virtual stages), or an action order that is wrong or deadlocks."""
+
+
+class Op(str, Enum):
+    """What an action does. The values are torch.distributed.pipelining's `_ComputationType` values;
+    `str()` and `format()` give the value (`F`, `SEND_B`) under every Python version."""
+
+    FORWARD = "F"
+    FULL_BACKWARD = "B"
+    BACKWARD_INPUT = "I"  # split backward: the input gradient only (zero-bubble schedules)
+    BACKWARD_WEIGHT = "W"  # split backward: the weight gradient only
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def is_compute(self) -> bool:
+        return not self.is_comm
+
+    @property
+    def is_comm(self) -> bool:
+        return self.is_send or self.is_recv
+
+    @property
+    def is_send(self) -> bool:
+        return self in (Op.SEND_F, Op.SEND_B)
+
+    @property
+    def is_recv(self) -> bool:
+        return self in (Op.RECV_F, Op.RECV_B)
+
+    @property
+    def to_next(self) -> bool:
+        """A comm op whose peer is the next pipeline rank (activations out, gradients in)."""
+        return self in (Op.SEND_F, Op.RECV_B)
+
+    @property
+    def partner(self) -> Op:
+        """The op that matches this comm op on the peer: SEND_F ↔ RECV_F, SEND_B ↔ RECV_B."""
+        return {Op.SEND_F: Op.RECV_F, Op.RECV_F: Op.SEND_F, Op.SEND_B: Op.RECV_B, Op.RECV_B: Op.SEND_B}[self]
+
+
+@dataclass(frozen=True)
+class Action:
+    op: Op  # a name ("F", "SEND_B") is turned into its Op, so both spell the same action
+    chunk: int  # model chunk on this rank, 0..v−1
+    mb: int  # microbatch
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "op", Op(self.op))
+
+    def __str__(self) -> str:
+        return f"{self.op}{self.mb}" + (f".c{self.chunk}" if self.chunk else "")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Every pipeline rank's action list, with the sizes that produced it."""
+
+    name: str
+    pp: int
+    microbatches: int
+    virtual_stages: int
+    actions: tuple[tuple[Action, ...], ...]
+
+    @property
+    def num_parts(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def part(self, rank: int, chunk: int) -> int:
+        """The model part (global virtual stage) chunk `chunk` of `rank` holds."""
+        return chunk * self.pp + rank
+
+    def peer(self, rank: int, a: Action) -> int:
+        """The rank on the other end of comm action `a` of `rank`."""
+        step = 1 if a.op.to_next else -1
+        return (rank + step) % self.pp
+
+
+def steps(actions: tuple[Action, ...] | list[Action]) -> list[Union[Action, list[Action]]]:
+    """Group a rank's actions into compute actions and batches of consecutive comm actions."""
+    out: list[Union[Action, list[Action]]] = []
+    for a in actions:
+        if a.op.is_compute:
+            out.append(a)
+        elif out and isinstance(out[-1], list):
+            out[-1].append(a)
+        else:
+            out.append([a])
+    return out
