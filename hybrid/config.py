@@ -10,7 +10,7 @@ everything that can be known before a process group exists, and raises
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -29,7 +29,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = "gpt-tiny"  # label only; the config file name
-    family: str = "gpt"  # gpt (GPT-2: LayerNorm, GELU, learned positions, tied) | llama
+    family: str = "gpt"  # gpt (GPT-2: LayerNorm, GELU, learned positions, tied) | llama | any registered family
     n_layers: int = 4  # transformer blocks
     hidden: int = 256  # model width h
     n_heads: int = 4  # attention heads
@@ -187,7 +187,6 @@ def register_configs() -> None:
 
 
 _CHOICES = {
-    "model.family": ("gpt", "llama"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved"),
     "train.precision": ("auto", "fp32", "bf16"),
     "train.device": ("auto", "cpu", "cuda"),
@@ -213,10 +212,11 @@ def validate(cfg: Any, world_size: int, ranks_per_node: Optional[int] = None) ->
     `parallel.ranks_per_node` overrides it.
     """
     from hybrid.compression.hooks import check
+    from hybrid.model.family import family_names
     from hybrid.parallel.context import Layout, LayoutError
 
     check(cfg.compression)
-    for key, allowed in _CHOICES.items():
+    for key, allowed in ({"model.family": family_names()} | _CHOICES).items():
         _require(_get(cfg, key) in allowed, f"{key}={_get(cfg, key)!r} is not one of {', '.join(allowed)}")
     p, m, t = cfg.parallel, cfg.model, cfg.train
     try:
@@ -289,10 +289,19 @@ def _validate_model(m: Any, tp: int) -> None:
     _require(ffn % tp == 0, f"model.ffn_hidden={ffn} is not divisible by parallel.tp={tp}")
     _require(m.vocab_size is None or m.vocab_size >= 1, f"model.vocab_size must be >= 1, got {m.vocab_size}")
     _require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
-    if m.family == "llama":
-        _require((m.hidden // m.n_heads) % 2 == 0, "llama needs an even head dimension for RoPE")
+    _family_check(lambda family: family.check(m), m)
     _require(m.init_from is None or (Path(m.init_from) / "config.json").is_file(),
              f"model.init_from={m.init_from} is not a transformers model folder (a directory with config.json)")
+
+
+def _family_check(check: Callable[[Any], None], m: Any) -> None:
+    """Run one of the model family's own checks (`hybrid.model.family`); its ModelConfigError is a ConfigError."""
+    from hybrid.model.family import ModelConfigError, family_of
+
+    try:
+        check(family_of(m))
+    except ModelConfigError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _validate_data(d: Any, m: Any) -> None:
@@ -303,9 +312,7 @@ def _validate_data(d: Any, m: Any) -> None:
     for key in ("path", "tokenizer"):
         _require(not OmegaConf.is_missing(d, key), f"data.{key} is required by data={d.name} (set data.{key}=...)")
     _require(d.seq_len >= 1, f"data.seq_len must be >= 1, got {d.seq_len}")
-    if m.family == "gpt":
-        _require(d.seq_len <= m.max_seq_len,
-                 f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len} (learned positions)")
+    _family_check(lambda family: family.check_seq_len(m, d.seq_len), m)
     if d.path is not None:
         _require(os.path.exists(d.path), f"data.path={d.path} does not exist")
     if d.tokenizer is not None:

@@ -111,9 +111,7 @@ def run(cfg: DictConfig) -> None:
         if cfg.model.init_from:
             early.append(f"note: model.init_from={cfg.model.init_from} ignored: resuming {resume[0]} wins")
     elif cfg.model.init_from:
-        from hybrid.model.hf import load_pretrained
-
-        early.append(load_pretrained(trainer.model, cfg.model.init_from, cfg.model, vocab))  # no collective
+        early.append(_init_from(trainer.model, cfg.model, vocab))
     metrics = trainer.metrics = _metrics_logger(cfg, writer, trainer.step)
     trainer.checkpointer.log = metrics.message
     for line in early:
@@ -135,6 +133,18 @@ def run(cfg: DictConfig) -> None:
         trainer.fit()
     finally:
         metrics.close()
+
+
+def _init_from(model: Any, model_cfg: DictConfig, vocab: int) -> str:
+    """Fill the chunks from the transformers folder `model.init_from` (no collective); a folder that
+    does not fit the model is bad input (the model package's ModelConfigError becomes a ConfigError)."""
+    from hybrid.model.family import ModelConfigError
+    from hybrid.model.hf import load_pretrained
+
+    try:
+        return load_pretrained(model, model_cfg.init_from, model_cfg, vocab)
+    except ModelConfigError as e:
+        raise ConfigError(str(e)) from None
 
 
 def compression_summary(c: DictConfig, layout: Any) -> str:

@@ -139,9 +139,17 @@ def model_config(manifest: dict[str, Any], path: Path) -> tuple[Any, int]:
         raise CheckpointError(f"checkpoint {path}: its {MANIFEST} lacks the model config or vocab_size") from None
     base = OmegaConf.structured(ModelConfig)
     cfg = OmegaConf.merge(base, {k: v for k, v in saved.items() if k in base})
-    if cfg.family not in ("gpt", "llama"):
+    if _lm_class(cfg.family) is None:
         raise CheckpointError(f"checkpoint {path}: model.family={cfg.family} has no transformers counterpart")
     return cfg, vocab
+
+
+def _lm_class(family: str) -> Optional[str]:
+    """The transformers LM class of the registered `family`, or None (unknown, or no counterpart)."""
+    from hybrid.model.family import family_names, get_family
+
+    spec = get_family(family).hf if family in family_names() else None
+    return spec.lm_class if spec is not None else None
 
 
 def load_model(path: Path, cfg: Any, vocab: int) -> nn.Module:
@@ -267,7 +275,7 @@ def export(opts: Options) -> Report:
 
 
 def render(r: Report) -> str:
-    hf = "GPT2LMHeadModel" if r.family == "gpt" else "LlamaForCausalLM"
+    hf = _lm_class(r.family)
     files = ", ".join(sorted(f.name for f in r.out.iterdir()))
     check = ("not verified (verify=false)" if r.max_abs_diff is None else
              f"verified: transformers loads it with no missing/unexpected keys, max |Δlogits| = {r.max_abs_diff:.3g}")
@@ -282,9 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help", "help") for a in argv):
         print(__doc__.strip())
         return 0
+    from hybrid.model.family import ModelConfigError
+
     try:
         print(render(export(parse_args(argv))))
-    except (ConfigError, OSError) as e:  # bad input, or an out folder that cannot be written
+    except (ConfigError, ModelConfigError, OSError) as e:  # bad input (config, model), or an unwritable out
         print(f"hybrid: error: {e}", file=sys.stderr, flush=True)
         return 2
     except VerifyError as e:
