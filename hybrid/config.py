@@ -9,8 +9,9 @@ everything that can be known before a process group exists, and raises
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -289,17 +290,26 @@ def _validate_model(m: Any, tp: int) -> None:
     _require(ffn % tp == 0, f"model.ffn_hidden={ffn} is not divisible by parallel.tp={tp}")
     _require(m.vocab_size is None or m.vocab_size >= 1, f"model.vocab_size must be >= 1, got {m.vocab_size}")
     _require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
-    _family_check(lambda family: family.check(m), m)
+    with _model_input():
+        _family(m).check(m)
     _require(m.init_from is None or (Path(m.init_from) / "config.json").is_file(),
              f"model.init_from={m.init_from} is not a transformers model folder (a directory with config.json)")
 
 
-def _family_check(check: Callable[[Any], None], m: Any) -> None:
-    """Run one of the model family's own checks (`hybrid.model.family`); its ModelConfigError is a ConfigError."""
-    from hybrid.model.family import ModelConfigError, family_of
+def _family(m: Any) -> Any:
+    """The registered family of model config `m` (`hybrid.model.family`: its own checks live there)."""
+    from hybrid.model.family import family_of
+
+    return family_of(m)
+
+
+@contextlib.contextmanager
+def _model_input() -> Iterator[None]:
+    """The model package's ModelConfigError (bad model input) is our one-line ConfigError."""
+    from hybrid.model.family import ModelConfigError
 
     try:
-        check(family_of(m))
+        yield
     except ModelConfigError as e:
         raise ConfigError(str(e)) from None
 
@@ -312,7 +322,8 @@ def _validate_data(d: Any, m: Any) -> None:
     for key in ("path", "tokenizer"):
         _require(not OmegaConf.is_missing(d, key), f"data.{key} is required by data={d.name} (set data.{key}=...)")
     _require(d.seq_len >= 1, f"data.seq_len must be >= 1, got {d.seq_len}")
-    _family_check(lambda family: family.check_seq_len(m, d.seq_len), m)
+    with _model_input():
+        _family(m).check_seq_len(m, d.seq_len)
     if d.path is not None:
         _require(os.path.exists(d.path), f"data.path={d.path} does not exist")
     if d.tokenizer is not None:

@@ -144,15 +144,15 @@ class Block(nn.Module):
     TP rank) or, under sequence parallelism, on this rank's chunk (the TP rank's own stream).
     """
 
-    def __init__(self, cfg: Any, blocks: Blocks, group: Group, sp: bool, rng: TPRandom) -> None:
+    def __init__(self, cfg: Any, choices: Blocks, group: Group, sp: bool, rng: TPRandom) -> None:
         super().__init__()
-        rms = blocks.norm == "rms"
+        rms = choices.norm == "rms"
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.sp, self.rng = sp, rng
         self.attn_norm = Norm(cfg.hidden, cfg.norm_eps, rms, sp)
-        self.attn = Attention(cfg, group, out_std, sp, rng, bias=blocks.bias)
+        self.attn = Attention(cfg, group, out_std, sp, rng, bias=choices.bias)
         self.mlp_norm = Norm(cfg.hidden, cfg.norm_eps, rms, sp)
-        self.mlp = MLP(cfg, group, out_std, sp, kind=blocks.mlp, bias=blocks.bias)
+        self.mlp = MLP(cfg, group, out_std, sp, kind=choices.mlp, bias=choices.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,8 +184,8 @@ class CausalLM(nn.Module):
         tp = C.size(tp_group)
         self.padded_vocab = padded_vocab(vocab_size, cfg.make_vocab_size_divisible_by, tp)
         self.layer_ids = layers if layers is not None else range(cfg.n_layers)
-        self.choices = blocks = family_of(cfg).blocks  # the family, asked once
-        self.learned_positions = blocks.positions == "learned"
+        self.choices = choices = family_of(cfg).blocks  # the family, asked once
+        self.learned_positions = choices.positions == "learned"
         self.sp = sp = sequence_parallel and tp > 1
         self.rng = TPRandom(derive_seed(seed, "dropout", C.rank(tp_group), self.layer_ids.start))
         if pre:
@@ -193,14 +193,14 @@ class CausalLM(nn.Module):
             if self.learned_positions:
                 self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.hidden)
                 annotate(self.pos_embed.weight, Init("normal", cfg.init_std), sequence_parallel=sp)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, blocks, tp_group, sp, self.rng) for i in self.layer_ids})
-        if blocks.positions == "rope":
+        self.layers = nn.ModuleDict({str(i): Block(cfg, choices, tp_group, sp, self.rng) for i in self.layer_ids})
+        if choices.positions == "rope":
             head_dim = cfg.hidden // cfg.n_heads
             cos, sin = rope_tables(head_dim, cfg.max_seq_len, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         if post:
-            self.norm = Norm(cfg.hidden, cfg.norm_eps, blocks.norm == "rms", sp)
+            self.norm = Norm(cfg.hidden, cfg.norm_eps, choices.norm == "rms", sp)
             if not (cfg.tie_embeddings and pre):
                 self.head = ColumnParallelLinear(cfg.hidden, (self.padded_vocab,), tp_group, bias=False,
                                                  std=cfg.init_std, sequence_parallel=sp)
