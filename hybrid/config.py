@@ -9,8 +9,9 @@ everything that can be known before a process group exists, and raises
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -31,7 +32,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = "gpt-tiny"  # label only; the config file name
-    family: str = "gpt"  # gpt (GPT-2: LayerNorm, GELU, learned positions, tied) | llama
+    family: str = "gpt"  # gpt (GPT-2: LayerNorm, GELU, learned positions, tied) | llama | any registered family
     n_layers: int = 4  # transformer blocks
     hidden: int = 256  # model width h
     n_heads: int = 4  # attention heads
@@ -189,7 +190,6 @@ def register_configs() -> None:
 
 
 _CHOICES = {
-    "model.family": ("gpt", "llama"),
     "parallel.schedule": SCHEDULES,  # the registry: its names
     "train.precision": ("auto", "fp32", "bf16"),
     "train.device": ("auto", "cpu", "cuda"),
@@ -214,10 +214,11 @@ def validate(cfg: Any, world_size: int, ranks_per_node: Optional[int] = None) ->
     `ranks_per_node` is the detected node size (torchrun's LOCAL_WORLD_SIZE);
     `parallel.ranks_per_node` overrides it.
     """
+    from hybrid.model.family import family_names
     from hybrid.parallel.context import Layout, LayoutError
 
     _validate_compression(cfg.compression)
-    for key, allowed in _CHOICES.items():
+    for key, allowed in ({"model.family": family_names()} | _CHOICES).items():
         _require(_get(cfg, key) in allowed, f"{key}={_get(cfg, key)!r} is not one of {', '.join(allowed)}")
     p, m, t = cfg.parallel, cfg.model, cfg.train
     try:
@@ -300,10 +301,28 @@ def _validate_model(m: Any, tp: int) -> None:
     _require(ffn % tp == 0, f"model.ffn_hidden={ffn} is not divisible by parallel.tp={tp}")
     _require(m.vocab_size is None or m.vocab_size >= 1, f"model.vocab_size must be >= 1, got {m.vocab_size}")
     _require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
-    if m.family == "llama":
-        _require((m.hidden // m.n_heads) % 2 == 0, "llama needs an even head dimension for RoPE")
+    with _model_input():
+        _family(m).check(m)
     _require(m.init_from is None or (Path(m.init_from) / "config.json").is_file(),
              f"model.init_from={m.init_from} is not a transformers model folder (a directory with config.json)")
+
+
+def _family(m: Any) -> Any:
+    """The registered family of model config `m` (`hybrid.model.family`: its own checks live there)."""
+    from hybrid.model.family import family_of
+
+    return family_of(m)
+
+
+@contextlib.contextmanager
+def _model_input() -> Iterator[None]:
+    """The model package's ModelConfigError (bad model input) is our one-line ConfigError."""
+    from hybrid.model.family import ModelConfigError
+
+    try:
+        yield
+    except ModelConfigError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _validate_data(d: Any, m: Any) -> None:
@@ -314,9 +333,8 @@ def _validate_data(d: Any, m: Any) -> None:
     for key in ("path", "tokenizer"):
         _require(not OmegaConf.is_missing(d, key), f"data.{key} is required by data={d.name} (set data.{key}=...)")
     _require(d.seq_len >= 1, f"data.seq_len must be >= 1, got {d.seq_len}")
-    if m.family == "gpt":
-        _require(d.seq_len <= m.max_seq_len,
-                 f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len} (learned positions)")
+    with _model_input():
+        _family(m).check_seq_len(m, d.seq_len)
     if d.path is not None:
         _require(os.path.exists(d.path), f"data.path={d.path} does not exist")
     if d.tokenizer is not None:

@@ -32,6 +32,7 @@ from hybrid.config import ConfigError
 from hybrid.data import Corpus, StepSampler, batch_from, eval_indices
 from hybrid.metrics import MetricsLogger, model_flops_per_token, peak_flops
 from hybrid.model import build_model
+from hybrid.model.family import ModelConfigError
 from hybrid.optim import build_optimizer, lr_at
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
@@ -128,10 +129,7 @@ class Trainer:
             if init_from:
                 self.message(f"note: model.init_from={init_from} ignored: resuming {resume[0]} wins")
         elif init_from:
-            from hybrid.model.hf import load_pretrained
-
-            vocab = self.model[0].vocab_size
-            self.message(load_pretrained(self.model, init_from, self.cfg.model, vocab))  # no collective
+            self.message(_pretrained(self.model, self.cfg.model))
         self.metrics = open_metrics(self.cfg, self.ctx.rank == 0, self.step)
         for line in self._held:
             self.metrics.message(line)  # rank 0 only
@@ -285,6 +283,17 @@ class Trainer:
             self.checkpointer.after_step(self.step)
         self.checkpointer.wait()  # an async save still in flight completes before the run ends
         return last
+
+
+def _pretrained(model: nn.ModuleList, model_cfg: Any) -> str:
+    """Fill the chunks from the transformers folder `model.init_from` (no collective); a folder that
+    does not fit the model is bad input (the model package's ModelConfigError becomes a ConfigError)."""
+    from hybrid.model.hf import load_pretrained
+
+    try:
+        return load_pretrained(model, model_cfg.init_from, model_cfg, model[0].vocab_size)
+    except ModelConfigError as e:
+        raise ConfigError(str(e)) from None
 
 
 def open_metrics(cfg: Any, writer: bool, start_step: int = 0) -> MetricsLogger:

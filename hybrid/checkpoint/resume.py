@@ -25,17 +25,12 @@ from hybrid.checkpoint.files import (
     read_manifest,
     run_root,
 )
+from hybrid.model.family import family_of
 
 
 def model_shape(model_cfg: Any, vocab: int) -> dict[str, Any]:
-    """Everything that fixes the shapes of the model's tensors (layout aside)."""
-    m = model_cfg
-    shape = {"family": m.family, "n_layers": m.n_layers, "hidden": m.hidden, "n_heads": m.n_heads,
-             "n_kv_heads": m.n_kv_heads or m.n_heads, "ffn_hidden": m.ffn_hidden or 4 * m.hidden,
-             "vocab_size": vocab, "tie_embeddings": m.tie_embeddings}
-    if m.family == "gpt":
-        shape["max_seq_len"] = m.max_seq_len  # learned positions
-    return shape
+    """Everything that fixes the shapes of the model's tensors (layout aside): the family's `shape`."""
+    return family_of(model_cfg).shape(model_cfg, vocab)
 
 
 def layout_of(cfg: Any, layout: Any) -> dict[str, Any]:

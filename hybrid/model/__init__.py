@@ -1,12 +1,17 @@
-"""Models built from parallel layers: GPT-2 and Llama families, and transformers conversion."""
+"""Models built from parallel layers: the model families (GPT-2, Llama, and any registered), their
+shared blocks, and transformers conversion.
+
+Importing this package registers the built-in families (`gpt.py`, `llama.py`); `family.py` is the
+seam the rest of hybrid asks (`family_of(cfg)`), see `docs/extending.md`.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from hybrid.model.gpt import gpt_param_count
+from hybrid.model import gpt, llama  # noqa: F401  (each registers its family)
+from hybrid.model.family import Family, ModelConfigError, family_of
 from hybrid.model.layers import CausalLM
-from hybrid.model.llama import llama_param_count
 from hybrid.parallel.collectives import Group
 
 
@@ -18,7 +23,7 @@ def build_model(cfg: Any, vocab_size: int, tp_group: Group = None, layers: Optio
 
 def analytic_param_count(cfg: Any, vocab_size: int, tp: int = 1) -> int:
     """The family's closed-form parameter count of the whole model, vocabulary padded for `tp`."""
-    return (gpt_param_count if cfg.family == "gpt" else llama_param_count)(cfg, vocab_size, tp)
+    return family_of(cfg).param_count(cfg, vocab_size, tp)
 
 
-__all__ = ["CausalLM", "analytic_param_count", "build_model"]
+__all__ = ["CausalLM", "Family", "ModelConfigError", "analytic_param_count", "build_model", "family_of"]

@@ -1,16 +1,16 @@
-"""State-dict conversion between our models and transformers' GPT2LMHeadModel / LlamaForCausalLM.
+"""State-dict conversion between our models and their transformers counterparts.
 
 Our parameters carry *global* names (`layers.17.attn.qkv.weight`) and global shapes, except
 that the token embedding (and an untied head) has the padded vocabulary's rows. Conversion
 is a table of rules, one per global name, each saying which transformers tensor(s) it comes
-from and how:
+from and how (`Rule`). The table, the config keywords and the model type are the family's
+(`HFCounterpart` in `gpt.py`: GPT2LMHeadModel, `llama.py`: LlamaForCausalLM); this module is
+the machinery every family shares:
 
-- fused projections are a concatenation along rows: our `attn.qkv` is [Q | K | V]
-  (Llama's `q_proj`, `k_proj`, `v_proj`), Llama's `mlp.up` is [gate | up];
-- GPT-2's `Conv1D` stores weights as [in, out], the transpose of our `nn.Linear` [out, in];
+- fused projections are a concatenation along rows (e.g. our `attn.qkv` is [Q | K | V]);
+- a transposed rule stores [in, out] on the transformers side (GPT-2's `Conv1D`);
 - vocabulary rows beyond `vocab_size` exist only on our side (zero-filled on import,
-  stripped on export);
-- Llama RoPE uses the same rotate-half layout on both sides, so q/k need no permutation.
+  stripped on export); an untied head is `lm_head.weight` in every family.
 
 `load_hf_into` fills a model that may be one pipeline stage and/or one TP rank: every
 parameter's global tensor is built from the rule of its global name and cut with its
@@ -20,7 +20,7 @@ parameter's shards into the global tensor (the inverse of `Shard.slice`), then c
 
 `load_pretrained` (`model.init_from`) fills a rank's chunks from a transformers folder: its
 config must match the model (`check_hf_config`: family, shapes, vocabulary, tying, norm eps, RoPE,
-activation; a mismatch is a ConfigError naming the fields), its tensors are read lazily by name
+activation; a mismatch is a ModelConfigError naming the fields), its tensors are read lazily by name
 (`HFTensors`: model.safetensors, a sharded index, or pytorch_model.bin), then `load_hf_into`.
 """
 
@@ -30,15 +30,17 @@ import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import GPT2Config, LlamaConfig, PretrainedConfig
 
-from hybrid.config import ConfigError
+from hybrid.model.family import HFCounterpart, ModelConfigError, family_names, get_family
 from hybrid.parallel import collectives as C
 from hybrid.parallel.tensor import full_state_dict, padded_vocab
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -55,85 +57,34 @@ class Rule:
     vocab: bool = False
 
 
-def _ffn(cfg: Any) -> int:
-    return cfg.ffn_hidden or 4 * cfg.hidden
-
-
-def _kv_heads(cfg: Any) -> int:
-    return cfg.n_kv_heads or cfg.n_heads
+def hf_counterpart(cfg: Any) -> HFCounterpart:
+    """The transformers counterpart of `cfg.family`; ModelConfigError if it has none."""
+    spec = get_family(cfg.family).hf if cfg.family in family_names() else None
+    if spec is None:
+        raise ModelConfigError(f"model.family={cfg.family!r} has no transformers counterpart")
+    return spec
 
 
 def hf_config(cfg: Any, vocab_size: int, **overrides: Any) -> PretrainedConfig:
-    """A transformers GPT2Config or LlamaConfig with the shape and numerics of `cfg`.
+    """The family's transformers config (GPT2Config, LlamaConfig, ...) with the shape and numerics of `cfg`.
 
-    The vocabulary is the real (unpadded) one. Dropout: GPT-2 gets `cfg.dropout` on attention
-    probabilities and residual branches (we have no embedding dropout, so `embd_pdrop=0`);
-    Llama gets it on attention probabilities. Token ids default to None (the tokenizer's
-    export sets them); `overrides` are passed to the config unchanged.
+    The vocabulary is the real (unpadded) one; the family gives its own keywords (shapes, norm eps,
+    activation, where dropout applies: `HFCounterpart.config`). Token ids default to None (the
+    tokenizer's export sets them); `overrides` are passed to the config unchanged.
     """
+    import transformers
+
+    spec = hf_counterpart(cfg)
     common: dict[str, Any] = {"vocab_size": vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
                               "initializer_range": cfg.init_std, "bos_token_id": None, "eos_token_id": None,
                               "pad_token_id": None}
-    if cfg.family == "gpt":
-        return GPT2Config(**(common | _gpt2_kwargs(cfg) | overrides))
-    if cfg.family == "llama":
-        return LlamaConfig(**(common | _llama_kwargs(cfg) | overrides))
-    raise ValueError(f"model.family={cfg.family!r} has no transformers counterpart")
-
-
-def _gpt2_kwargs(cfg: Any) -> dict[str, Any]:
-    return {"n_positions": cfg.max_seq_len, "n_embd": cfg.hidden, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
-            "n_inner": _ffn(cfg), "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
-            "resid_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "embd_pdrop": 0.0}
-
-
-def _llama_kwargs(cfg: Any) -> dict[str, Any]:
-    return {"hidden_size": cfg.hidden, "intermediate_size": _ffn(cfg), "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.n_heads, "num_key_value_heads": _kv_heads(cfg),
-            "head_dim": cfg.hidden // cfg.n_heads, "max_position_embeddings": cfg.max_seq_len,
-            "rms_norm_eps": cfg.norm_eps, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.dropout}
-
-
-def _gpt_rules(cfg: Any) -> dict[str, Rule]:
-    rules = {"tok_embed.weight": Rule(("transformer.wte.weight",), vocab=True),
-             "pos_embed.weight": Rule(("transformer.wpe.weight",))}
-    for i in range(cfg.n_layers):
-        ours, theirs = f"layers.{i}", f"transformer.h.{i}"
-        for mine, hf, linear in [("attn_norm", "ln_1", False), ("attn.qkv", "attn.c_attn", True),
-                                 ("attn.proj", "attn.c_proj", True), ("mlp_norm", "ln_2", False),
-                                 ("mlp.up", "mlp.c_fc", True), ("mlp.down", "mlp.c_proj", True)]:
-            rules[f"{ours}.{mine}.weight"] = Rule((f"{theirs}.{hf}.weight",), transpose=linear)
-            rules[f"{ours}.{mine}.bias"] = Rule((f"{theirs}.{hf}.bias",))
-    rules["norm.weight"] = Rule(("transformer.ln_f.weight",))
-    rules["norm.bias"] = Rule(("transformer.ln_f.bias",))
-    return rules
-
-
-def _llama_rules(cfg: Any) -> dict[str, Rule]:
-    q = cfg.n_heads * (cfg.hidden // cfg.n_heads)
-    kv = _kv_heads(cfg) * (cfg.hidden // cfg.n_heads)
-    rules = {"tok_embed.weight": Rule(("model.embed_tokens.weight",), vocab=True)}
-    for i in range(cfg.n_layers):
-        ours, theirs = f"layers.{i}", f"model.layers.{i}"
-        rules |= {
-            f"{ours}.attn_norm.weight": Rule((f"{theirs}.input_layernorm.weight",)),
-            f"{ours}.attn.qkv.weight": Rule(tuple(f"{theirs}.self_attn.{p}_proj.weight" for p in "qkv"), (q, kv, kv)),
-            f"{ours}.attn.proj.weight": Rule((f"{theirs}.self_attn.o_proj.weight",)),
-            f"{ours}.mlp_norm.weight": Rule((f"{theirs}.post_attention_layernorm.weight",)),
-            f"{ours}.mlp.up.weight": Rule((f"{theirs}.mlp.gate_proj.weight", f"{theirs}.mlp.up_proj.weight"),
-                                          (_ffn(cfg), _ffn(cfg))),
-            f"{ours}.mlp.down.weight": Rule((f"{theirs}.mlp.down_proj.weight",)),
-        }
-    rules["norm.weight"] = Rule(("model.norm.weight",))
-    return rules
+    return getattr(transformers, spec.config_class)(**(common | spec.config(cfg) | overrides))
 
 
 def conversion_rules(cfg: Any) -> dict[str, Rule]:
-    """Rules for every global parameter name of the whole model of `cfg`, in our order."""
-    if cfg.family not in ("gpt", "llama"):
-        raise ValueError(f"model.family={cfg.family!r} has no transformers counterpart")
-    rules = _gpt_rules(cfg) if cfg.family == "gpt" else _llama_rules(cfg)
+    """Rules for every global parameter name of the whole model of `cfg`, in our order: the
+    family's (`HFCounterpart.rules`), then an untied head (`lm_head.weight` in every family)."""
+    rules = dict(hf_counterpart(cfg).rules(cfg))
     if not cfg.tie_embeddings:
         rules["head.weight"] = Rule(("lm_head.weight",), vocab=True)
     return rules
@@ -252,43 +203,20 @@ def export_hf_state_dict(model: nn.Module, cfg: Any, vocab_size: int) -> dict[st
 
 # ---- model.init_from: a transformers folder as the starting point -----------------------------
 
-HF_MODEL_TYPE = {"gpt": "gpt2", "llama": "llama"}
-
-
-def hf_shape(hf: PretrainedConfig) -> dict[str, Any]:
-    """The fields of a transformers GPT2Config / LlamaConfig that fix our tensors and numerics,
-    under our ModelConfig names (defaults resolved as transformers resolves them)."""
-    if hf.model_type == "gpt2":
-        return {"n_layers": hf.n_layer, "hidden": hf.n_embd, "n_heads": hf.n_head, "n_kv_heads": hf.n_head,
-                "ffn_hidden": hf.n_inner or 4 * hf.n_embd, "max_seq_len": hf.n_positions,
-                "norm_eps": hf.layer_norm_epsilon, "tie_embeddings": hf.tie_word_embeddings,
-                "activation": hf.activation_function}
-    rope = getattr(hf, "rope_parameters", None) or {}
-    return {"n_layers": hf.num_hidden_layers, "hidden": hf.hidden_size, "n_heads": hf.num_attention_heads,
-            "n_kv_heads": hf.num_key_value_heads, "ffn_hidden": hf.intermediate_size,
-            "head_dim": getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-            "norm_eps": hf.rms_norm_eps, "rope_theta": rope.get("rope_theta", getattr(hf, "rope_theta", None)),
-            "rope_type": rope.get("rope_type", "default"), "tie_embeddings": hf.tie_word_embeddings,
-            "activation": hf.hidden_act, "bias": bool(hf.attention_bias or hf.mlp_bias)}
-
-
 def check_hf_config(hf: PretrainedConfig, cfg: Any, vocab_size: int, where: str) -> None:
-    """ConfigError naming every field in which transformers config `hf` differs from `cfg` (the
-    family, shapes, vocabulary, tying, norm eps, RoPE, activation): the weights would not fit, or
-    would make another function."""
-    want = HF_MODEL_TYPE.get(cfg.family)
-    if hf.model_type != want:
-        raise ConfigError(f"{where} holds a transformers {hf.model_type!r} model, but model.family={cfg.family} "
-                          f"needs {want!r}")
-    ref = hf_shape(hf_config(cfg, vocab_size))
-    there = hf_shape(hf)
-    diff = [f"{k}={there[k]} there, {v} here" for k, v in ref.items() if k != "max_seq_len" and there[k] != v]
-    if cfg.family == "gpt" and there["max_seq_len"] != ref["max_seq_len"]:
-        diff.append(f"max_seq_len={there['max_seq_len']} there, {ref['max_seq_len']} here")
+    """ModelConfigError naming every field in which transformers config `hf` differs from `cfg` (the
+    family, shapes, vocabulary, tying, norm eps, RoPE, activation: the family's `HFCounterpart.shape`):
+    the weights would not fit, or would make another function."""
+    spec = hf_counterpart(cfg)
+    if hf.model_type != spec.model_type:
+        raise ModelConfigError(f"{where} holds a transformers {hf.model_type!r} model, but model.family={cfg.family} "
+                               f"needs {spec.model_type!r}")
+    ref, there = spec.shape(hf_config(cfg, vocab_size)), spec.shape(hf)
+    diff = [f"{k}={there[k]} there, {v} here" for k, v in ref.items() if there[k] != v]
     if hf.vocab_size != vocab_size:
         diff.append(f"vocab_size={hf.vocab_size} there, {vocab_size} here (set model.vocab_size)")
     if diff:
-        raise ConfigError(f"{where} does not fit model={cfg.name}: {'; '.join(diff)}")
+        raise ModelConfigError(f"{where} does not fit model={cfg.name}: {'; '.join(diff)}")
 
 
 class HFTensors(Mapping[str, torch.Tensor]):
@@ -312,7 +240,8 @@ class HFTensors(Mapping[str, torch.Tensor]):
         elif (folder / "pytorch_model.bin").is_file():
             self._bin = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
         else:
-            raise ConfigError(f"{folder} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+            raise ModelConfigError(f"{folder} has no model.safetensors, model.safetensors.index.json or "
+                                   "pytorch_model.bin")
 
     def _name(self, key: str) -> str:
         for name in (key, key.removeprefix("transformer."), key.removeprefix("model.")):
@@ -344,26 +273,26 @@ def load_pretrained(model: nn.ModuleList, folder: str | Path, cfg: Any, vocab_si
 
     No collective: every rank reads the folder's config and the tensors its own parameters need
     (each global tensor, then its TP slice) and checks the same things, so a bad folder is the
-    same ConfigError on every rank. Padding rows of the vocabulary start at zero.
+    same ModelConfigError on every rank. Padding rows of the vocabulary start at zero.
     """
     from transformers import AutoConfig
 
     folder, where = Path(folder), f"model.init_from={folder}"
     if not (folder / "config.json").is_file():
-        raise ConfigError(f"{where} is not a transformers model folder (no config.json)")
+        raise ModelConfigError(f"{where} is not a transformers model folder (no config.json)")
     try:
         hf = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except Exception as e:  # noqa: BLE001  (any unreadable config is bad input)
-        raise ConfigError(f"{where}: cannot read config.json ({type(e).__name__}: {_first_line(e)})") from None
+        raise ModelConfigError(f"{where}: cannot read config.json ({type(e).__name__}: {_first_line(e)})") from None
     check_hf_config(hf, cfg, vocab_size, where)
     try:
         tensors = HFTensors(folder)
         for chunk in model:
             load_hf_into(chunk, tensors, cfg, vocab_size)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
+    except ModelConfigError as e:
+        raise ModelConfigError(f"{where}: {e}") from None
     except (KeyError, ValueError, RuntimeError, OSError) as e:
-        raise ConfigError(f"{where}: cannot load its weights ({type(e).__name__}: {_first_line(e)})") from None
+        raise ModelConfigError(f"{where}: cannot load its weights ({type(e).__name__}: {_first_line(e)})") from None
     return f"model: initialised from {folder} (transformers {hf.model_type}, {len(tensors)} tensors)"
 
 

@@ -1,4 +1,8 @@
-"""Transformer blocks shared by the GPT and Llama families, built from TP layers.
+"""Transformer blocks shared by every model family, built from TP layers.
+
+Each block takes resolved choices (`Norm(rms=...)`, `MLP(kind=...)`, `Attention(bias=...)`,
+learned or rotary positions in `CausalLM`): the family's `Blocks` record, asked once by
+`CausalLM` (`family_of(cfg)`), decides them; nothing here compares family names.
 
 Attention: one column-parallel QKV projection whose global rows are [Q heads | K heads |
 V heads]; each TP rank holds whole heads of each part (and whole KV heads under GQA), so
@@ -32,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid.model.family import Blocks, family_of
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.rng import TPRandom, derive_seed
@@ -49,7 +54,8 @@ from hybrid.parallel.tensor import (
 
 
 class Norm(nn.Module):
-    """LayerNorm (GPT) or RMSNorm (Llama); replicated across TP ranks (on sequence chunks under SP)."""
+    """LayerNorm (weight, bias) or, with `rms`, RMSNorm (weight); replicated across TP ranks (on
+    sequence chunks under SP)."""
 
     def __init__(self, hidden: int, eps: float, rms: bool, sequence_parallel: bool = False) -> None:
         super().__init__()
@@ -79,16 +85,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Causal self-attention with heads (and KV heads) split across the TP group."""
+    """Causal self-attention with heads (and KV heads) split across the TP group; `bias` on both projections."""
 
-    def __init__(self, cfg: Any, group: Group, out_std: float, sp: bool, rng: TPRandom) -> None:
+    def __init__(self, cfg: Any, group: Group, out_std: float, sp: bool, rng: TPRandom, bias: bool) -> None:
         super().__init__()
         tp = C.size(group)
         self.head_dim = cfg.hidden // cfg.n_heads
         self.n_heads = cfg.n_heads // tp
         self.n_kv = (cfg.n_kv_heads or cfg.n_heads) // tp
         self.dropout, self.rng = cfg.dropout, rng
-        bias = cfg.family == "gpt"
         q, kv = cfg.n_heads * self.head_dim, (cfg.n_kv_heads or cfg.n_heads) * self.head_dim
         self.qkv = ColumnParallelLinear(cfg.hidden, (q, kv, kv), group, bias=bias, std=cfg.init_std,
                                         sequence_parallel=sp)
@@ -114,16 +119,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GPT: fc1 → GELU(tanh) → fc2. Llama: fused gate|up → SiLU(gate)·up → down."""
+    """kind "gelu": fc1 → GELU(tanh) → fc2. kind "swiglu": fused gate|up → SiLU(gate)·up → down."""
 
-    def __init__(self, cfg: Any, group: Group, out_std: float, sp: bool) -> None:
+    def __init__(self, cfg: Any, group: Group, out_std: float, sp: bool, kind: str, bias: bool) -> None:
         super().__init__()
-        self.swiglu = cfg.family == "llama"
+        self.swiglu = kind == "swiglu"
         ffn = cfg.ffn_hidden or 4 * cfg.hidden
         parts = (ffn, ffn) if self.swiglu else (ffn,)
-        self.up = ColumnParallelLinear(cfg.hidden, parts, group, bias=not self.swiglu, std=cfg.init_std,
-                                       sequence_parallel=sp)
-        self.down = RowParallelLinear(ffn, cfg.hidden, group, bias=not self.swiglu, std=out_std, sequence_parallel=sp)
+        self.up = ColumnParallelLinear(cfg.hidden, parts, group, bias=bias, std=cfg.init_std, sequence_parallel=sp)
+        self.down = RowParallelLinear(ffn, cfg.hidden, group, bias=bias, std=out_std, sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)
@@ -140,15 +144,15 @@ class Block(nn.Module):
     TP rank) or, under sequence parallelism, on this rank's chunk (the TP rank's own stream).
     """
 
-    def __init__(self, cfg: Any, group: Group, sp: bool, rng: TPRandom) -> None:
+    def __init__(self, cfg: Any, choices: Blocks, group: Group, sp: bool, rng: TPRandom) -> None:
         super().__init__()
-        rms = cfg.family == "llama"
+        rms = choices.norm == "rms"
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.sp, self.rng = sp, rng
         self.attn_norm = Norm(cfg.hidden, cfg.norm_eps, rms, sp)
-        self.attn = Attention(cfg, group, out_std, sp, rng)
+        self.attn = Attention(cfg, group, out_std, sp, rng, bias=choices.bias)
         self.mlp_norm = Norm(cfg.hidden, cfg.norm_eps, rms, sp)
-        self.mlp = MLP(cfg, group, out_std, sp)
+        self.mlp = MLP(cfg, group, out_std, sp, kind=choices.mlp, bias=choices.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
@@ -180,22 +184,23 @@ class CausalLM(nn.Module):
         tp = C.size(tp_group)
         self.padded_vocab = padded_vocab(vocab_size, cfg.make_vocab_size_divisible_by, tp)
         self.layer_ids = layers if layers is not None else range(cfg.n_layers)
-        self.gpt = cfg.family == "gpt"
+        self.choices = choices = family_of(cfg).blocks  # the family, asked once
+        self.learned_positions = choices.positions == "learned"
         self.sp = sp = sequence_parallel and tp > 1
         self.rng = TPRandom(derive_seed(seed, "dropout", C.rank(tp_group), self.layer_ids.start))
         if pre:
             self.tok_embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden, tp_group, cfg.init_std, sp)
-            if self.gpt:
+            if self.learned_positions:
                 self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.hidden)
                 annotate(self.pos_embed.weight, Init("normal", cfg.init_std), sequence_parallel=sp)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group, sp, self.rng) for i in self.layer_ids})
-        if not self.gpt:
+        self.layers = nn.ModuleDict({str(i): Block(cfg, choices, tp_group, sp, self.rng) for i in self.layer_ids})
+        if choices.positions == "rope":
             head_dim = cfg.hidden // cfg.n_heads
             cos, sin = rope_tables(head_dim, cfg.max_seq_len, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         if post:
-            self.norm = Norm(cfg.hidden, cfg.norm_eps, not self.gpt, sp)
+            self.norm = Norm(cfg.hidden, cfg.norm_eps, choices.norm == "rms", sp)
             if not (cfg.tie_embeddings and pre):
                 self.head = ColumnParallelLinear(cfg.hidden, (self.padded_vocab,), tp_group, bias=False,
                                                  std=cfg.init_std, sequence_parallel=sp)
@@ -222,7 +227,7 @@ class CausalLM(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token (+ position) embeddings: [b, s, h], or this rank's [b, s/tp, h] chunk under SP."""
         x = self.tok_embed(ids)
-        if self.gpt:
+        if self.learned_positions:
             positions = torch.arange(ids.shape[1], device=ids.device)
             if self.sp:
                 positions = C.split_seq(positions.unsqueeze(0), self.tp_group).squeeze(0)
@@ -238,7 +243,7 @@ class CausalLM(nn.Module):
         """ids (first stage) or hidden states in; hidden states, logits, or the mean loss out."""
         if self.pre:
             x = self.embed(x)
-        rope = None if self.gpt else (self.rope_cos, self.rope_sin)
+        rope = (self.rope_cos, self.rope_sin) if self.choices.positions == "rope" else None
         for layer in self.layers.values():
             x = layer(x, rope)
         if not self.post:

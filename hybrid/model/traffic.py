@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybrid.model.family import family_of
+
 
 def tp_bytes_per_microbatch(cfg: Any, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
                             layers: int | None = None, pre: bool = True, post: bool = True,
@@ -48,12 +50,14 @@ def tp_bytes_per_microbatch(cfg: Any, micro_batch: int, seq_len: int, tp: int, s
 
 def sequence_parallel_grad_elements(cfg: Any, layers: int | None = None, pre: bool = True,
                                     post: bool = True) -> int:
-    """Gradient elements summed over TP once per step under sequence parallelism."""
-    h, gpt = cfg.hidden, cfg.family == "gpt"
+    """Gradient elements summed over TP once per step under sequence parallelism: the norms
+    (LayerNorm: weight and bias), the row-parallel biases, learned positions (the family's blocks)."""
+    blocks, h = family_of(cfg).blocks, cfg.hidden
     n_layers = cfg.n_layers if layers is None else layers
-    norm = 2 * h if gpt else h
-    per_layer = 2 * norm + (2 * h if gpt else 0)  # two norms; GPT's two row-parallel biases
-    return n_layers * per_layer + (norm if post else 0) + (cfg.max_seq_len * h if gpt and pre else 0)
+    norm = h if blocks.norm == "rms" else 2 * h
+    per_layer = 2 * norm + (2 * h if blocks.bias else 0)  # two norms; two row-parallel biases
+    positions = cfg.max_seq_len * h if blocks.positions == "learned" and pre else 0
+    return n_layers * per_layer + (norm if post else 0) + positions
 
 
 def tp_bytes_per_step(cfg: Any, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,

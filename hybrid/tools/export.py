@@ -35,6 +35,7 @@ from torch import nn
 from hybrid.checkpoint import MANIFEST, CheckpointError, find_latest, list_steps, problem, read_manifest
 from hybrid.cli import EXIT_BAD_INPUT, EXIT_FAILED, UsageError, run_tool, warn
 from hybrid.config import ConfigError
+from hybrid.model.family import ModelConfigError
 
 KEYS = ("checkpoint", "out", "force", "verify")
 BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -136,9 +137,17 @@ def model_config(manifest: dict[str, Any], path: Path) -> tuple[Any, int]:
         raise CheckpointError(f"checkpoint {path}: its {MANIFEST} lacks the model config or vocab_size") from None
     base = OmegaConf.structured(ModelConfig)
     cfg = OmegaConf.merge(base, {k: v for k, v in saved.items() if k in base})
-    if cfg.family not in ("gpt", "llama"):
+    if _lm_class(cfg.family) is None:
         raise CheckpointError(f"checkpoint {path}: model.family={cfg.family} has no transformers counterpart")
     return cfg, vocab
+
+
+def _lm_class(family: str) -> Optional[str]:
+    """The transformers LM class of the registered `family`, or None (unknown, or no counterpart)."""
+    from hybrid.model.family import family_names, get_family
+
+    spec = get_family(family).hf if family in family_names() else None
+    return spec.lm_class if spec is not None else None
 
 
 def load_model(path: Path, cfg: Any, vocab: int) -> nn.Module:
@@ -264,7 +273,7 @@ def export(opts: Options) -> Report:
 
 
 def render(r: Report) -> str:
-    hf = "GPT2LMHeadModel" if r.family == "gpt" else "LlamaForCausalLM"
+    hf = _lm_class(r.family)
     files = ", ".join(sorted(f.name for f in r.out.iterdir()))
     check = ("not verified (verify=false)" if r.max_abs_diff is None else
              f"verified: transformers loads it with no missing/unexpected keys, max |Δlogits| = {r.max_abs_diff:.3g}")
@@ -273,7 +282,7 @@ def render(r: Report) -> str:
             f"files: {files}{tok}")
 
 
-EXIT_CODES = (((ConfigError, OSError), EXIT_BAD_INPUT),  # bad input, or an out folder that cannot be written
+EXIT_CODES = (((ConfigError, ModelConfigError, OSError), EXIT_BAD_INPUT),  # bad input, or an unwritable out
               (VerifyError, EXIT_FAILED))
 
 

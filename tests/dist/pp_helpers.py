@@ -40,6 +40,7 @@ NORM_TOL = {"rtol": 1e-5, "atol": 1e-6}
 # is seen already at tp2 without any pipeline. A wrong gradient would move weights by ~lr.
 WEIGHT_TOL = {"rtol": 1e-4, "atol": 5e-5}
 GROUPS = ("tp", "dp", "pp", "dp_intra", "dp_inter", "embedding")
+MODEL_CONFIGS = {"gpt": "gpt-tiny", "llama": "llama-tiny"}  # another registered family: gpt-tiny's sizes
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def make_cfg(case: Case, world: int, bucket_mb: float = 0.05, extra: Sequence[st
     at 0.05, below every step's gradient norm (~2-3), so each update is scaled by the global norm."""
     dp = world // (case.tp * case.pp)
     cfg = compose_config([
-        f"model={'gpt-tiny' if case.family == 'gpt' else 'llama-tiny'}", f"model.n_layers={LAYERS}",
+        f"model={MODEL_CONFIGS.get(case.family, 'gpt-tiny')}", f"model.family={case.family}", f"model.n_layers={LAYERS}",
         "model.hidden=64", "model.n_heads=4", "model.ffn_hidden=128", "model.max_seq_len=32",
         "model.make_vocab_size_divisible_by=1", "model.dropout=0.0",
         f"data.seq_len={SEQ}", f"train.global_batch_size={GLOBAL_BATCH}", f"train.micro_batch_size={MICRO}",

@@ -21,7 +21,8 @@ Then, in the test process:
   the resume wins and a note says init_from was ignored.
 - bad input: missing, partial (no .metadata) and corrupt checkpoints, an existing non-empty `out`,
   unknown or missing keys: exit 2, one `hybrid: error:` line on stderr, `out` untouched, no temp
-  folder left; `init_from` folders that do not fit the model: one-line ConfigError naming the field.
+  folder left; `init_from` folders that do not fit the model: one-line ModelConfigError naming the field
+  (hybrid.train reports it as a ConfigError).
 - `load_pretrained` also reads a sharded `model.safetensors.index.json` folder with base-model names.
 
 Measured (fp32, logits of magnitude < 1): max |Δlogits| GPT 2.4e-7, Llama 1.8e-7 (the tool's own
@@ -49,6 +50,7 @@ from hybrid.checkpoint import METADATA, step_path
 from hybrid.compression.hooks import make_hook
 from hybrid.config import ConfigError
 from hybrid.model import build_model
+from hybrid.model.family import ModelConfigError
 from hybrid.model.hf import from_hf_state_dict, load_hf_into, load_pretrained, to_hf_state_dict
 from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.tensor import full_state_dict
@@ -317,12 +319,12 @@ def test_init_from_that_does_not_fit_is_one_line(tmp_path: Path, exported: dict[
     (bad / "config.json").write_text(json.dumps(hf | {"num_key_value_heads": 4, "intermediate_size": 64}))
     cases.append((bad, "n_kv_heads=4 there, 2 here; ffn_hidden=64 there, 128 here"))
     for folder, needle in cases:
-        with pytest.raises(ConfigError) as e:
+        with pytest.raises(ModelConfigError) as e:  # hybrid.train turns it into a ConfigError
             load_pretrained(model, folder, cfg, VOCAB)
         assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
     with pytest.raises(ConfigError, match="is not a transformers model folder"):  # validate(), before anything runs
         _cfg("llama", Case(), 1, f"model.init_from={tmp_path}")
-    with pytest.raises(ConfigError, match="vocab_size=201 there, 300 here"):
+    with pytest.raises(ModelConfigError, match="vocab_size=201 there, 300 here"):
         load_pretrained(torch.nn.ModuleList([build_model(cfg, 300)]), exported["llama"], cfg, 300)
 
 

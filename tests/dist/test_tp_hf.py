@@ -38,7 +38,6 @@ from typing import Any
 import pytest
 import torch
 from harness import run_ranks
-from transformers import GPT2LMHeadModel, LlamaForCausalLM
 
 from hybrid.config import ModelConfig
 from hybrid.model import build_model
@@ -48,7 +47,7 @@ from hybrid.parallel.grads import sync_sequence_parallel_grads
 from hybrid.parallel.tensor import padded_vocab
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_models import GRAD_TOL, LOGITS_TOL, LOSS_TOL, hf_model, ids_for, small_cfg  # noqa: E402
+from test_models import GRAD_TOL, LOGITS_TOL, LOSS_TOL, hf_class, hf_model, ids_for, small_cfg  # noqa: E402
 
 # (id, config overrides, vocab, TP sizes). 300 pads to 384 (tp=2) / 512 (tp=4); 256 pads to 512 at tp=4.
 CASES = [
@@ -60,10 +59,6 @@ CASES = [
 ]
 SEQ = 16  # divisible by every tp
 TP_GRAD_TOL = GRAD_TOL | {"gpt": {"atol": 1e-8, "rtol": 1e-6}}  # fp32 vocab-parallel cross-entropy (docstring)
-
-
-def hf_class(cfg: ModelConfig) -> type:
-    return GPT2LMHeadModel if cfg.family == "gpt" else LlamaForCausalLM
 
 
 @dataclass

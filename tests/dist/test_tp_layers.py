@@ -51,6 +51,7 @@ from tp_helpers import (
 )
 
 from hybrid.config import ModelConfig
+from hybrid.model.family import family_of
 from hybrid.model.layers import Block, rope_tables
 from hybrid.parallel import collectives as C
 from hybrid.parallel.grads import sync_sequence_parallel_grads
@@ -255,7 +256,7 @@ def block_cfg(family: str) -> ModelConfig:
 
 
 def build_block(cfg: ModelConfig, group: dist.ProcessGroup | None, sp: bool, seed: int) -> Block:
-    block = Block(cfg, group, sp, TPRandom(0))
+    block = Block(cfg, family_of(cfg).blocks, group, sp, TPRandom(0))
     init_parameters(block, seed)
     return block.double()
 

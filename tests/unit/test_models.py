@@ -17,10 +17,10 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import GPT2LMHeadModel, LlamaForCausalLM
+import transformers
 
 from hybrid.config import ModelConfig
-from hybrid.model import analytic_param_count, build_model
+from hybrid.model import analytic_param_count, build_model, family_of
 from hybrid.model.hf import conversion_rules, from_hf_state_dict, hf_config, load_hf_into, to_hf_state_dict
 from hybrid.parallel.tensor import Shard, padded_vocab
 
@@ -37,6 +37,11 @@ CASES = [
 ]
 
 
+def hf_class(cfg: ModelConfig) -> type:
+    """transformers' LM class of `cfg`'s family (GPT2LMHeadModel, LlamaForCausalLM: its HFCounterpart)."""
+    return getattr(transformers, family_of(cfg).hf.lm_class)
+
+
 def small_cfg(**overrides: object) -> ModelConfig:
     base = {"n_layers": 2, "hidden": 64, "n_heads": 4, "max_seq_len": 32, "norm_eps": 1e-5}
     return ModelConfig(**(base | overrides))
@@ -45,7 +50,7 @@ def small_cfg(**overrides: object) -> ModelConfig:
 def hf_model(cfg: ModelConfig, vocab: int, seed: int = 0) -> torch.nn.Module:
     """A transformers LM of `cfg`'s shape with random weights (norms and biases too), fp64, eval."""
     torch.manual_seed(seed)
-    cls = GPT2LMHeadModel if cfg.family == "gpt" else LlamaForCausalLM
+    cls = hf_class(cfg)
     model = cls(hf_config(cfg, vocab, attn_implementation="eager")).double().eval()
     randomize(model)
     return model
@@ -93,7 +98,7 @@ def test_our_weights_into_hf(overrides: dict, vocab: int) -> None:
     cfg = small_cfg(**overrides)
     ours = our_model(cfg, vocab, seed=3)
     randomize(ours, seed=4)
-    cls = GPT2LMHeadModel if cfg.family == "gpt" else LlamaForCausalLM
+    cls = hf_class(cfg)
     theirs = cls(hf_config(cfg, vocab, attn_implementation="eager")).double().eval()
     theirs.load_state_dict(to_hf_state_dict(ours.state_dict(), cfg, vocab), strict=True)
     if cfg.tie_embeddings:
@@ -182,7 +187,7 @@ def test_load_into_emulated_tp_rank() -> None:
 
 
 def hf_param_count(cfg: ModelConfig, vocab: int) -> int:
-    cls = GPT2LMHeadModel if cfg.family == "gpt" else LlamaForCausalLM
+    cls = hf_class(cfg)
     with torch.device("meta"):
         model = cls(hf_config(cfg, vocab))
     return sum(p.numel() for p in model.parameters())  # tied weights counted once
