@@ -1,10 +1,11 @@
-"""What every `python -m hybrid.bench.<name>` shares: sections on the command line, the command
-that reproduces a run (every setting spelled out), the header and the timed run of the sections."""
+"""What every `python -m hybrid.bench.<name>` shares: `--quick` and `--sections` on the command line, the
+command that reproduces a run (every setting spelled out), the header, the timed run and the tables."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -14,6 +15,18 @@ import torch
 from hybrid.bench.model_size import model_names
 
 Section = Callable[[argparse.Namespace, Callable[[str], None]], Any]
+NUMBER = re.compile(r"^[+-]?[\d,.]+(%|×)?( \(\w\))?$")  # table cells right-aligned: 1,234  -0.5%  2.00× (c)
+
+
+def add_sections(p: argparse.ArgumentParser, known: Sequence[str]) -> None:
+    """`--sections a,b`: which of `known` to run (default: all, in that order)."""
+    p.add_argument("--sections", default=",".join(known), help="comma-separated subset of " + ",".join(known))
+
+
+def add_quick(p: argparse.ArgumentParser, what: str) -> None:
+    """`--quick`: the module's QUICK values become the defaults (see `parse_with_quick`)."""
+    p.add_argument("--quick", action="store_true", default=None, help=f"{what} (the smoke test): QUICK's values "
+                   "become the defaults; the reproduce command spells them out")
 
 
 def split_sections(p: argparse.ArgumentParser, args: argparse.Namespace, known: Sequence[str]) -> None:
@@ -24,15 +37,17 @@ def split_sections(p: argparse.ArgumentParser, args: argparse.Namespace, known: 
 
 
 def parse_with_quick(p: argparse.ArgumentParser, argv: Optional[Sequence[str]], quick: dict[str, Any],
-                     sections: Sequence[str]) -> argparse.Namespace:
+                     sections: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse `argv`; with `--quick`, `quick`'s values become the defaults (options given explicitly
-    still win). `args.quick` is then cleared: the reproduce command spells out every value instead."""
+    still win). `args.quick` is then cleared: the reproduce command spells out every value instead.
+    With `sections`, `--sections` is split and checked against them."""
     args = p.parse_args(argv)
     if args.quick:
         p.set_defaults(**quick)
         args = p.parse_args(argv)
     args.quick = None
-    split_sections(p, args, sections)
+    if sections is not None:
+        split_sections(p, args, sections)
     return args
 
 
@@ -65,16 +80,47 @@ def header(module: str, command: str) -> str:
             f"each rank 1 thread, gloo over local TCP\n# command: {command}")
 
 
-def run_sections(sections: Sequence[tuple[str, Section]], args: argparse.Namespace, command: str,
-                 module: str, out: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the chosen sections in order, each timed; returns their rows (for tests)."""
+def timed(module: str, command: str, out: Callable[[str], None], body: Callable[[], Any]) -> Any:
+    """The header, `body()`, then the total seconds, the load average around it and the reproduce command."""
     out(header(module, command))
-    start, result, load = time.perf_counter(), {}, os.getloadavg()[0]
-    for name, fn in sections:
-        if name in args.sections:
-            t = time.perf_counter()
-            result[name] = fn(args, out)
-            out(f"({name}: {time.perf_counter() - t:.1f} s)")
+    start, load = time.perf_counter(), os.getloadavg()[0]
+    result = body()
     out(f"\ntotal {time.perf_counter() - start:.1f} s; 1-min load average {load:.2f} before, {os.getloadavg()[0]:.2f} "
         f"after (ours counts for up to 2 of it); reproduce: {command}")
     return result
+
+
+def run_sections(sections: Sequence[tuple[str, Section]], args: argparse.Namespace, command: str,
+                 module: str, out: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the chosen sections (`args.sections`) in order, each timed; returns their rows by name (for tests)."""
+    def body() -> dict[str, Any]:
+        result = {}
+        for name, fn in sections:
+            if name in args.sections:
+                t = time.perf_counter()
+                result[name] = fn(args, out)
+                out(f"({name}: {time.perf_counter() - t:.1f} s)")
+        return result
+
+    return timed(module, command, out, body)
+
+
+def run_one(section: Section, args: argparse.Namespace, command: str, module: str,
+            out: Callable[[str], None] = print) -> Any:
+    """Run a benchmark of one section; returns its rows (for tests)."""
+    return timed(module, command, out, lambda: section(args, out))
+
+
+def table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    """A markdown table: columns padded to their widest cell, numbers right-aligned."""
+    cells = [[str(c) for c in columns]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+
+    def line(r: list[str]) -> str:
+        return "| " + " | ".join(c.rjust(w) if NUMBER.match(c) else c.ljust(w) for c, w in zip(r, widths)) + " |"
+
+    return [line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in cells[1:]]
+
+
+def verdict(ok: Optional[bool]) -> str:
+    return "-" if ok is None else ("PASS" if ok else "FAIL")

@@ -22,7 +22,7 @@ import torch
 from harness import run_ranks
 from test_dp import GLOBAL_BATCH, SEQ, synthetic_corpus, tiny_cfg
 
-from hybrid.bench.tp import saved_tally
+from hybrid.testing.activations import saved_tally
 from hybrid.compression.hooks import make_hook
 from hybrid.model import build_model
 from hybrid.model.traffic import tp_bytes_per_microbatch, tp_bytes_per_step
@@ -207,7 +207,7 @@ def saved_activation_bytes(rank: int, world: int, sp: bool) -> int:
     ctx = ParallelContext.build(Layout.create(world, tp=world))
     model = build_model(cfg.model, VOCAB, ctx.tp_group, seed=0, sequence_parallel=sp)
     ids = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
-    with saved_tally(model) as seen:  # the benchmark's tally: unique storages saved for backward
+    with saved_tally(model) as seen:  # the shared tally (hybrid.testing): unique storages saved for backward
         loss = model(ids[:, :-1], ids[:, 1:])
     loss.backward()
     return sum(n for _, n in seen.values())

@@ -1,28 +1,33 @@
-"""`hybrid.bench.checkpoint`: its pure parts, and both sections end to end in `--quick` mode (no timing
-assertions: only that the figures exist and that the bytes on disk match the analytic formula)."""
+"""`hybrid.bench.checkpoint_size` and `checkpoint_async`: their pure parts, and both end to end in `--quick` mode
+(no timing assertions: only that the figures exist and that the bytes on disk match the analytic formula)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hybrid.bench import checkpoint as bench
+from hybrid.bench import checkpoint_async, checkpoint_size
+from hybrid.bench.checkpoint_common import layout, world
 
 
 def test_quick_defaults_reproduce_command_and_cli() -> None:
-    args = bench.parse_args(["--quick", "--steps", "3"])
-    assert args.model == "gpt-tiny" and args.async_model == "gpt-tiny" and args.rounds == 1
+    args = checkpoint_async.parse_args(["--quick", "--steps", "3"])
+    assert args.model == "gpt-tiny" and checkpoint_size.parse_args(["--quick"]).model == "gpt-tiny"
+    assert args.rounds == 1
     assert args.steps == 3  # an explicit option wins over QUICK's
-    command = bench.reproduce_command(args)
+    command = checkpoint_async.reproduce_command(args)
     assert "--quick" not in command and "--steps 3" in command and "--layout tp2pp2dp2" in command
-    full = bench.parse_args([])
-    assert full.model == "gpt-350m" and full.layout == "tp2pp2dp2" and full.sections == ["size", "async"]
-    assert full.async_model == "gpt-125m" and full.async_layout == "tp2pp2dp2"
-    assert bench.layout("tp2pp4dp1") == {"tp": 2, "pp": 4, "dp": 1} and bench.world("tp2pp2dp2") == 8
-    for bad in (["--sections", "nope"], ["--model", "no-such-model"], ["--layout", "tp2pp2"],
-                ["--layout", "tp1pp1dp1"], ["--global-batch", "7"], ["--steps", "0"]):
+    full = checkpoint_size.parse_args([])
+    assert full.model == "gpt-350m" and full.layout == "tp2pp2dp2" and not hasattr(full, "sections")
+    full_async = checkpoint_async.parse_args([])
+    assert full_async.model == "gpt-125m" and full_async.layout == "tp2pp2dp2"
+    assert layout("tp2pp4dp1") == {"tp": 2, "pp": 4, "dp": 1} and world("tp2pp2dp2") == 8
+    for bad in (["--sections", "size"], ["--model", "no-such-model"], ["--layout", "tp2pp2"],
+                ["--layout", "tp1pp1dp1"], ["--global-batch", "7"]):
         with pytest.raises(SystemExit):
-            bench.parse_args(bad)
+            checkpoint_size.parse_args(bad)
+    with pytest.raises(SystemExit):
+        checkpoint_async.parse_args(["--steps", "0"])
 
 
 def _flight(starts: list[float], length: float) -> list[tuple[float, float]]:
@@ -35,7 +40,7 @@ def test_async_round_overlap_and_in_flight_steps() -> None:
                "copy": (0.3, 0.7), "flight": _flight([1, 2, 3, 4, 5], 1.0)}],
              [{"plain": _flight([-10, -9], 0.9), "sync": (-8.0, -5.5), "async": (0.0, 1.0, 4.0, 6.1),
                "copy": (0.2, 0.8), "flight": _flight([1.1, 2.1, 3.1, 4.1, 5.1], 1.0)}]]
-    r = bench.async_round(ranks, 0)
+    r = checkpoint_async.async_round(ranks, 0)
     assert r["plain"] == [1.0, 1.0] and r["flight"] == pytest.approx([1.0] * 5)
     assert len(r["in_flight"]) == 4  # steps starting at 1, 2, 3, 4 began before 4.5
     assert r["sync_s"] == 2.5 and r["block_s"] == 1.0 and r["copy_s"] == pytest.approx(0.6)  # slowest rank's copy
@@ -43,13 +48,14 @@ def test_async_round_overlap_and_in_flight_steps() -> None:
     assert r["overlap"] == pytest.approx(1.0)  # the steps span 1..6.1, the window 1..4.5
     assert r["wait_s"] == pytest.approx(6.2 - 6.1)
     late = [[{**ranks[0][0], "async": (0.0, 1.0, 10.0, 10.0)}], ranks[1]]
-    assert bench.async_round(late, 0)["overlap"] == pytest.approx((6.1 - 1.0) / 9.0)
+    assert checkpoint_async.async_round(late, 0)["overlap"] == pytest.approx((6.1 - 1.0) / 9.0)
 
 
-def test_quick_run_both_sections(capsys: pytest.CaptureFixture[str]) -> None:
+def test_quick_run_both_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
     threads = torch.get_num_threads()
     try:
-        result = bench.run(bench.parse_args(["--quick"]))
+        result = {"size": checkpoint_size.run(checkpoint_size.parse_args(["--quick"])),
+                  "async": checkpoint_async.run(checkpoint_async.parse_args(["--quick"]))}
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
@@ -69,7 +75,7 @@ def test_quick_run_both_sections(capsys: pytest.CaptureFixture[str]) -> None:
     # per-rank RNG / hook blobs; nothing else
     framing = sharded["tensor_len"] - sharded["data"]
     assert sharded["shards"] == sharded["data"] + framing + sharded["bytes_len"]
-    assert 0 < framing <= bench.DCP_FRAMING * sharded["tensor_items"]
+    assert 0 < framing <= checkpoint_size.DCP_FRAMING * sharded["tensor_items"]
     assert sharded["bytes"] == sharded["shards"] + sharded["metadata"] + sharded["manifest"]
     # each DP replica's shards written once: the ranks hold > 2× the state, the checkpoint ~1×
     assert size["held"] > 2 * 12 * n and sharded["bytes"] < 1.05 * 12 * n

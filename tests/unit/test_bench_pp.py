@@ -1,4 +1,4 @@
-"""`hybrid.bench.pp`: its pure parts, and the bubble, torch and bytes sections end to end at tiny sizes (no timing
+"""`hybrid.bench.pp_*`: their pure parts, and pp_bubble, pp_torch and pp_bytes end to end at tiny sizes (no timing
 assertions: only that the figures exist and the exact ones agree)."""
 
 from __future__ import annotations
@@ -10,41 +10,41 @@ import time
 
 import pytest
 
-from hybrid.bench import pp
+from hybrid.bench import memory, pp_bubble, pp_bytes, pp_headline, pp_torch
 
-TINY = ["--layers", "4", "--vocab", "300", "--seq", "16", "--micro-batch", "1", "--microbatches", "2",
-        "--torch-microbatches", "2", "--steps", "1", "--torch-steps", "1", "--warmup", "0", "--bytes-layers", "8",
-        "--timeout", "120"]
+RUN = ["--vocab", "300", "--seq", "16", "--micro-batch", "1", "--timeout", "120"]
+TINY = [*RUN, "--layers", "4", "--microbatches", "2", "--steps", "1", "--warmup", "0"]  # pp_bubble and pp_torch
+TINY_BYTES = [*RUN, "--layers", "8"]
 
 
 def test_analytic_and_measured_bubble() -> None:
-    assert pp.analytic_bubble(2, 4) == pytest.approx(1 / 5)
-    assert pp.analytic_bubble(4, 8, 2) == pytest.approx(3 / 19)
+    assert pp_bubble.analytic_bubble(2, 4) == pytest.approx(1 / 5)
+    assert pp_bubble.analytic_bubble(4, 8, 2) == pytest.approx(3 / 19)
     # two ranks, two steps: each step lasts as long as its slowest rank
     walls, busy = [[1.0, 2.0], [0.5, 4.0]], [[0.5, 2.0], [0.25, 3.0]]
-    assert pp.measured_bubble(walls, busy) == pytest.approx([(0.5 + 0.5) / 2, (0.75 + 0.25) / 2])
+    assert pp_bubble.measured_bubble(walls, busy) == pytest.approx([(0.5 + 0.5) / 2, (0.75 + 0.25) / 2])
 
 
 def test_bottleneck_bubble_matches_the_simulator_for_equal_stages() -> None:
-    equal = pp.bottleneck_bubble("1f1b", 2, 4, 1, [1.0, 1.0], [2.0, 2.0])
-    assert equal == pytest.approx([pp.analytic_bubble(2, 4)] * 2)
-    slow_last = pp.bottleneck_bubble("1f1b", 2, 4, 1, [1.0, 2.0], [2.0, 4.0])
+    equal = pp_bubble.bottleneck_bubble("1f1b", 2, 4, 1, [1.0, 1.0], [2.0, 2.0])
+    assert equal == pytest.approx([pp_bubble.analytic_bubble(2, 4)] * 2)
+    slow_last = pp_bubble.bottleneck_bubble("1f1b", 2, 4, 1, [1.0, 2.0], [2.0, 4.0])
     assert slow_last[0] > slow_last[1]  # the faster first stage waits for the last
 
 
 def test_proc_status_parsing_and_sampler_sees_a_child() -> None:
-    assert pp.proc_status_kb("Name:\tx\nVmHWM:\t  1234 kB\nVmRSS:\t  99 kB\n", "VmHWM") == 1234
-    assert pp.proc_status_kb("Name:\tx\n", "VmHWM") == 0
+    assert memory.proc_status_kb("Name:\tx\nVmHWM:\t  1234 kB\nVmRSS:\t  99 kB\n", "VmHWM") == 1234
+    assert memory.proc_status_kb("Name:\tx\n", "VmHWM") == 0
     child = subprocess.Popen(["sleep", "5"], env={**os.environ, "RANK": "0"})  # like a torchrun worker
     try:
         peaks: dict[str, int] = {}
         stop = threading.Event()
-        sampler = threading.Thread(target=pp.sample_peaks, args=(os.getpid(), stop, peaks, 0.05))
+        sampler = threading.Thread(target=memory.sample_peaks, args=(os.getpid(), stop, peaks, 0.05))
         sampler.start()
         time.sleep(0.5)
         stop.set()
         sampler.join()
-        assert child.pid in pp.descendants(os.getpid())
+        assert child.pid in memory.descendants(os.getpid())
         assert peaks.get("0", 0) > 0 and peaks["total"] > 0  # VmHWM of the RANK=0 child, kB
     finally:
         child.kill()
@@ -52,19 +52,25 @@ def test_proc_status_parsing_and_sampler_sees_a_child() -> None:
 
 
 def test_headline_command_and_cli() -> None:
-    cmd = pp.headline_command("/tmp/x")
+    cmd = pp_headline.headline_command("/tmp/x")
     assert cmd[:5] == ["torchrun", "--standalone", "--nproc_per_node", "8", "-m"]
     assert "model=gpt-1b" in cmd and "parallel=tp2pp4" in cmd and cmd[-1] == "logging.dir=/tmp/x"
-    args = pp.parse_args(TINY)
-    assert args.sections == ["bubble", "torch", "bytes"]  # headline only when named
-    assert "--sections bubble,torch,bytes" in pp.reproduce_command(args)
-    for bad in (["--sections", "nope"], ["--model", "no-such-model"], ["--microbatches", "3"], ["--layers", "2"]):
+    assert "--torchrun-timeout 900.0" in pp_headline.reproduce_command(pp_headline.parse_args([]))
+    for module, tiny in ((pp_bubble, TINY), (pp_torch, TINY), (pp_bytes, TINY_BYTES)):
+        args = module.parse_args(tiny)
+        assert "--sections" not in module.reproduce_command(args)  # one question per module
+        assert "--seq 16" in module.reproduce_command(args)
+        assert module.parse_args(["--quick"]).seq == 16  # --quick: the tiny sizes
+    for module, bad in ((pp_bubble, ["--sections", "nope"]), (pp_bytes, ["--model", "no-such-model"]),
+                        (pp_bubble, ["--microbatches", "3"]), (pp_torch, ["--layers", "2"])):
         with pytest.raises(SystemExit):
-            pp.parse_args([*TINY, *bad])
+            module.parse_args([*RUN, *bad])
 
 
-def test_sections_run_bytes_agree_and_torch_grads_match(capsys: pytest.CaptureFixture[str]) -> None:
-    result = pp.run(pp.parse_args(TINY))
+def test_benchmarks_run_bytes_agree_and_torch_grads_match(capsys: pytest.CaptureFixture[str]) -> None:
+    result = {"bubble": pp_bubble.run(pp_bubble.parse_args(TINY)),
+              "torch": pp_torch.run(pp_torch.parse_args(TINY)),
+              "bytes": pp_bytes.run(pp_bytes.parse_args(TINY_BYTES))}
     out = capsys.readouterr().out
     for needle in ("# command: OMP_NUM_THREADS=1", "## bubble", "## torch", "## bytes_pp", "does not model",
                    "ratio ours/torch", "reproduce:"):

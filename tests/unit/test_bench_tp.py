@@ -1,19 +1,23 @@
-"""`hybrid.bench.tp` runs every section end to end at tiny sizes (no timing assertions: only that the
+"""`hybrid.bench.tp_*` run every section end to end at tiny sizes (no timing assertions: only that the
 figures exist and the exact ones agree)."""
 
 from __future__ import annotations
 
 import pytest
 
-from hybrid.bench import tp
+from hybrid.bench import tp_bytes, tp_memory, tp_throughput
 
-TINY = ["--tp", "1", "2", "--param-model", "gpt-tiny", "--act-model", "gpt-tiny", "--act-layers", "2",
-        "--act-seq", "32", "--model", "gpt-tiny", "--seq", "32", "--micro-batch", "2", "--global-batch", "8",
-        "--steps", "1", "--warmup", "0", "--rounds", "2", "--timeout", "120"]
+TINY_MEMORY = ["--tp", "1", "2", "--param-model", "gpt-tiny", "--act-model", "gpt-tiny", "--act-layers", "2",
+               "--act-seq", "32", "--timeout", "120"]
+TRAIN = ["--model", "gpt-tiny", "--seq", "32", "--micro-batch", "2", "--global-batch", "8", "--timeout", "120"]
+TINY_THROUGHPUT = [*TRAIN, "--steps", "1", "--warmup", "0", "--rounds", "2"]
+TINY_BYTES = [*TRAIN, "--tp", "2"]
 
 
 def test_every_section_runs_and_the_exact_figures_agree(capsys: pytest.CaptureFixture[str]) -> None:
-    result = tp.run(tp.parse_args(TINY))
+    result = {**tp_memory.run(tp_memory.parse_args(TINY_MEMORY)),
+              "throughput": tp_throughput.run(tp_throughput.parse_args(TINY_THROUGHPUT)),
+              "bytes": tp_bytes.run(tp_bytes.parse_args(TINY_BYTES))}
     out = capsys.readouterr().out
     for needle in ("# command: OMP_NUM_THREADS=1", "## params", "## activations", "## throughput", "## bytes_tp",
                    "Megatron", "reproduce:"):
@@ -39,9 +43,12 @@ def test_every_section_runs_and_the_exact_figures_agree(capsys: pytest.CaptureFi
 
 
 def test_cli_selects_sections_and_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
-    assert tp.main([*TINY, "--sections", "bytes"]) == 0
+    assert tp_bytes.main(TINY_BYTES) == 0
+    assert set(tp_memory.run(tp_memory.parse_args([*TINY_MEMORY, "--sections", "params"]))) == {"params"}
     out = capsys.readouterr().out
-    assert "## bytes_tp" in out and "## params" not in out
-    for bad in (["--sections", "nope"], ["--model", "no-such-model"], ["--seq", "33"]):
+    assert "## bytes_tp" in out and "## params" in out and "## activations" not in out
+    assert tp_throughput.parse_args(["--quick"]).rounds == 2 and tp_bytes.parse_args(["--quick"]).tp == [2]
+    for module, bad in ((tp_memory, [*TINY_MEMORY, "--sections", "nope"]), (tp_throughput, [*TRAIN, "--model",
+                        "no-such-model"]), (tp_bytes, [*TINY_BYTES, "--seq", "33"])):
         with pytest.raises(SystemExit):
-            tp.parse_args([*TINY, *bad])
+            module.parse_args(bad)

@@ -1,4 +1,4 @@
-"""Forked gloo ranks for benchmarks and tests: `launch(fn, world, *args)` runs `fn(rank, world, *args)` on
+"""Forked gloo ranks for tests and benchmarks: `launch(fn, world, *args)` runs `fn(rank, world, *args)` on
 `world` processes (1 torch thread each, gloo over local TCP) and returns their results by rank.
 
 Forking a parent that has already imported torch starts ranks in a fraction of a second. A rank

@@ -1,0 +1,37 @@
+"""What autograd saves for backward: `saved_tally(model)` counts the unique storages a forward saves, split
+into the transformer layers and the ends (used by the TP activation benchmark and its test)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+@contextlib.contextmanager
+def saved_tally(model: torch.nn.Module) -> Iterator[dict[int, tuple[str, int]]]:
+    """{storage ptr: (region, nbytes)} of what the forward inside saves for backward.
+
+    region: "layers" inside a transformer block (a module of `model.layers`), else "ends".
+    """
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, tuple[str, int]] = {}
+    region = ["ends"]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if not isinstance(t, torch.nn.Parameter) and ptr not in params and ptr not in seen and storage.nbytes():
+            seen[ptr] = (region[0], storage.nbytes())
+        return t
+
+    blocks = list(model.layers.values())
+    handles = [b.register_forward_pre_hook(lambda *_: region.__setitem__(0, "layers")) for b in blocks]
+    handles += [b.register_forward_hook(lambda *_: region.__setitem__(0, "ends")) for b in blocks]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield seen
+    finally:
+        for h in handles:
+            h.remove()
