@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybrid.compression.hooks import Compression
-from hybrid.data import Corpus, StepSampler, batch_from, eval_indices
+from hybrid.data import Corpus
 from hybrid.metrics import MetricsLogger, model_flops_per_token, peak_flops
 from hybrid.model import build_model
 from hybrid.optim import build_optimizer, clip_grads, global_grad_norm, lr_at
@@ -33,6 +33,7 @@ from hybrid.parallel.data import GradSync
 from hybrid.parallel.pipeline import P2P, PipelineStats, partition_layers, run_schedule, sync_tied_grads
 from hybrid.parallel.schedules import Schedule, build_schedule
 from hybrid.parallel.tensor import sync_sequence_parallel_grads
+from hybrid.sampler import StepSampler, batch_from, eval_indices
 
 DP_GROUPS = ("dp", "dp_intra", "dp_inter")
 """The groups whose traffic is gradient sync (`bytes_dp`); the last two only under hierarchical."""
