@@ -29,7 +29,7 @@ from torch import nn
 
 from hybrid.checkpoint import Checkpointer
 from hybrid.config import ConfigError
-from hybrid.data import Corpus, StepSampler, batch_from, eval_indices
+from hybrid.data import Corpus
 from hybrid.metrics import MetricsLogger, model_flops_per_token, peak_flops
 from hybrid.model import build_model
 from hybrid.model.family import ModelConfigError
@@ -39,6 +39,7 @@ from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.data import GradSync, SyncReport, finalize_grads
 from hybrid.parallel.pipeline import P2P, PipelineStats, partition_layers, run_schedule
 from hybrid.parallel.schedules import Schedule, build_schedule
+from hybrid.sampler import StepSampler, batch_from, eval_indices
 
 
 @dataclass

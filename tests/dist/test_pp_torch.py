@@ -30,7 +30,7 @@ from test_dp import synthetic_corpus
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from hybrid.data import batch_from
+from hybrid.sampler import batch_from
 from hybrid.model import build_model
 from hybrid.parallel import collectives as C
 from hybrid.parallel.pipeline import P2P, partition_layers, run_schedule

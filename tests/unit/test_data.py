@@ -20,7 +20,8 @@ from omegaconf import OmegaConf
 
 import hybrid.data as data
 from hybrid.config import ConfigError, DataConfig
-from hybrid.data import StepSampler, batch_from, eval_indices, prepare_data
+from hybrid.data import prepare_data
+from hybrid.sampler import StepSampler, batch_from, eval_indices
 
 SEQ = 16
 

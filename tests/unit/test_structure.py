@@ -1,0 +1,173 @@
+"""The house rules of `hybrid/`, checked on the source (see docs/architecture.md, "Who imports whom").
+
+- The import graph of `hybrid/` has no cycle, counting imports inside functions too.
+- Every import follows the layering rules: each room may import only the rooms listed for it.
+- No module outside `hybrid/bench/` is longer than `MAX_LINES`.
+- No run of `DUP_LINES` significant lines appears twice in `hybrid/` (argparse boilerplate aside).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "hybrid"
+MAX_LINES = 350
+DUP_LINES = 6
+
+# room → the rooms it may import (a room is a module or a package prefix; its own prefix is always allowed).
+# Lower layers first; the order of this table is the layering of docs/architecture.md.
+RULES: dict[str, tuple[str, ...]] = {
+    "hybrid.parallel": (),
+    "hybrid.compression": ("hybrid.parallel.collectives",),
+    "hybrid.model": ("hybrid.parallel.collectives", "hybrid.parallel.tensor", "hybrid.parallel.rng"),
+    "hybrid.testing": (),
+    "hybrid.config": ("hybrid.parallel", "hybrid.compression", "hybrid.model"),
+    "hybrid.cli": ("hybrid.config",),
+    "hybrid.data": ("hybrid.config",),
+    "hybrid.sampler": (),
+    "hybrid.metrics": (),
+    "hybrid.optim": ("hybrid.parallel",),
+    "hybrid.checkpoint": ("hybrid.config", "hybrid.parallel", "hybrid.model"),
+    "hybrid.trainer": ("hybrid.config", "hybrid.parallel", "hybrid.compression", "hybrid.model", "hybrid.data",
+                       "hybrid.metrics", "hybrid.optim", "hybrid.checkpoint"),
+    "hybrid.train": ("hybrid.cli", "hybrid.config", "hybrid.parallel", "hybrid.compression", "hybrid.model",
+                     "hybrid.data", "hybrid.metrics", "hybrid.checkpoint", "hybrid.trainer"),
+    "hybrid.tools": ("hybrid.cli", "hybrid.config", "hybrid.parallel", "hybrid.model", "hybrid.checkpoint",
+                     "hybrid.data", "hybrid.trainer"),
+    "hybrid.bench": ("hybrid",),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _resolve(name: str) -> str | None:
+    """The hybrid module `name` refers to (a submodule, or the package whose attribute it is)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(module: str) -> set[str]:
+    """Every hybrid module `module` imports, anywhere in its body (functions and TYPE_CHECKING included)."""
+    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        out |= {m for n in names if n.startswith("hybrid") and (m := _resolve(n)) and m != module}
+    return out
+
+
+GRAPH = {m: imports_of(m) for m in MODULES}
+
+
+def _under(module: str, room: str) -> bool:
+    return module == room or module.startswith(room + ".")
+
+
+def room_of(module: str) -> str | None:
+    rooms = [r for r in RULES if _under(module, r)]
+    return max(rooms, key=len) if rooms else None
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of `graph` as a path [a, b, …, a], or [] when it is acyclic."""
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str]:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                return stack[stack.index(n):] + [n]
+            if n not in state and (found := visit(n)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return []
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return []
+
+
+def test_the_checker_finds_cycles_and_accepts_dags() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_no_import_cycles() -> None:
+    cycle = find_cycle(GRAPH)
+    assert not cycle, "import cycle: " + " → ".join(cycle)
+
+
+def test_every_module_has_a_room() -> None:
+    assert [m for m in MODULES if m != "hybrid" and room_of(m) is None] == []
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m != "hybrid"))
+def test_imports_follow_the_layering(module: str) -> None:
+    room = room_of(module)
+    allowed = (room, *RULES[room])
+    bad = sorted(n for n in GRAPH[module] if not any(_under(n, r) for r in allowed) and n != "hybrid")
+    assert bad == [], f"{module} (room {room}) may import only {', '.join(allowed)}"
+
+
+def test_modules_stay_small() -> None:
+    sizes = {m: len(p.read_text(encoding="utf-8").splitlines()) for m, p in MODULES.items()}
+    big = {m: n for m, n in sizes.items() if n > MAX_LINES and room_of(m) != "hybrid.bench"}
+    assert big == {}, f"modules over {MAX_LINES} lines"
+
+
+_SKIP = re.compile(r"^(#|from |import |[\]\)\}\[\(\{,:]+$|\"\"\"|return$|else:$|try:$|pass$|@)")
+
+
+def significant_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, stripped text) of the lines that carry logic: no blanks, comments, imports, docstring
+    delimiters, lone punctuation or argparse boilerplate."""
+    out = []
+    for i, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        line = " ".join(raw.split())
+        if line and not _SKIP.match(line) and ".add_argument(" not in line:
+            out.append((i, line))
+    return out
+
+
+def duplicate_runs(files: dict[str, Path], n: int) -> list[str]:
+    """Places where the same `n` significant lines stand twice (in one file or two)."""
+    seen: dict[tuple[str, ...], list[str]] = defaultdict(list)
+    for name, path in files.items():
+        lines = significant_lines(path)
+        for k in range(len(lines) - n + 1):
+            window = tuple(text for _, text in lines[k:k + n])
+            seen[window].append(f"{name}:{lines[k][0]}")
+    return [" ~ ".join(places) for places in seen.values() if len(places) > 1]
+
+
+def test_the_duplicate_finder_sees_a_copy(tmp_path: Path) -> None:
+    body = "".join(f"x{i} = f(x{i - 1})\n" for i in range(1, 8))
+    (tmp_path / "a.py").write_text(body)
+    (tmp_path / "b.py").write_text("y = 0\n" + body)
+    assert len(duplicate_runs({"a": tmp_path / "a.py", "b": tmp_path / "b.py"}, DUP_LINES)) == 2
+
+
+def test_no_copied_logic() -> None:
+    assert duplicate_runs(MODULES, DUP_LINES) == []
