@@ -35,7 +35,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "hybrid.optim": ("hybrid.parallel",),
     "hybrid.checkpoint": ("hybrid.config", "hybrid.parallel", "hybrid.model"),
     "hybrid.trainer": ("hybrid.config", "hybrid.parallel", "hybrid.compression", "hybrid.model", "hybrid.data",
-                       "hybrid.metrics", "hybrid.optim", "hybrid.checkpoint"),
+                       "hybrid.sampler", "hybrid.metrics", "hybrid.optim", "hybrid.checkpoint"),
     "hybrid.train": ("hybrid.cli", "hybrid.config", "hybrid.parallel", "hybrid.compression", "hybrid.model",
                      "hybrid.data", "hybrid.metrics", "hybrid.checkpoint", "hybrid.trainer"),
     "hybrid.tools": ("hybrid.cli", "hybrid.config", "hybrid.parallel", "hybrid.model", "hybrid.checkpoint",
