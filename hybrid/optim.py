@@ -25,6 +25,7 @@ from torch import nn
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.data import GradSync
+from hybrid.parallel.params import param_info
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -56,9 +57,9 @@ def global_grad_norm(params: Iterable[nn.Parameter], ctx: ParallelContext) -> to
     """L2 norm of the whole model's gradient, each parameter counted once across TP and PP."""
     sq = torch.zeros((), dtype=torch.float32)
     for p in params:
-        if p.grad is None or getattr(p, "pp_duplicate", False):
+        if p.grad is None or param_info(p).pp_duplicate:
             continue
-        if getattr(p, "tp_duplicate", True) and ctx.tp_rank != 0:
+        if param_info(p).tp_duplicate and ctx.tp_rank != 0:
             continue
         g = p.grad.detach().float()
         sq = sq.to(g.device) + g.pow(2).sum()

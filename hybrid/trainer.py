@@ -37,6 +37,7 @@ from hybrid.optim import build_optimizer, lr_at
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.data import GradSync, SyncReport, finalize_grads
+from hybrid.parallel.params import param_info
 from hybrid.parallel.pipeline import P2P, PipelineStats, partition_layers, run_schedule
 from hybrid.parallel.schedules import Schedule, build_schedule
 from hybrid.sampler import StepSampler, batch_from, eval_indices
@@ -159,7 +160,7 @@ class Trainer:
     def count_params(self) -> int:
         """Parameters of the whole model: local counts summed over TP (shards) and PP (stages)."""
         local = sum(p.numel() for p in self.model.parameters()
-                    if not getattr(p, "pp_duplicate", False) and (not p.tp_duplicate or self.ctx.tp_rank == 0))
+                    if not param_info(p).pp_duplicate and (not param_info(p).tp_duplicate or self.ctx.tp_rank == 0))
         n = torch.tensor(float(local))
         for g in (self.ctx.tp_group, self.ctx.pp_group):
             if C.size(g) > 1:

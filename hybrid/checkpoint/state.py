@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor, Shard
 
 from hybrid.checkpoint.files import CheckpointError, distributed, first_line, single_process_quiet
+from hybrid.parallel.params import param_info
 
 VOCAB_PARAMS = ("tok_embed.weight", "head.weight")
 """Parameters whose rows are the padded vocabulary (row count depends on tp)."""
@@ -67,8 +68,7 @@ def pieces(name: str, t: torch.Tensor, p: nn.Parameter) -> list[tuple[str, torch
     """(key, view of `t`, shard dim or None, global shape) per part of parameter `p` (global name
     `name`); `t` is `p` itself or a tensor of its shape (an Adam moment). A fused parameter is split
     into its parts under every layout (tp=1 included), so its keys never depend on tp."""
-    fused = getattr(p, "hybrid_parts", None)
-    shard = getattr(p, "hybrid_shard", None)
+    fused, shard = param_info(p).parts, param_info(p).shard
     if fused is None or (shard is None and len(fused[1]) == 1):
         return [(name, t, None, tuple(t.shape))]
     dim, parts = fused
@@ -88,7 +88,7 @@ def named_parameters(model: nn.ModuleList, duplicates: bool) -> Iterator[tuple[s
     `tok_embed.weight` and only yielded with `duplicates` (loading, not saving)."""
     for chunk in model:
         for name, p in chunk.named_parameters():
-            if getattr(p, "pp_duplicate", False):
+            if param_info(p).pp_duplicate:
                 if duplicates:
                     yield "tok_embed.weight", p
                 continue

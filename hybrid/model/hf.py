@@ -14,7 +14,7 @@ the machinery every family shares:
 
 `load_hf_into` fills a model that may be one pipeline stage and/or one TP rank: every
 parameter's global tensor is built from the rule of its global name and cut with its
-`hybrid_shard`. Exporting a tp>1 model (`export_hf_state_dict`) first gathers each
+TP `Shard` (`param_info(p).shard`). Exporting a tp>1 model (`export_hf_state_dict`) first gathers each
 parameter's shards into the global tensor (the inverse of `Shard.slice`), then calls
 `to_hf_state_dict`; the model must hold every layer, embedding and head (no pipeline stage).
 
@@ -37,7 +37,8 @@ from torch import nn
 
 from hybrid.model.family import HFCounterpart, ModelConfigError, family_names, get_family
 from hybrid.parallel import collectives as C
-from hybrid.parallel.tensor import full_state_dict, padded_vocab
+from hybrid.parallel.params import full_state_dict, param_info
+from hybrid.parallel.tensor import padded_vocab
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -150,7 +151,7 @@ def load_hf_into(model: nn.Module, hf_state: Mapping[str, torch.Tensor], cfg: An
     """Copy transformers weights into `model`: whole, one pipeline stage, and/or one TP rank.
 
     For each of the model's own parameters (global names), the global tensor is built from
-    `hf_state` and cut with the parameter's `hybrid_shard` (None = replicated). A tied head
+    `hf_state` and cut with the parameter's TP shard (None = replicated). A tied head
     on a last stage that holds no embedding takes the embedding's weights. Only the tensors
     this model holds are converted.
     """
@@ -162,7 +163,7 @@ def load_hf_into(model: nn.Module, hf_state: Mapping[str, torch.Tensor], cfg: An
         if key not in rules:
             raise KeyError(f"no transformers counterpart for parameter {name}")
         full = _import(rules[key], hf_state, rows)
-        shard = getattr(p, "hybrid_shard", None)
+        shard = param_info(p).shard
         local = shard.slice(full) if shard is not None else full
         if local.shape != p.shape:
             raise ValueError(f"{name}: converted shape {tuple(local.shape)} != parameter shape {tuple(p.shape)}")

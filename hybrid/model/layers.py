@@ -39,15 +39,13 @@ from torch import nn
 from hybrid.model.family import Blocks, family_of
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
+from hybrid.parallel.params import Init, annotate, init_parameters, param_info
 from hybrid.parallel.rng import TPRandom, derive_seed
 from hybrid.parallel.tensor import (
     ColumnParallelLinear,
-    Init,
     RowParallelLinear,
     VocabParallelEmbedding,
-    annotate,
     column_linear,
-    init_parameters,
     padded_vocab,
     vocab_parallel_cross_entropy,
 )
@@ -216,10 +214,10 @@ class CausalLM(nn.Module):
         if not self.cfg.tie_embeddings or (self.pre and self.post):
             return
         if self.pre:
-            self.tok_embed.weight.pp_tied = True
+            param_info(self.tok_embed.weight).pp_tied = True
         if self.post:
-            self.head.weight.pp_tied = True
-            self.head.weight.pp_duplicate = True
+            info = param_info(self.head.weight)
+            info.pp_tied = info.pp_duplicate = True
 
     def head_weight(self) -> torch.Tensor:
         return self.tok_embed.weight if hasattr(self, "tok_embed") and not hasattr(self, "head") else self.head.weight

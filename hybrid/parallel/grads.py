@@ -16,13 +16,14 @@ from torch import nn
 
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
+from hybrid.parallel.params import param_info
 
 
 def sync_tied_grads(params: Sequence[nn.Parameter], group: Group) -> None:
     """Sum the gradient of the tied embedding between the first stage (token embedding) and the
     last (output head, its `pp_duplicate` copy) over the embedding group, as Megatron does: both
     copies then take the same optimizer step and stay identical. One all-reduce per step."""
-    tied = [p for p in params if getattr(p, "pp_tied", False) and p.grad is not None]
+    tied = [p for p in params if param_info(p).pp_tied and p.grad is not None]
     if C.size(group) > 1:
         for p in tied:
             C.all_reduce(p.grad, group)
@@ -34,7 +35,7 @@ def sync_sequence_parallel_grads(params: Sequence[nn.Parameter], group: Group) -
     to its own sequence chunk only (norms, row-parallel biases, positions): one coalesced
     all-reduce per step, after which these gradients are identical on every TP rank. A missing
     gradient counts as zeros, so every rank reduces the same number of elements."""
-    params = [p for p in params if getattr(p, "sequence_parallel", False)]
+    params = [p for p in params if param_info(p).sequence_parallel]
     if not params or C.size(group) == 1:
         return
     for p in params:

@@ -21,16 +21,13 @@ Under autocast, a column-parallel layer casts its input to the autocast dtype *b
 region op, so the TP exchanges of the input (and of its gradient) run in bf16, as the
 row-parallel outputs do.
 
-Layout-independent initialisation: every parameter carries its *global* shape, how it is
-sliced (`Shard`) and how it is initialised (`Init`). `init_parameters` generates each full
-global tensor from a generator seeded by (seed, global name) and keeps this rank's slice,
-so tp=1 and tp=4 start from the same model.
+Every parameter these layers make carries its `ParamInfo` record (`hybrid.parallel.params`):
+its global shape and TP `Shard`, its `Init`, and whether it lives on sequence chunks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -40,71 +37,7 @@ from torch import nn
 
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
-from hybrid.parallel.rng import derive_seed
-
-
-@dataclass(frozen=True)
-class Shard:
-    """How a TP rank's tensor is cut from the global one.
-
-    `dim` is split; along it the global tensor is a concatenation of `parts` (e.g. Q, K, V
-    rows of a fused projection), and each part is split evenly so every rank holds whole
-    heads of each part.
-    """
-
-    dim: int
-    parts: tuple[int, ...]
-    rank: int
-    size: int
-
-    def slice(self, full: torch.Tensor) -> torch.Tensor:
-        pieces = full.split(list(self.parts), dim=self.dim)
-        return torch.cat([p.chunk(self.size, dim=self.dim)[self.rank] for p in pieces], dim=self.dim)
-
-
-@dataclass(frozen=True)
-class Init:
-    kind: str  # normal | zeros | ones
-    std: float = 0.0
-
-
-def annotate(p: nn.Parameter, init: Init, shard: Optional[Shard] = None,
-             sequence_parallel: bool = False) -> nn.Parameter:
-    """Attach init and shard descriptions (`hybrid_parts`: the fused parts along the split dim, kept
-    at tp=1 too); `tp_duplicate` marks a TP-replicated parameter and
-    `sequence_parallel` one whose gradient is a partial sum over this rank's sequence chunk."""
-    p.hybrid_init = init
-    p.hybrid_parts = (shard.dim, shard.parts) if shard is not None else None  # also at tp=1 (checkpoint keys)
-    p.hybrid_shard = shard if shard is not None and shard.size > 1 else None
-    p.tp_duplicate = p.hybrid_shard is None
-    p.sequence_parallel = sequence_parallel
-    return p
-
-
-def global_shape(p: nn.Parameter) -> tuple[int, ...]:
-    shard = getattr(p, "hybrid_shard", None)
-    if shard is None:
-        return tuple(p.shape)
-    shape = list(p.shape)
-    shape[shard.dim] = sum(shard.parts)
-    return tuple(shape)
-
-
-@torch.no_grad()
-def init_parameters(module: nn.Module, seed: int, names: Optional[dict[str, nn.Parameter]] = None) -> None:
-    """Initialise every parameter from its global name's seed, then slice to this rank."""
-    for name, p in (names or dict(module.named_parameters())).items():
-        init: Init = p.hybrid_init
-        if init.kind == "zeros":
-            p.zero_()
-            continue
-        if init.kind == "ones":
-            p.fill_(1.0)
-            continue
-        gen = torch.Generator().manual_seed(derive_seed(seed, name))
-        full = torch.empty(global_shape(p), dtype=torch.float32).normal_(0.0, init.std, generator=gen)
-        shard = p.hybrid_shard
-        p.copy_(shard.slice(full) if shard is not None else full)
+from hybrid.parallel.params import Init, Shard, annotate
 
 
 def _split_parts(parts: Sequence[int], tp: int, what: str) -> int:
@@ -310,25 +243,3 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
         return F.cross_entropy(logits[..., :vocab_size].flatten(0, -2).float(), target.flatten())
     start = C.rank(group) * logits.shape[-1]
     return _VocabParallelCE.apply(logits, target, group, start, vocab_size).mean()
-
-
-@torch.no_grad()
-def full_tensor(p: torch.Tensor, group: Group) -> torch.Tensor:
-    """The global tensor of a TP-sharded parameter (the inverse of `Shard.slice`): every rank's
-    shard all-gathered over the TP group, then each part re-assembled. Replicated: a copy.
-    Export and checkpoint conversion: counted under op "gather_params"."""
-    shard = getattr(p, "hybrid_shard", None)
-    if shard is None:
-        return p.detach().clone()
-    pieces = [torch.empty_like(p) for _ in range(shard.size)]
-    dist.all_gather(pieces, p.detach().contiguous(), group=group)
-    local = [n // shard.size for n in shard.parts]
-    per_rank = [t.split(local, dim=shard.dim) for t in pieces]
-    full = torch.cat([torch.cat([r[i] for r in per_rank], dim=shard.dim) for i in range(len(local))], dim=shard.dim)
-    C.COUNTER.record(C.group_name(group), "gather_params", full, shard.size)
-    return full
-
-
-def full_state_dict(module: nn.Module, group: Group) -> dict[str, torch.Tensor]:
-    """{global name: global tensor} of every parameter of `module`; a collective over `group`."""
-    return {name: full_tensor(p, group) for name, p in module.named_parameters()}

@@ -24,7 +24,7 @@ from hybrid.config import compose_config, validate
 from hybrid.model import analytic_param_count
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext
-from hybrid.parallel.tensor import full_state_dict
+from hybrid.parallel.params import full_state_dict, param_info
 from hybrid.trainer import Trainer, build_chunks
 
 VOCAB = 201  # with make_vocab_size_divisible_by=1: padded to 202 at tp=2 (not divisible by tp)
@@ -102,7 +102,7 @@ def train_case(ctx: ParallelContext, case: Case, world: int) -> dict[str, Any]:
     for chunk in model:  # a collective over TP: every TP rank gathers
         full.update(full_state_dict(chunk, ctx.tp_group))
     c = ctx.coord
-    tied = sum(p.numel() for p in model.parameters() if getattr(p, "pp_tied", False))  # this rank's shard
+    tied = sum(p.numel() for p in model.parameters() if param_info(p).pp_tied)  # this rank's shard
     return {"case": str(case), "coord": (c.pp, c.dp, c.tp), "losses": losses, "norms": norms,
             "bytes": step_bytes, "launch_logs": launch_logs, "buckets": len(trainer.grad_sync.buckets),
             "microbatches": trainer.num_microbatches, "eval": eval_loss, "tied_numel": tied,

@@ -30,7 +30,7 @@ from test_dp import synthetic_corpus
 from hybrid.checkpoint import plan_resume, step_path
 from hybrid.compression.hooks import make_hook
 from hybrid.parallel.context import ParallelContext
-from hybrid.parallel.tensor import full_state_dict
+from hybrid.parallel.params import full_state_dict
 from hybrid.trainer import Trainer, build_chunks
 
 STEPS, SAVE_AT = 10, 5

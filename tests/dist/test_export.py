@@ -53,7 +53,7 @@ from hybrid.model import build_model
 from hybrid.model.family import ModelConfigError
 from hybrid.model.hf import from_hf_state_dict, load_hf_into, load_pretrained, to_hf_state_dict
 from hybrid.parallel.context import ParallelContext
-from hybrid.parallel.tensor import full_state_dict
+from hybrid.parallel.params import full_state_dict
 from hybrid.tools.export import Options, export
 from hybrid.trainer import Trainer, build_chunks
 

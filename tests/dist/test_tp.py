@@ -28,7 +28,7 @@ from hybrid.model import build_model
 from hybrid.model.traffic import tp_bytes_per_microbatch, tp_bytes_per_step
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext
-from hybrid.parallel.tensor import full_state_dict
+from hybrid.parallel.params import full_state_dict, param_info
 from hybrid.trainer import Trainer
 
 VOCAB = 201  # with make_vocab_size_divisible_by=1: padded to 202 (tp=2) and 204 (tp=4), not divisible by tp
@@ -69,7 +69,7 @@ def train(rank: int, world: int, family: str, tp: int, sp: bool, dropout: float 
         norms.append(r.grad_norm)
         step_bytes.append({op: b for (g, op), b in C.COUNTER.bytes.items() if g == "tp"})
     full = full_state_dict(model, ctx.tp_group)
-    replicated = {n: p.detach().clone() for n, p in model.named_parameters() if p.tp_duplicate}
+    replicated = {n: p.detach().clone() for n, p in model.named_parameters() if param_info(p).tp_duplicate}
     return {"losses": losses, "norms": norms, "state": full if rank == 0 else None, "replicated": replicated,
             "bytes": step_bytes, "microbatches": trainer.num_microbatches, "micro": cfg.train.micro_batch_size}
 

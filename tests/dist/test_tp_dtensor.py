@@ -27,6 +27,7 @@ from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from tp_helpers import FFN, TIMEOUT, B, H, S, assert_ranks, detached, leaf, load_full, randn, tp_group
 
+from hybrid.parallel.params import param_info
 from hybrid.model.layers import Norm
 from hybrid.parallel import collectives as C
 from hybrid.parallel.grads import sync_sequence_parallel_grads
@@ -93,7 +94,7 @@ def dtensor_checks(rank: int, world: int) -> dict[str, Any]:
         pairs = {"y": (y, y_dt), "dx": (x_in.grad, x_dt.grad),
                  "dtensor_vs_plain y": (y_dt, chunk(y_plain)), "dtensor_vs_plain dx": (x_dt.grad, chunk(x_plain.grad))}
         for n, p in ours.named_parameters():
-            shard = p.hybrid_shard
+            shard = param_info(p).shard
             pairs["d:" + n] = (p.grad, shard.slice(grads[n]) if shard is not None else grads[n])
             pairs["dtensor_vs_plain d:" + n] = (grads[n], dict(plain.named_parameters())[n].grad)
         out["sp" if sp else "no_sp"] = {"pairs": detached(pairs)}

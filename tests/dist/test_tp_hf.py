@@ -39,6 +39,7 @@ import pytest
 import torch
 from harness import run_ranks
 
+from hybrid.parallel.params import param_info
 from hybrid.config import ModelConfig
 from hybrid.model import build_model
 from hybrid.model.hf import export_hf_state_dict, from_hf_state_dict, hf_config, load_hf_into
@@ -138,7 +139,7 @@ def check_case(ref: Reference, group: Any, sp: bool) -> dict[str, Any]:
     sync_sequence_parallel_grads(list(model.parameters()), group)
     grads = []
     for name, p in model.named_parameters():
-        shard = getattr(p, "hybrid_shard", None)
+        shard = param_info(p).shard
         expected = shard.slice(ref.grads[name]) if shard is not None else ref.grads[name]
         grads.append(compare(p.grad, expected, f"grad {name}", **TP_GRAD_TOL[ref.cfg.family]))
     export = export_hf_state_dict(model, ref.cfg, ref.vocab)

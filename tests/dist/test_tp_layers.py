@@ -50,6 +50,7 @@ from tp_helpers import (
     tp_group,
 )
 
+from hybrid.parallel.params import param_info
 from hybrid.config import ModelConfig
 from hybrid.model.family import family_of
 from hybrid.model.layers import Block, rope_tables
@@ -91,8 +92,8 @@ def column_case(group: dist.ProcessGroup, parts: tuple[int, ...], sp: bool, gath
     pairs = {
         "y": (y, y_ref if gather else by_part.slice(y_ref)),
         "dx": (x_in.grad, C.split_seq(x_ref.grad, group) if sp else x_ref.grad),
-        "dweight": (layer.weight.grad, layer.weight.hybrid_shard.slice(ref.weight.grad)),
-        "dbias": (layer.bias.grad, layer.bias.hybrid_shard.slice(ref.bias.grad)),
+        "dweight": (layer.weight.grad, param_info(layer.weight).shard.slice(ref.weight.grad)),
+        "dbias": (layer.bias.grad, param_info(layer.bias).shard.slice(ref.bias.grad)),
     }
     whole_x = nbytes(x)  # [b, s, h]: the gathered input, the all-reduced / reduce-scattered input grad
     if sp:
@@ -131,7 +132,7 @@ def row_case(group: dist.ProcessGroup, sp: bool) -> dict[str, Any]:
     pairs = {
         "y": (y, C.split_seq(y_ref, group) if sp else y_ref),
         "dx": (x_in.grad, C.split_last(x_ref.grad, group)),
-        "dweight": (layer.weight.grad, layer.weight.hybrid_shard.slice(ref.weight.grad)),
+        "dweight": (layer.weight.grad, param_info(layer.weight).shard.slice(ref.weight.grad)),
     }
     partial = layer.bias.grad.clone()
     sync_sequence_parallel_grads(list(layer.parameters()), group)  # a no-op without SP
@@ -141,7 +142,7 @@ def row_case(group: dist.ProcessGroup, sp: bool) -> dict[str, Any]:
     expect_bwd = {"all_gather": (whole_y, 1)} if sp else {}
     return {"pairs": detached(pairs), "fwd": fwd, "bwd": bwd, "expect_fwd": expect_fwd, "expect_bwd": expect_bwd,
             "bias_partial": partial, "bias_ref": ref.bias.grad.clone(),
-            "flags": (layer.weight.sequence_parallel, layer.bias.sequence_parallel)}
+            "flags": (param_info(layer.weight).sequence_parallel, param_info(layer.bias).sequence_parallel)}
 
 
 def row_checks(rank: int, world: int) -> dict[str, Any]:
@@ -173,7 +174,7 @@ def embedding_case(group: dist.ProcessGroup, sp: bool) -> dict[str, Any]:
 
     pairs = {
         "y": (y, C.split_seq(y_ref, group) if sp else y_ref),
-        "dweight": (layer.weight.grad, layer.weight.hybrid_shard.slice(w_ref.grad)),
+        "dweight": (layer.weight.grad, param_info(layer.weight).shard.slice(w_ref.grad)),
     }
     whole = nbytes(y_ref)
     return {"pairs": detached(pairs), "fwd": fwd, "bwd": bwd,
@@ -285,16 +286,16 @@ def block_checks(rank: int, world: int, family: str) -> dict[str, Any]:
         y = block(x_in, rope)
         y.backward(chunk(g))
         pairs = {"y": (y, chunk(y_ref)), "dx": (x_in.grad, chunk(x_ref.grad))}
-        sp_names = sorted(n for n, p in params.items() if p.sequence_parallel)
+        sp_names = sorted(n for n, p in params.items() if param_info(p).sequence_parallel)
         partial = {n: params[n].grad.clone() for n in sp_names}
         sync_sequence_parallel_grads(list(params.values()), group)
         for n, p in params.items():
-            shard = p.hybrid_shard
+            shard = param_info(p).shard
             pairs["d:" + n] = (p.grad, shard.slice(ref_grads[n]) if shard is not None else ref_grads[n])
         out["sp" if sp else "no_sp"] = {
             "pairs": detached(pairs), "sp_names": sp_names, "partial": partial,
             "synced": {n: params[n].grad.clone() for n in sp_names},
-            "sharded": sorted(n for n, p in params.items() if p.hybrid_shard is not None),
+            "sharded": sorted(n for n, p in params.items() if param_info(p).shard is not None),
         }
     out["ref_grads"] = {n: g.clone() for n, g in ref_grads.items()}
     return out

@@ -50,6 +50,7 @@ from tp_helpers import (
     tp_group,
 )
 
+from hybrid.parallel.params import param_info
 from hybrid.config import ModelConfig
 from hybrid.model.layers import CausalLM
 from hybrid.parallel import collectives as C
@@ -146,7 +147,7 @@ def full_tensor_checks(rank: int, world: int) -> dict[str, Any]:
     cols = sum(PARTS) // world
     m.register_parameter("fused_cols", annotate(nn.Parameter(torch.empty(4, cols)), Init("zeros"),
                                                 Shard(1, PARTS, rank, world)))  # dim 1, fused parts
-    full = {n: randn(60 + i, *(p.shape if p.hybrid_shard is None else _global(p)))
+    full = {n: randn(60 + i, *(p.shape if param_info(p).shard is None else _global(p)))
             for i, (n, p) in enumerate(m.named_parameters())}
     m.double()
     load_full(m, full)
@@ -154,14 +155,14 @@ def full_tensor_checks(rank: int, world: int) -> dict[str, Any]:
     pairs = {n: (gathered[n], full[n]) for n in full}
     for n, p in m.named_parameters():
         pairs["full_tensor " + n] = (full_tensor(p, group), full[n])
-        if p.hybrid_shard is not None:  # and the other way round: slicing the gathered tensor gives the shard
-            pairs["reslice " + n] = (p.hybrid_shard.slice(gathered[n]), p.detach())
+        if param_info(p).shard is not None:  # and the other way round: slicing the gathered tensor gives the shard
+            pairs["reslice " + n] = (param_info(p).shard.slice(gathered[n]), p.detach())
     return {"full": {"pairs": detached(pairs)}}
 
 
 def _global(p: nn.Parameter) -> tuple[int, ...]:
     shape = list(p.shape)
-    shape[p.hybrid_shard.dim] = sum(p.hybrid_shard.parts)
+    shape[param_info(p).shard.dim] = sum(param_info(p).shard.parts)
     return tuple(shape)
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybrid.parallel.params import param_info
 from hybrid.parallel import collectives as C
 
 B, S, H, FFN = 2, 8, 16, 32  # S, H and FFN divide by tp = 4
@@ -64,7 +65,7 @@ def counted_fwd_bwd(forward: Callable[[], torch.Tensor],
 def load_full(module: nn.Module, full: dict[str, torch.Tensor]) -> None:
     """Copy each full (global) tensor into the parameter of that name: this rank's slice if sharded."""
     for name, p in module.named_parameters():
-        shard = getattr(p, "hybrid_shard", None)  # plain torch parameters: the full tensor
+        shard = param_info(p).shard  # plain torch parameters: the full tensor
         p.copy_(shard.slice(full[name]) if shard is not None else full[name])
 
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from hybrid.optim import ModelOptimizer, adamw, build_optimizer, clip_grads, global_grad_norm
 from hybrid.parallel.data import GradSync, MeteredState, SyncReport, finalize_grads
+from hybrid.parallel.params import ParamInfo
 
 OPTIM = SimpleNamespace(weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip=0.05)
 CTX = SimpleNamespace(tp_rank=0, tp_group=None, pp_group=None, embedding_group=None)  # one rank: no collective
@@ -30,7 +31,7 @@ def model() -> nn.Module:
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 3))
     for p in m.parameters():
-        p.tp_duplicate = True
+        p.hybrid = ParamInfo()  # replicated over TP, as a plain parameter is
     return m
 
 

@@ -22,7 +22,8 @@ import transformers
 from hybrid.config import ModelConfig
 from hybrid.model import analytic_param_count, build_model, family_of
 from hybrid.model.hf import conversion_rules, from_hf_state_dict, hf_config, load_hf_into, to_hf_state_dict
-from hybrid.parallel.tensor import Shard, padded_vocab
+from hybrid.parallel.params import Init, Shard, annotate
+from hybrid.parallel.tensor import padded_vocab
 
 LOGITS_TOL = {"gpt": {"atol": 1e-10, "rtol": 1e-10}, "llama": {"atol": 1e-5, "rtol": 1e-5}}
 LOSS_TOL = {"atol": 1e-7, "rtol": 1e-6}
@@ -174,9 +175,9 @@ def test_load_into_emulated_tp_rank() -> None:
         qkv_shard, down_shard = Shard(0, (q, kv, kv), rank, tp), Shard(1, (96,), rank, tp)
         attn, mlp = model.layers["0"].attn, model.layers["0"].mlp
         attn.qkv.weight = torch.nn.Parameter(qkv_shard.slice(torch.zeros(q + 2 * kv, 64, dtype=torch.float64)))
-        attn.qkv.weight.hybrid_shard = qkv_shard
+        annotate(attn.qkv.weight, Init("zeros"), qkv_shard)
         mlp.down.weight = torch.nn.Parameter(down_shard.slice(torch.zeros(64, 96, dtype=torch.float64)))
-        mlp.down.weight.hybrid_shard = down_shard
+        annotate(mlp.down.weight, Init("zeros"), down_shard)
         load_hf_into(model, hf_state, cfg, vocab)
         wq, wk, wv = (hf_state[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
         expect_qkv = torch.cat([w.chunk(tp)[rank] for w in (wq, wk, wv)])

@@ -25,7 +25,8 @@ DUP_LINES = 6
 RULES: dict[str, tuple[str, ...]] = {
     "hybrid.parallel": (),
     "hybrid.compression": ("hybrid.parallel.collectives",),
-    "hybrid.model": ("hybrid.parallel.collectives", "hybrid.parallel.tensor", "hybrid.parallel.rng"),
+    "hybrid.model": ("hybrid.parallel.collectives", "hybrid.parallel.params", "hybrid.parallel.tensor",
+                     "hybrid.parallel.rng"),
     "hybrid.testing": (),
     "hybrid.config": ("hybrid.parallel", "hybrid.compression", "hybrid.model"),
     "hybrid.cli": ("hybrid.config",),
