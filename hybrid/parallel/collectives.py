@@ -171,13 +171,14 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Group,
     return dist.all_gather_single(out.view(-1), inp.reshape(-1), group=group, async_op=async_op)
 
 
-def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
+def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Group,
+                        async_op: bool = False) -> Optional[dist.Work]:
     """Sum `inp` over the group and keep this rank's chunk of dim 0 in `out`. Counted as the input."""
     if size(group) == 1:
         out.copy_(inp.view_as(out))
-        return
+        return None
     COUNTER.record(group_name(group), "reduce_scatter", inp, size(group))
-    dist.reduce_scatter_single(out.view(-1), inp.reshape(-1), group=group)
+    return dist.reduce_scatter_single(out.view(-1), inp.reshape(-1), group=group, async_op=async_op)
 
 
 def split_seq(t: torch.Tensor, group: Group) -> torch.Tensor:
