@@ -46,7 +46,7 @@ from hybrid.testing.ranks import launch
 
 MODULE = "hybrid.bench.compression_bytes"
 TARGETS = {"fp16": 2.0, "bf16": 2.0, "int8": 3.5, "sign": 20.0, "topk": 20.0, "powersgd": 20.0}
-"""The goals: uncompressed all-reduce wire bytes / the method's, at least this."""
+"""The targets: uncompressed all-reduce wire bytes / the method's, at least this."""
 QUICK = {"model": "gpt-tiny", "dp": [2], "timeout": 300.0}
 
 

@@ -130,7 +130,7 @@ def parity_run(args: argparse.Namespace, corpus: Any, label: str, overrides: Seq
 
 
 def parity_verdicts(rows: list[dict[str, Any]]) -> None:
-    """Eval loss relative to the uncompressed run; PASS/FAIL (|relative| ≤ 3%) for the rows held to the goal."""
+    """Eval loss relative to the uncompressed run; PASS/FAIL (|relative| ≤ 3%) for the rows held to the 3% target."""
     base = next(r["eval"] for r in rows if r["method"] == "none")
     for r in rows:
         r["rel"] = (r["eval"] - base) / base

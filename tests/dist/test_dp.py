@@ -75,7 +75,7 @@ def test_dp_matches_single_process(family: str) -> None:
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_tp2_and_tp2dp2_match_single_process(family: str) -> None:
-    """The TP layers (fully covered by the tensor-parallel issue) already train like one process."""
+    """The TP layers (covered in full by tests/dist/test_tp*.py) already train like one process."""
     torch.set_num_threads(1)
     ref = train_losses(0, 1, family, micro_batch=2)
     for world, micro in [(2, 2), (4, 2)]:

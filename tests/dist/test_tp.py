@@ -8,7 +8,7 @@ Clipping is set low (`optim.grad_clip=0.05`) so it acts on every step: a gradien
 that double-counted TP-replicated parameters would change every update.
 
 Byte counts are read from `collectives.COUNTER` and compared with `hybrid.model.traffic`,
-whose per-layer figure is the issue's: four all-reduces of b·s·h per layer and microbatch,
+whose per-layer figure is Megatron's: four all-reduces of b·s·h per layer and microbatch,
 or, with sequence parallelism, the same ring volume as all-gathers + reduce-scatters (plus
 Megatron's backward re-gathers, counted under their own op).
 """

@@ -1,6 +1,6 @@
 """`hybrid.bench.compression_{bytes,parity,speed}`: their pure parts, and every benchmark end to end in `--quick`
 mode (no timing assertions: only that the figures exist, the exact ones agree and the wire ratios meet the
-issue's targets)."""
+product's targets)."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_quick_run_every_benchmark(cache: None, capsys: pytest.CaptureFixture[st
     rows = {r["method"]: r for r in result["bytes"]}
     assert set(rows) == {label for label, _ in BYTES_METHODS}
     assert all(r["equal"] for r in rows.values()), [r for r in rows.values() if not r["equal"]]
-    assert all(r["pass"] for r in rows.values() if r["target"]), "a wire ratio missed the issue's target"
+    assert all(r["pass"] for r in rows.values() if r["target"]), "a wire ratio missed its target"
     assert rows["torch_powersgd"]["payload"] == rows["powersgd"]["payload"]
     parity = result["parity"]
     assert len(parity) == len(compression_parity.PARITY_RUNS) and all(r["eval"] > 0 for r in parity)
