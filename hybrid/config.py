@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -22,6 +22,7 @@ from omegaconf import MISSING
 from hybrid.parallel.schedules import SCHEDULES, ScheduleError, check_sizes
 
 if TYPE_CHECKING:
+    from hybrid.model.family import Family
     from hybrid.parallel.context import Layout
 
 
@@ -117,22 +118,21 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
 
 
-# `checkpoint.async` is a Python keyword, so this schema is built field by field.
-_CHECKPOINT_FIELDS: dict[str, tuple[Any, Any]] = {
-    "dir": (str, "checkpoints"),  # root folder; a run writes <dir>/<run>/step_XXXXXXX
-    "every": (int, 0),  # steps between saves; 0 disables
-    "keep": (int, 3),  # newest checkpoints kept
-    "resume": (str, "none"),  # none | auto | <path>
-    "async": (bool, False),  # overlap the write with training
-}
-CheckpointConfig = dataclasses.dataclass(init=False, repr=False, eq=False)(
-    type(
-        "CheckpointConfig",
-        (),
-        {"__annotations__": {k: t for k, (t, _) in _CHECKPOINT_FIELDS.items()}}
-        | {k: d for k, (_, d) in _CHECKPOINT_FIELDS.items()},
-    )
-)
+@dataclass
+class CheckpointFields:
+    dir: str = "checkpoints"  # root folder; a run writes <dir>/<run>/step_XXXXXXX
+    every: int = 0  # steps between saves; 0 disables
+    keep: int = 3  # newest checkpoints kept
+    resume: str = "none"  # none | auto | <path>
+
+
+# `checkpoint.async` (overlap the write with training) is a Python keyword, so the schema adds it to
+# CheckpointFields by name; type checkers see CheckpointFields (read the flag as getattr(c, "async")).
+if TYPE_CHECKING:
+    CheckpointConfig = CheckpointFields
+else:
+    CheckpointConfig = dataclasses.dataclass(init=False, repr=False, eq=False)(
+        type("CheckpointConfig", (CheckpointFields,), {"__annotations__": {"async": bool}, "async": False}))
 
 
 @dataclass
@@ -159,14 +159,14 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: Any = field(default_factory=CheckpointConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
 
-def compose_config(overrides: Sequence[str] = ()) -> Any:
+def compose_config(overrides: Sequence[str] = ()) -> Config:
     """The composed config for `overrides` (as on the command line), without running Hydra's app.
 
     Tools, benchmarks and tests use it; `hybrid.train` uses @hydra.main on the same files.
@@ -178,7 +178,7 @@ def compose_config(overrides: Sequence[str] = ()) -> Any:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-            return compose(config_name="config", overrides=list(overrides))
+            return cast(Config, compose(config_name="config", overrides=list(overrides)))  # duck-typed
     finally:
         GlobalHydra.instance().clear()
 
@@ -208,7 +208,7 @@ def _require(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def validate(cfg: Any, world_size: int, ranks_per_node: Optional[int] = None) -> Layout:
+def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None) -> Layout:
     """Check everything knowable before groups exist; return the layout. Raises ConfigError.
 
     `ranks_per_node` is the detected node size (torchrun's LOCAL_WORLD_SIZE);
@@ -251,7 +251,7 @@ def validate(cfg: Any, world_size: int, ranks_per_node: Optional[int] = None) ->
     return layout
 
 
-def _validate_pipeline(p: Any, m: Any, microbatches: int) -> None:
+def _validate_pipeline(p: ParallelConfig, m: ModelConfig, microbatches: int) -> None:
     """Schedule sizes (interleaving needs pp >= 2 and microbatches divisible by pp) and stage_layers."""
     from hybrid.parallel.pipeline import partition_layers
 
@@ -270,7 +270,7 @@ def _validate_pipeline(p: Any, m: Any, microbatches: int) -> None:
             raise ConfigError(str(e)) from None
 
 
-def _validate_compression(c: Any) -> None:
+def _validate_compression(c: CompressionConfig) -> None:
     """The compression package's own check, its CompressionError reported as bad input."""
     from hybrid.compression import CompressionError
     from hybrid.compression.hooks import check
@@ -281,14 +281,14 @@ def _validate_compression(c: Any) -> None:
         raise ConfigError(str(e)) from None
 
 
-def _validate_checkpoint(c: Any) -> None:
+def _validate_checkpoint(c: CheckpointConfig) -> None:
     _require(c.every >= 0, f"checkpoint.every must be >= 0 (0 disables saving), got {c.every}")
     _require(c.keep >= 0, f"checkpoint.keep must be >= 0 (0 keeps all), got {c.keep}")
     _require(bool(str(c.resume).strip()), "checkpoint.resume must be none, auto or a checkpoint path")
     _require(bool(str(c.dir).strip()), "checkpoint.dir must not be empty")
 
 
-def _validate_model(m: Any, tp: int) -> None:
+def _validate_model(m: ModelConfig, tp: int) -> None:
     for key in ("n_layers", "hidden", "n_heads", "max_seq_len", "make_vocab_size_divisible_by"):
         _require(getattr(m, key) >= 1, f"model.{key} must be >= 1, got {getattr(m, key)}")
     _require(m.hidden % m.n_heads == 0, f"model.hidden={m.hidden} is not divisible by model.n_heads={m.n_heads}")
@@ -307,7 +307,7 @@ def _validate_model(m: Any, tp: int) -> None:
              f"model.init_from={m.init_from} is not a transformers model folder (a directory with config.json)")
 
 
-def _family(m: Any) -> Any:
+def _family(m: ModelConfig) -> Family:
     """The registered family of model config `m` (`hybrid.model.family`: its own checks live there)."""
     from hybrid.model.family import family_of
 
@@ -325,7 +325,7 @@ def _model_input() -> Iterator[None]:
         raise ConfigError(str(e)) from None
 
 
-def _validate_data(d: Any, m: Any) -> None:
+def _validate_data(d: DataConfig, m: ModelConfig) -> None:
     import os
 
     from omegaconf import OmegaConf

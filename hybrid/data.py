@@ -29,7 +29,7 @@ from unittest import mock
 
 import numpy as np
 
-from hybrid.config import ConfigError
+from hybrid.config import ConfigError, DataConfig
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Corpus:
     meta: dict = field(default_factory=dict)  # chars, docs, tokens, build_s, cache path
 
 
-def prepare_data(cfg: Any) -> Corpus:
+def prepare_data(cfg: DataConfig) -> Corpus:
     """Load (or build once, under a lock, and cache) the corpus described by a `DataConfig`."""
     path = _cfg_path(cfg)
     files = _source_files(path)
@@ -69,7 +69,7 @@ def prepare_data(cfg: Any) -> Corpus:
     return _load(cfg, entry)
 
 
-def _cfg_path(cfg: Any) -> Optional[str]:
+def _cfg_path(cfg: DataConfig) -> Optional[str]:
     from omegaconf import OmegaConf
 
     if (OmegaConf.is_config(cfg) and OmegaConf.is_missing(cfg, "path")) or cfg.path == "???":
@@ -108,7 +108,7 @@ def _fingerprint(files: Iterable[Path]) -> list[tuple[str, int, int]]:
     return [(str(f), (st := f.stat()).st_size, st.st_mtime_ns) for f in files]
 
 
-def _cache_key(cfg: Any, path: Optional[str], files: list[Path]) -> str:
+def _cache_key(cfg: DataConfig, path: Optional[str], files: list[Path]) -> str:
     """Hash of everything that determines the tokenizer and the token stream (not seq_len: packing is a view)."""
     if cfg.tokenizer is not None and not Path(cfg.tokenizer).is_dir():
         raise ConfigError(f"data.tokenizer={cfg.tokenizer} is not a directory")
@@ -124,7 +124,7 @@ def _is_valid(entry: Path) -> bool:
     return (entry / "meta.json").is_file() and (entry / "tokens.npy").is_file()
 
 
-def _iter_documents(path: Optional[str], files: list[Path], cfg: Any, cache: Path) -> Iterator[str]:
+def _iter_documents(path: Optional[str], files: list[Path], cfg: DataConfig, cache: Path) -> Iterator[str]:
     """Yield non-empty documents in order, truncated so that at most `cfg.max_chars` characters come out."""
     if path is None:
         raw: Iterable[str] = (f.read_text(encoding="utf-8", errors="replace") for f in files)
@@ -252,7 +252,7 @@ def encode_documents(tokenizer: Any, docs: Iterable[str], eos_id: int, dtype: An
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
 
 
-def _build(cfg: Any, path: Optional[str], files: list[Path], entry: Path) -> None:
+def _build(cfg: DataConfig, path: Optional[str], files: list[Path], entry: Path) -> None:
     """Train/load the tokenizer, tokenize, and publish `entry` atomically (called under the lock)."""
     t0, where = time.perf_counter(), path or "the embedded stdlib corpus"
     for stale in entry.parent.glob(entry.name + ".tmp-*"):  # left by a crashed builder
@@ -289,7 +289,7 @@ def _build(cfg: Any, path: Optional[str], files: list[Path], entry: Path) -> Non
              meta["chars"], meta["tokens"])
 
 
-def _load(cfg: Any, entry: Path) -> Corpus:
+def _load(cfg: DataConfig, entry: Path) -> Corpus:
     """Open a valid cache entry and pack its token stream into train/eval sample views."""
     meta = json.loads((entry / "meta.json").read_text())
     tokenizer = _load_tokenizer(entry / "tokenizer" if cfg.tokenizer is None else Path(cfg.tokenizer))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,6 +27,9 @@ from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.data import GradSync
 from hybrid.parallel.params import param_info
 
+if TYPE_CHECKING:
+    from hybrid.config import OptimConfig
+
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Matrices decay; vectors (norm weights, biases) do not."""
@@ -35,7 +38,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def adamw(model: nn.Module, cfg: Any, lr: float) -> torch.optim.AdamW:
+def adamw(model: nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.AdamW:
     """AdamW over fp32 parameters (the master weights; bf16 exists only inside autocast)."""
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=lr, betas=(cfg.beta1, cfg.beta2),
                              eps=cfg.eps, foreach=True)
@@ -115,6 +118,7 @@ class ModelOptimizer:
         self.optimizer.load_state_dict(state_dict)
 
 
-def build_optimizer(model: nn.Module, cfg: Any, lr: float, ctx: ParallelContext, grad_sync: GradSync) -> ModelOptimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float, ctx: ParallelContext,
+                    grad_sync: GradSync) -> ModelOptimizer:
     """The optimizer of `model`, whose gradients `grad_sync` owns: AdamW with clipping at `cfg.grad_clip`."""
     return ModelOptimizer(adamw(model, cfg, lr), grad_sync.parameters(), ctx, cfg.grad_clip)

@@ -9,18 +9,21 @@ from __future__ import annotations
 import gc
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 import hydra
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 
 from hybrid.cli import env_int, exit_on_error, precheck, warn
-from hybrid.config import CONFIG_DIR, ConfigError, register_configs, validate
+from hybrid.config import CONFIG_DIR, CompressionConfig, Config, ConfigError, register_configs, validate
+
+if TYPE_CHECKING:
+    from hybrid.parallel.context import Layout
+    from hybrid.parallel.schedules import Schedule
 
 
-def _device(cfg: Any) -> torch.device:
+def _device(cfg: Config) -> torch.device:
     want = cfg.train.device
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -37,7 +40,7 @@ def _init_distributed(device: torch.device) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
 
-def run(cfg: DictConfig) -> None:
+def run(cfg: Config) -> None:
     """Build everything from a composed config and train."""
     from hybrid.checkpoint import plan_resume
     from hybrid.compression.hooks import make_hook
@@ -87,7 +90,7 @@ def run(cfg: DictConfig) -> None:
         trainer.close()
 
 
-def compression_summary(c: DictConfig, layout: Any) -> str:
+def compression_summary(c: CompressionConfig, layout: Layout) -> str:
     """One start-up line: the DP hook, and under hierarchical how the DP groups split over nodes."""
     line = f"compression: {c.method} over dp={layout.dp}"
     if c.warmup_steps:
@@ -103,7 +106,7 @@ def compression_summary(c: DictConfig, layout: Any) -> str:
     return line
 
 
-def pipeline_summary(schedule: Any, cfg: DictConfig) -> str:
+def pipeline_summary(schedule: Schedule, cfg: Config) -> str:
     """One start-up line: schedule, layers per part, and the simulator's bubble at unit costs."""
     from hybrid.parallel.pipeline import partition_layers
     from hybrid.parallel.schedules import simulate
@@ -126,7 +129,7 @@ def _shutdown() -> None:
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
-def _hydra_main(cfg: DictConfig) -> None:
+def _hydra_main(cfg: Config) -> None:
     exit_on_error(lambda: run(cfg))  # bad input: one line per rank, exit 2 (hybrid.cli)
     _shutdown()
 

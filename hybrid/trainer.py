@@ -21,14 +21,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from hybrid.checkpoint import Checkpointer
-from hybrid.config import ConfigError
+from hybrid.config import Config, ConfigError, ModelConfig
 from hybrid.data import Corpus
 from hybrid.metrics import MetricsLogger, model_flops_per_token, peak_flops
 from hybrid.model import build_model
@@ -36,11 +36,14 @@ from hybrid.model.family import ModelConfigError
 from hybrid.optim import build_optimizer, lr_at
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
-from hybrid.parallel.data import GradSync, SyncReport, finalize_grads
+from hybrid.parallel.data import CommHook, GradSync, SyncReport, finalize_grads
 from hybrid.parallel.params import param_info
 from hybrid.parallel.pipeline import P2P, PipelineStats, partition_layers, run_schedule
 from hybrid.parallel.schedules import Schedule, build_schedule
 from hybrid.sampler import StepSampler, batch_from, eval_indices
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -51,7 +54,7 @@ class StepResult:
     step_time_s: float
 
 
-def build_chunks(cfg: Any, vocab: int, ctx: ParallelContext) -> nn.ModuleList:
+def build_chunks(cfg: Config, vocab: int, ctx: ParallelContext) -> nn.ModuleList:
     """This rank's model chunks: part c·pp + pp_rank of the pp·v parts for each chunk c (one chunk
     without interleaving; the whole model at pp=1). Only these parameters are ever built."""
     p = cfg.parallel
@@ -70,8 +73,9 @@ class Trainer:
     one rank. `log` takes the trainer's lines (rank 0's checkpoint saves, resumes, notes) until `start`
     opens the metrics logger; by default they are held and shown then."""
 
-    def __init__(self, cfg: Any, ctx: ParallelContext, model: nn.Module, corpus: Corpus,
-                 device: torch.device, hook: Any, hook_state: Any, log: Optional[Callable[[str], None]] = None) -> None:
+    def __init__(self, cfg: Config, ctx: ParallelContext, model: nn.Module, corpus: Corpus,
+                 device: torch.device, hook: CommHook, hook_state: Any,
+                 log: Optional[Callable[[str], None]] = None) -> None:
         self.cfg, self.ctx, self.corpus, self.device = cfg, ctx, corpus, device
         self.model = model if isinstance(model, nn.ModuleList) else nn.ModuleList([model])
         t = cfg.train
@@ -167,7 +171,7 @@ class Trainer:
                 dist.all_reduce(n, group=g)  # start-up bookkeeping, not training traffic
         return int(n.item())
 
-    def _batch(self, samples: Any, idx: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _batch(self, samples: np.ndarray, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch_from(samples, idx)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
@@ -178,7 +182,7 @@ class Trainer:
         with self.autocast():
             return module(ids if module.pre else x, labels if module.post else None)
 
-    def _run(self, schedule: Schedule, samples: Any, indices: list[Any]) -> torch.Tensor:
+    def _run(self, schedule: Schedule, samples: np.ndarray, indices: list[np.ndarray]) -> torch.Tensor:
         """Run `schedule` over the microbatches `indices`; the mean loss (on the last stage, else 0)."""
         self._microbatches = [self._batch(samples, idx) for idx in indices]
         self.stats = PipelineStats()
@@ -287,7 +291,7 @@ class Trainer:
         return last
 
 
-def _pretrained(model: nn.ModuleList, model_cfg: Any) -> str:
+def _pretrained(model: nn.ModuleList, model_cfg: ModelConfig) -> str:
     """Fill the chunks from the transformers folder `model.init_from` (no collective); a folder that
     does not fit the model is bad input (the model package's ModelConfigError becomes a ConfigError)."""
     from hybrid.model.hf import load_pretrained
@@ -298,7 +302,7 @@ def _pretrained(model: nn.ModuleList, model_cfg: Any) -> str:
         raise ConfigError(str(e)) from None
 
 
-def open_metrics(cfg: Any, writer: bool, start_step: int = 0) -> MetricsLogger:
+def open_metrics(cfg: Config, writer: bool, start_step: int = 0) -> MetricsLogger:
     """Rank 0 writes metrics.jsonl (its lines after `start_step` dropped), wandb and the progress bar;
     a wandb failure is bad input."""
     from omegaconf import OmegaConf

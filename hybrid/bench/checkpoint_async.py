@@ -38,7 +38,7 @@ from hybrid.bench.common import parse_with_quick, table
 from hybrid.bench.inputs import resolve_vocab
 from hybrid.bench.memory import MemoryWatch
 from hybrid.checkpoint import Checkpointer, Stager
-from hybrid.config import validate
+from hybrid.config import Config, validate
 from hybrid.model import analytic_param_count
 from hybrid.parallel.context import ParallelContext
 from hybrid.testing.ranks import launch
@@ -102,7 +102,7 @@ class TimedStager(Stager):
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
 
-def async_rank(rank: int, world_size: int, cfg: Any, sync_cfg: Any, vocab: int, steps: int, warmup: int,
+def async_rank(rank: int, world_size: int, cfg: Config, sync_cfg: Config, vocab: int, steps: int, warmup: int,
                rounds: int) -> dict[str, Any]:
     """Per round: plain steps, a sync save (blocking seconds), an async save (blocking seconds, and its staging
     copy's within them) then steps while it is in flight. The async Checkpointer's Stager lives for the whole

@@ -10,14 +10,14 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Optional
 
 import torch
 
 from hybrid.bench.common import check_models
 from hybrid.bench.inputs import synthetic_corpus
 from hybrid.compression.hooks import make_hook
-from hybrid.config import compose_config, validate
+from hybrid.config import Config, compose_config, validate
 from hybrid.parallel.context import ParallelContext
 from hybrid.trainer import Trainer, build_chunks
 
@@ -62,7 +62,7 @@ def world(name: str) -> int:
 
 
 @contextmanager
-def scratch(parent: Any) -> Iterator[Path]:
+def scratch(parent: Optional[str]) -> Iterator[Path]:
     """A temporary checkpoint folder under `parent` (None: the system's temp dir), removed at the end."""
     folder = Path(tempfile.mkdtemp(prefix="hybrid-bench-ckpt-", dir=parent))
     try:
@@ -71,7 +71,7 @@ def scratch(parent: Any) -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def bench_cfg(args: argparse.Namespace, model: str, lay: str, root: Path, run: str, *overrides: str) -> Any:
+def bench_cfg(args: argparse.Namespace, model: str, lay: str, root: Path, run: str, *overrides: str) -> Config:
     """The composed, validated config of one run at layout `lay` (fp32 on CPU, no eval); checkpoints in `root/run`."""
     sizes = layout(lay)
     cfg = compose_config([
@@ -84,7 +84,7 @@ def bench_cfg(args: argparse.Namespace, model: str, lay: str, root: Path, run: s
     return cfg
 
 
-def make_trainer(cfg: Any, ctx: ParallelContext, vocab: int) -> Trainer:
+def make_trainer(cfg: Config, ctx: ParallelContext, vocab: int) -> Trainer:
     """A real Trainer of `cfg` on this rank (synthetic tokens), its Checkpointer of `cfg.checkpoint`."""
     torch.manual_seed(cfg.train.seed + ctx.pp_rank)
     hook, state = make_hook(cfg.compression, ctx.dp_group)

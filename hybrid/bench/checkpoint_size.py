@@ -50,7 +50,7 @@ from hybrid.bench.common import parse_with_quick, table
 from hybrid.bench.inputs import resolve_vocab
 from hybrid.bench.memory import MemoryWatch, rss_mib
 from hybrid.checkpoint import MANIFEST, METADATA, init_optimizer_state, read_manifest
-from hybrid.config import validate
+from hybrid.config import Config, validate
 from hybrid.model import analytic_param_count, build_model
 from hybrid.optim import adamw
 from hybrid.parallel.context import ParallelContext
@@ -152,7 +152,7 @@ def shard_files(files: dict[str, int]) -> dict[int, int]:
     return out
 
 
-def size_rank(rank: int, world_size: int, cfg: Any, fresh_cfg: Any, vocab: int) -> dict[str, Any]:
+def size_rank(rank: int, world_size: int, cfg: Config, fresh_cfg: Config, vocab: int) -> dict[str, Any]:
     """Save this rank's state with Checkpointer.save, drop the Trainer, load into a fresh one (timed)."""
     ctx = ParallelContext.build(validate(cfg, world_size, world_size))
     rss = {"start": rss_mib()}
@@ -184,7 +184,7 @@ def size_rank(rank: int, world_size: int, cfg: Any, fresh_cfg: Any, vocab: int) 
             "loaded": differs and same_sums(after, before), "coord": (ctx.coord.pp, ctx.coord.dp, ctx.coord.tp)}
 
 
-def single_process(cfg: Any, vocab: int, folder: Path) -> dict[str, Any]:
+def single_process(cfg: Config, vocab: int, folder: Path) -> dict[str, Any]:
     """The whole model (tp=1) with the same state in this process: torch.save + fsync, then torch.load +
     load_state_dict into a fresh model and optimizer. Seconds, bytes, and whether the load restored it."""
     path = folder / "single.pt"
@@ -233,7 +233,7 @@ def size_figures(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             "memory": watch.line(), "held": sum(r["state_bytes"] for r in ranks)}
 
 
-def build_model_meta(cfg: Any, vocab: int) -> torch.nn.Module:
+def build_model_meta(cfg: Config, vocab: int) -> torch.nn.Module:
     """The whole model on the meta device (shapes only)."""
     with torch.device("meta"):
         return build_model(cfg.model, vocab, None, seed=0)

@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -38,11 +38,14 @@ from hybrid.bench.compression_common import (
     formula_payload,
 )
 from hybrid.bench.memory import proc_status_kb
-from hybrid.compression.hooks import make_hook
+from hybrid.compression.hooks import Hook, make_hook
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.parallel.data import DP_GROUPS, GradBucket
 from hybrid.testing.ranks import launch
+
+if TYPE_CHECKING:
+    from hybrid.config import CompressionConfig
 
 MODULE = "hybrid.bench.compression_bytes"
 TARGETS = {"fp16": 2.0, "bf16": 2.0, "int8": 3.5, "sign": 20.0, "topk": 20.0, "powersgd": 20.0}
@@ -84,7 +87,7 @@ def fill_(buckets: list[GradBucket], seed: int) -> None:
         torch.randn(b.buffer().shape, generator=gen, out=b.buffer())
 
 
-def sync_step(hook: Any, state: Any, buckets: list[GradBucket]) -> None:
+def sync_step(hook: Hook, state: Any, buckets: list[GradBucket]) -> None:
     """One step of GradSync's protocol: every bucket's hook launched in index order, then all waited."""
     futures = [hook(state, b) for b in buckets]
     for b, fut in zip(buckets, futures):
@@ -94,7 +97,7 @@ def sync_step(hook: Any, state: Any, buckets: list[GradBucket]) -> None:
             b.buffer().copy_(result)
 
 
-def counted_sync(ctx: ParallelContext, ccfg: Any, buckets: list[GradBucket], seed: int) -> dict[str, Any]:
+def counted_sync(ctx: ParallelContext, ccfg: CompressionConfig, buckets: list[GradBucket], seed: int) -> dict[str, Any]:
     """One counted sync step of `buckets` through a fresh hook of `ccfg`, after its warm-up steps (uncounted:
     our exact warm-up, torch's start_powerSGD_iter); COUNTER's payload and wire bytes per DP group, seconds."""
     hook, state = make_hook(ccfg, ctx.dp_group, ctx.dp_intra_group, ctx.dp_inter_group)

@@ -4,7 +4,6 @@ them) and the library's payload formula of one gradient sync, per DP group."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -12,7 +11,7 @@ from hybrid.bench.inputs import resolve_vocab
 from hybrid.compression import codecs, powersgd
 from hybrid.compression.hierarchical import piece_shapes, row_ranges
 from hybrid.compression.hooks import REGISTRY
-from hybrid.config import compose_config
+from hybrid.config import CompressionConfig, compose_config
 from hybrid.model import build_model
 from hybrid.parallel.data import assign_buckets
 
@@ -37,7 +36,7 @@ TWO_PHASE = ("int8", "sign", "topk")
 """The codecs' methods: all-to-all of encoded chunks, then all-gather of the re-encoded reduced chunk."""
 
 
-def compression_cfg(overrides: Sequence[str]) -> Any:
+def compression_cfg(overrides: Sequence[str]) -> CompressionConfig:
     """The composed `compression` config of `overrides` (composed in the parent: Hydra is slow in ranks)."""
     return compose_config(list(overrides)).compression
 
@@ -56,7 +55,7 @@ def bucket_shapes(model: str) -> list[list[torch.Size]]:
     return [[p.shape for p in ps] for ps in bucket_params(model)[0]]
 
 
-def flat_payload(method: str, ccfg: Any, shapes: list[torch.Size], numel: int, n: int) -> int:
+def flat_payload(method: str, ccfg: CompressionConfig, shapes: list[torch.Size], numel: int, n: int) -> int:
     """The library's payload formula of one bucket of `numel` elements (`shapes`) for a flat method over n ranks."""
     if n == 1:
         return 0
@@ -70,7 +69,8 @@ def flat_payload(method: str, ccfg: Any, shapes: list[torch.Size], numel: int, n
     return codecs.payload_bytes(codec, numel, n)
 
 
-def formula_payload(ccfg: Any, buckets: list[list[torch.Size]], n: int, per_node: int, rank: int) -> dict[str, int]:
+def formula_payload(ccfg: CompressionConfig, buckets: list[list[torch.Size]], n: int, per_node: int,
+                    rank: int) -> dict[str, int]:
     """Payload bytes per DP group of one sync step on DP rank `rank` of n (per_node ranks per node), groups with
     nothing left out. Hierarchical: 2·4·r·L_max per bucket inside the node, the inner method on range j between."""
     if ccfg.method != "hierarchical":

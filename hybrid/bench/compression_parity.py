@@ -15,18 +15,21 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from hybrid.bench import common
 from hybrid.bench.common import check_models, parse_with_quick, table, verdict
 from hybrid.compression.hooks import make_hook
-from hybrid.config import compose_config, validate
+from hybrid.config import Config, compose_config, validate
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
 from hybrid.testing.ranks import launch
 from hybrid.trainer import Trainer, build_chunks
+
+if TYPE_CHECKING:
+    from hybrid.data import Corpus
 
 MODULE = "hybrid.bench.compression_parity"
 CPU = torch.device("cpu")
@@ -85,7 +88,7 @@ def reproduce_command(args: argparse.Namespace) -> str:
     return common.reproduce_command(MODULE, build_parser(), args)
 
 
-def parity_cfg(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
+def parity_cfg(args: argparse.Namespace, overrides: Sequence[str]) -> Config:
     """The full training config of one parity run: the default corpus, fp32 CPU, eval only at the end."""
     return compose_config([f"model={args.model}", "data=default", f"data.seq_len={args.seq}",
                            f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.global_batch}",
@@ -93,7 +96,7 @@ def parity_cfg(args: argparse.Namespace, overrides: Sequence[str]) -> Any:
                            "train.precision=fp32", "train.device=cpu", "logging.progress=false", *overrides])
 
 
-def parity_rank(rank: int, world: int, cfg: Any, corpus: Any, error_every: int) -> dict[str, Any]:
+def parity_rank(rank: int, world: int, cfg: Config, corpus: Corpus, error_every: int) -> dict[str, Any]:
     """Train `cfg` for train.steps on this rank (as `Trainer.fit`, metering the compression error every
     `error_every` steps), then `evaluate()`; per step the loss and `mean_bytes()`'s figures."""
     ctx = ParallelContext.build(validate(cfg, world, world))
@@ -115,7 +118,7 @@ def parity_rank(rank: int, world: int, cfg: Any, corpus: Any, error_every: int) 
     return {"steps": steps, "eval": trainer.evaluate(), "s_per_step": wall / cfg.train.steps}
 
 
-def parity_run(args: argparse.Namespace, corpus: Any, label: str, overrides: Sequence[str],
+def parity_run(args: argparse.Namespace, corpus: Corpus, label: str, overrides: Sequence[str],
                goal: bool) -> dict[str, Any]:
     """One parity run on --dp ranks: its row, the means taken over the steps after the warm-up."""
     cfg = parity_cfg(args, overrides)
@@ -137,7 +140,8 @@ def parity_verdicts(rows: list[dict[str, Any]]) -> None:
         r["pass"] = abs(r["rel"]) <= PARITY_GOAL if r["goal"] else None
 
 
-def print_parity(args: argparse.Namespace, rows: list[dict[str, Any]], corpus: Any, out: Callable[[str], None]) -> None:
+def print_parity(args: argparse.Namespace, rows: list[dict[str, Any]], corpus: Corpus,
+                 out: Callable[[str], None]) -> None:
     """The parity table and what its columns mean."""
     out(f"\n## parity: {args.model} on the default corpus ({len(corpus.train):,} train / {len(corpus.eval)} "
         f"eval samples of {args.seq}+1 tokens, vocab {corpus.vocab_size}), dp={args.dp} forked gloo ranks, "

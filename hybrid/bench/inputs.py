@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
 from hybrid.data import Corpus
+
+if TYPE_CHECKING:
+    from hybrid.config import Config
 
 
 def synthetic_corpus(vocab: int, seq_len: int, n: int, seed: int = 0) -> Corpus:
@@ -16,6 +19,6 @@ def synthetic_corpus(vocab: int, seq_len: int, n: int, seed: int = 0) -> Corpus:
     return Corpus(tokenizer=None, vocab_size=vocab, eos_id=0, train=samples[:n], eval=samples[n:], seq_len=seq_len)
 
 
-def resolve_vocab(cfg: Any, override: Optional[int]) -> int:
+def resolve_vocab(cfg: Config, override: Optional[int]) -> int:
     """--vocab, else the model's vocab_size, else the default tokenizer's data.vocab_size (8192)."""
     return override or cfg.model.vocab_size or cfg.data.vocab_size

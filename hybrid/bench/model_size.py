@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from hybrid.config import CONFIG_DIR, compose_config
+from hybrid.config import CONFIG_DIR, ModelConfig, compose_config
 from hybrid.metrics import format_count, model_flops_per_token
 from hybrid.model import analytic_param_count, build_model
 
@@ -29,7 +29,7 @@ def model_names() -> list[str]:
     return sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("*.yaml"))
 
 
-def counted_params(cfg: Any, vocab: int) -> int:
+def counted_params(cfg: ModelConfig, vocab: int) -> int:
     """Parameters of the whole model built on the meta device (shapes only, nothing allocated)."""
     with torch.device("meta"):
         model = build_model(cfg, vocab)

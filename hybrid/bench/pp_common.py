@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from hybrid.bench.common import check_models
-from hybrid.config import compose_config, validate
+from hybrid.config import Config, compose_config, validate
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
 
@@ -34,14 +34,14 @@ def check_run_options(p: argparse.ArgumentParser, args: argparse.Namespace, min_
         p.error(f"sizes must be >= 1, --layers >= {min_layers} (pp·v parts), --seq even (SP)")
 
 
-def bench_cfg(args: argparse.Namespace, *overrides: str) -> Any:
+def bench_cfg(args: argparse.Namespace, *overrides: str) -> Config:
     """The composed config of the in-process runs (fp32 on CPU, no eval), plus `overrides`."""
     return compose_config([f"model={args.model}", f"model.vocab_size={args.vocab}", f"data.seq_len={args.seq}",
                            f"train.micro_batch_size={args.micro_batch}", "train.eval_every=0",
                            "train.precision=fp32", "train.device=cpu", *overrides])
 
 
-def pp_context(cfg: Any, world: int) -> ParallelContext:
+def pp_context(cfg: Config, world: int) -> ParallelContext:
     """The mesh `cfg.parallel` asks for on `world` ranks, its groups named for COUNTER."""
     ctx = ParallelContext.build(validate(cfg, world, world))
     for name in ("tp", "dp", "pp", "embedding"):

@@ -26,7 +26,7 @@ import torch
 
 from hybrid.bench import common
 from hybrid.bench.memory import proc_status_kb, sample_peaks
-from hybrid.config import compose_config
+from hybrid.config import Config, compose_config
 from hybrid.model import build_model
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.parallel.pipeline import partition_layers
@@ -65,7 +65,7 @@ def headline_command(log_dir: str) -> list[str]:
             f"logging.dir={log_dir}"]
 
 
-def stage_params_rank(rank: int, world: int, cfg: Any, vocab: int) -> list[int]:
+def stage_params_rank(rank: int, world: int, cfg: Config, vocab: int) -> list[int]:
     """Parameters of TP rank `rank`'s shard of every pipeline stage of `cfg` (built on the meta device)."""
     pp = cfg.parallel.pp
     group = ParallelContext.build(Layout.create(world, tp=world)).tp_group

@@ -13,7 +13,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,9 @@ from hybrid.parallel.schedules import build_schedule
 from hybrid.parallel.tensor import vocab_parallel_cross_entropy
 from hybrid.testing.ranks import launch
 from hybrid.trainer import build_chunks
+
+if TYPE_CHECKING:
+    from hybrid.config import Config
 
 MODULE = "hybrid.bench.pp_torch"
 QUICK = {"vocab": 300, "seq": 16, "micro_batch": 1, "microbatches": 2, "steps": 1, "warmup": 0, "timeout": 120.0}
@@ -57,7 +60,7 @@ def reproduce_command(args: argparse.Namespace) -> str:
     return common.reproduce_command(MODULE, build_parser(), args)
 
 
-def torch_rank(rank: int, world: int, args: argparse.Namespace, cfg: Any) -> dict[str, Any]:
+def torch_rank(rank: int, world: int, args: argparse.Namespace, cfg: Config) -> dict[str, Any]:
     """Alternate our 1F1B and torch's Schedule1F1B on the same stage; seconds per step and the grads' max diff."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 

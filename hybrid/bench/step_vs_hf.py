@@ -35,7 +35,7 @@ import torch
 
 from hybrid.bench.model_size import model_names
 from hybrid.compression.hooks import make_hook
-from hybrid.config import ConfigError, compose_config, validate
+from hybrid.config import Config, ConfigError, compose_config, validate
 from hybrid.data import Corpus
 from hybrid.metrics import format_count, model_flops_per_token
 from hybrid.model import analytic_param_count, build_model
@@ -82,7 +82,7 @@ def reproduce_command(args: argparse.Namespace) -> str:
             + (f" --lr {args.lr}" if args.lr is not None else ""))
 
 
-def bench_config(args: argparse.Namespace) -> Any:
+def bench_config(args: argparse.Namespace) -> Config:
     """The composed, validated config: one process, fp32 on CPU, the benchmark's batch shape, no eval."""
     total = args.repeats * len(args.threads) * (args.warmup + args.steps)
     cfg = compose_config([
@@ -108,7 +108,7 @@ def synthetic_corpus(vocab: int, seq_len: int, n: int, seed: int) -> Corpus:
 class ReferenceLoop:
     """A plain PyTorch training loop on transformers' GPT2LMHeadModel, hyperparameters as `cfg`."""
 
-    def __init__(self, cfg: Any, model: torch.nn.Module, corpus: Corpus) -> None:
+    def __init__(self, cfg: Config, model: torch.nn.Module, corpus: Corpus) -> None:
         self.cfg, self.model, self.corpus = cfg, model, corpus
         t, o = cfg.train, cfg.optim
         self.num_microbatches = t.global_batch_size // t.micro_batch_size
@@ -138,7 +138,7 @@ class ReferenceLoop:
         return float(total)
 
 
-def build_sides(cfg: Any, corpus: Corpus) -> tuple[Trainer, ReferenceLoop]:
+def build_sides(cfg: Config, corpus: Corpus) -> tuple[Trainer, ReferenceLoop]:
     """hybrid's single-rank Trainer and the reference loop, starting from the same weights."""
     from transformers import GPT2LMHeadModel
 
@@ -215,7 +215,7 @@ def measure(hybrid: Side, reference: Side, args: argparse.Namespace, tokens: int
     return rows
 
 
-def header(cfg: Any, trainer: Trainer, args: argparse.Namespace, tokens: int) -> str:
+def header(cfg: Config, trainer: Trainer, args: argparse.Namespace, tokens: int) -> str:
     """Start-up lines: the model's size against the analytic formula, and what is compared."""
     import transformers
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from hybrid.bench import common
 from hybrid.bench.common import parse_with_quick
@@ -22,6 +22,9 @@ from hybrid.data import Corpus
 from hybrid.model.traffic import tp_bytes_per_step
 from hybrid.parallel import collectives as C
 from hybrid.testing.ranks import launch
+
+if TYPE_CHECKING:
+    from hybrid.config import Config
 
 MODULE = "hybrid.bench.tp_bytes"
 QUICK = {"tp": [2], "seq": 32, "micro_batch": 2, "global_batch": 8, "timeout": 120.0}
@@ -51,7 +54,7 @@ def reproduce_command(args: argparse.Namespace) -> str:
     return common.reproduce_command(MODULE, build_parser(), args)
 
 
-def bytes_rank(rank: int, world: int, cfg: Any, corpus: Corpus) -> list[dict[str, Any]]:
+def bytes_rank(rank: int, world: int, cfg: Config, corpus: Corpus) -> list[dict[str, Any]]:
     """COUNTER's "tp" bytes per op of one train_step at tp=world, without and with SP."""
     rows = []
     for sp in (False, True):

@@ -4,13 +4,12 @@ Trainer of the training runs (throughput and bytes)."""
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 import torch
 
 from hybrid.bench.common import check_models
 from hybrid.compression.hooks import make_hook
-from hybrid.config import compose_config
+from hybrid.config import Config, compose_config
 from hybrid.data import Corpus
 from hybrid.model import build_model
 from hybrid.parallel import collectives as C
@@ -48,14 +47,14 @@ def check_train_options(p: argparse.ArgumentParser, args: argparse.Namespace, dp
         p.error(f"--global-batch must divide by {dp}·--micro-batch, --seq by {tp}")
 
 
-def train_cfg(args: argparse.Namespace, steps: int) -> Any:
+def train_cfg(args: argparse.Namespace, steps: int) -> Config:
     """The composed config of the training runs (fp32 on CPU, no eval)."""
     return compose_config([f"model={args.model}", f"data.seq_len={args.seq}", f"train.steps={steps}",
                            f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.global_batch}",
                            "train.eval_every=0", "train.precision=fp32", "train.device=cpu"])
 
 
-def make_trainer(cfg: Any, corpus: Corpus, world: int, tp: int, sp: bool) -> Trainer:
+def make_trainer(cfg: Config, corpus: Corpus, world: int, tp: int, sp: bool) -> Trainer:
     """A real Trainer on the mesh of `world` ranks with TP size `tp` (dp = world / tp)."""
     ctx = tp_context(world, tp)
     model = build_model(cfg.model, corpus.vocab_size, ctx.tp_group, seed=cfg.train.seed, sequence_parallel=sp)

@@ -29,7 +29,7 @@ from hybrid.bench import common
 from hybrid.bench.common import check_models, parse_with_quick
 from hybrid.bench.inputs import resolve_vocab
 from hybrid.bench.tp_common import MB, tp_context
-from hybrid.config import compose_config
+from hybrid.config import ModelConfig, compose_config
 from hybrid.model import build_model
 from hybrid.testing.activations import saved_tally
 from hybrid.testing.ranks import launch
@@ -75,7 +75,7 @@ def reproduce_command(args: argparse.Namespace) -> str:
 
 # ---- params ----------------------------------------------------------------------------------------------------
 
-def params_rank(rank: int, world: int, model_cfg: Any, vocab: int) -> dict[str, float]:
+def params_rank(rank: int, world: int, model_cfg: ModelConfig, vocab: int) -> dict[str, float]:
     """Parameter bytes of this rank's shard of the whole model (TP group = all `world` ranks)."""
     ctx = tp_context(world, world)
     start = time.perf_counter()
@@ -108,7 +108,7 @@ def section_params(args: argparse.Namespace, out: Callable[[str], None]) -> list
 
 # ---- activations -----------------------------------------------------------------------------------------------
 
-def activations_rank(rank: int, world: int, model_cfg: Any, vocab: int, batch: int, seq: int) -> list[dict]:
+def activations_rank(rank: int, world: int, model_cfg: ModelConfig, vocab: int, batch: int, seq: int) -> list[dict]:
     """Saved-activation bytes of one forward at tp=world, without and (tp > 1) with SP."""
     ctx = tp_context(world, world)
     ids = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0))

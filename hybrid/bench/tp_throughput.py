@@ -14,7 +14,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch.distributed as dist
 
@@ -24,6 +24,9 @@ from hybrid.bench.inputs import resolve_vocab, synthetic_corpus
 from hybrid.bench.tp_common import add_train_options, check_train_options, make_trainer, train_cfg
 from hybrid.data import Corpus
 from hybrid.testing.ranks import launch
+
+if TYPE_CHECKING:
+    from hybrid.config import Config
 
 MODULE = "hybrid.bench.tp_throughput"
 VARIANTS = (("tp1·dp2", 1, False), ("tp2", 2, False), ("tp2+SP", 2, True))  # the contenders
@@ -56,7 +59,7 @@ def reproduce_command(args: argparse.Namespace) -> str:
     return common.reproduce_command(MODULE, build_parser(), args)
 
 
-def throughput_rank(rank: int, world: int, cfg: Any, corpus: Corpus, rounds: int, warmup: int,
+def throughput_rank(rank: int, world: int, cfg: Config, corpus: Corpus, rounds: int, warmup: int,
                     steps: int) -> dict[str, Any]:
     """Per-round seconds per step and every loss of each VARIANTS contender, alternated ABC CBA …"""
     trainers = {name: make_trainer(cfg, corpus, world, tp, sp) for name, tp, sp in VARIANTS}

@@ -23,7 +23,7 @@ import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -60,12 +60,18 @@ from hybrid.checkpoint.state import (
     unblob,
 )
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hybrid.config import Config
+    from hybrid.parallel.context import ParallelContext
+
 
 def _quiet(_: str) -> None:
     pass
 
 
-def _tp_mesh(ctx: Any, device: torch.device) -> Any:
+def _tp_mesh(ctx: ParallelContext, device: torch.device) -> Optional[DeviceMesh]:
     if ctx.tp_size == 1 or ctx.tp_group is None:
         return None
     from torch.distributed.device_mesh import DeviceMesh
@@ -77,11 +83,11 @@ class Checkpointer:
     """Saves `states` (see the module docstring) every `checkpoint.every` steps and loads a checkpoint
     into them. Rank 0 writes the manifest, logs through `log` and cleans up."""
 
-    def __init__(self, cfg: Any, ctx: Any, device: torch.device, states: Mapping[str, Any],
+    def __init__(self, cfg: Config, ctx: ParallelContext, device: torch.device, states: Mapping[str, Any],
                  tokenizer: Any = None, log: Log = _quiet) -> None:
         c = cfg.checkpoint
         self.cfg, self.ctx, self.states, self.tokenizer, self.log = cfg, ctx, states, tokenizer, log
-        self.every, self.keep, self.use_async = c.every, c.keep, bool(c["async"])
+        self.every, self.keep, self.use_async = c.every, c.keep, bool(getattr(c, "async"))
         self.root = run_root(cfg)
         self.writer = ctx.rank == 0
         self.mesh = _tp_mesh(ctx, device)

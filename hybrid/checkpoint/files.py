@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from hybrid.config import ConfigError
+from hybrid.config import Config, ConfigError
 
 MANIFEST, METADATA, FORMAT = "hybrid.json", ".metadata", 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -33,7 +33,7 @@ class CheckpointError(ConfigError):
     """A checkpoint that cannot be resumed (missing, partial, corrupt, another model): one line, exit 2."""
 
 
-def run_root(cfg: Any) -> Path:
+def run_root(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir) / cfg.run_name
 
 

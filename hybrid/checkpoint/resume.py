@@ -8,7 +8,7 @@ Collective: `plan_resume` is one broadcast from rank 0 over the world; the rest 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch.distributed as dist
 
@@ -27,13 +27,17 @@ from hybrid.checkpoint.files import (
 )
 from hybrid.model.family import family_of
 
+if TYPE_CHECKING:
+    from hybrid.config import Config, ModelConfig
+    from hybrid.parallel.context import Layout
 
-def model_shape(model_cfg: Any, vocab: int) -> dict[str, Any]:
+
+def model_shape(model_cfg: ModelConfig, vocab: int) -> dict[str, Any]:
     """Everything that fixes the shapes of the model's tensors (layout aside): the family's `shape`."""
     return family_of(model_cfg).shape(model_cfg, vocab)
 
 
-def layout_of(cfg: Any, layout: Any) -> dict[str, Any]:
+def layout_of(cfg: Config, layout: Layout) -> dict[str, Any]:
     """What decides which rank holds which tensors, and its RNG streams (`layout`: the run's Layout)."""
     p = cfg.parallel
     stages = list(p.stage_layers) if p.stage_layers is not None else None
@@ -46,7 +50,7 @@ def layout_name(layout: dict[str, Any]) -> str:
     return f"tp{layout['tp']}pp{layout['pp']}{v}dp{layout['dp']}"
 
 
-def hook_key(cfg: Any, layout: Any) -> dict[str, Any]:
+def hook_key(cfg: Config, layout: Layout) -> dict[str, Any]:
     """What the DP hook's state depends on: its method and knobs, the buckets, and the layout."""
     from omegaconf import OmegaConf
 
@@ -54,7 +58,7 @@ def hook_key(cfg: Any, layout: Any) -> dict[str, Any]:
             **layout_of(cfg, layout)}
 
 
-def check_compatible(manifest: dict[str, Any], cfg: Any, vocab: int, path: Path) -> None:
+def check_compatible(manifest: dict[str, Any], cfg: Config, vocab: int, path: Path) -> None:
     """A different model shape is an error naming what differs; a different layout is allowed."""
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path} has format {manifest.get('format')}, this version reads {FORMAT}")
@@ -65,7 +69,7 @@ def check_compatible(manifest: dict[str, Any], cfg: Any, vocab: int, path: Path)
                               "the model must match (only the layout may change)")
 
 
-def resolve_resume(cfg: Any, warn: Log) -> Optional[Path]:
+def resolve_resume(cfg: Config, warn: Log) -> Optional[Path]:
     """The checkpoint `checkpoint.resume` names: none → None; auto → the newest complete one of this
     run (None if there is none); a path → that checkpoint, or the newest complete one in that folder."""
     r = str(cfg.checkpoint.resume)
@@ -85,7 +89,7 @@ def resolve_resume(cfg: Any, warn: Log) -> Optional[Path]:
     return path
 
 
-def plan_resume(cfg: Any, vocab: int, is_writer: bool, warn: Log) -> Optional[tuple[Path, dict[str, Any]]]:
+def plan_resume(cfg: Config, vocab: int, is_writer: bool, warn: Log) -> Optional[tuple[Path, dict[str, Any]]]:
     """Rank 0 picks the checkpoint (and checks it fits this model); every rank gets the same answer or
     the same error. One `broadcast_object_list` over the world."""
     answer: list[Any] = [None]
@@ -107,7 +111,7 @@ def plan_resume(cfg: Any, vocab: int, is_writer: bool, warn: Log) -> Optional[tu
     return None if answer[0] is None else (Path(answer[0][0]), answer[0][1])
 
 
-def config_changes(saved: dict[str, Any], cfg: Any, limit: int = 12) -> list[str]:
+def config_changes(saved: dict[str, Any], cfg: Config, limit: int = 12) -> list[str]:
     """`key: old → new` for every config value that differs from the saved run's, except the layout,
     checkpoint and logging keys (a resumed run is expected to change those)."""
     from omegaconf import OmegaConf
@@ -125,7 +129,7 @@ def config_changes(saved: dict[str, Any], cfg: Any, limit: int = 12) -> list[str
     return lines + ([f"and {len(keys) - limit} more"] if len(keys) > limit else [])
 
 
-def resume_lines(path: Path, manifest: dict[str, Any], cfg: Any, here: dict[str, Any], same_hook: bool) -> list[str]:
+def resume_lines(path: Path, manifest: dict[str, Any], cfg: Config, here: dict[str, Any], same_hook: bool) -> list[str]:
     """What rank 0 logs after a resume: what was loaded and what changed (layout, dropped hook state,
     config values)."""
     changed = config_changes(manifest.get("config", {}), cfg)

@@ -29,7 +29,7 @@ import io
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -44,6 +44,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from hybrid.checkpoint.files import CheckpointError, distributed, first_line, single_process_quiet
 from hybrid.parallel.params import param_info
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 VOCAB_PARAMS = ("tok_embed.weight", "head.weight")
 """Parameters whose rows are the padded vocabulary (row count depends on tp)."""
@@ -120,7 +123,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                                       "exp_avg_sq": torch.zeros_like(p)}
 
 
-def to_dcp(piece: Piece, mesh: Any) -> torch.Tensor:
+def to_dcp(piece: Piece, mesh: Optional[DeviceMesh]) -> torch.Tensor:
     """The value DCP sees: a DTensor `Shard(dim)` over the TP mesh for a sharded piece, else the tensor."""
     if piece.dim is None or mesh is None:
         return piece.local
@@ -215,7 +218,7 @@ def _chunks(obj: torch.Tensor) -> list[ChunkStorageMetadata]:
 
 # ---- reading a checkpoint into live tensors -------------------------------------------------
 
-def load_target(all_pieces: list[Piece], mesh: Any) -> tuple[dict[str, Any], list[Piece]]:
+def load_target(all_pieces: list[Piece], mesh: Optional[DeviceMesh]) -> tuple[dict[str, Any], list[Piece]]:
     """The DCP state dict to load into, and the pieces whose key appears twice on this rank (the tied
     head and the embedding on one rank): those are loaded once and copied after (`fill_copies`)."""
     state: dict[str, Any] = {}
@@ -253,7 +256,7 @@ def _load_failure(path: Path, e: BaseException) -> str:
     return f"checkpoint {path} could not be read ({first_line(e)})"
 
 
-def load_weights(model: nn.ModuleList, path: Path, mesh: Any = None) -> None:
+def load_weights(model: nn.ModuleList, path: Path, mesh: Optional[DeviceMesh] = None) -> None:
     """Load only the parameters of checkpoint `path` into `model` (a ModuleList of chunks, any layout;
     `mesh`: the TP device mesh when tp > 1). Export and tools use it; training resumes with
     `Checkpointer.load`."""

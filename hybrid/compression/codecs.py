@@ -27,12 +27,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
+
+if TYPE_CHECKING:
+    from hybrid.config import CompressionConfig
 
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 
@@ -142,7 +145,7 @@ class CodecSpec:
     """A registered codec: how to build it from the `compression` config, and whether the method
     runs with error feedback (when `compression.error_feedback` is on)."""
 
-    build: Callable[[Any], Codec]
+    build: Callable[[CompressionConfig], Codec]
     error_feedback: bool
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ from hybrid.compression.codecs import done
 from hybrid.compression.hierarchical import HierarchicalState, hierarchical_hook
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
+
+if TYPE_CHECKING:
+    from hybrid.config import CompressionConfig
 
 Hook = Callable[[Any, Any], torch.futures.Future]
 
@@ -152,27 +155,27 @@ def _load_state_dict(state: Any, sd: Any) -> None:
 
 # ---- the registry: method → factory(cfg, dp group) → (hook, state) --------------------------
 
-def _allreduce(cfg: Any, group: Group) -> tuple[Hook, Any]:
+def _allreduce(cfg: CompressionConfig, group: Group) -> tuple[Hook, Any]:
     return allreduce_hook, group
 
 
-def _cast(dtype: torch.dtype) -> Callable[[Any, Group], tuple[Hook, Any]]:
+def _cast(dtype: torch.dtype) -> Callable[[CompressionConfig, Group], tuple[Hook, Any]]:
     return lambda cfg, group: (cast_hook, CastState(group, dtype))
 
 
-def _two_phase(spec: codecs.CodecSpec) -> Callable[[Any, Group], tuple[Hook, Any]]:
-    def make(cfg: Any, group: Group) -> tuple[Hook, Any]:
+def _two_phase(spec: codecs.CodecSpec) -> Callable[[CompressionConfig, Group], tuple[Hook, Any]]:
+    def make(cfg: CompressionConfig, group: Group) -> tuple[Hook, Any]:
         feedback = spec.error_feedback and cfg.error_feedback
         return codecs.two_phase_hook, codecs.TwoPhaseState(spec.build(cfg), group, feedback)
     return make
 
 
-def _powersgd(cfg: Any, group: Group) -> tuple[Hook, Any]:
+def _powersgd(cfg: CompressionConfig, group: Group) -> tuple[Hook, Any]:
     return powersgd.powersgd_hook, powersgd.PowerSGDState(group, cfg.rank, cfg.error_feedback,
                                                           cfg.min_compression_rate, cfg.seed)
 
 
-REGISTRY: dict[str, Callable[[Any, Group], tuple[Hook, Any]]] = {
+REGISTRY: dict[str, Callable[[CompressionConfig, Group], tuple[Hook, Any]]] = {
     "none": _allreduce,
     "fp16": _cast(torch.float16),
     "bf16": _cast(torch.bfloat16),
@@ -185,7 +188,7 @@ hierarchical (around one of these) and PyTorch's hooks (`torch_hooks.py`)."""
 METHODS = (*REGISTRY, "hierarchical", "torch_fp16", "torch_bf16", "torch_powersgd")
 
 
-def check(cfg: Any) -> None:
+def check(cfg: CompressionConfig) -> None:
     """Validate the `compression` config; one CompressionError line naming the bad knob."""
     def need(ok: bool, msg: str) -> None:
         if not ok:
@@ -205,7 +208,8 @@ def check(cfg: Any) -> None:
              f"compression.warmup_steps >= 2 (PyTorch's start_powerSGD_iter), got {cfg.warmup_steps}")
 
 
-def make_hook(cfg: Any, group: Group, dp_intra: Group = None, dp_inter: Group = None) -> tuple[Hook, Compression]:
+def make_hook(cfg: CompressionConfig, group: Group, dp_intra: Group = None,
+              dp_inter: Group = None) -> tuple[Hook, Compression]:
     """The (hook, state) pair for `cfg` (the `compression` config) over the DP `group`.
 
     Hierarchical uses `dp_intra` / `dp_inter` (ParallelContext's node-cut DP groups). The pair

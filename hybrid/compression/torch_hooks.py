@@ -8,13 +8,16 @@ is replaced by `_CountingDist`, a proxy that records each all-reduce in hybrid's
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
+
+if TYPE_CHECKING:
+    from hybrid.config import CompressionConfig
 
 
 class _CountingDist:
@@ -37,7 +40,7 @@ def _install_counting() -> None:
             module.dist = _CountingDist()
 
 
-def make_torch_hook(cfg: Any, group: Group) -> tuple[Any, Any]:
+def make_torch_hook(cfg: CompressionConfig, group: Group) -> tuple[Any, Any]:
     """(hook, state) of PyTorch's hook for `compression.method` = torch_fp16 | torch_bf16 | torch_powersgd."""
     _install_counting()
     if cfg.method == "torch_fp16":

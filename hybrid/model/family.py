@@ -19,7 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from hybrid.config import ModelConfig
 
 NORMS = ("layernorm", "rms")
 MLPS = ("gelu", "swiglu")
@@ -65,26 +70,26 @@ class HFCounterpart:
     model_type: str  # transformers' config.model_type, e.g. "gpt2"
     config_class: str  # the transformers config class, e.g. "GPT2Config"
     lm_class: str  # the transformers LM class, e.g. "GPT2LMHeadModel"
-    config: Callable[[Any], dict[str, Any]]
-    rules: Callable[[Any], dict[str, Any]]
-    shape: Callable[[Any], dict[str, Any]]
+    config: Callable[[ModelConfig], dict[str, Any]]
+    rules: Callable[[ModelConfig], dict[str, Any]]
+    shape: Callable[[PretrainedConfig], dict[str, Any]]
 
 
 def no_check(*_: Any) -> None:
     """A check that accepts everything."""
 
 
-def ffn_hidden(cfg: Any) -> int:
+def ffn_hidden(cfg: ModelConfig) -> int:
     """The MLP inner width: `ffn_hidden`, or 4h."""
     return cfg.ffn_hidden or 4 * cfg.hidden
 
 
-def kv_heads(cfg: Any) -> int:
+def kv_heads(cfg: ModelConfig) -> int:
     """The key/value heads: `n_kv_heads`, or one per query head."""
     return cfg.n_kv_heads or cfg.n_heads
 
 
-def base_shape(cfg: Any, vocab: int) -> dict[str, Any]:
+def base_shape(cfg: ModelConfig, vocab: int) -> dict[str, Any]:
     """The fields that fix every family's tensor shapes (layout aside)."""
     return {"family": cfg.family, "n_layers": cfg.n_layers, "hidden": cfg.hidden, "n_heads": cfg.n_heads,
             "n_kv_heads": kv_heads(cfg), "ffn_hidden": ffn_hidden(cfg), "vocab_size": vocab,
@@ -104,10 +109,10 @@ class Family:
 
     name: str
     blocks: Blocks
-    param_count: Callable[[Any, int, int], int]
-    check: Callable[[Any], None] = no_check
-    check_seq_len: Callable[[Any, int], None] = no_check
-    shape: Callable[[Any, int], dict[str, Any]] = base_shape
+    param_count: Callable[[ModelConfig, int, int], int]
+    check: Callable[[ModelConfig], None] = no_check
+    check_seq_len: Callable[[ModelConfig, int], None] = no_check
+    shape: Callable[[ModelConfig, int], dict[str, Any]] = base_shape
     hf: Optional[HFCounterpart] = None
 
 
@@ -138,6 +143,6 @@ def get_family(name: str) -> Family:
     return _FAMILIES[name]
 
 
-def family_of(cfg: Any) -> Family:
+def family_of(cfg: ModelConfig) -> Family:
     """The family of a ModelConfig (`cfg.family`)."""
     return get_family(cfg.family)

@@ -10,7 +10,7 @@ our `nn.Linear`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybrid.model.family import (
     Blocks,
@@ -24,8 +24,13 @@ from hybrid.model.family import (
 from hybrid.model.hf import Rule
 from hybrid.parallel.tensor import padded_vocab
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-def gpt_param_count(cfg: Any, vocab_size: int, tp: int = 1) -> int:
+    from hybrid.config import ModelConfig
+
+
+def gpt_param_count(cfg: ModelConfig, vocab_size: int, tp: int = 1) -> int:
     """Parameters of the whole model: V'h + S·h + L(12h² + 13h) + 2h (+ V'h if untied).
 
     V' is the padded vocabulary, S the learned positions; per layer QKV 3h²+3h, proj h²+h,
@@ -38,19 +43,19 @@ def gpt_param_count(cfg: Any, vocab_size: int, tp: int = 1) -> int:
     return v * h + cfg.max_seq_len * h + L * per_layer + 2 * h + head
 
 
-def check_learned_positions(cfg: Any, seq_len: int) -> None:
+def check_learned_positions(cfg: ModelConfig, seq_len: int) -> None:
     """Learned positions have max_seq_len rows: longer sequences have no position to embed."""
     if seq_len > cfg.max_seq_len:
         raise ModelConfigError(f"data.seq_len={seq_len} exceeds model.max_seq_len={cfg.max_seq_len} "
                                "(learned positions)")
 
 
-def learned_positions_shape(cfg: Any, vocab: int) -> dict[str, Any]:
+def learned_positions_shape(cfg: ModelConfig, vocab: int) -> dict[str, Any]:
     """The common shape fields, and max_seq_len: the rows of the learned position embedding."""
     return base_shape(cfg, vocab) | {"max_seq_len": cfg.max_seq_len}
 
 
-def hf_config_kwargs(cfg: Any) -> dict[str, Any]:
+def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     """GPT2Config keywords. Dropout on attention probabilities and residual branches; we have no
     embedding dropout, so `embd_pdrop=0`."""
     return {"n_positions": cfg.max_seq_len, "n_embd": cfg.hidden, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
@@ -58,7 +63,7 @@ def hf_config_kwargs(cfg: Any) -> dict[str, Any]:
             "resid_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "embd_pdrop": 0.0}
 
 
-def hf_rules(cfg: Any) -> dict[str, Rule]:
+def hf_rules(cfg: ModelConfig) -> dict[str, Rule]:
     """Our global names ← GPT2LMHeadModel's; linear weights transposed (Conv1D is [in, out])."""
     rules = {"tok_embed.weight": Rule(("transformer.wte.weight",), vocab=True),
              "pos_embed.weight": Rule(("transformer.wpe.weight",))}
@@ -74,7 +79,7 @@ def hf_rules(cfg: Any) -> dict[str, Rule]:
     return rules
 
 
-def hf_shape(hf: Any) -> dict[str, Any]:
+def hf_shape(hf: PretrainedConfig) -> dict[str, Any]:
     """The fields of a GPT2Config that fix our tensors and numerics, under our names (max_seq_len,
     the learned positions, reported last)."""
     return {"n_layers": hf.n_layer, "hidden": hf.n_embd, "n_heads": hf.n_head, "n_kv_heads": hf.n_head,

@@ -43,6 +43,8 @@ from hybrid.parallel.tensor import padded_vocab
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from hybrid.config import ModelConfig
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -58,7 +60,7 @@ class Rule:
     vocab: bool = False
 
 
-def hf_counterpart(cfg: Any) -> HFCounterpart:
+def hf_counterpart(cfg: ModelConfig) -> HFCounterpart:
     """The transformers counterpart of `cfg.family`; ModelConfigError if it has none."""
     spec = get_family(cfg.family).hf if cfg.family in family_names() else None
     if spec is None:
@@ -66,7 +68,7 @@ def hf_counterpart(cfg: Any) -> HFCounterpart:
     return spec
 
 
-def hf_config(cfg: Any, vocab_size: int, **overrides: Any) -> PretrainedConfig:
+def hf_config(cfg: ModelConfig, vocab_size: int, **overrides: Any) -> PretrainedConfig:
     """The family's transformers config (GPT2Config, LlamaConfig, ...) with the shape and numerics of `cfg`.
 
     The vocabulary is the real (unpadded) one; the family gives its own keywords (shapes, norm eps,
@@ -82,7 +84,7 @@ def hf_config(cfg: Any, vocab_size: int, **overrides: Any) -> PretrainedConfig:
     return getattr(transformers, spec.config_class)(**(common | spec.config(cfg) | overrides))
 
 
-def conversion_rules(cfg: Any) -> dict[str, Rule]:
+def conversion_rules(cfg: ModelConfig) -> dict[str, Rule]:
     """Rules for every global parameter name of the whole model of `cfg`, in our order: the
     family's (`HFCounterpart.rules`), then an untied head (`lm_head.weight` in every family)."""
     rules = dict(hf_counterpart(cfg).rules(cfg))
@@ -117,7 +119,7 @@ def _export(rule: Rule, t: torch.Tensor, vocab_size: int) -> dict[str, torch.Ten
             for k, p in zip(rule.hf, parts, strict=True)}
 
 
-def to_hf_state_dict(state: dict[str, torch.Tensor], cfg: Any, vocab_size: int) -> dict[str, torch.Tensor]:
+def to_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig, vocab_size: int) -> dict[str, torch.Tensor]:
     """Our full (unsharded, global-name) state dict → transformers' LM state dict.
 
     Vocabulary padding is stripped. With tied embeddings `lm_head.weight` is the same tensor
@@ -134,7 +136,7 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], cfg: Any, vocab_size: int) 
     return out
 
 
-def from_hf_state_dict(hf_state: dict[str, torch.Tensor], cfg: Any, vocab_size: int,
+def from_hf_state_dict(hf_state: dict[str, torch.Tensor], cfg: ModelConfig, vocab_size: int,
                        tp: int = 1) -> dict[str, torch.Tensor]:
     """transformers' LM state dict → our full state dict with global names.
 
@@ -147,7 +149,7 @@ def from_hf_state_dict(hf_state: dict[str, torch.Tensor], cfg: Any, vocab_size: 
 
 
 @torch.no_grad()
-def load_hf_into(model: nn.Module, hf_state: Mapping[str, torch.Tensor], cfg: Any, vocab_size: int) -> None:
+def load_hf_into(model: nn.Module, hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig, vocab_size: int) -> None:
     """Copy transformers weights into `model`: whole, one pipeline stage, and/or one TP rank.
 
     For each of the model's own parameters (global names), the global tensor is built from
@@ -170,7 +172,7 @@ def load_hf_into(model: nn.Module, hf_state: Mapping[str, torch.Tensor], cfg: An
         p.copy_(local)
 
 
-def _missing_parts(names: set[str], cfg: Any) -> list[str]:
+def _missing_parts(names: set[str], cfg: ModelConfig) -> list[str]:
     """What of the whole model `names` lacks: layer indices as ranges, other tensors by name."""
     missing = [n for n in conversion_rules(cfg) if n not in names]
     layers = sorted({int(n.split(".")[1]) for n in missing if n.startswith("layers.")})
@@ -181,7 +183,7 @@ def _missing_parts(names: set[str], cfg: Any) -> list[str]:
     return out
 
 
-def export_hf_state_dict(model: nn.Module, cfg: Any, vocab_size: int) -> dict[str, torch.Tensor]:
+def export_hf_state_dict(model: nn.Module, cfg: ModelConfig, vocab_size: int) -> dict[str, torch.Tensor]:
     """transformers' LM state dict of a whole, possibly TP-sharded, model; every TP rank gets it.
 
     A collective over `model.tp_group`: `full_state_dict` runs one `all_gather` per TP-sharded
@@ -204,7 +206,7 @@ def export_hf_state_dict(model: nn.Module, cfg: Any, vocab_size: int) -> dict[st
 
 # ---- model.init_from: a transformers folder as the starting point -----------------------------
 
-def check_hf_config(hf: PretrainedConfig, cfg: Any, vocab_size: int, where: str) -> None:
+def check_hf_config(hf: PretrainedConfig, cfg: ModelConfig, vocab_size: int, where: str) -> None:
     """ModelConfigError naming every field in which transformers config `hf` differs from `cfg` (the
     family, shapes, vocabulary, tying, norm eps, RoPE, activation: the family's `HFCounterpart.shape`):
     the weights would not fit, or would make another function."""
@@ -268,7 +270,7 @@ class HFTensors(Mapping[str, torch.Tensor]):
         return len(self._bin or self._files)
 
 
-def load_pretrained(model: nn.ModuleList, folder: str | Path, cfg: Any, vocab_size: int) -> str:
+def load_pretrained(model: nn.ModuleList, folder: str | Path, cfg: ModelConfig, vocab_size: int) -> str:
     """Fill this rank's chunks (any layout: a pipeline part, a TP shard) with the weights of the
     transformers folder `folder` (`model.init_from`); returns a one-line summary.
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,9 @@ from hybrid.parallel.tensor import (
     padded_vocab,
     vocab_parallel_cross_entropy,
 )
+
+if TYPE_CHECKING:
+    from hybrid.config import ModelConfig
 
 
 class Norm(nn.Module):
@@ -85,7 +88,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """Causal self-attention with heads (and KV heads) split across the TP group; `bias` on both projections."""
 
-    def __init__(self, cfg: Any, group: Group, out_std: float, sp: bool, rng: TPRandom, bias: bool) -> None:
+    def __init__(self, cfg: ModelConfig, group: Group, out_std: float, sp: bool, rng: TPRandom, bias: bool) -> None:
         super().__init__()
         tp = C.size(group)
         self.head_dim = cfg.hidden // cfg.n_heads
@@ -119,7 +122,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """kind "gelu": fc1 → GELU(tanh) → fc2. kind "swiglu": fused gate|up → SiLU(gate)·up → down."""
 
-    def __init__(self, cfg: Any, group: Group, out_std: float, sp: bool, kind: str, bias: bool) -> None:
+    def __init__(self, cfg: ModelConfig, group: Group, out_std: float, sp: bool, kind: str, bias: bool) -> None:
         super().__init__()
         self.swiglu = kind == "swiglu"
         ffn = cfg.ffn_hidden or 4 * cfg.hidden
@@ -142,7 +145,7 @@ class Block(nn.Module):
     TP rank) or, under sequence parallelism, on this rank's chunk (the TP rank's own stream).
     """
 
-    def __init__(self, cfg: Any, choices: Blocks, group: Group, sp: bool, rng: TPRandom) -> None:
+    def __init__(self, cfg: ModelConfig, choices: Blocks, group: Group, sp: bool, rng: TPRandom) -> None:
         super().__init__()
         rms = choices.norm == "rms"
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
@@ -174,7 +177,7 @@ class CausalLM(nn.Module):
     rank's sequence chunk [b, s/tp, h]; ids, labels and logits cover the whole sequence.
     """
 
-    def __init__(self, cfg: Any, vocab_size: int, tp_group: Group = None, layers: Optional[range] = None,
+    def __init__(self, cfg: ModelConfig, vocab_size: int, tp_group: Group = None, layers: Optional[range] = None,
                  pre: bool = True, post: bool = True, seed: int = 0, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.cfg, self.tp_group, self.pre, self.post = cfg, tp_group, pre, post

@@ -10,14 +10,19 @@ k need no permutation).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybrid.model.family import Blocks, Family, HFCounterpart, ModelConfigError, ffn_hidden, kv_heads, register_family
 from hybrid.model.hf import Rule
 from hybrid.parallel.tensor import padded_vocab
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-def llama_param_count(cfg: Any, vocab_size: int, tp: int = 1) -> int:
+    from hybrid.config import ModelConfig
+
+
+def llama_param_count(cfg: ModelConfig, vocab_size: int, tp: int = 1) -> int:
     """Parameters: V'h (+ V'h untied head) + L(h(h + 2·kv·d) + h² + 3·h·ffn + 2h) + h."""
     h, L, v = cfg.hidden, cfg.n_layers, padded_vocab(vocab_size, cfg.make_vocab_size_divisible_by, tp)
     kv = kv_heads(cfg) * (h // cfg.n_heads)
@@ -27,13 +32,13 @@ def llama_param_count(cfg: Any, vocab_size: int, tp: int = 1) -> int:
     return v * h + L * per_layer + h + head
 
 
-def check_rope(cfg: Any) -> None:
+def check_rope(cfg: ModelConfig) -> None:
     """RoPE rotates pairs of a head's features: the head dimension must be even."""
     if (cfg.hidden // cfg.n_heads) % 2:
         raise ModelConfigError("llama needs an even head dimension for RoPE")
 
 
-def hf_config_kwargs(cfg: Any) -> dict[str, Any]:
+def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     """LlamaConfig keywords; dropout on attention probabilities."""
     return {"hidden_size": cfg.hidden, "intermediate_size": ffn_hidden(cfg), "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads, "num_key_value_heads": kv_heads(cfg),
@@ -42,7 +47,7 @@ def hf_config_kwargs(cfg: Any) -> dict[str, Any]:
             "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.dropout}
 
 
-def hf_rules(cfg: Any) -> dict[str, Rule]:
+def hf_rules(cfg: ModelConfig) -> dict[str, Rule]:
     """Our global names ← LlamaForCausalLM's; fused projections are row concatenations."""
     q = cfg.n_heads * (cfg.hidden // cfg.n_heads)
     kv = kv_heads(cfg) * (cfg.hidden // cfg.n_heads)
@@ -63,7 +68,7 @@ def hf_rules(cfg: Any) -> dict[str, Rule]:
     return rules
 
 
-def hf_shape(hf: Any) -> dict[str, Any]:
+def hf_shape(hf: PretrainedConfig) -> dict[str, Any]:
     """The fields of a LlamaConfig that fix our tensors and numerics, under our names (defaults
     resolved as transformers resolves them; max_position_embeddings is only the RoPE cache length)."""
     rope = getattr(hf, "rope_parameters", None) or {}

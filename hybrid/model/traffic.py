@@ -24,12 +24,15 @@ gradient-norm's scalar all-reduce.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hybrid.model.family import family_of
 
+if TYPE_CHECKING:
+    from hybrid.config import ModelConfig
 
-def tp_bytes_per_microbatch(cfg: Any, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
+
+def tp_bytes_per_microbatch(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
                             layers: int | None = None, pre: bool = True, post: bool = True,
                             itemsize: int = 4) -> dict[str, int]:
     """{op: bytes} one rank's TP group moves for one microbatch, forward and backward."""
@@ -48,7 +51,7 @@ def tp_bytes_per_microbatch(cfg: Any, micro_batch: int, seq_len: int, tp: int, s
     return {op: b for op, b in out.items() if b}
 
 
-def sequence_parallel_grad_elements(cfg: Any, layers: int | None = None, pre: bool = True,
+def sequence_parallel_grad_elements(cfg: ModelConfig, layers: int | None = None, pre: bool = True,
                                     post: bool = True) -> int:
     """Gradient elements summed over TP once per step under sequence parallelism: the norms
     (LayerNorm: weight and bias), the row-parallel biases, learned positions (the family's blocks)."""
@@ -60,7 +63,7 @@ def sequence_parallel_grad_elements(cfg: Any, layers: int | None = None, pre: bo
     return n_layers * per_layer + (norm if post else 0) + positions
 
 
-def tp_bytes_per_step(cfg: Any, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
+def tp_bytes_per_step(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
                       microbatches: int, itemsize: int = 4) -> dict[str, int]:
     """{op: bytes} of one whole-model optimizer step (pp=1): every microbatch, the sequence-parallel
     gradient all-reduce (fp32) and the gradient norm's fp32 scalar all-reduce."""

@@ -27,14 +27,14 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import nn
 
 from hybrid.checkpoint import MANIFEST, CheckpointError, find_latest, list_steps, problem, read_manifest
 from hybrid.cli import EXIT_BAD_INPUT, EXIT_FAILED, UsageError, run_tool, warn
-from hybrid.config import ConfigError
+from hybrid.config import ConfigError, ModelConfig
 from hybrid.model.family import ModelConfigError
 
 KEYS = ("checkpoint", "out", "force", "verify")
@@ -123,12 +123,10 @@ def check_out(out: Path, force: bool) -> None:
         raise UsageError(f"out={out}: its parent folder does not exist")
 
 
-def model_config(manifest: dict[str, Any], path: Path) -> tuple[Any, int]:
+def model_config(manifest: dict[str, Any], path: Path) -> tuple[ModelConfig, int]:
     """The checkpoint's model config (typed by ModelConfig; fields unknown to it dropped, missing ones
     defaulted) and its real vocabulary."""
     from omegaconf import OmegaConf
-
-    from hybrid.config import ModelConfig
 
     try:
         saved = manifest["config"]["model"]
@@ -139,7 +137,7 @@ def model_config(manifest: dict[str, Any], path: Path) -> tuple[Any, int]:
     cfg = OmegaConf.merge(base, {k: v for k, v in saved.items() if k in base})
     if _lm_class(cfg.family) is None:
         raise CheckpointError(f"checkpoint {path}: model.family={cfg.family} has no transformers counterpart")
-    return cfg, vocab
+    return cast(ModelConfig, cfg), vocab  # duck-typed
 
 
 def _lm_class(family: str) -> Optional[str]:
@@ -150,7 +148,7 @@ def _lm_class(family: str) -> Optional[str]:
     return spec.lm_class if spec is not None else None
 
 
-def load_model(path: Path, cfg: Any, vocab: int) -> nn.Module:
+def load_model(path: Path, cfg: ModelConfig, vocab: int) -> nn.Module:
     """The whole model in one process, its weights read from checkpoint `path` (DCP reshards any layout)."""
     from hybrid.checkpoint import load_weights
     from hybrid.model import build_model
@@ -176,7 +174,7 @@ def token_ids(tokenizer_dir: Path) -> dict[str, Optional[int]]:
     return {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}
 
 
-def write_folder(folder: Path, model: nn.Module, cfg: Any, vocab: int, tokenizer_dir: Path) -> int:
+def write_folder(folder: Path, model: nn.Module, cfg: ModelConfig, vocab: int, tokenizer_dir: Path) -> int:
     """transformers' `save_pretrained` from a model skeleton on the meta device given our converted
     state dict (so no second copy of the weights is built): config.json, generation_config.json,
     model.safetensors (a tied lm_head is left out, as transformers does); then the tokenizer files.

@@ -2,6 +2,9 @@
 
 - The import graph of `hybrid/` has no cycle, counting imports inside functions too.
 - Every import follows the layering rules: each room may import only the rooms listed for it.
+- Imports under `if TYPE_CHECKING:` never run, so they are left out of both rules above; beyond its
+  layering rules, such a type-only import may name only a schema of `hybrid.config` (`ModelConfig`, …),
+  so a lower room states in its hints which config it reads without depending on config at run time.
 - No module outside `hybrid/bench/` is longer than `MAX_LINES`.
 - No run of `DUP_LINES` significant lines appears twice in `hybrid/` (argparse boilerplate aside).
 """
@@ -60,22 +63,46 @@ def _resolve(name: str) -> str | None:
     return name or None
 
 
-def imports_of(module: str) -> set[str]:
-    """Every hybrid module `module` imports, anywhere in its body (functions and TYPE_CHECKING included)."""
+def _type_checking(node: ast.AST) -> bool:
+    """`node` is an `if TYPE_CHECKING:` (or `if typing.TYPE_CHECKING:`) statement."""
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imported_names(module: str, type_only: bool = False) -> set[str]:
+    """The dotted hybrid names (`hybrid.config.ModelConfig`) `module` imports at run time, anywhere in its
+    body (functions included); with `type_only`, those it imports inside `if TYPE_CHECKING:` blocks instead."""
     tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+    hints = {id(n) for block in ast.walk(tree) if _type_checking(block) for stmt in block.body for n in ast.walk(stmt)}
     out: set[str] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [f"{node.module}.{a.name}" for a in node.names]
-        else:
+        if (id(node) in hints) != type_only:
             continue
-        out |= {m for n in names if n.startswith("hybrid") and (m := _resolve(n)) and m != module}
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("hybrid")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("hybrid"):
+            out |= {f"{node.module}.{a.name}" for a in node.names}
     return out
 
 
-GRAPH = {m: imports_of(m) for m in MODULES}
+def imports_of(module: str, type_only: bool = False) -> set[str]:
+    """Every hybrid module `module` imports at run time (with `type_only`: for type hints only)."""
+    return {m for n in imported_names(module, type_only) if (m := _resolve(n)) and m != module}
+
+
+GRAPH = {m: imports_of(m) for m in MODULES}  # the run-time graph: TYPE_CHECKING imports left out
+
+
+def _schemas() -> set[str]:
+    """`hybrid.config.<name>` of every schema: the config dataclasses and assigned classes named *Config."""
+    tree = ast.parse(MODULES["hybrid.config"].read_text(encoding="utf-8"))
+    names = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    names |= {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    return {f"hybrid.config.{n}" for n in names if n.endswith("Config")}
+
+
+SCHEMAS = _schemas()
 
 
 def _under(module: str, room: str) -> bool:
@@ -130,6 +157,23 @@ def test_imports_follow_the_layering(module: str) -> None:
     allowed = (room, *RULES[room])
     bad = sorted(n for n in GRAPH[module] if not any(_under(n, r) for r in allowed) and n != "hybrid")
     assert bad == [], f"{module} (room {room}) may import only {', '.join(allowed)}"
+
+
+def test_type_checking_imports_stay_out_of_the_runtime_graph() -> None:
+    assert "hybrid.config.ModelConfig" in SCHEMAS and "hybrid.config.CheckpointConfig" in SCHEMAS
+    assert "hybrid.config.ConfigError" not in SCHEMAS
+    assert "hybrid.config" in imports_of("hybrid.model.layers", type_only=True)
+    assert "hybrid.config" not in GRAPH["hybrid.model.layers"]
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m != "hybrid"))
+def test_type_only_imports_go_beyond_the_layering_only_to_schemas(module: str) -> None:
+    room = room_of(module)
+    allowed = (room, *RULES[room])
+    beyond = sorted(n for n in imported_names(module, type_only=True)
+                    if (m := _resolve(n)) and m not in (module, "hybrid") and not any(_under(m, r) for r in allowed))
+    bad = [n for n in beyond if n not in SCHEMAS]
+    assert bad == [], f"{module} (room {room}) may name beyond {', '.join(allowed)} only hybrid.config's schemas"
 
 
 def test_modules_stay_small() -> None:
