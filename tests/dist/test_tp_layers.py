@@ -57,12 +57,11 @@ from hybrid.model.layers import Block, rope_tables
 from hybrid.parallel import collectives as C
 from hybrid.parallel.grads import sync_sequence_parallel_grads
 from hybrid.parallel.rng import TPRandom
+from hybrid.parallel.params import Shard, init_parameters
 from hybrid.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
-    Shard,
     VocabParallelEmbedding,
-    init_parameters,
     padded_vocab,
     vocab_parallel_cross_entropy,
 )
