@@ -59,12 +59,26 @@ class CommCounter:
     def wire_bytes(self, name: str) -> float:
         """Bytes one rank of group `name` sent, for ring all-reduce / all-gather / reduce-scatter."""
         n = self.sizes.get(name, 1)
-        factor = {"all_reduce": 2 * (n - 1) / n, "send_fwd": 1.0, "send_bwd": 1.0}  # p2p: sent as is
-        return sum(b * factor.get(op, (n - 1) / n) for (g, op), b in self.bytes.items() if g == name)
+        return sum(b * bus_factor(op, n) for (g, op), b in self.bytes.items() if g == name)
 
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+
+
+P2P_OPS = ("send_fwd", "send_bwd", "send", "recv", "send_recv", "broadcast")
+"""Ops whose bus bandwidth is their algorithm bandwidth (nccl-tests' factor 1)."""
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor: busbw = algbw · factor, so busbw is comparable with the link's
+    peak whatever the group size. All-reduce 2(n−1)/n; all-gather, reduce-scatter, all-to-all (n−1)/n;
+    broadcast and point-to-point 1. It is also the share of the payload one rank puts on the wire."""
+    if op in P2P_OPS:
+        return 1.0
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
 
 
 COUNTER = CommCounter()

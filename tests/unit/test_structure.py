@@ -42,8 +42,9 @@ RULES: dict[str, tuple[str, ...]] = {
                        "hybrid.sampler", "hybrid.metrics", "hybrid.optim", "hybrid.checkpoint"),
     "hybrid.train": ("hybrid.cli", "hybrid.config", "hybrid.parallel", "hybrid.compression", "hybrid.model",
                      "hybrid.data", "hybrid.metrics", "hybrid.checkpoint", "hybrid.trainer"),
+    "hybrid.diagnostics": ("hybrid.parallel",),
     "hybrid.tools": ("hybrid.cli", "hybrid.config", "hybrid.parallel", "hybrid.model", "hybrid.checkpoint",
-                     "hybrid.data", "hybrid.trainer"),
+                     "hybrid.data", "hybrid.trainer", "hybrid.diagnostics"),
     "hybrid.bench": ("hybrid",),
 }
 
