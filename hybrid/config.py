@@ -1,9 +1,8 @@
 """Structured configuration: one dataclass per Hydra config group, and `validate`.
 
-Hydra composes `configs/config.yaml` and the groups `model/`, `parallel/`, `data/`,
-`optim/`, `compression/` against these schemas, so an unknown key or a value of the
-wrong type is rejected before anything runs. `validate(cfg, world_size)` then checks
-everything that can be known before a process group exists, and raises
+Hydra composes `configs/config.yaml` and the groups `model/`, `parallel/`, `data/`, `optim/`, `compression/`
+against these schemas, so an unknown key or a value of the wrong type is rejected before anything runs.
+`validate(cfg, world_size)` then checks everything knowable before a process group exists, and raises
 `ConfigError` with one readable line.
 """
 
@@ -11,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +22,6 @@ from omegaconf import MISSING
 from hybrid.parallel.schedules import SCHEDULES, ScheduleError, check_sizes
 
 if TYPE_CHECKING:
-    from hybrid.model.family import Family
     from hybrid.parallel.context import Layout
 
 
@@ -147,7 +146,16 @@ class LoggingConfig:
     dir: str = "runs/${run_name}"  # everything of a run lives here
     log_every: int = 1  # steps between metrics.jsonl lines
     progress: bool = True  # progress bar on rank 0
+    timing: bool = True  # logged steps: time every collective (comm/ keys) and break the step down (time/ keys)
+    traffic_map: bool = True  # the last step's bytes rank → rank: traffic.json (+ traffic.png with matplotlib)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class ProfileConfig:
+    steps: list[int] = field(default_factory=list)  # [first, last]: torch.profiler traces of these steps
+    dir: str = "${logging.dir}/profile"  # one Chrome/Perfetto trace per rank (+ a CUDA memory snapshot)
+    memory: bool = True  # on CUDA, also record a memory snapshot of the profiled steps
 
 
 @dataclass
@@ -161,6 +169,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
@@ -198,9 +207,7 @@ _CHOICES = {
 
 
 def _get(cfg: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
+    return functools.reduce(getattr, dotted.split("."), cfg)
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -248,6 +255,9 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
     _require(cfg.optim.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {cfg.optim.warmup_steps}")
     _require(cfg.logging.log_every >= 1, f"logging.log_every must be >= 1, got {cfg.logging.log_every}")
     _validate_checkpoint(cfg.checkpoint)
+    s = list(cfg.profile.steps)
+    _require(not s or (len(s) == 2 and 1 <= s[0] <= s[1] <= t.steps),
+             f"profile.steps={s} must be [] or [first, last] with 1 <= first <= last <= train.steps={t.steps}")
     return layout
 
 
@@ -289,6 +299,8 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
 
 
 def _validate_model(m: ModelConfig, tp: int) -> None:
+    from hybrid.model.family import family_of
+
     for key in ("n_layers", "hidden", "n_heads", "max_seq_len", "make_vocab_size_divisible_by"):
         _require(getattr(m, key) >= 1, f"model.{key} must be >= 1, got {getattr(m, key)}")
     _require(m.hidden % m.n_heads == 0, f"model.hidden={m.hidden} is not divisible by model.n_heads={m.n_heads}")
@@ -302,16 +314,9 @@ def _validate_model(m: ModelConfig, tp: int) -> None:
     _require(m.vocab_size is None or m.vocab_size >= 1, f"model.vocab_size must be >= 1, got {m.vocab_size}")
     _require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
     with _model_input():
-        _family(m).check(m)
+        family_of(m).check(m)
     _require(m.init_from is None or (Path(m.init_from) / "config.json").is_file(),
              f"model.init_from={m.init_from} is not a transformers model folder (a directory with config.json)")
-
-
-def _family(m: ModelConfig) -> Family:
-    """The registered family of model config `m` (`hybrid.model.family`: its own checks live there)."""
-    from hybrid.model.family import family_of
-
-    return family_of(m)
 
 
 @contextlib.contextmanager
@@ -330,11 +335,13 @@ def _validate_data(d: DataConfig, m: ModelConfig) -> None:
 
     from omegaconf import OmegaConf
 
+    from hybrid.model.family import family_of
+
     for key in ("path", "tokenizer"):
         _require(not OmegaConf.is_missing(d, key), f"data.{key} is required by data={d.name} (set data.{key}=...)")
     _require(d.seq_len >= 1, f"data.seq_len must be >= 1, got {d.seq_len}")
     with _model_input():
-        _family(m).check_seq_len(m, d.seq_len)
+        family_of(m).check_seq_len(m, d.seq_len)
     if d.path is not None:
         _require(os.path.exists(d.path), f"data.path={d.path} does not exist")
     if d.tokenizer is not None:

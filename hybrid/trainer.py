@@ -30,7 +30,7 @@ from torch import nn
 from hybrid.checkpoint import Checkpointer
 from hybrid.config import Config, ConfigError, ModelConfig
 from hybrid.data import Corpus
-from hybrid.metrics import MetricsLogger, model_flops_per_token, peak_flops
+from hybrid.metrics import MetricsLogger
 from hybrid.model import build_model
 from hybrid.model.family import ModelConfigError
 from hybrid.optim import build_optimizer, lr_at
@@ -40,6 +40,9 @@ from hybrid.parallel.data import CommHook, GradSync, SyncReport, finalize_grads
 from hybrid.parallel.params import param_info
 from hybrid.parallel.pipeline import P2P, PipelineStats, partition_layers, run_schedule
 from hybrid.parallel.schedules import Schedule, build_schedule
+from hybrid.parallel.timing import clock_for
+from hybrid.profiling import StepProfiler
+from hybrid.report import StepReport
 from hybrid.sampler import StepSampler, batch_from, eval_indices
 
 if TYPE_CHECKING:
@@ -90,7 +93,8 @@ class Trainer:
                                    ctx.dp_rank, t.seed)
         self.schedule = self._schedule(self.num_microbatches)
         self.p2p = self._p2p()
-        self.stats = PipelineStats()  # compute seconds of the last step (measured bubble)
+        C.TIMER.clock = clock_for(device)
+        self.stats = PipelineStats(C.TIMER.clock)  # compute marks of the last step (measured bubble)
         self.metrics: Optional[MetricsLogger] = None  # opened by `start`
         self._held: list[str] = []
         self._say = log or self._held.append
@@ -99,9 +103,8 @@ class Trainer:
         self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
         self._microbatches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.n_params = self.count_params()  # collective over TP and PP: every rank computes it here, once
-        m = cfg.model
-        self.flops_per_token = model_flops_per_token(self.n_params, m.n_layers, m.hidden, corpus.seq_len)
-        self.peak = peak_flops(device)
+        self.report = StepReport(cfg, ctx, self.grad_sync, device, self.n_params, corpus.seq_len)
+        self.profiler = StepProfiler(cfg.profile, ctx.rank, device, self.message)
         self.checkpointer = Checkpointer(cfg, ctx, device, self.checkpoint_states(),
                                          tokenizer=getattr(corpus, "tokenizer", None), log=self.message)
 
@@ -184,44 +187,57 @@ class Trainer:
 
     def _run(self, schedule: Schedule, samples: np.ndarray, indices: list[np.ndarray]) -> torch.Tensor:
         """Run `schedule` over the microbatches `indices`; the mean loss (on the last stage, else 0)."""
+        start = C.TIMER.mark()
         self._microbatches = [self._batch(samples, idx) for idx in indices]
-        self.stats = PipelineStats()
+        C.TIMER.phase("data", start)
+        self.stats = PipelineStats(C.TIMER.clock)
         try:
             losses = run_schedule(schedule, self.ctx.pp_rank, self.forward_step, self.p2p, self.stats)
         finally:
             self._microbatches = []
+        for kind, a, b in self.stats.marks:
+            C.TIMER.phase(kind, a, b)
         total = torch.zeros((), device=self.device)
         for loss in losses:
             total += loss.float() / len(indices)
         return total
 
-    def train_step(self) -> StepResult:
-        """One optimizer step over this rank's microbatches of the global batch."""
+    def train_step(self, timed: bool = False) -> StepResult:
+        """One optimizer step over this rank's microbatches of the global batch; `timed`: record where its
+        time went (`C.TIMER`, kept by `self.report`)."""
         start = time.perf_counter()
+        C.TIMER.begin_step(timed)
         lr = lr_at(self.step, self.cfg.train.lr, self.cfg.train.steps, self.cfg.optim.warmup_steps,
                    self.cfg.optim.min_lr_ratio)
         self.model.train()
-        total = self._run(self.schedule, self.corpus.train, list(self.sampler.next_step()))
-        finalize_grads(self.grad_sync, self.ctx.embedding_group, self.ctx.tp_group)
-        norm = self.optimizer.step(lr)
-        self.grad_sync.zero_grad()
+        with C.TIMER.timed_phase("data"):
+            indices = list(self.sampler.next_step())
+        total = self._run(self.schedule, self.corpus.train, indices)
+        with C.TIMER.timed_phase("finalize"):
+            finalize_grads(self.grad_sync, self.ctx.embedding_group, self.ctx.tp_group)
+        with C.TIMER.timed_phase("optimizer"):
+            norm = self.optimizer.step(lr)
+            self.grad_sync.zero_grad()
         self.step += 1
         loss_value = self._dp_mean(self._from_last_stage(total))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+        self.report.timed(C.TIMER.end_step(), self.schedule, self.stats)
         return StepResult(loss_value, float(norm), lr, time.perf_counter() - start)
 
     def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         """The last stage's value on every stage (metrics only: uncounted, not training traffic)."""
         if self.ctx.pp_size > 1:
-            dist.broadcast(t, group=self.ctx.pp_group, group_src=self.ctx.pp_size - 1)
+            with C.TIMER.collective(C.group_name(self.ctx.pp_group), "loss"):
+                dist.broadcast(t, group=self.ctx.pp_group, group_src=self.ctx.pp_size - 1)
         return t
 
     def _dp_mean(self, t: torch.Tensor) -> float:
         """Mean of a scalar over DP ranks (metrics only: uncounted, not gradient traffic)."""
         if C.size(self.ctx.dp_group) > 1:
             t = t.clone()
-            dist.all_reduce(t, group=self.ctx.dp_group)
+            with C.TIMER.collective(C.group_name(self.ctx.dp_group), "loss"):
+                dist.all_reduce(t, group=self.ctx.dp_group)
             t /= self.ctx.dp_size
         return float(t)
 
@@ -237,32 +253,12 @@ class Trainer:
         return self._dp_mean(self._from_last_stage(total))
 
     def mean_bytes(self) -> dict[str, float]:
-        """This step's bytes per group, counted at the collectives and averaged over all ranks (stages
-        send different amounts), and the DP figures `GradSync` reports (`bytes_dp` over every DP
-        group, the compression ratio and error). One all-reduce over the world: every rank calls it
-        on logging steps."""
-        count, world = C.COUNTER, self.ctx.layout.world
-        dp, *dp_rest = self.grad_sync.local_metrics()
-        # one tensor, its elements in a fixed order (gloo's ring sums each element in an order set by its position)
-        values = [count.group_bytes("tp"), count.group_bytes("pp"), dp, count.group_bytes("embedding"), *dp_rest]
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
-        if world > 1:
-            dist.all_reduce(t)  # metrics only: uncounted, not training traffic
-        tp, pp, dp, embedding, *dp_rest = t.tolist()
-        sync = self.grad_sync.metrics([dp, *dp_rest], world)
-        return {"bytes_tp": tp / world, "bytes_pp": pp / world, "bytes_dp": sync.pop("bytes_dp"),
-                "bytes_embedding": embedding / world, **sync}
+        """The last step's bytes and DP figures, averaged over the world (`StepReport.mean_bytes`; collective)."""
+        return self.report.mean_bytes()
 
     def step_metrics(self, r: StepResult) -> dict[str, Any]:
-        """The metrics.jsonl record of a step. Collective (see `mean_bytes`)."""
-        tokens = self.cfg.train.global_batch_size * self.corpus.seq_len
-        tps = tokens / r.step_time_s
-        flops = tps * self.flops_per_token / self.ctx.layout.world  # achieved per rank
-        out = {"step": self.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens_per_s": tps,
-               "step_time_s": r.step_time_s, **self.mean_bytes(), "gflops_per_rank": flops / 1e9}
-        if self.peak:
-            out["mfu"] = flops / self.peak
-        return out
+        """The metrics.jsonl record of a step (`StepReport.record`; collective)."""
+        return self.report.record(self.step, r.loss, r.grad_norm, r.lr, r.step_time_s)
 
     def _logs(self, step: int) -> bool:
         """Whether step `step` (counted from 1) writes a metrics record."""
@@ -274,12 +270,17 @@ class Trainer:
         t, last = self.cfg.train, None
         while self.step < t.steps:
             C.COUNTER.reset()
-            self.grad_sync.meter(self._logs(self.step + 1))  # ‖ĝ − g‖ is metered on the steps that get logged
-            last = self.train_step()
+            logs = self._logs(self.step + 1)
+            self.grad_sync.meter(logs)  # ‖ĝ − g‖ is metered on the steps that get logged, and timed
+            self.profiler.before_step(self.step + 1)
+            last = self.train_step(timed=logs and self.cfg.logging.timing)
+            self.profiler.after_step(self.step)
             if self._logs(self.step):
                 record = self.step_metrics(last)  # on every rank: the bytes are averaged over ranks
                 if self.metrics is not None:
                     self.metrics.log(self.step, record)
+                if self.step == t.steps and self.cfg.logging.traffic_map:
+                    self.report.traffic(self.step, self.message)  # before eval adds its own p2p bytes
             elif self.metrics is not None:
                 self.metrics.update_progress(self.step)
             if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):

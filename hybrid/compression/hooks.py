@@ -118,7 +118,8 @@ def run_hook(st: Compression, bucket):  # noqa: ANN001, ANN201
     `bucket` and the result are unannotated on purpose: DDP's `register_comm_hook` rejects any
     annotation but `dist.GradBucket` / `Future[Tensor]`, and ours would be strings here."""
     if st.serial and st._pending is not None:
-        st._pending.wait()
+        with C.TIMER.waiting(C.group_name(st.group)):
+            st._pending.wait()
     exact = None
     if st.measure and C.size(st.group) > 1:
         exact = bucket.buffer().clone()

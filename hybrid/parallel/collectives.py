@@ -2,7 +2,8 @@
 
 Every collective in hybrid goes through `all_reduce` / `all_gather_into` / … below, which
 record (op, elements, dtype, group name) in a `CommCounter`, so tests and metrics read the
-exact bytes moved per group instead of estimating them. A `None` group or a group of size
+exact bytes moved per group instead of estimating them, and run under the `CommTimer` (`TIMER`,
+`hybrid.parallel.timing`), which on the steps it is switched on for times them. A `None` group or a group of size
 one means "no communication": the op is the identity and nothing is recorded.
 
 Bytes are the size of the *whole* tensor a collective works on (elements × dtype size): the
@@ -32,6 +33,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from hybrid.parallel.timing import CommTimer
 
 Group = Optional[dist.ProcessGroup]
 
@@ -84,6 +87,9 @@ def bus_factor(op: str, n: int) -> float:
 COUNTER = CommCounter()
 """The process-wide tally. Not configuration: a meter read by metrics and tests."""
 
+TIMER = CommTimer()
+"""The process-wide clock on the collectives, switched on for the steps that get logged (a meter too)."""
+
 _GROUP_NAMES: dict[int, str] = {}
 
 
@@ -105,13 +111,27 @@ def rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def _timed(group: Group, op: str, call: Callable[[], Optional[dist.Work]], async_op: bool) -> Optional[dist.Work]:
+    """Run one collective under `TIMER`: a blocking one as a blocking span, an async one from launch
+    to the completion of the work it returns."""
+    name = group_name(group)
+    if not async_op:
+        with TIMER.collective(name, op):
+            return call()
+    start = TIMER.mark()
+    with TIMER.label(name, op):
+        work = call()
+    TIMER.launched(name, op, work, start)
+    return work
+
+
 def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                async_op: bool = False) -> Optional[dist.Work]:
-    """In-place all-reduce of `t` over `group`, counted."""
+    """In-place all-reduce of `t` over `group`, counted and timed."""
     if size(group) == 1:
         return None
     COUNTER.record(group_name(group), "all_reduce", t, size(group))
-    return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+    return _timed(group, "all_reduce", lambda: dist.all_reduce(t, op=op, group=group, async_op=async_op), async_op)
 
 
 def all_gather_last(t: torch.Tensor, group: Group) -> torch.Tensor:
@@ -120,7 +140,7 @@ def all_gather_last(t: torch.Tensor, group: Group) -> torch.Tensor:
     if n == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(n)]
-    dist.all_gather(parts, t.contiguous(), group=group)
+    _timed(group, "all_gather", lambda: dist.all_gather(parts, t.contiguous(), group=group), False)
     out = torch.cat(parts, dim=-1)
     COUNTER.record(group_name(group), "all_gather", out, n)
     return out
@@ -144,7 +164,7 @@ def all_gather_seq(t: torch.Tensor, group: Group, op: str = "all_gather") -> tor
     if n == 1:
         return t
     parts = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in range(n)]
-    dist.all_gather(parts, t.contiguous(), group=group)
+    _timed(group, op, lambda: dist.all_gather(parts, t.contiguous(), group=group), False)
     out = torch.cat(parts, dim=1)
     COUNTER.record(group_name(group), op, out, n)
     return out
@@ -160,7 +180,7 @@ def reduce_scatter_seq(t: torch.Tensor, group: Group) -> torch.Tensor:
     chunks = [c.contiguous() for c in t.chunk(n, dim=1)]
     out = torch.empty_like(chunks[0])
     COUNTER.record(group_name(group), "reduce_scatter", t, n)
-    dist.reduce_scatter(out, chunks, group=group)
+    _timed(group, "reduce_scatter", lambda: dist.reduce_scatter(out, chunks, group=group), False)
     return out
 
 
@@ -172,7 +192,7 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
         out.copy_(inp)
         return
     COUNTER.record(group_name(group), "all_to_all", inp, size(group))
-    dist.all_to_all_single(out.view(-1), inp.reshape(-1), group=group)
+    _timed(group, "all_to_all", lambda: dist.all_to_all_single(out.view(-1), inp.reshape(-1), group=group), False)
 
 
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Group,
@@ -182,7 +202,8 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Group,
         out.copy_(inp.view_as(out))
         return None
     COUNTER.record(group_name(group), "all_gather", out, size(group))
-    return dist.all_gather_single(out.view(-1), inp.reshape(-1), group=group, async_op=async_op)
+    return _timed(group, "all_gather", lambda: dist.all_gather_single(
+        out.view(-1), inp.reshape(-1), group=group, async_op=async_op), async_op)
 
 
 def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Group,
@@ -192,7 +213,8 @@ def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Group,
         out.copy_(inp.view_as(out))
         return None
     COUNTER.record(group_name(group), "reduce_scatter", inp, size(group))
-    return dist.reduce_scatter_single(out.view(-1), inp.reshape(-1), group=group, async_op=async_op)
+    return _timed(group, "reduce_scatter", lambda: dist.reduce_scatter_single(
+        out.view(-1), inp.reshape(-1), group=group, async_op=async_op), async_op)
 
 
 def split_seq(t: torch.Tensor, group: Group) -> torch.Tensor:

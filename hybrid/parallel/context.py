@@ -110,6 +110,12 @@ class Layout:
         """First and last stage of each pipeline: they share the tied embedding's gradient."""
         return [sorted({g[0], g[-1]}) for g in self.pp_groups()]
 
+    def group_sizes(self) -> dict[str, int]:
+        """Ranks per group of each kind, by the names the collectives count them under."""
+        kinds = {"tp": self.tp_groups, "pp": self.pp_groups, "dp": self.dp_groups, "embedding": self.embedding_groups,
+                 "dp_intra": self.dp_intra_node_groups, "dp_inter": self.dp_inter_node_groups}
+        return {name: len(groups()[0]) for name, groups in kinds.items()}
+
     def _split_by_node(self, ranks: list[int]) -> list[list[int]]:
         parts: dict[int, list[int]] = {}
         for r in ranks:

@@ -21,6 +21,7 @@ the model-parallel sums of `grads.py` (tied embedding, sequence-parallel replica
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -114,8 +115,9 @@ class GradSync:
     """
 
     def __init__(self, params: list[nn.Parameter], group: Group, hook: CommHook, state: Any,
-                 bucket_mb: float = 25.0, report: SyncReport = SyncReport()) -> None:
+                 bucket_mb: float = 25.0, report: SyncReport = SyncReport(), in_backward: bool = True) -> None:
         self.group, self.hook, self.state, self.report = group, hook, state, report
+        self.in_backward = in_backward  # False: every bucket waits for finish() (no overlap; a test switch)
         self.enabled = C.size(group) > 1
         groups = assign_buckets([p for p in params if p.requires_grad], int(bucket_mb * 2**20))
         self.buckets: list[GradBucket] = []
@@ -150,7 +152,8 @@ class GradSync:
         self._seen[id(p)] += 1
         if self._seen[id(p)] == self._expected:
             self._pending[b] -= 1
-            self._launch_ready(in_backward=True)
+            if self.in_backward:
+                self._launch_ready(in_backward=True)
 
     def _launch_ready(self, in_backward: bool) -> None:
         while self._next < len(self.buckets) and self._pending[self._next] == 0:
@@ -175,12 +178,16 @@ class GradSync:
             bucket.buffer().copy_(result)
 
     def finish(self) -> None:
-        """Launch what has not launched (unused parameters), wait, write the results back."""
-        while self._next < len(self.buckets):
-            self._launch(self._next, in_backward=False)
-        for bucket, fut in zip(self.buckets, self._futures):
-            if fut is not None:
-                self._write_back(bucket, fut.wait())
+        """Launch what has not launched (unused parameters), wait, write the results back. The launches
+        and the waits here are time the training thread spends on DP communication: the DP group's
+        exposed time under `C.TIMER`."""
+        with C.TIMER.waiting(C.group_name(self.group)) if self.enabled else contextlib.nullcontext():
+            while self._next < len(self.buckets):
+                self._launch(self._next, in_backward=False)
+            results = [None if fut is None else fut.wait() for fut in self._futures]
+        for bucket, result in zip(self.buckets, results):
+            if result is not None:
+                self._write_back(bucket, result)
         self.last_launch_log = self.launch_log
         self.begin_step(self._expected)
 

@@ -19,7 +19,6 @@ each bucket itself once its gradients are final, whatever the schedule.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
@@ -30,6 +29,8 @@ import torch.distributed as dist
 from hybrid.parallel import collectives as C
 from hybrid.parallel.actions import Action, Op, Schedule, steps
 from hybrid.parallel.collectives import Group
+from hybrid.parallel.schedules import simulate
+from hybrid.parallel.timing import Clock, HostClock, Mark
 
 ForwardStep = Callable[[int, int, Optional[torch.Tensor]], torch.Tensor]
 """(chunk, microbatch, received hidden states or None on the first part) → hidden states, or the
@@ -61,7 +62,8 @@ class P2P:
     """Batched sends and receives with the neighbouring pipeline ranks (over `group`).
 
     Received hidden states and gradients all have `shape` and `dtype` (the residual stream's).
-    Sent bytes are counted as ops `send_fwd` / `send_bwd` of the group.
+    Sent bytes are counted as ops `send_fwd` / `send_bwd` of the group; a batch's time, from posting to
+    the last completion, is a blocking `send_recv` span of the group (the thread waits on it).
     """
 
     def __init__(self, group: Group, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
@@ -71,6 +73,11 @@ class P2P:
     def exchange(self, schedule: Schedule, rank: int, batch: list[Action],
                  tensors: dict[Action, torch.Tensor]) -> dict[Action, torch.Tensor]:
         """Post every op of `batch` at once, wait for all of them; return the received tensors."""
+        with C.TIMER.collective(self.name, "send_recv"):
+            return self._exchange(schedule, rank, batch, tensors)
+
+    def _exchange(self, schedule: Schedule, rank: int, batch: list[Action],
+                  tensors: dict[Action, torch.Tensor]) -> dict[Action, torch.Tensor]:
         ops, received = [], {}
         for a in batch:
             peer = schedule.peer(rank, a)
@@ -92,14 +99,35 @@ class P2P:
 
 @dataclass
 class PipelineStats:
-    """Wall-clock seconds this rank spent computing, per action kind (for the measured bubble)."""
+    """This rank's compute per action kind, as (kind, start, end) marks of `clock` (CUDA events on CUDA,
+    so the times are the device's), read as seconds after the step."""
 
-    forward_s: list[float] = field(default_factory=list)
-    backward_s: list[float] = field(default_factory=list)
+    clock: Clock = field(default_factory=HostClock)
+    marks: list[tuple[str, Mark, Mark]] = field(default_factory=list)
+
+    def seconds(self, kind: str) -> list[float]:
+        return [self.clock.seconds(a, b) for k, a, b in self.marks if k == kind]
+
+    @property
+    def forward_s(self) -> list[float]:
+        return self.seconds("forward")
+
+    @property
+    def backward_s(self) -> list[float]:
+        return self.seconds("backward")
 
     @property
     def busy_s(self) -> float:
         return sum(self.forward_s) + sum(self.backward_s)
+
+
+def schedule_idle_s(schedule: Schedule, rank: int, forward_s: float, backward_s: float) -> float:
+    """The seconds pipeline rank `rank` idles because of the schedule itself: the simulator's replay with
+    `forward_s` / `backward_s` per microbatch through a rank (this rank's measured means) and free p2p."""
+    if schedule.pp == 1 or forward_s + backward_s <= 0:
+        return 0.0
+    sim = simulate(schedule, forward=forward_s, backward=backward_s)
+    return sim.makespan - sim.busy[rank]
 
 
 class _Run:
@@ -118,9 +146,9 @@ class _Run:
         x = self.received.pop(Action(Op.RECV_F, a.chunk, a.mb), None)
         if x is not None and torch.is_grad_enabled():
             x.requires_grad_(True)
-        start = time.perf_counter()
+        start = self.stats.clock.mark()
         out = self.forward_step(a.chunk, a.mb, x)
-        self.stats.forward_s.append(time.perf_counter() - start)
+        self.stats.marks.append(("forward", start, self.stats.clock.mark()))
         if self.schedule.part(self.rank, a.chunk) == self.last_part:
             self.losses.append(out.detach())
         if out.requires_grad:
@@ -129,14 +157,14 @@ class _Run:
 
     def backward(self, a: Action) -> None:
         out = self.outputs.pop((a.chunk, a.mb))
-        start = time.perf_counter()
+        start = self.stats.clock.mark()
         if self.schedule.part(self.rank, a.chunk) == self.last_part:
             torch.autograd.backward(out / self.schedule.microbatches)
         else:
             grad = self.received.pop(Action(Op.RECV_B, a.chunk, a.mb))
             # `out` may have been freed after its send: skip autograd's shape check (Megatron does the same)
             torch.autograd.Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
-        self.stats.backward_s.append(time.perf_counter() - start)
+        self.stats.marks.append(("backward", start, self.stats.clock.mark()))
 
     def exchange(self, batch: list[Action]) -> None:
         tensors = {}

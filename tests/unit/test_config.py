@@ -111,6 +111,9 @@ def test_derived_dp_and_microbatches() -> None:
     (["checkpoint.every=-1"], 1, "checkpoint.every must be >= 0"),
     (["checkpoint.keep=-2"], 1, "checkpoint.keep must be >= 0"),
     (["checkpoint.resume=''"], 1, "checkpoint.resume must be none, auto or a checkpoint path"),
+    (["train.steps=10", "profile.steps=[5,12]"], 1, r"profile.steps=\[5, 12\] must be \[\] or \[first, last\]"),
+    (["profile.steps=[3,2]"], 1, "1 <= first <= last"),
+    (["profile.steps=[2]"], 1, "must be"),
 ])
 def test_validate_rejects(overrides: list[str], world: int, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
@@ -132,6 +135,7 @@ def run_train(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
     (["data.path=/nonexistent/corpus.txt"], "does not exist"),
     (["compression=nope"], "Could not find 'compression/nope'"),
     (["data=local"], "data.path is required by data=local"),
+    (["train.steps=4", "profile.steps=[3,9]"], "profile.steps=[3, 9] must be"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, tmp_path: Path) -> None:
     r = run_train(*args, f"logging.dir={tmp_path}", "logging.wandb.mode=disabled")

@@ -1,0 +1,111 @@
+"""What a logged step reports, and the run's traffic map.
+
+`StepReport` turns a step into its metrics.jsonl record: loss, throughput and MFU; the bytes per group
+counted at the collectives; the DP figures of `GradSync` (bytes, compression ratio and error); and, when
+the step was timed (`logging.timing`), the `comm/` and `time/` keys of `hybrid.parallel.comm_report`.
+All of it comes from one float64 all-reduce over the world (metrics only, uncounted), its elements in a
+fixed order (gloo's ring sums each element in an order set by its position).
+
+`traffic` sums every rank's row of the step's bytes rank → rank (`hybrid.parallel.traffic_map`) over the
+world (one more all-reduce, once per run) and rank 0 writes `traffic.json`, and `traffic.png` when
+matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from hybrid.config import Config
+from hybrid.metrics import model_flops_per_token, peak_flops
+from hybrid.parallel import collectives as C
+from hybrid.parallel import comm_report, traffic_map
+from hybrid.parallel.context import ParallelContext
+from hybrid.parallel.data import GradSync
+from hybrid.parallel.pipeline import PipelineStats, schedule_idle_s
+from hybrid.parallel.schedules import Schedule
+from hybrid.parallel.timing import StepTiming
+
+
+class StepReport:
+    """The record of a logged step on one rank (every rank builds it: the sums are collective)."""
+
+    def __init__(self, cfg: Config, ctx: ParallelContext, grad_sync: GradSync, device: torch.device,
+                 n_params: int, seq_len: int) -> None:
+        self.cfg, self.ctx, self.grad_sync, self.device, self.seq_len = cfg, ctx, grad_sync, device, seq_len
+        m = cfg.model
+        self.flops_per_token = model_flops_per_token(n_params, m.n_layers, m.hidden, seq_len)
+        self.peak = peak_flops(device)
+        self.timing: Optional[list[float]] = None  # the last timed step's `comm_report.local_vector`
+
+    def timed(self, t: Optional[StepTiming], schedule: Schedule, stats: PipelineStats) -> None:
+        """Keep the step's timing vector (None: the step was not timed), with the schedule's own idle
+        time for this rank from its measured compute."""
+        if t is None:
+            self.timing = None
+            return
+        m = schedule.microbatches
+        idle = schedule_idle_s(schedule, self.ctx.pp_rank, sum(stats.forward_s) / m, sum(stats.backward_s) / m)
+        self.timing = comm_report.local_vector(t, C.COUNTER, idle)
+
+    def mean_bytes(self) -> dict[str, float]:
+        """This step's bytes per group averaged over all ranks (stages send different amounts), the DP
+        figures `GradSync` reports and, for a timed step, the `comm/` and `time/` keys. One all-reduce
+        over the world: every rank calls it on logging steps."""
+        count, world = C.COUNTER, self.ctx.layout.world
+        dp, *dp_rest = self.grad_sync.local_metrics()
+        values = [count.group_bytes("tp"), count.group_bytes("pp"), dp, count.group_bytes("embedding"), *dp_rest]
+        n = len(values)
+        t = torch.tensor([float(v) for v in values + (self.timing or [])], dtype=torch.float64, device=self.device)
+        if world > 1:
+            dist.all_reduce(t)  # metrics only: uncounted, not training traffic
+        (tp, pp, dp, embedding, *dp_rest), timing = t[:n].tolist(), t[n:].tolist()
+        sync = self.grad_sync.metrics([dp, *dp_rest], world)
+        comm = comm_report.record(timing, world, self.ctx.layout.group_sizes()) if timing else {}
+        return {"bytes_tp": tp / world, "bytes_pp": pp / world, "bytes_dp": sync.pop("bytes_dp"),
+                "bytes_embedding": embedding / world, **sync, **comm}
+
+    def record(self, step: int, loss: float, grad_norm: float, lr: float, step_time_s: float) -> dict[str, Any]:
+        """The metrics.jsonl record of a step. Collective (see `mean_bytes`)."""
+        tokens = self.cfg.train.global_batch_size * self.seq_len
+        tps = tokens / step_time_s
+        flops = tps * self.flops_per_token / self.ctx.layout.world  # achieved per rank
+        out = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
+               "step_time_s": step_time_s, **self.mean_bytes(), "gflops_per_rank": flops / 1e9}
+        if self.peak:
+            out["mfu"] = flops / self.peak
+        return out
+
+    def traffic(self, step: int, say: Callable[[str], None]) -> dict[str, Any]:
+        """The step's traffic map (the counter's bytes, rank → rank, per group), summed over the world by
+        one all-reduce; rank 0 writes it into the run folder. Collective: every rank calls it."""
+        layout, rank = self.ctx.layout, self.ctx.rank
+        flat = traffic_map.placed(traffic_map.rows(layout, rank, C.COUNTER), rank, layout.world)
+        t = torch.tensor(flat, dtype=torch.float64, device=self.device)
+        if layout.world > 1:
+            dist.all_reduce(t)  # metrics only: uncounted
+        doc = {"unit": "bytes per step", "step": step, "world": layout.world,
+               "node_of": [layout.node(r) for r in range(layout.world)],
+               "matrices": traffic_map.matrices(t.tolist(), layout.world)}
+        if rank == 0:
+            write_traffic(doc, Path(self.cfg.logging.dir), say)
+        return doc
+
+
+def write_traffic(doc: dict[str, Any], run_dir: Path, say: Callable[[str], None]) -> None:
+    """traffic.json, and traffic.png of the total when matplotlib is there (else a note)."""
+    from hybrid.diagnostics import DiagnosticsError
+    from hybrid.diagnostics.heatmap import write_heatmap
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "traffic.json").write_text(json.dumps(doc))
+    try:
+        write_heatmap(doc["matrices"]["total"], str(run_dir / "traffic.png"), "bytes sent per step, rank → rank",
+                      "bytes", doc["node_of"])
+    except DiagnosticsError as e:
+        say(f"note: traffic.png not written: {e}")

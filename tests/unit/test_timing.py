@@ -1,0 +1,64 @@
+"""The timer's arithmetic against references: interval unions against a brute-force sweep, the record's
+bandwidths against nccl-tests' definitions, the breakdown adding up to the step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hybrid.parallel import comm_report
+from hybrid.parallel.collectives import CommCounter, bus_factor
+from hybrid.parallel.timing import HostClock, Span, resolve, union_length
+
+
+def brute_union(intervals: list[tuple[float, float]], step: float = 1e-3) -> float:
+    """Count the grid points covered by some interval (the reference)."""
+    points = {round(k * step, 6) for a, b in intervals for k in range(round(a / step), round(b / step))}
+    return len(points) * step
+
+
+def test_union_length_matches_a_brute_force_sweep() -> None:
+    rng = random.Random(0)
+    for _ in range(50):
+        ivals = []
+        for _ in range(rng.randint(0, 8)):
+            a = rng.randint(0, 900) / 1000
+            ivals.append((a, a + rng.randint(1, 200) / 1000))
+        assert union_length(ivals) == pytest.approx(brute_union(ivals), abs=1e-9)
+
+
+def timing_of(spans: list[Span], phases: list[tuple[str, float, float]], step_s: float):  # noqa: ANN201
+    return resolve(HostClock(), 0.0, step_s, spans, phases)
+
+
+def test_record_bandwidth_overlap_and_breakdown() -> None:
+    counter = CommCounter()
+    counter.bytes[("dp", "all_reduce")] = 8_000_000
+    counter.calls[("dp", "all_reduce")] = 2
+    counter.bytes[("tp", "all_gather")] = 1_000_000
+    counter.calls[("tp", "all_gather")] = 1
+    spans = [Span("dp", "all_reduce", "async", 0.2, 0.6), Span("dp", "all_reduce", "async", 0.5, 0.8),
+             Span("dp", "wait", "wait", 0.7, 0.8), Span("tp", "all_gather", "blocking", 0.1, 0.15)]
+    phases = [("data", 0.0, 0.05), ("forward", 0.05, 0.3), ("backward", 0.3, 0.7), ("optimizer", 0.8, 0.95)]
+    t = timing_of(spans, phases, 1.0)
+    sizes = {"dp": 4, "tp": 2}
+    rec = comm_report.record(comm_report.local_vector(t, counter, 0.0), 1, sizes)
+    assert rec["comm/dp/all_reduce/s"] == pytest.approx(0.6)  # the union of 0.2–0.6 and 0.5–0.8
+    assert rec["comm/dp/all_reduce/algbw_gbps"] == pytest.approx(8e6 / 0.6 / 1e9)
+    assert rec["comm/dp/all_reduce/busbw_gbps"] == pytest.approx(8e6 / 0.6 / 1e9 * bus_factor("all_reduce", 4))
+    assert rec["comm/tp/all_gather/busbw_gbps"] == pytest.approx(1e6 / 0.05 / 1e9 * bus_factor("all_gather", 2))
+    assert rec["comm/overlap_dp"] == pytest.approx(1 - 0.1 / 0.6)
+    assert rec["time/compute_s"] == pytest.approx(0.25 + 0.4 - 0.05)  # the TP wait inside forward taken out
+    parts = [k for k in rec if k.startswith("time/") and k not in ("time/step_s", "time/other_s")]
+    assert sum(rec[k] for k in parts) + rec["time/other_s"] == pytest.approx(rec["time/step_s"])
+
+
+def test_bubble_is_carved_out_of_the_pipeline_wait() -> None:
+    spans = [Span("pp", "send_recv", "blocking", 0.0, 0.3), Span("pp", "send_recv", "blocking", 0.5, 0.6)]
+    t = timing_of(spans, [("forward", 0.3, 0.5)], 0.6)
+    for idle, bubble in ((0.25, 0.25), (0.9, 0.4)):  # the bubble never exceeds the time actually waited
+        rec = comm_report.record(comm_report.local_vector(t, CommCounter(), idle), 1, {"pp": 2})
+        assert rec["time/bubble_s"] == pytest.approx(bubble)
+        assert rec["time/comm_pp_s"] == pytest.approx(0.4 - bubble)
+        assert rec["comm/overlap_pp"] == 0.0
