@@ -106,6 +106,7 @@ def write_traffic(doc: dict[str, Any], run_dir: Path, say: Callable[[str], None]
     (run_dir / "traffic.json").write_text(json.dumps(doc))
     try:
         write_heatmap(doc["matrices"]["total"], str(run_dir / "traffic.png"), "bytes sent per step, rank → rank",
-                      "bytes", doc["node_of"])
+                      "bytes", doc["node_of"],
+                      row_label="sender rank", col_label="receiver rank")
     except DiagnosticsError as e:
         say(f"note: traffic.png not written: {e}")

@@ -30,7 +30,7 @@ from hybrid.parallel import collectives as C
 from hybrid.parallel.actions import Action, Op, Schedule, steps
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.schedules import simulate
-from hybrid.parallel.timing import Clock, HostClock, Mark
+from hybrid.parallel.timing import Clock, HostClock, Mark, wait_watched
 
 ForwardStep = Callable[[int, int, Optional[torch.Tensor]], torch.Tensor]
 """(chunk, microbatch, received hidden states or None on the first part) → hidden states, or the
@@ -62,17 +62,22 @@ class P2P:
     """Batched sends and receives with the neighbouring pipeline ranks (over `group`).
 
     Received hidden states and gradients all have `shape` and `dtype` (the residual stream's).
-    Sent bytes are counted as ops `send_fwd` / `send_bwd` of the group; a batch's time, from posting to
-    the last completion, is a blocking `send_recv` span of the group (the thread waits on it).
+    Sent bytes are counted as ops `send_fwd` / `send_bwd` of the group. A batch waits for its receives
+    only: where the backend hands back one work per op (gloo), the sends complete in the background
+    while the rank computes on and `drain()` waits for them at the end of the schedule; where it
+    coalesces the batch into one work (NCCL), that work is waited on (the host does not block there).
+    Under `C.TIMER`, posting plus the receives' wait is a blocking `send_recv` span, each background
+    send an async `send_recv` span, and `drain()`'s wait exposed time of the group.
     """
 
     def __init__(self, group: Group, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         self.group, self.shape, self.dtype, self.device = group, shape, dtype, device
         self.name = C.group_name(group)
+        self.sending: list[tuple[dist.Work, torch.Tensor, bool]] = []  # in flight: work, tensor kept alive, watched
 
     def exchange(self, schedule: Schedule, rank: int, batch: list[Action],
                  tensors: dict[Action, torch.Tensor]) -> dict[Action, torch.Tensor]:
-        """Post every op of `batch` at once, wait for all of them; return the received tensors."""
+        """Post every op of `batch` at once, wait for the receives; return the received tensors."""
         with C.TIMER.collective(self.name, "send_recv"):
             return self._exchange(schedule, rank, batch, tensors)
 
@@ -92,9 +97,25 @@ class P2P:
                 buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                 received[a] = buf
                 ops.append(dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer))
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        start = C.TIMER.mark()
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):  # one coalesced work for the batch (NCCL): wait on it
+            works[0].wait()
+            return received
+        for op, work in zip(ops, works):
+            if op.op is dist.isend:
+                self.sending.append((work, op.tensor, C.TIMER.launched(self.name, "send_recv", work, start)))
+            else:
+                work.wait()
         return received
+
+    def drain(self) -> None:
+        """Wait for the sends still in flight (the end of a schedule)."""
+        if self.sending:
+            with C.TIMER.waiting(self.name, "send_recv"):
+                for work, _, watched in self.sending:
+                    wait_watched(work) if watched else work.wait()
+        self.sending = []
 
 
 @dataclass
@@ -201,6 +222,8 @@ def run_schedule(schedule: Schedule, rank: int, forward_step: ForwardStep, p2p: 
             run.forward(item)
         else:
             run.backward(item)
+    if p2p is not None:
+        p2p.drain()
     if run.received or any(o.grad_fn is not None for o in run.outputs.values()):
         raise RuntimeError(f"pipeline rank {rank}: schedule {schedule.name} left tensors unused")
     return run.losses

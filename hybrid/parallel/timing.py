@@ -24,6 +24,8 @@ While a torch profiler runs (`profiling=True`), collectives are also labelled `c
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -38,16 +40,44 @@ BLOCKING, ASYNC, WAIT = "blocking", "async", "wait"
 
 
 class HostClock:
-    """`time.perf_counter` on the calling thread; an async work's end is when its future completes."""
+    """`time.perf_counter` on the calling thread; an async work's end is when its future completes, or,
+    for works without a future (gloo's point-to-point ones), when a watcher thread's wait on it returns."""
+
+    def __init__(self) -> None:
+        self._watched: Optional[queue.SimpleQueue] = None
 
     def mark(self) -> float:
         return time.perf_counter()
 
-    def when_done(self, work: dist.Work, store: Callable[[Mark], None]) -> None:
-        work.get_future().add_done_callback(lambda _: store(time.perf_counter()))
+    def when_done(self, work: dist.Work, store: Callable[[Mark], None]) -> bool:
+        """Call `store(end)` once `work` completes; True when a watcher thread now waits on `work` (gloo
+        lets one thread wait on a work: the owner then polls `work.is_completed()` instead)."""
+        try:
+            future = work.get_future()
+        except RuntimeError:  # "Work::getFuture not implemented"
+            self._watcher().put((work, store))
+            return True
+        future.add_done_callback(lambda _: store(time.perf_counter()))
+        return False
+
+    def _watcher(self) -> queue.SimpleQueue:
+        if self._watched is None:
+            self._watched = queue.SimpleQueue()
+            threading.Thread(target=_watch, args=(self._watched,), daemon=True, name="hybrid-comm-timer").start()
+        return self._watched
 
     def seconds(self, a: float, b: float) -> float:
         return b - a
+
+
+def _watch(works: queue.SimpleQueue) -> None:
+    """The watcher thread: wait for each work in turn (the wait releases the GIL), note when it ended."""
+    while True:
+        work, store = works.get()
+        try:
+            work.wait()
+        finally:
+            store(time.perf_counter())
 
 
 class CudaClock:
@@ -62,10 +92,11 @@ class CudaClock:
         event.record()
         return event
 
-    def when_done(self, work: dist.Work, store: Callable[[Mark], None]) -> None:
+    def when_done(self, work: dist.Work, store: Callable[[Mark], None]) -> bool:
         with torch.cuda.stream(self.watch):
             work.wait()  # the watcher stream, not the compute stream, waits for the collective
             store(self.mark())
+        return False
 
     def seconds(self, a: torch.cuda.Event, b: torch.cuda.Event) -> float:
         b.synchronize()
@@ -137,13 +168,14 @@ class CommTimer:
             return _NULL
         return self._span(group, op, WAIT)
 
-    def launched(self, group: str, op: str, work: Optional[dist.Work], start: Optional[Mark]) -> None:
-        """An async collective launched at `start`: its span ends when `work` completes."""
+    def launched(self, group: str, op: str, work: Optional[dist.Work], start: Optional[Mark]) -> bool:
+        """An async collective launched at `start`: its span ends when `work` completes. True when a
+        watcher thread waits on `work`: the caller must then not `wait()` on it (poll `wait_watched`)."""
         if not self.on or work is None or start is None:
-            return
+            return False
         span = Span(group, op, ASYNC, start)
         self.spans.append(span)
-        self.clock.when_done(work, span.set_end)
+        return self.clock.when_done(work, span.set_end)
 
     def phase(self, name: str, start: Optional[Mark], end: Optional[Mark] = None) -> None:
         """A region of the step from `start` to `end` (now when None)."""
@@ -180,6 +212,12 @@ class CommTimer:
 
 
 _NULL = contextlib.nullcontext()
+
+
+def wait_watched(work: dist.Work, poll_s: float = 5e-5) -> None:
+    """Wait for a work a watcher thread is waiting on (it completes when that wait returns)."""
+    while not work.is_completed():
+        time.sleep(poll_s)
 
 
 def _finished(spans: list[Span], patience_s: float = 5.0) -> list[Span]:

@@ -107,6 +107,7 @@ def test_breakdown_comm_bytes_and_traffic_map(tp: int, pp: int, tmp_path: Path) 
                 assert doc["matrices"][g][rank] == pytest.approx(res["rows"][g], rel=1e-12)
     if pp == 2:
         assert records[-1]["time/bubble_s"] > 0
+        assert all(0 <= r["comm/overlap_pp"] < 1 for r in records)  # sends complete behind compute
         assert doc["matrices"]["pp"][0][1] > 0 and doc["matrices"]["pp"][1][0] > 0  # both directions
 
 

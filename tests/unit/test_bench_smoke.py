@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from hybrid.bench import model_size, step_vs_hf
+from hybrid.bench import model_size, step_vs_hf, timing_overhead
 
 TINY = ["--model", "gpt-tiny", "--steps", "1", "--warmup", "1", "--threads", "1", "--seq-len", "16",
         "--micro-batch", "2", "--microbatches", "2", "--repeats", "2"]
@@ -49,3 +49,8 @@ def test_model_size_counts_match_the_formula(capsys: pytest.CaptureFixture[str])
     assert gpt1b["flops_per_token"] == 6 * gpt1b["params"] + 12 * 16 * 2048 * 2048
     assert model_size.main(["--models", "gpt-tiny", "--seq-len", "128"]) == 0
     assert "gpt-tiny" in capsys.readouterr().out
+
+
+def test_timing_overhead_runs_both_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    assert timing_overhead.main(["--quick"]) == 0
+    assert "median paired ratio on/off" in capsys.readouterr().out

@@ -1,0 +1,109 @@
+"""What timing every collective costs: tokens/s with `logging.timing` on and off, side by side in one run.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python -m hybrid.bench.timing_overhead [--models gpt-tiny gpt-125m] [--quick]
+
+Per model: one trainer on --world forked gloo ranks (--parallel's layout), --warmup untimed steps, then
+--pairs pairs of steps, each pair one step with the timer on and one with it off, in alternating order
+(on-off, off-on, …) so neither setting always runs first. A step's time is the slowest rank's
+`train_step` wall time (the timed step includes resolving its marks and the breakdown's vector; the
+record's all-reduce is the logging the run does anyway). The figure is the median over pairs of the
+paired ratio on/off; overhead = that ratio − 1 (tokens/s drop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+
+from hybrid.bench import common
+from hybrid.bench.common import check_models, parse_with_quick, table
+from hybrid.bench.inputs import resolve_vocab, synthetic_corpus
+from hybrid.compression.hooks import make_hook
+from hybrid.config import compose_config
+from hybrid.parallel import collectives as C
+from hybrid.parallel.context import Layout, ParallelContext
+from hybrid.testing.ranks import launch
+from hybrid.trainer import Trainer, build_chunks
+
+MODULE = "hybrid.bench.timing_overhead"
+QUICK = {"models": ["gpt-tiny"], "pairs": 2, "warmup": 1, "seq_len": 16, "micro_batch": 1, "microbatches": 2}
+GROUPS = ("tp", "dp", "pp", "dp_intra", "dp_inter", "embedding")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
+    common.add_quick(p, "gpt-tiny, 2 pairs")
+    p.add_argument("--models", nargs="+", default=["gpt-tiny", "gpt-125m"], help="configs/model names")
+    p.add_argument("--world", type=int, default=2, help="gloo ranks")
+    p.add_argument("--parallel", nargs="*", default=[], help="layout overrides, e.g. parallel.tp=2 (default: dp)")
+    p.add_argument("--pairs", type=int, default=12, help="on/off pairs of steps")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--microbatches", type=int, default=2, help="microbatches per rank per step")
+    p.add_argument("--vocab", type=int, default=None, help="default: the model's, else 8192")
+    return p
+
+
+def overrides(args: argparse.Namespace, model: str) -> list[str]:
+    dp = args.world  # the default layout; --parallel overrides adjust it through validate's layout
+    return [f"model={model}", f"data.seq_len={args.seq_len}", f"train.micro_batch_size={args.micro_batch}",
+            f"train.global_batch_size={args.micro_batch * args.microbatches * dp}", "train.eval_every=0",
+            "parallel.name=bench", *args.parallel]
+
+
+def rank_steps(rank: int, world: int, cfg_overrides: list[str], vocab: Optional[int], warmup: int,
+               pairs: int) -> dict[bool, list[float]]:
+    """One rank: warm-up, then `pairs` on/off pairs in alternating order; step seconds by setting."""
+    cfg = compose_config(cfg_overrides)
+    p = cfg.parallel
+    ctx = ParallelContext.build(Layout.create(world, tp=p.tp, pp=p.pp))
+    for name in GROUPS:
+        C.name_group(getattr(ctx, f"{name}_group"), name)
+    corpus = synthetic_corpus(resolve_vocab(cfg, vocab), cfg.data.seq_len, 256)
+    hook, state = make_hook(cfg.compression, ctx.dp_group)
+    trainer = Trainer(cfg, ctx, build_chunks(cfg, corpus.vocab_size, ctx), corpus, torch.device("cpu"), hook, state)
+    for _ in range(warmup):
+        trainer.train_step()
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for k in range(pairs):
+        for on in ((True, False) if k % 2 == 0 else (False, True)):
+            C.COUNTER.reset()
+            times[on].append(trainer.train_step(timed=on).step_time_s)
+    return times
+
+
+def measure(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    per_rank = launch(rank_steps, args.world, overrides(args, model), args.vocab, args.warmup, args.pairs,
+                      timeout=3600)
+    on = [max(r[True][k] for r in per_rank) for k in range(args.pairs)]  # the slowest rank sets the step
+    off = [max(r[False][k] for r in per_rank) for k in range(args.pairs)]
+    ratio = statistics.median(a / b for a, b in zip(on, off))
+    return {"model": model, "on_s": statistics.median(on), "off_s": statistics.median(off), "ratio": ratio}
+
+
+def section(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[str, Any]]:
+    rows = [measure(args, m) for m in args.models]
+    tokens = args.micro_batch * args.microbatches * args.world * args.seq_len  # per step, all ranks
+    out("\n".join(table(
+        ["model", "pairs", "tokens/s off", "tokens/s on", "median paired ratio on/off", "overhead"],
+        [[r["model"], args.pairs, f"{tokens / r['off_s']:,.0f}", f"{tokens / r['on_s']:,.0f}", f"{r['ratio']:.4f}",
+          f"{(r['ratio'] - 1) * 100:+.2f}%"] for r in rows])))
+    return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = build_parser()
+    args = parse_with_quick(p, argv, QUICK)
+    check_models(p, *args.models)
+    common.run_one(section, args, common.reproduce_command(MODULE, p, args), MODULE)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
