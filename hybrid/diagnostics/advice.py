@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -140,13 +141,15 @@ def node_findings(layout: Layout, hosts: Sequence[str]) -> list[Finding]:
 
 
 def version_findings(versions: Sequence[dict[str, object]]) -> list[Finding]:
-    """Versions that are not the same on every rank."""
+    """Versions that are not the same on every rank; the ranks named are those off the most common one."""
     out = []
     for key in VERSION_KEYS:
-        seen = sorted({str(v.get(key)) for v in versions})
+        seen = Counter(str(v.get(key)) for v in versions)
         if len(seen) > 1:
-            ranks = tuple(r for r, v in enumerate(versions) if str(v.get(key)) != seen[0])
-            out.append(Finding("versions_differ", f"{key} differs between ranks: {', '.join(seen)}", ranks))
+            common = seen.most_common(1)[0][0]
+            ranks = tuple(r for r, v in enumerate(versions) if str(v.get(key)) != common)
+            out.append(Finding("versions_differ", f"{key} differs between ranks: {', '.join(sorted(seen))} "
+                               f"(most ranks: {common})", ranks))
     return out
 
 

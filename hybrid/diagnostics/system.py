@@ -10,6 +10,7 @@ container and on a GPU node. `gather_facts` hands each rank's facts to every ran
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import re
@@ -169,3 +170,10 @@ def gather_facts(facts: Facts) -> list[Facts]:
     out: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(out, facts)
     return cast(list[Facts], out)
+
+
+def node_size(keys: list[str]) -> Optional[int]:
+    """The ranks per node that the ranks' node keys show, when every node is one run of the same number
+    of consecutive ranks (the trainer's node = rank // ranks_per_node); None when they do not."""
+    runs = [len(list(g)) for _, g in itertools.groupby(keys)]
+    return runs[0] if len(set(runs)) == 1 and len(runs) == len(set(keys)) else None
