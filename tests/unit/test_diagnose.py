@@ -240,7 +240,8 @@ def test_one_process_bad_input_is_one_line_and_exit_2(monkeypatch: pytest.Monkey
     assert err[1] == "hybrid: error: parallel.tp·parallel.pp = 2·2 = 4 does not divide world size 1"
 
 
-def test_one_process_report(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_one_process_report(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                            capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.delenv("RANK", raising=False)
     assert diagnose.run(["--json", str(tmp_path / "d.json")]) == 0
     doc = json.loads((tmp_path / "d.json").read_text())
