@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from hybrid import cli
 from hybrid.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, UsageError, env_int, error_line, say
-from hybrid.config import ConfigError, compose_config, validate
+from hybrid.config import Config, ConfigError, compose_config, validate
 from hybrid.diagnostics import DiagnosticsError
 from hybrid.diagnostics import advice as A
 from hybrid.diagnostics.heatmap import require_matplotlib, write_heatmap
@@ -131,34 +131,44 @@ def parse_args(argv: list[str]) -> Options:
     return opts
 
 
-def init_group(timeout_s: float) -> bool:
-    """Under torchrun, create the default group (NCCL on cuda:LOCAL_RANK when CUDA is available, else
-    gloo) with `timeout_s` on every collective; True if this call created it (and must destroy it)."""
+def compose(overrides: list[str]) -> Config:
+    """The config of `overrides`, as hybrid.train composes it; a Hydra error is one ConfigError line."""
+    try:
+        return compose_config(overrides)
+    except Exception as e:  # noqa: BLE001  (any composition failure is bad input: Hydra's many kinds)
+        raise ConfigError(cli.one_line(e)) from None
+
+
+def wants_cuda(cfg: Config) -> bool:
+    """train.device as hybrid.train reads it: auto = CUDA when available; cuda without CUDA is bad input."""
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but CUDA is not available")
+    return cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+
+
+def init_group(timeout_s: float, cuda: bool) -> bool:
+    """Under torchrun, create the default group (NCCL on cuda:LOCAL_RANK with `cuda`, else gloo) with
+    `timeout_s` on every collective; True if this call created it (and must destroy it)."""
     if dist.is_initialized() or "RANK" not in os.environ:
         return False
-    backend = "gloo"
-    if torch.cuda.is_available():
+    if cuda:
         torch.cuda.set_device(env_int("LOCAL_RANK", 0))
-        backend = "nccl"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
     return True
 
 
-def device_and_backend() -> tuple[torch.device, str]:
-    """The device the transfers use: the current CUDA device under NCCL (or one CUDA process), else CPU."""
-    backend = dist.get_backend() if dist.is_initialized() else "none"
-    cuda = backend == "nccl" or (backend == "none" and torch.cuda.is_available())
+def device_and_backend(cuda: bool) -> tuple[torch.device, str]:
+    """The device the transfers use: the current CUDA device under an NCCL group (or in one process with
+    `cuda`), else the CPU; and the group's backend ("none" without a group)."""
+    backend = str(dist.get_backend()) if dist.is_initialized() else "none"
+    cuda = "nccl" in backend if dist.is_initialized() else cuda
     return (torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")), backend
 
 
-def resolve_layout(overrides: list[str], facts: list[Facts]) -> tuple[Layout, str, str, list[A.Finding]]:
-    """The layout `overrides` ask for on this world, as hybrid.train validates it; the source of the node
-    size; the compression method; a `config_refused` note when the layout fits but the rest of the
-    config would not pass hybrid.train's checks. A layout that does not fit is a ConfigError."""
-    try:
-        cfg = compose_config(overrides)
-    except Exception as e:  # noqa: BLE001  (any composition failure is bad input: Hydra's many kinds)
-        raise ConfigError(cli.one_line(e)) from None
+def resolve_layout(cfg: Config, facts: list[Facts]) -> tuple[Layout, str, list[A.Finding]]:
+    """The layout of `cfg` on this world, validated as hybrid.train does; the source of the node size; a
+    `config_refused` note when the layout fits but the rest of the config would not pass hybrid.train's
+    checks. A layout that does not fit is a ConfigError."""
     world, p = len(facts), cfg.parallel
     hosts_size = node_size([f["node_key"] for f in facts])
     detected = hosts_size or env_int("LOCAL_WORLD_SIZE", world)
@@ -167,31 +177,44 @@ def resolve_layout(overrides: list[str], facts: list[Facts]) -> tuple[Layout, st
     with warnings.catch_warnings():  # TP across nodes: reported as a finding, not a Python warning
         warnings.simplefilter("ignore")
         try:
-            return validate(cfg, world, detected), source, cfg.compression.method, []
+            return validate(cfg, world, detected), source, []
         except ConfigError as e:
             refused = str(e)
         try:
             layout = Layout.create(world, p.tp, p.pp, p.dp, p.ranks_per_node or detected, p.allow_tp_across_nodes)
         except LayoutError as e:
             raise ConfigError(str(e)) from None
-    note = A.Finding("config_refused", f"the layout fits, but hybrid.train would refuse this config: {refused}")
-    return layout, source, cfg.compression.method, [note]
+    return layout, source, [A.Finding("config_refused", f"the layout fits, but hybrid.train would refuse this "
+                                      f"config: {refused}")]
 
 
-def diagnose(opts: Options) -> Report:
+def is_writer() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def diagnose(opts: Options, cfg: Config) -> Report:
     """Gather every rank's facts, check the layout, measure the matrix, judge it. Collective."""
-    device, backend = device_and_backend()
-    if opts.png:
-        require_matplotlib(opts.png)
+    device, backend = device_and_backend(wants_cuda(cfg))
+    if opts.png and (problem := agreed(_png_problem(opts.png) if is_writer() else "")):
+        raise DiagnosticsError(problem)  # only rank 0 draws: its matplotlib counts, every rank stops
     first_local = os.environ.get("LOCAL_RANK", "0") == "0"
     facts = gather_facts(rank_facts(device, backend, with_host=first_local))
-    layout, source, method, notes = resolve_layout(opts.overrides, facts)
+    layout, source, notes = resolve_layout(cfg, facts)
     probe = Probe(opts.size or DEFAULT_SIZE[device.type], opts.iters, opts.warmup, opts.serial)
     matrix = measure(probe.size, probe.iters, probe.warmup, device, probe.serial)
+    method = cfg.compression.method
     found = (notes + A.node_findings(layout, [f["hostname"] for f in facts])
              + A.version_findings([f["versions"] for f in facts]) + A.findings(layout, matrix, method))
     return Report(facts, layout, source, matrix, probe, method, found,
                   A.suggest(layout, matrix) if layout.world > 1 else None)
+
+
+def _png_problem(path: str) -> str:
+    try:
+        require_matplotlib(path)
+    except DiagnosticsError as e:
+        return str(e)
+    return ""
 
 
 def write_outputs(rep: Report, opts: Options, out: TextIO) -> str:
@@ -229,27 +252,26 @@ def run(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> int:
         if env_int("RANK", 0) == 0:
             print(__doc__.strip())
         return EXIT_OK
+    owned, known, code = False, False, EXIT_BAD_INPUT
     try:
         opts = parse_args(argv)
-    except UsageError as e:
-        say(error_line(str(e)))
-        return EXIT_BAD_INPUT
-    owned = init_group(opts.timeout)
-    try:
-        rep = diagnose(opts)
-        is_writer = not dist.is_initialized() or dist.get_rank() == 0
-        problem = agreed(write_outputs(rep, opts, out or sys.stdout) if is_writer else "")
+        cfg = compose(opts.overrides)
+        owned = init_group(opts.timeout, wants_cuda(cfg))
+        rep = diagnose(opts, cfg)
+        problem = agreed(write_outputs(rep, opts, out or sys.stdout) if is_writer() else "")
         if problem:
             raise DiagnosticsError(problem)
-        return EXIT_FAILED if opts.strict and rep.warnings else EXIT_OK
-    except KNOWN_ERRORS as e:
+        code, known = (EXIT_FAILED if opts.strict and rep.warnings else EXIT_OK), True
+    except KNOWN_ERRORS as e:  # the same error on every rank: parsing, config and layout are the same there
         say(error_line(str(e)))
-        return EXIT_BAD_INPUT
+        known = True
     finally:
-        if owned:
+        if owned:  # barrier only when every rank got here the known way (a bug on one rank must not wait)
             gc.collect()
-            dist.barrier()
+            if known:
+                dist.barrier()
             dist.destroy_process_group()
+    return code
 
 
 def main(argv: Optional[list[str]] = None) -> int:
