@@ -5,12 +5,13 @@ rank is in at most one pair (with an odd world one rank sits out), so every link
 and a world of n takes n − 1 rounds (n with n odd). In a round the two ranks of each pair play
 ping-pong with `dist.send` / `dist.recv`: the lower rank (the leader) sends `size` bytes and receives
 them back, `warmup` untimed times (NCCL builds the pair's communicator on the first exchange), then
-`iters` timed times; the leader's clock alone times it, so no clocks need agreeing. Every round ends
-with a `dist.barrier` on the whole world: ranks without a pair wait there, and no round overlaps the
-next. `serial=True` measures one pair per round instead (no two transfers at once).
+`iters` times, each timed on its own by the leader's clock alone (no clocks need agreeing). Every
+round ends with a `dist.barrier` on the whole world: ranks without a pair wait there, and no round
+overlaps the next. `serial=True` measures one pair per round instead (no two transfers at once).
 
 A ping-pong iteration moves `size` bytes one way and back, one after the other, so the link's one-way
-bandwidth is 2 · size · iters / elapsed. That is the algorithm bandwidth of a send, and since
+bandwidth is 2 · size / t for the median iteration time t (the median, not the mean: one descheduled
+iteration on a busy host does not move it). That is the algorithm bandwidth of a send, and since
 `collectives.bus_factor("send", 2)` is 1 it is also nccl-tests' bus bandwidth, comparable with the
 link's peak. Finally one `all_reduce` (sum) of the matrix, where only each link's leader wrote its
 cell, gives every rank the full matrix. The diagonal (no link) is NaN.
@@ -65,22 +66,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_pair(buf: torch.Tensor, peer: int, leader: bool, iters: int, warmup: int) -> float:
-    """Seconds of `iters` ping-pong iterations with `peer` after `warmup` untimed ones (both ranks
-    of the pair run it; the leader's time is the measurement)."""
+def time_pair(buf: torch.Tensor, peer: int, leader: bool, iters: int, warmup: int) -> list[float]:
+    """Seconds of each of `iters` ping-pong iterations with `peer`, after `warmup` untimed ones (both
+    ranks of the pair run it; the leader's times are the measurement). Each iteration waits for the
+    device, so on a GPU every time includes one host synchronisation."""
     for _ in range(warmup):
         exchange(buf, peer, leader)
     _sync(buf.device)
-    start = time.perf_counter()
+    times = []
     for _ in range(iters):
+        start = time.perf_counter()
         exchange(buf, peer, leader)
-    _sync(buf.device)
-    return time.perf_counter() - start
+        _sync(buf.device)
+        times.append(time.perf_counter() - start)
+    return times
 
 
-def bandwidth_gbs(size: int, iters: int, seconds: float) -> float:
-    """One-way bandwidth of a ping-pong in GB/s (10⁹ bytes/s): each iteration carries `size` there and back."""
-    return 2 * size * iters * bus_factor("send", 2) / max(seconds, 1e-12) / GB
+def bandwidth_gbs(size: int, seconds: float) -> float:
+    """One-way bandwidth in GB/s (10⁹ bytes/s) of a ping-pong iteration of `seconds`: `size` bytes there
+    and back."""
+    return 2 * size * bus_factor("send", 2) / max(seconds, 1e-12) / GB
 
 
 def measure(size: int, iters: int, warmup: int, device: torch.device, serial: bool = False) -> Matrix:
@@ -94,9 +99,9 @@ def measure(size: int, iters: int, warmup: int, device: torch.device, serial: bo
     for pairs in rounds(world, serial):
         for a, b in pairs:
             if me in (a, b):
-                seconds = time_pair(buf, b if me == a else a, me == a, iters, warmup)
+                times = time_pair(buf, b if me == a else a, me == a, iters, warmup)
                 if me == a:
-                    cells[a, b] = cells[b, a] = bandwidth_gbs(size, iters, seconds)
+                    cells[a, b] = cells[b, a] = bandwidth_gbs(size, statistics.median(times))
         dist.barrier()
     dist.all_reduce(cells)
     out = cells.cpu().tolist()

@@ -50,7 +50,7 @@ class Report:
                       "node_of": node_of(lay), "hosts": [f["hostname"] for f in self.facts]},
             "ranks": [{k: v for k, v in f.items() if k != "host"} for f in self.facts],
             "hosts": {f["host"]["hostname"]: f["host"] for f in self.facts if "host" in f},
-            "bandwidth": {"unit": "GB/s", "method": "ping-pong", "size_bytes": self.probe.size,
+            "bandwidth": {"unit": "GB/s", "method": "ping-pong, median iteration", "size_bytes": self.probe.size,
                           "iters": self.probe.iters, "warmup": self.probe.warmup, "serial": self.probe.serial,
                           "rounds": len(rounds(lay.world, self.probe.serial)),
                           "matrix": [[None if math.isnan(v) else v for v in row] for row in self.matrix],
@@ -155,8 +155,8 @@ def bandwidth_section(rep: Report) -> str:
     if world == 1:
         return "bandwidth: a world of 1 has no links to measure"
     kind = "one pair at a time" if p.serial else "tournament rounds of concurrent pairs"
-    head = (f"bandwidth (GB/s, one way; ping-pong of {size_text(p.size)} × {p.iters} after {p.warmup} warm-up per "
-            f"pair, {len(rounds(world, p.serial))} rounds, {kind})")
+    head = (f"bandwidth (GB/s, one way; median of {p.iters} ping-pongs of {size_text(p.size)} after {p.warmup} "
+            f"warm-up per pair, {len(rounds(world, p.serial))} rounds, {kind})")
     body = matrix_table(rep.matrix) if world <= MATRIX_MAX else per_rank_lines(rep.matrix)
     summary = summarize(rep.matrix, node_of(rep.layout))
     lines = [f"  {name}-node: " + (f"{s['count']} links, min {s['min']:.3g} median {s['median']:.3g} "

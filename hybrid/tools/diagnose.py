@@ -8,7 +8,7 @@ ranks, warnings about a layout on those links, and the TP size the links suggest
 
 Options:
   --size BYTES   bytes per transfer; K/M/G = KiB/MiB/GiB, KB/MB/GB decimal (default 16M on GPU, 4M on CPU)
-  --iters N      timed ping-pongs per pair (default 5)
+  --iters N      timed ping-pongs per pair; the median one counts (default 10)
   --warmup N     untimed ping-pongs per pair before them (default 1)
   --serial       one pair at a time (default: tournament rounds, every rank in one pair per round)
   --json PATH    also write the report as JSON (written by rank 0)
@@ -57,7 +57,7 @@ DEFAULT_SIZE = {"cuda": 16 * 2**20, "cpu": 4 * 2**20}
 @dataclass
 class Options:
     size: Optional[int] = None  # None: DEFAULT_SIZE of the device
-    iters: int = 5
+    iters: int = 10
     warmup: int = 1
     serial: bool = False
     json: Optional[str] = None
