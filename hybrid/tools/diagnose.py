@@ -151,9 +151,13 @@ def init_group(timeout_s: float, cuda: bool) -> bool:
     `timeout_s` on every collective; True if this call created it (and must destroy it)."""
     if dist.is_initialized() or "RANK" not in os.environ:
         return False
-    if cuda:
-        torch.cuda.set_device(env_int("LOCAL_RANK", 0))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if not cuda:
+        dist.init_process_group("gloo", timeout=timeout)
+        return True
+    device = torch.device("cuda", env_int("LOCAL_RANK", 0))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", timeout=timeout, device_id=device)  # bound device: barriers know it
     return True
 
 
