@@ -49,7 +49,7 @@ class Report:
             "nodes": {"count": lay.num_nodes, "ranks_per_node": lay.ranks_per_node, "source": self.node_source,
                       "node_of": node_of(lay), "hosts": [f["hostname"] for f in self.facts]},
             "ranks": [{k: v for k, v in f.items() if k != "host"} for f in self.facts],
-            "hosts": {f["host"]["hostname"]: f["host"] for f in self.facts if "host" in f},
+            "hosts": {f["host"]["hostname"]: f["host"] for f in reversed(self.facts) if "host" in f},
             "bandwidth": {"unit": "GB/s", "method": "ping-pong, median iteration", "size_bytes": self.probe.size,
                           "iters": self.probe.iters, "warmup": self.probe.warmup, "serial": self.probe.serial,
                           "rounds": len(rounds(lay.world, self.probe.serial)),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import re
 import sys
@@ -89,7 +90,7 @@ def _number(name: str, text: str, low: float, kind: type = int) -> float:
         value = kind(text)
     except ValueError:
         value = None
-    if value is None or value < low or (kind is float and value <= low):
+    if value is None or not math.isfinite(value) or value < low or (kind is float and value <= low):
         raise UsageError(f"{name} must be {'an integer' if kind is int else 'a number'} "
                          f"{'>=' if kind is int else '>'} {low:g}, got {text!r}")
     return value
@@ -117,7 +118,7 @@ def parse_args(argv: list[str]) -> Options:
             setattr(opts, name[2:], True)
         elif word.startswith("--") and name in VALUED:
             value = value if eq else next(words, None)
-            if value is None:
+            if value is None or (not eq and value.startswith("--")):
                 raise UsageError(f"{name} needs a value")
             _set(opts, name, value)
         elif name in SWITCHES:

@@ -215,7 +215,8 @@ def test_sizes(text: str, n: int) -> None:
 @pytest.mark.parametrize("argv,needle", [
     (["--bogus"], "unknown option '--bogus'"), (["--size", "12Q"], "--size must be a byte count"),
     (["--size=0"], "--size must be between"), (["--iters", "0"], "--iters must be an integer >= 1"),
-    (["--timeout", "-1"], "--timeout must be a number > 0"), (["--json"], "--json needs a value"),
+    (["--timeout", "-1"], "--timeout must be a number > 0"), (["--timeout=inf"], "--timeout must be a number"),
+    (["--json"], "--json needs a value"), (["--png", "--strict"], "--png needs a value"),
     (["--strict=1"], "--strict takes no value"), (["tp2"], "expected an option or a key=value override"),
 ])
 def test_bad_command_lines(argv: list[str], needle: str) -> None:
