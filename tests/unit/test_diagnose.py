@@ -4,6 +4,7 @@ facts, the heat map, the report and the command line's bad input."""
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import math
@@ -248,3 +249,17 @@ def test_one_process_report(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
     doc = json.loads((tmp_path / "d.json").read_text())
     assert doc["world"] == 1 and doc["bandwidth"]["matrix"] == [[None]] and doc["suggestion"] is None
     assert "a world of 1 has no links to measure" in capsys.readouterr().out
+
+
+def test_a_config_the_trainer_refuses_is_a_warning_and_strict_fails_on_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    argv = ["train.global_batch_size=7", "--json", str(tmp_path / "d.json")]  # not a multiple of micro_batch_size
+    assert diagnose.run(argv, io.StringIO()) == 0
+    [warning] = load_json(tmp_path / "d.json")["warnings"]
+    assert warning["code"] == "config_refused" and "train.global_batch_size=7" in warning["message"]
+    assert diagnose.run([*argv, "--strict"], io.StringIO()) == 1
+
+
+def load_json(path: Path) -> dict:
+    return json.loads(path.read_text())
