@@ -36,8 +36,8 @@ def node_boundaries(node_of: list[int]) -> list[int]:
 
 def write_heatmap(matrix: list[list[float]], path: str, title: str, unit: str, node_of: Optional[list[int]] = None,
                   row_label: str = "rank", col_label: str = "rank") -> None:
-    """Write `matrix` (rows × columns, NaN = no value) as a PNG at `path`, coloured by value, with a
-    colour bar in `unit`; raises DiagnosticsError without matplotlib."""
+    """Write `matrix` (rows × columns, NaN = no value) as a PNG at `path`, coloured by value from 0 (or
+    the least value, if negative), with a colour bar in `unit`; raises DiagnosticsError without matplotlib."""
     require_matplotlib(path)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -47,11 +47,12 @@ def write_heatmap(matrix: list[list[float]], path: str, title: str, unit: str, n
     fig = Figure(figsize=(side + 1.2, side))
     FigureCanvasAgg(fig)
     ax = fig.subplots()
-    image = ax.imshow([[math.nan if v is None else v for v in row] for row in matrix], cmap="viridis",
-                      interpolation="nearest")
+    cells = [[math.nan if v is None else v for v in row] for row in matrix]
+    low = min([0.0, *(v for row in cells for v in row if math.isfinite(v))])  # from 0: sizes read as sizes
+    image = ax.imshow(cells, cmap="viridis", vmin=low, interpolation="nearest")
     fig.colorbar(image, ax=ax, label=unit)
     if max(rows, cols) <= ANNOTATE_MAX:
-        _annotate(ax, matrix)
+        _annotate(ax, cells, low)
     for k in node_boundaries(node_of or []):
         ax.axhline(k - 0.5, color="red", linewidth=2)
         ax.axvline(k - 0.5, color="red", linewidth=2)
@@ -64,14 +65,11 @@ def write_heatmap(matrix: list[list[float]], path: str, title: str, unit: str, n
     fig.savefig(path, dpi=110, format="png")
 
 
-def _annotate(ax: Axes, matrix: list[list[float]]) -> None:
-    """Each finite cell's value (3 significant digits), dark on the bright half of the scale."""
-    values = [v for row in matrix for v in row if v is not None and math.isfinite(v)]
-    if not values:
-        return
-    mid = (min(values) + max(values)) / 2
-    for i, row in enumerate(matrix):
+def _annotate(ax: Axes, cells: list[list[float]], low: float) -> None:
+    """Each finite cell's value (3 significant digits), dark on the bright half of the colour scale."""
+    values = [v for row in cells for v in row if math.isfinite(v)]
+    mid = (low + max(values, default=low)) / 2
+    for i, row in enumerate(cells):
         for j, v in enumerate(row):
-            if v is not None and math.isfinite(v):
-                ax.text(j, i, f"{v:.3g}", ha="center", va="center", fontsize=8,
-                        color="black" if v > mid else "white")
+            if math.isfinite(v):
+                ax.text(j, i, f"{v:.3g}", ha="center", va="center", fontsize=8, color="black" if v > mid else "white")
