@@ -1,0 +1,110 @@
+"""hybrid-diagnose on forked gloo ranks (an already initialised process group), and once under the real
+torchrun for its one-line errors. Transfers are tiny; the only timing the tests read is a link made slow
+by a delay injected into one rank's transfers (50 ms per ping-pong, against well under 1 ms)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+from harness import run_ranks
+
+from hybrid.diagnostics import pairwise
+from hybrid.tools import diagnose
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICK = ["--size", "64K", "--iters", "2", "--warmup", "1"]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def tool(rank: int, world: int, argv: list[str], slow_rank: int = -1) -> dict:
+    """Run the tool on this rank (rank `slow_rank` sleeps 50 ms in each of its exchanges)."""
+    if rank == slow_rank:
+        fast = pairwise.exchange
+
+        def slow(*args: object) -> None:
+            time.sleep(0.05)
+            fast(*args)
+
+        pairwise.exchange = slow
+    out = io.StringIO()
+    code = diagnose.run(argv, out)
+    return {"code": code, "text": out.getvalue(), "still_initialised": dist.is_initialized()}
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def check_matrix(doc: dict, world: int) -> list[list[float]]:
+    m = doc["bandwidth"]["matrix"]
+    assert len(m) == world and all(len(row) == world for row in m)
+    assert all(m[i][i] is None for i in range(world))
+    assert all(m[i][j] > 0 and m[i][j] == m[j][i] for i in range(world) for j in range(world) if i != j)
+    return m
+
+
+def test_two_ranks_report_json_and_png(tmp_path: Path) -> None:
+    argv = [*QUICK, "--json", str(tmp_path / "d.json"), "--png", str(tmp_path / "d.png")]
+    results = run_ranks(tool, 2, argv)
+    assert [r["code"] for r in results] == [0, 0] and all(r["still_initialised"] for r in results)
+    assert "bandwidth (GB/s" in results[0]["text"] and results[1]["text"] == ""  # rank 0 reports
+    doc = load(tmp_path / "d.json")
+    m = check_matrix(doc, 2)
+    assert doc["world"] == 2 and doc["backend"] == "gloo" and doc["nodes"]["count"] == 1
+    assert doc["bandwidth"]["summary"]["intra"]["count"] == 1 and doc["bandwidth"]["summary"]["inter"] is None
+    assert doc["bandwidth"]["summary"]["intra"]["median"] == m[0][1]
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1] and len(doc["hosts"]) == 1
+    assert (tmp_path / "d.png").read_bytes()[:8] == PNG
+
+
+def test_four_ranks_on_two_emulated_nodes(tmp_path: Path) -> None:
+    argv = [*QUICK, "parallel.ranks_per_node=2", "parallel=tp2", "--json", str(tmp_path / "d.json")]
+    results = run_ranks(tool, 4, argv)
+    assert [r["code"] for r in results] == [0] * 4
+    doc = load(tmp_path / "d.json")
+    m = check_matrix(doc, 4)
+    assert doc["nodes"] == {"count": 2, "ranks_per_node": 2, "source": "parallel.ranks_per_node=2",
+                            "node_of": [0, 0, 1, 1], "hosts": doc["nodes"]["hosts"]}
+    intra, inter = [m[0][1], m[2][3]], [m[0][2], m[0][3], m[1][2], m[1][3]]
+    for name, links in (("intra", intra), ("inter", inter)):
+        got = doc["bandwidth"]["summary"][name]
+        want = {"min": min(links), "median": statistics.median(links), "max": max(links), "count": len(links)}
+        assert got == want, name
+    assert doc["layout"]["tp_groups"] == [[0, 1], [2, 3]] and doc["suggestion"]["options"][0]["tp"] == 2
+    text = results[0]["text"]
+    assert "2 node(s) × 2 ranks" in text and "intra-node: 2 links" in text and "inter-node: 4 links" in text
+
+
+def test_a_slow_rank_shows_up_as_low_cells(tmp_path: Path) -> None:
+    argv = ["--size", "64K", "--iters", "2", "--warmup", "0", "--json", str(tmp_path / "d.json")]
+    assert [r["code"] for r in run_ranks(tool, 4, argv, slow_rank=3)] == [0] * 4
+    doc = load(tmp_path / "d.json")
+    m = check_matrix(doc, 4)
+    slow, others = [m[3][j] for j in range(3)], [m[i][j] for i in range(3) for j in range(i + 1, 3)]
+    assert max(slow) < min(others)
+    flagged = [w for w in doc["warnings"] if w["code"] == "slow_rank"]
+    assert [w["ranks"] for w in flagged] == [[3]]
+
+
+def test_a_layout_that_does_not_fit_is_bad_input_on_every_rank() -> None:
+    results = run_ranks(tool, 2, [*QUICK, "parallel=tp2pp2"])
+    assert [r["code"] for r in results] == [2, 2] and all(r["text"] == "" for r in results)
+
+
+def test_torchrun_bad_flag_is_one_line_per_rank() -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "hybrid.tools.diagnose", "--bogus"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert r.returncode != 0
+    ours = [ln for ln in r.stderr.splitlines() if "hybrid: error:" in ln]
+    assert sorted(ln.split()[0] for ln in ours) == ["[rank0]", "[rank1]"]
+    assert all("unknown option '--bogus'" in ln for ln in ours)
