@@ -81,7 +81,7 @@ def run(cfg: Config) -> None:
         if cfg.compression.method != "none":
             metrics.message(compression_summary(cfg.compression, layout))
         metrics.message(f"model {cfg.model.name}: {format_count(n)} parameters (analytic {format_count(analytic)}, "
-                        f"exact match: {n == analytic}), {trainer.flops_per_token / 1e9:.3f} GFLOP/token "
+                        f"exact match: {n == analytic}), {trainer.report.flops_per_token / 1e9:.3f} GFLOP/token "
                         f"(6N + 12·L·h·s), vocab {vocab}, {trainer.num_microbatches} microbatch(es)/step, "
                         f"device {device}, run dir {cfg.logging.dir}")
     try:

@@ -279,7 +279,7 @@ class Trainer:
                 record = self.step_metrics(last)  # on every rank: the bytes are averaged over ranks
                 if self.metrics is not None:
                     self.metrics.log(self.step, record)
-                if self.step == t.steps and self.cfg.logging.traffic_map:
+                if self.step == t.steps and self.cfg.logging.traffic_map and self.ctx.layout.world > 1:
                     self.report.traffic(self.step, self.message)  # before eval adds its own p2p bytes
             elif self.metrics is not None:
                 self.metrics.update_progress(self.step)

@@ -225,7 +225,7 @@ def header(cfg: Config, trainer: Trainer, args: argparse.Namespace, tokens: int)
     return "\n".join([
         f"model {m.name}: {format_count(n)} parameters ({n}; analytic {analytic}, match: {n == analytic}), "
         f"{flops / 1e9:.4f} GFLOP/token = 6N + 12·L·h·s (s={args.seq_len}; counted N gives "
-        f"{trainer.flops_per_token / 1e9:.4f}, match: {trainer.flops_per_token == flops})",
+        f"{trainer.report.flops_per_token / 1e9:.4f}, match: {trainer.report.flops_per_token == flops})",
         f"data: synthetic uniform tokens, vocab {vocab}; step = {args.microbatches} microbatches × "
         f"{args.micro_batch} seqs × {args.seq_len} tokens = {tokens} tokens; fp32; "
         f"{args.repeats} rounds × ({args.warmup} warmup + {args.steps} timed) steps per side",
@@ -271,7 +271,7 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[st
     hybrid = Side("hybrid", lambda: trainer.train_step().loss)
     reference = Side("reference", ref.train_step)
     rows = measure(hybrid, reference, args, tokens)
-    out(table(rows, trainer.flops_per_token))
+    out(table(rows, trainer.report.flops_per_token))
     out(f"machine: {cpu_name()}, {os.cpu_count()} CPUs; 1-min load average {load:.2f} before, "
         f"{os.getloadavg()[0]:.2f} after (load above the thread count = other processes shared the cores: "
         "trust the paired ratios, not the absolute rates)")
