@@ -144,28 +144,37 @@ def sizes(minbytes: int, maxbytes: int, factor: int) -> list[int]:
     return out
 
 
+def value(op: str, group_rank: int | torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """Element i of a group rank's input: small integers, exact in every dtype and in sums over many ranks
+    ((r + i) mod 4 for the reductions), different per rank at each index ((7r + i) mod 61 otherwise)."""
+    return (group_rank + i) % 4 if op in REDUCING else (7 * group_rank + i) % 61
+
+
 def fill(op: str, group_rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """The known input of a group rank: small integers, exact in every dtype and in sums over many
-    ranks ((r + i) mod 4 for reductions), different per rank at each index ((7r + i) mod 61 otherwise)."""
-    i = torch.arange(numel, dtype=torch.int64)
-    values = (group_rank + i) % 4 if op in REDUCING else (7 * group_rank + i) % 61
-    return values.to(dtype)
+    """The known input of a group rank."""
+    return value(op, group_rank, torch.arange(numel)).to(dtype)
 
 
-def expected(op: str, me: int, n: int, count: int, dtype: torch.dtype) -> torch.Tensor:
-    """What group rank `me` must hold after `op`, computed locally in float64 from every rank's fill."""
+def _sum_over_ranks(op: str, n: int, i: torch.Tensor) -> torch.Tensor:
+    """Σ over the n ranks of value(op, r, i), through the period 4 of the reductions' fill (O(len(i)))."""
+    period = torch.arange(4)
+    return sum((value(op, r, period) for r in range(n)), torch.zeros(4, dtype=torch.int64))[i % 4]
+
+
+def expected(op: str, me: int, n: int, count: int) -> torch.Tensor:
+    """What group rank `me` must hold after `op`, computed locally (float64) from every rank's fill."""
     c = count // n
-    inputs = [fill(op, r, c if op == "all_gather" else count, dtype).double() for r in range(n)]
-    mine = slice(me * c, (me + 1) * c)
+    j = torch.arange(c if op == "reduce_scatter" else count)  # output positions
+    src, k = j // c, j % c  # chunked ops: the rank a position comes from, and its index in that chunk
     results = {
-        "all_reduce": lambda: torch.stack(inputs).sum(0),
-        "all_gather": lambda: torch.cat(inputs),
-        "reduce_scatter": lambda: torch.stack(inputs).sum(0)[mine],
-        "all_to_all": lambda: torch.cat([x[mine] for x in inputs]),
-        "broadcast": lambda: inputs[ROOT],
-        "send_recv": lambda: inputs[(me - 1) % n],
+        "all_reduce": lambda: _sum_over_ranks(op, n, j),
+        "all_gather": lambda: value(op, src, k),
+        "reduce_scatter": lambda: _sum_over_ranks(op, n, me * c + j),
+        "all_to_all": lambda: value(op, src, me * c + k),
+        "broadcast": lambda: value(op, ROOT, j),
+        "send_recv": lambda: value(op, (me - 1) % n, j),
     }
-    return results[op]()
+    return results[op]().double()
 
 
 def count_wrong(got: torch.Tensor, want: torch.Tensor, n: int) -> int:
@@ -255,7 +264,7 @@ def check_call(op: str, g: GroupSet, count: int, dtype: torch.dtype, device: tor
     b = buffers(op, g.me(), g.size, count, dtype, device, in_place)
     call(op, b, g, in_place)
     synchronize(device)
-    return count_wrong(b.out, expected(op, g.me(), g.size, count, dtype), g.size)
+    return count_wrong(b.out, expected(op, g.me(), g.size, count), g.size)
 
 
 def gather_world(values: Sequence[float], device: torch.device) -> torch.Tensor:

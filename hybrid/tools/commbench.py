@@ -39,7 +39,7 @@ import gc
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import NoReturn, Optional
@@ -58,6 +58,8 @@ from hybrid.parallel.context import Layout, LayoutError, ParallelContext
 KINDS = ("world", "tp", "dp", "pp", "dp_intra", "dp_inter")
 SIZE = re.compile(r"^(\d+)\s*([KMG]?)(I?B)?$", re.IGNORECASE)
 UNITS = {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
+NOTHING = "# nothing to measure: every group has a single rank (run under torchrun --nproc-per-node N)"
+Emit = Callable[[str], None]
 
 
 @dataclass
@@ -206,33 +208,41 @@ def section_header(g: bw.GroupSet) -> str:
     return f"#\n# ===== {g.kind}: {len(g.ranks)} group(s) of {g.size} ranks: {shown}"
 
 
-def bench(opts: Options, layout: Optional[Layout], device: torch.device) -> Outcome:
-    """Every op over every chosen group kind; exit status 1 when any element came back wrong."""
+def bench(opts: Options, layout: Optional[Layout], device: torch.device, emit: Emit) -> Outcome:
+    """Every op over every chosen group kind, each table emitted as soon as it is complete; exit status 1
+    when any element came back wrong."""
+    lines: list[str] = []
+
+    def out(text: str) -> None:
+        lines.append(text)
+        emit(text)
+
     sets, notes = group_sets(opts, layout)
     dtype, sizes = bw.dtype_of(opts.datatype), bw.sizes(opts.minbytes, opts.maxbytes, opts.stepfactor)
-    lines = [f"# hybrid-commbench: world {dist.get_world_size()} ({dist.get_backend()} on {device.type}), "
-             f"{opts.iters} iterations after {opts.warmup_iters} warm-up, check {'on' if opts.check else 'off'}; "
-             f"time: mean over ranks, algbw and busbw: from the slowest rank"]
-    lines += ["# " + line for line in layout.rank_map().splitlines()] if layout else []
-    lines += notes
-    if not sets:
-        lines.append("# nothing to measure: every group has a single rank (run under torchrun --nproc-per-node N)")
+    out(f"# hybrid-commbench: world {dist.get_world_size()} ({dist.get_backend()} on {device.type}), "
+        f"{opts.iters} iterations after {opts.warmup_iters} warm-up, check {'on' if opts.check else 'off'}; "
+        f"time: mean over ranks, algbw and busbw: from the slowest rank")
+    for line in (layout.rank_map().splitlines() if layout else []):
+        out("# " + line)
+    for note in notes if sets else [*notes, NOTHING]:
+        out(note)
     tables = []
     for g in sets:
-        lines.append(section_header(g))
+        out(section_header(g))
         for op in opts.ops:
             tables.append(bw.measure(op, g, sizes, dtype, device, opts.warmup_iters, opts.iters, opts.check))
-            lines.append(bw.render(tables[-1]))
+            out(bw.render(tables[-1]))
     wrong = sum(t.wrong for t in tables)
     if wrong:
-        lines.append(f"# FAILED: {wrong} wrong element(s) in all (see the #wrong columns)")
+        out(f"# FAILED: {wrong} wrong element(s) in all (see the #wrong columns)")
     return Outcome(EXIT_FAILED if wrong else EXIT_OK, "\n".join(lines), tables)
 
 
-def preflight(opts: Options, device: torch.device) -> Outcome:
+def preflight(opts: Options, device: torch.device, emit: Emit) -> Outcome:
     report = pf.run_preflight(device, opts.threshold)
-    return Outcome(EXIT_OK if report.healthy else EXIT_FAILED, pf.render(report, dist.get_backend(), device),
-                   preflight=report)
+    text = pf.render(report, dist.get_backend(), device)
+    emit(text)
+    return Outcome(EXIT_OK if report.healthy else EXIT_FAILED, text, preflight=report)
 
 
 @contextlib.contextmanager
@@ -268,13 +278,13 @@ def _device(cuda: bool) -> torch.device:
     return torch.device("cuda", env_int("LOCAL_RANK", 0))
 
 
-def execute(argv: list[str]) -> Outcome:
-    """Parse, validate, measure. Bad input raises (UsageError, ConfigError, DiagnosticsError) before any
-    process group is touched, so every rank fails alike."""
+def execute(argv: list[str], emit: Emit = lambda text: None) -> Outcome:
+    """Parse, validate, measure; `emit` gets the report as it grows. Bad input raises (UsageError,
+    ConfigError, DiagnosticsError) before any process group is touched, so every rank fails alike."""
     opts = parse_args(argv)
     layout = resolve_layout(opts)
     with process_group(opts.timeout) as device:
-        return preflight(opts, device) if opts.preflight else bench(opts, layout, device)
+        return preflight(opts, device, emit) if opts.preflight else bench(opts, layout, device, emit)
 
 
 def run(argv: Optional[list[str]] = None) -> int:
@@ -284,14 +294,16 @@ def run(argv: Optional[list[str]] = None) -> int:
         print(__doc__.strip())
         return EXIT_OK
     try:
-        outcome = execute(argv)
+        outcome = execute(argv, _print if env_int("RANK", 0) == 0 else lambda text: None)
     except (ConfigError, DiagnosticsError) as e:
         cli.say(cli.error_line(str(e)))
         cli.wait_for_peers_to_report()
         return cli.EXIT_BAD_INPUT
-    if env_int("RANK", 0) == 0:
-        print(outcome.text, flush=True)
     return outcome.code
+
+
+def _print(text: str) -> None:
+    print(text, flush=True)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
