@@ -1,4 +1,5 @@
-"""The bandwidth bench behind `hybrid-commbench`: nccl-tests' collectives timed over process groups.
+"""The bandwidth bench behind `hybrid-commbench`: nccl-tests' collectives timed over process groups
+(`bandwidth_table` prints the tables).
 
 For each message size, every rank runs the same op over its own group (all groups of a kind at once,
 aligned by a world barrier): `warmup` untimed calls, then `iters` timed calls; its time is the mean
@@ -38,6 +39,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.f
 ALIASES = {"float": "float32", "double": "float64", "half": "float16", "bf16": "bfloat16", "int": "int32"}
 ROOT = 0  # the broadcast's source: rank 0 of each group
 SENTINEL = -1  # what an output holds before the op writes it (never a fill value)
+CHECK_BLOCK = 1 << 22  # elements compared at a time
 
 
 @dataclass(frozen=True)
@@ -161,10 +163,11 @@ def _sum_over_ranks(op: str, n: int, i: torch.Tensor) -> torch.Tensor:
     return sum((value(op, r, period) for r in range(n)), torch.zeros(4, dtype=torch.int64))[i % 4]
 
 
-def expected(op: str, me: int, n: int, count: int) -> torch.Tensor:
-    """What group rank `me` must hold after `op`, computed locally (float64) from every rank's fill."""
+def expected(op: str, me: int, n: int, count: int, lo: int = 0, hi: Optional[int] = None) -> torch.Tensor:
+    """Positions lo:hi of what group rank `me` must hold after `op`, computed locally (float64) from every
+    rank's fill (all of it by default)."""
     c = count // n
-    j = torch.arange(c if op == "reduce_scatter" else count)  # output positions
+    j = torch.arange(lo, hi if hi is not None else c if op == "reduce_scatter" else count)  # output positions
     src, k = j // c, j % c  # chunked ops: the rank a position comes from, and its index in that chunk
     results = {
         "all_reduce": lambda: _sum_over_ranks(op, n, j),
@@ -260,11 +263,13 @@ def time_call(op: str, g: GroupSet, count: int, dtype: torch.dtype, device: torc
 
 
 def check_call(op: str, g: GroupSet, count: int, dtype: torch.dtype, device: torch.device, in_place: bool) -> int:
-    """Wrong elements of one fresh call against the locally computed result."""
+    """Wrong elements of one fresh call against the locally computed result, compared in blocks of
+    CHECK_BLOCK elements (a few float64 temporaries of 32 MiB, whatever the size)."""
     b = buffers(op, g.me(), g.size, count, dtype, device, in_place)
     call(op, b, g, in_place)
     synchronize(device)
-    return count_wrong(b.out, expected(op, g.me(), g.size, count), g.size)
+    blocks = [(lo, min(lo + CHECK_BLOCK, b.out.numel())) for lo in range(0, b.out.numel(), CHECK_BLOCK)]
+    return sum(count_wrong(b.out[lo:hi], expected(op, g.me(), g.size, count, lo, hi), g.size) for lo, hi in blocks)
 
 
 def gather_world(values: Sequence[float], device: torch.device) -> torch.Tensor:
@@ -305,34 +310,3 @@ def measure(op: str, g: GroupSet, byte_sizes: Sequence[int], dtype: torch.dtype,
         rows.append(Row(size, count, cells[0], cells[1] if len(cells) > 1 else None))
     return Table(op, dtype_name(dtype), g, rows)
 
-
-HEADER = ("#{:>11} {:>12} {:>9} {:>6} {:>5}  {:>9} {:>7} {:>7} {:>6}  {:>9} {:>7} {:>7} {:>6}")
-
-
-def _cell_text(c: Optional[Cell]) -> str:
-    if c is None:
-        return f"{'n/a':>9} {'n/a':>7} {'n/a':>7} {'n/a':>6}"
-    us = c.time_avg * 1e6
-    wrong = "N/A" if c.wrong is None else str(c.wrong)
-    return f"{us:>9.{2 if us < 1e4 else 0}f} {c.algbw:>7.2f} {c.busbw:>7.2f} {wrong:>6}"
-
-
-def render(t: Table) -> str:
-    """nccl-tests' table: size, count, type, redop, root, then time (µs, mean over ranks), algbw, busbw
-    (GB/s, from the slowest rank) and #wrong out of place and in place; then the average bus bandwidth
-    and the spread of the per-rank times at the largest size."""
-    redop, root = ("sum" if t.op in REDUCING else "none"), (ROOT if t.op == "broadcast" else -1)
-    g = t.groups
-    lines = [f"# {t.op} over {g.kind}: {len(g.ranks)} group(s) of {g.size} ranks at once, {t.dtype}",
-             f"#{'':49}{'out-of-place':^32}  {'in-place':^32}".rstrip(),
-             HEADER.format("size", "count", "type", "redop", "root", *["time", "algbw", "busbw", "#wrong"] * 2),
-             HEADER.format("(B)", "(elements)", "", "", "", *["(us)", "(GB/s)", "(GB/s)", ""] * 2).rstrip()]
-    for r in t.rows:
-        lines.append(f"{r.size:>12} {r.count:>12} {t.dtype:>9} {redop:>6} {root:>5}  "
-                     f"{_cell_text(r.out_of_place)}  {_cell_text(r.in_place)}")
-    last = t.rows[-1].out_of_place
-    lines += [f"# Avg bus bandwidth    : {t.avg_busbw:.4g} GB/s",
-              f"# per-rank time at {t.rows[-1].size} B (out-of-place): min {last.time_min * 1e6:.2f} us "
-              f"(rank {last.rank_min}), avg {last.time_avg * 1e6:.2f} us, max {last.time_max * 1e6:.2f} us "
-              f"(rank {last.rank_max}); bandwidths use the max"]
-    return "\n".join(lines)

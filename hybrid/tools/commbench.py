@@ -50,7 +50,7 @@ import torch.distributed as dist
 from hybrid import cli
 from hybrid.cli import EXIT_FAILED, EXIT_OK, UsageError, env_int
 from hybrid.config import ConfigError, compose_config, validate
-from hybrid.diagnostics import DiagnosticsError
+from hybrid.diagnostics import DiagnosticsError, bandwidth_table
 from hybrid.diagnostics import bandwidth as bw
 from hybrid.diagnostics import preflight as pf
 from hybrid.parallel.context import Layout, LayoutError, ParallelContext
@@ -231,7 +231,7 @@ def bench(opts: Options, layout: Optional[Layout], device: torch.device, emit: E
         out(section_header(g))
         for op in opts.ops:
             tables.append(bw.measure(op, g, sizes, dtype, device, opts.warmup_iters, opts.iters, opts.check))
-            out(bw.render(tables[-1]))
+            out(bandwidth_table.render(tables[-1]))
     wrong = sum(t.wrong for t in tables)
     if wrong:
         out(f"# FAILED: {wrong} wrong element(s) in all (see the #wrong columns)")

@@ -80,6 +80,13 @@ def test_expected_results_follow_each_ops_definition(n: int) -> None:
     assert torch.equal(bw.expected("send_recv", 0, n, count), fills["send_recv"][n - 1])  # ring: from r−1
 
 
+@pytest.mark.parametrize("op", bw.OPS)
+def test_expected_by_blocks_is_a_slice_of_the_whole(op: str) -> None:
+    whole = bw.expected(op, 2, 4, 40)
+    assert torch.equal(torch.cat([bw.expected(op, 2, 4, 40, lo, min(lo + 3, len(whole)))
+                                  for lo in range(0, len(whole), 3)]), whole)
+
+
 def test_fills_are_exact_and_rank_dependent_in_every_dtype() -> None:
     for name, dtype in bw.DTYPES.items():
         for op in bw.OPS:
