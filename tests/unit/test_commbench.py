@@ -165,3 +165,13 @@ def test_help_and_a_world_of_one(one_process: None, capsys: pytest.CaptureFixtur
     out = capsys.readouterr().out
     assert "GEMM 256×256" in out and out.rstrip().endswith("nothing to compare in a world of one)")
     assert not torch.distributed.is_initialized()
+
+
+def test_the_comm_peak_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    from hybrid.bench import comm_peak
+
+    result = comm_peak.run(comm_peak.parse_args(["--quick"]))
+    assert [(p["world"], p["op"], p["code"]) for p in result["peaks"]] == [(2, "all_reduce", 0), (2, "all_gather", 0)]
+    assert all(p["ratio"] == pytest.approx(p["busbw"] / result["copy_gbps"]) for p in result["peaks"])
+    out = capsys.readouterr().out
+    assert "## memcpy" in out and "# Avg bus bandwidth" in out and "reproduce: OMP_NUM_THREADS=1" in out
