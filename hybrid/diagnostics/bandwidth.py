@@ -60,8 +60,21 @@ class GroupSet:
         """The global ranks of this rank's group, as its process group reports them."""
         return tuple(dist.get_process_group_ranks(self.pg or dist.group.WORLD))
 
-    def me(self) -> int:
-        return dist.get_rank(self.pg)
+    def member(self) -> Member:
+        return Member(self.pg, dist.get_rank(self.pg), self.mine())
+
+
+@dataclass(frozen=True)
+class Member:
+    """This rank in its group of a kind, looked up once (not inside the timed loop)."""
+
+    pg: Optional[dist.ProcessGroup]
+    me: int  # position in the group
+    ranks: tuple[int, ...]  # the group's global ranks
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
 
 
 @dataclass(frozen=True)
@@ -212,10 +225,10 @@ def buffers(op: str, me: int, n: int, count: int, dtype: torch.dtype, device: to
     return Buffers(inp, inp)
 
 
-def call(op: str, b: Buffers, g: GroupSet, in_place: bool) -> None:
+def call(op: str, b: Buffers, m: Member, in_place: bool) -> None:
     """One collective over this rank's group. torch.distributed's all-reduce and broadcast work in place
     only, so their out-of-place call first copies the input into the output (as a caller must)."""
-    pg, me, n = g.pg, g.me(), g.size
+    pg, me, n = m.pg, m.me, m.size
     if op in ("all_reduce", "broadcast") and not in_place and (op == "all_reduce" or me == ROOT):
         b.out.copy_(b.inp)
     if op == "all_reduce":
@@ -227,11 +240,10 @@ def call(op: str, b: Buffers, g: GroupSet, in_place: bool) -> None:
     elif op == "all_to_all":
         dist.all_to_all_single(b.out, b.inp, group=pg)
     elif op == "broadcast":
-        dist.broadcast(b.out, src=g.mine()[ROOT], group=pg)
+        dist.broadcast(b.out, src=m.ranks[ROOT], group=pg)
     else:  # send_recv: the ring r → r+1 inside the group, both directions in one batch
-        ranks = g.mine()
-        ops = [dist.P2POp(dist.isend, b.inp, ranks[(me + 1) % n], pg),
-               dist.P2POp(dist.irecv, b.out, ranks[(me - 1) % n], pg)]
+        ops = [dist.P2POp(dist.isend, b.inp, m.ranks[(me + 1) % n], pg),
+               dist.P2POp(dist.irecv, b.out, m.ranks[(me - 1) % n], pg)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 
@@ -248,28 +260,28 @@ def world_barrier(device: torch.device) -> None:
     synchronize(device)
 
 
-def time_call(op: str, g: GroupSet, count: int, dtype: torch.dtype, device: torch.device, in_place: bool,
+def time_call(op: str, m: Member, count: int, dtype: torch.dtype, device: torch.device, in_place: bool,
               warmup: int, iters: int) -> float:
     """Seconds per call on this rank: `warmup` untimed calls, a world barrier, then the mean of `iters`."""
-    b = buffers(op, g.me(), g.size, count, dtype, device, in_place)
+    b = buffers(op, m.me, m.size, count, dtype, device, in_place)
     for _ in range(warmup):
-        call(op, b, g, in_place)
+        call(op, b, m, in_place)
     world_barrier(device)
     start = time.perf_counter()
     for _ in range(iters):
-        call(op, b, g, in_place)
+        call(op, b, m, in_place)
     synchronize(device)
     return (time.perf_counter() - start) / iters
 
 
-def check_call(op: str, g: GroupSet, count: int, dtype: torch.dtype, device: torch.device, in_place: bool) -> int:
+def check_call(op: str, m: Member, count: int, dtype: torch.dtype, device: torch.device, in_place: bool) -> int:
     """Wrong elements of one fresh call against the locally computed result, compared in blocks of
     CHECK_BLOCK elements (a few float64 temporaries of 32 MiB, whatever the size)."""
-    b = buffers(op, g.me(), g.size, count, dtype, device, in_place)
-    call(op, b, g, in_place)
+    b = buffers(op, m.me, m.size, count, dtype, device, in_place)
+    call(op, b, m, in_place)
     synchronize(device)
     blocks = [(lo, min(lo + CHECK_BLOCK, b.out.numel())) for lo in range(0, b.out.numel(), CHECK_BLOCK)]
-    return sum(count_wrong(b.out[lo:hi], expected(op, g.me(), g.size, count, lo, hi), g.size) for lo, hi in blocks)
+    return sum(count_wrong(b.out[lo:hi], expected(op, m.me, m.size, count, lo, hi), m.size) for lo, hi in blocks)
 
 
 def gather_world(values: Sequence[float], device: torch.device) -> torch.Tensor:
@@ -297,11 +309,12 @@ def measure(op: str, g: GroupSet, byte_sizes: Sequence[int], dtype: torch.dtype,
     elem = torch.empty(0, dtype=dtype).element_size()
     counts = sorted({element_count(op, s, g.size, elem) for s in byte_sizes})
     columns = (False,) if op in NO_IN_PLACE else (False, True)
+    m = g.member()
     local: list[float] = []
     for count in counts:
         for in_place in columns:
-            local.append(time_call(op, g, count, dtype, device, in_place, warmup, iters))
-            local.append(check_call(op, g, count, dtype, device, in_place) if check else 0)
+            local.append(time_call(op, m, count, dtype, device, in_place, warmup, iters))
+            local.append(check_call(op, m, count, dtype, device, in_place) if check else 0)
     every = gather_world(local, device).view(dist.get_world_size(), len(counts), len(columns), 2)
     rows = []
     for i, count in enumerate(counts):

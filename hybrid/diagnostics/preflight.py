@@ -199,11 +199,11 @@ def render(r: Report, backend: str, device: torch.device) -> str:
     lines.append(f"# {'rank':>4}  {'host':<16} {'GEMM ms':>9} {'TFLOP/s':>8} {'vs med':>7}  "
                  f"{'link':>7} {'ms':>8} {'GB/s':>7} {'vs med':>7}  flag")
     for i in range(n):
-        g = f"{r.gemm[i] * 1e3:9.3f} {flops / r.gemm[i] / 1e12:8.3f} {_vs(r.gemm, i):>7}"
-        link = "" if math.isnan(r.link[i]) else (f"{f'{i}→{(i + 1) % n}':>7} {r.link[i] * 1e3:8.3f} "
-                                                 f"{p.link / r.link[i] / 1e9:7.3f} {_vs(r.link, i):>7}")
+        gemm = f"{r.gemm[i] * 1e3:9.3f} {flops / r.gemm[i] / 1e12:8.3f} {_vs(r.gemm, i):>7}"
+        link = f"{'-':>7} {'-':>8} {'-':>7} {'-':>7}" if math.isnan(r.link[i]) else (
+            f"{f'{i}→{(i + 1) % n}':>7} {r.link[i] * 1e3:8.3f} {p.link / r.link[i] / 1e9:7.3f} {_vs(r.link, i):>7}")
         flag = " ".join(w for w, on in (("GEMM", i in gemm_flags), ("LINK", i in link_flags)) if on)
-        lines.append(f"  {i:>4}  {r.hosts[i][:16]:<16} {g}  {link or f'{chr(8212):>7}':<33}  {flag}".rstrip())
+        lines.append(f"  {i:>4}  {r.hosts[i][:16]:<16} {gemm}  {link}  {flag}".rstrip())
     lines.append(verdict(r))
     return "\n".join(lines)
 
