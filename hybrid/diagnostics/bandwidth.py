@@ -179,7 +179,7 @@ def _sum_over_ranks(op: str, n: int, i: torch.Tensor) -> torch.Tensor:
 def expected(op: str, me: int, n: int, count: int, lo: int = 0, hi: Optional[int] = None) -> torch.Tensor:
     """Positions lo:hi of what group rank `me` must hold after `op`, computed locally (float64) from every
     rank's fill (all of it by default)."""
-    c = count // n
+    c = max(1, count // n)  # the chunk of the chunked ops (count may be below n for the others)
     j = torch.arange(lo, hi if hi is not None else c if op == "reduce_scatter" else count)  # output positions
     src, k = j // c, j % c  # chunked ops: the rank a position comes from, and its index in that chunk
     results = {

@@ -86,8 +86,8 @@ LAYOUT = ["parallel.tp=2", "parallel.ranks_per_node=2"]
 
 
 def groups_rank(rank: int, world: int) -> dict[str, Any]:
-    argv = [*LAYOUT, "--groups", "world,tp,dp,pp,dp_intra,dp_inter", "-o", "all_reduce", "-b", "64", "-e", "64",
-            "-n", "1", "-w", "0"]
+    argv = [*LAYOUT, "--groups", "world,tp,dp,pp,dp_intra,dp_inter", "-o", "all_reduce", "-b", "8", "-e", "64",
+            "-f", "8", "-n", "1", "-w", "0"]  # 8 B: fewer elements than the world has ranks
     outcome = commbench.execute(argv)
     trainer = ParallelContext.build(Layout.create(world, tp=2, ranks_per_node=2))
     theirs = {k: dist.get_process_group_ranks(getattr(trainer, f"{k}_group")) for k in ("tp", "dp", "pp")}

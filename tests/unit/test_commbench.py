@@ -80,6 +80,13 @@ def test_expected_results_follow_each_ops_definition(n: int) -> None:
     assert torch.equal(bw.expected("send_recv", 0, n, count), fills["send_recv"][n - 1])  # ring: from r−1
 
 
+@pytest.mark.parametrize("op", ["all_reduce", "broadcast", "send_recv"])
+def test_expected_with_fewer_elements_than_ranks(op: str) -> None:
+    fills = [bw.fill(op, r, 2, torch.float32).double() for r in range(4)]
+    want = {"all_reduce": sum(fills), "broadcast": fills[0], "send_recv": fills[3]}[op]
+    assert torch.equal(bw.expected(op, 0, 4, 2), want)
+
+
 @pytest.mark.parametrize("op", bw.OPS)
 def test_expected_by_blocks_is_a_slice_of_the_whole(op: str) -> None:
     whole = bw.expected(op, 2, 4, 40)
