@@ -1,0 +1,157 @@
+"""hybrid-commbench on forked gloo ranks (and once under the real torchrun).
+
+References: every op's result against the one computed locally from the ranks' known inputs (the
+tool's own check, made to fail by corrupting one element inside torch.distributed.all_reduce); the
+groups against the trainer's (`Layout` and `ParallelContext.build` for the same layout); the preflight
+against an injected fault (one rank's GEMM sleeps 50 ms per call, > 100× a healthy 256² GEMM).
+The healthy preflight runs with a generous threshold (300 %) and up to three attempts, since the
+ranks share 2 oversubscribed cores with other jobs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from harness import run_ranks
+
+from hybrid.diagnostics import bandwidth as bw
+from hybrid.parallel.context import Layout, ParallelContext
+from hybrid.tools import commbench
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["-b", "8", "-e", "4K", "-f", "8", "-n", "2", "-w", "1"]
+
+
+def _cells(t: bw.Table) -> list[bw.Cell]:
+    return [c for r in t.rows for c in (r.out_of_place, r.in_place) if c is not None]
+
+
+def every_op_rank(rank: int, world: int) -> dict[str, Any]:
+    bw.CHECK_BLOCK = 100  # this forked rank only: results compared in several blocks
+    out = commbench.execute(["-o", "all", *SMALL])
+    low = commbench.execute(["-o", "all_reduce,reduce_scatter,broadcast", "-d", "bfloat16", *SMALL])
+    odd = commbench.execute(["-o", "all_gather,all_to_all", "-d", "int8", *SMALL])
+    tables = out.tables + low.tables + odd.tables
+    return {"codes": [out.code, low.code, odd.code], "text": out.text,
+            "tables": [(t.op, t.dtype, [(r.size, r.count, r.in_place is not None) for r in t.rows],
+                        [c.wrong for c in _cells(t)]) for t in tables]}
+
+
+def test_every_op_on_two_ranks_has_no_wrong_element() -> None:
+    results = run_ranks(every_op_rank, 2)
+    assert [r["codes"] for r in results] == [[0, 0, 0]] * 2
+    first = results[0]
+    assert [t[0] for t in first["tables"][:6]] == list(bw.OPS)
+    for op, dtype, rows, wrong in first["tables"]:
+        assert wrong and all(w == 0 for w in wrong), (op, dtype, wrong)  # checked (not None) and right
+        elem = torch.empty(0, dtype=bw.DTYPES[dtype]).element_size()
+        assert all(size == count * elem for size, count, _ in rows)
+        assert all(count % 2 == 0 for _, count, _ in rows) or op not in bw.CHUNKED
+        assert all(in_place == (op not in bw.NO_IN_PLACE) for *_, in_place in rows)
+    assert first["text"].count("# Avg bus bandwidth") == 6 and "out-of-place" in first["text"]
+
+
+def corrupted_rank(rank: int, world: int) -> dict[str, Any]:
+    real = dist.all_reduce
+
+    def corrupt(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        work = real(t, *args, **kwargs)
+        if rank == 1 and t.numel() > 1:  # not the one-element barrier
+            t.view(-1)[0] += 100
+        return work
+
+    dist.all_reduce = corrupt  # this forked rank only
+    argv = ["-o", "all_reduce,all_gather", "-b", "64", "-e", "256", "-f", "4", "-n", "1", "-w", "0"]
+    outcome = commbench.execute(argv)
+    return {"code": outcome.code, "status": commbench.run(argv), "text": outcome.text,
+            "wrong": {t.op: [c.wrong for c in _cells(t)] for t in outcome.tables}}
+
+
+def test_the_check_catches_a_corrupted_element_and_the_status_says_so() -> None:
+    results = run_ranks(corrupted_rank, 2)
+    assert [(r["code"], r["status"]) for r in results] == [(1, 1)] * 2
+    # sizes 64 B and 256 B, out of place and in place: one corrupted element on rank 1 in each checked call
+    assert results[0]["wrong"] == {"all_reduce": [1, 1, 1, 1], "all_gather": [0, 0, 0, 0]}
+    assert "# FAILED: 4 wrong element(s)" in results[0]["text"]
+
+
+LAYOUT = ["parallel.tp=2", "parallel.ranks_per_node=2"]
+
+
+def groups_rank(rank: int, world: int) -> dict[str, Any]:
+    argv = [*LAYOUT, "--groups", "world,tp,dp,pp,dp_intra,dp_inter", "-o", "all_reduce", "-b", "8", "-e", "64",
+            "-f", "8", "-n", "1", "-w", "0"]  # 8 B: fewer elements than the world has ranks
+    outcome = commbench.execute(argv)
+    trainer = ParallelContext.build(Layout.create(world, tp=2, ranks_per_node=2))
+    theirs = {k: dist.get_process_group_ranks(getattr(trainer, f"{k}_group")) for k in ("tp", "dp", "pp")}
+    return {"code": outcome.code, "text": outcome.text, "trainer": theirs,
+            "used": {t.groups.kind: (t.groups.mine(), t.groups.ranks) for t in outcome.tables}}
+
+
+def test_layout_groups_are_the_trainers_groups() -> None:
+    layout = Layout.create(4, tp=2, ranks_per_node=2)
+    expected = {"world": [[0, 1, 2, 3]], "tp": layout.tp_groups(), "dp": layout.dp_groups()}
+    assert expected["tp"] == [[0, 1], [2, 3]] and expected["dp"] == [[0, 2], [1, 3]]  # the layout is not trivial
+    results = run_ranks(groups_rank, 4)
+    for rank, r in enumerate(results):
+        assert r["code"] == 0
+        assert sorted(r["used"]) == ["dp", "tp", "world"]  # pp and dp_intra: 1 rank; dp_inter: the dp groups
+        for kind, (mine, every) in r["used"].items():
+            assert [list(g) for g in every] == expected[kind]
+            assert rank in mine and list(mine) in expected[kind]
+            if kind != "world":
+                assert list(mine) == r["trainer"][kind]
+    text = results[0]["text"]
+    assert "# pp: groups of 1 rank" in text and "# dp_inter: the same groups as dp" in text
+    assert "# ===== tp: 2 group(s) of 2 ranks: [0, 1] [2, 3]" in text
+
+
+def preflight_rank(rank: int, world: int, slow: int, threshold: str, attempts: int) -> dict[str, Any]:
+    if rank == slow:
+        real = torch.matmul
+
+        def sleepy(*args: Any, **kwargs: Any) -> torch.Tensor:
+            time.sleep(0.05)
+            return real(*args, **kwargs)
+
+        torch.matmul = sleepy  # this forked rank only
+    for _ in range(attempts):  # every rank sees the same outcome, so all stop together
+        outcome = commbench.execute(["--preflight", "--threshold", threshold])
+        if outcome.code == 0:
+            break
+    report = outcome.preflight
+    return {"code": outcome.code, "text": outcome.text, "problems": report.problems,
+            "gemm_flags": commbench.pf.over_median(report.gemm, report.threshold)}
+
+
+def test_preflight_flags_a_slow_rank() -> None:
+    results = run_ranks(preflight_rank, 3, 1, "100", 1)
+    assert [r["code"] for r in results] == [1, 1, 1]
+    assert results[0]["gemm_flags"] == [1]
+    assert any(p.startswith("rank 1 (") and "GEMM" in p for p in results[0]["problems"])
+    assert "preflight: " in results[0]["text"] and "problem(s)" in results[0]["text"].splitlines()[-1]
+
+
+def test_preflight_passes_a_healthy_world() -> None:
+    results = run_ranks(preflight_rank, 3, -1, "300", 3)
+    assert [r["code"] for r in results] == [0, 0, 0], results[0]["text"]
+    assert results[0]["text"].splitlines()[-1].startswith("preflight: healthy (3 rank(s)")
+
+
+def test_bad_input_under_torchrun_is_one_line_per_rank() -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "hybrid.tools.commbench", "-o", "bogus"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert r.returncode != 0
+    ours = [ln for ln in r.stderr.splitlines() if "hybrid: error:" in ln]
+    assert sorted(ln.split()[0] for ln in ours) == ["[rank0]", "[rank1]"], r.stderr
+    assert all("unknown op 'bogus'" in ln for ln in ours)
+    assert "Traceback" not in r.stderr.split("hybrid: error:")[0]  # torchrun's own failure summary comes after
