@@ -113,7 +113,7 @@ def plan_resume(cfg: Config, vocab: int, is_writer: bool, warn: Log) -> Optional
 
 def config_changes(saved: dict[str, Any], cfg: Config, limit: int = 12) -> list[str]:
     """`key: old → new` for every config value that differs from the saved run's, except the layout,
-    checkpoint and logging keys (a resumed run is expected to change those)."""
+    checkpoint, logging and profile keys (a resumed run is expected to change those)."""
     from omegaconf import OmegaConf
 
     def flat(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -123,7 +123,7 @@ def config_changes(saved: dict[str, Any], cfg: Config, limit: int = 12) -> list[
         return out
 
     old, new = flat(saved), flat(OmegaConf.to_container(cfg, resolve=True))
-    skip = ("parallel.", "checkpoint.", "logging.", "run_name")
+    skip = ("parallel.", "checkpoint.", "logging.", "profile.", "run_name")
     keys = [k for k in sorted(old.keys() | new.keys()) if not k.startswith(skip) and old.get(k) != new.get(k)]
     lines = [f"{k}: {old.get(k)} → {new.get(k)}" for k in keys[:limit]]
     return lines + ([f"and {len(keys) - limit} more"] if len(keys) > limit else [])

@@ -34,10 +34,10 @@ def _kill_at_step(step: int) -> None:
 
     original = Trainer.train_step
 
-    def train_step(self: Trainer) -> Any:
+    def train_step(self: Trainer, *args: Any, **kwargs: Any) -> Any:
         if self.step == step - 1:
             _die(f"at the start of step {step}")
-        return original(self)
+        return original(self, *args, **kwargs)
 
     Trainer.train_step = train_step  # type: ignore[method-assign]
 
