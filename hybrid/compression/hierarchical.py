@@ -109,8 +109,10 @@ class HierarchicalState:
             self.inner_state.load_state_dict(sd["inner"])
 
 
-def _value(fut: torch.futures.Future) -> torch.Tensor:
-    v = fut.wait()
+def _value(fut: torch.futures.Future, group: str) -> torch.Tensor:
+    """The inner method's result, waited for on the training thread (exposed time of `group`)."""
+    with C.TIMER.waiting(group):
+        v = fut.wait()
     return v[0] if isinstance(v, list) else v
 
 
@@ -131,7 +133,7 @@ def hierarchical_hook(st: HierarchicalState, bucket: Any) -> torch.futures.Futur
     C.reduce_scatter_flat(mine, padded.view(-1), st.intra)
     a, b = ranges[j]
     sub = SubBucket(bucket, mine[: b - a], piece_shapes(shapes, ranges[j]))
-    result = _value(st.inner_hook(st.inner_state, sub))  # waited: the next collective is ordered
+    result = _value(st.inner_hook(st.inner_state, sub), C.group_name(st.inter))  # waited: the next one is ordered
     if result.data_ptr() != sub.buffer().data_ptr():
         sub.buffer().copy_(result)
     mine.div_(r)
