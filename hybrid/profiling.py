@@ -18,6 +18,8 @@ import torch
 from hybrid.config import ProfileConfig
 from hybrid.parallel import collectives as C
 
+MEMORY_ENTRIES = 100_000  # allocator events kept for the snapshot (the newest ones)
+
 
 class StepProfiler:
     """Profiles steps `cfg.steps[0]`..`cfg.steps[1]` (counted from 1) of one rank; a no-op without steps."""
@@ -38,14 +40,26 @@ class StepProfiler:
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         if self.memory:
-            torch.cuda.memory._record_memory_history()
+            torch.cuda.memory._record_memory_history(max_entries=MEMORY_ENTRIES)
         self.prof = torch.profiler.profile(activities=activities, record_shapes=True)
         self.prof.__enter__()
         C.TIMER.profiling = True
 
+    def skipped(self, start_step: int) -> Optional[str]:
+        """A note when a run resumed at `start_step` has already passed the first profiled step."""
+        if self.first and start_step >= self.first:
+            return (f"note: profile.steps=[{self.first},{self.last}] starts before the resumed step "
+                    f"{start_step + 1}: nothing is profiled")
+        return None
+
     def after_step(self, step: int) -> None:
         """Stop and write the trace (and memory snapshot) after the last profiled step."""
-        if self.prof is None or step != self.last:
+        if self.prof is not None and step == self.last:
+            self.stop()
+
+    def stop(self) -> None:
+        """Stop a running profiler and write what it has (also when a run ends inside the window)."""
+        if self.prof is None:
             return
         C.TIMER.profiling = False
         self.prof.__exit__(None, None, None)
@@ -56,4 +70,4 @@ class StepProfiler:
         if self.memory:
             torch.cuda.memory._dump_snapshot(str(self.dir / f"memory_rank{self.rank}.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)
-        self.say(f"profile: steps {self.first}-{self.last} traced to {self.dir}/trace_rank<r>.json")
+        self.say(f"profile: steps from {self.first} traced to {self.dir}/trace_rank<r>.json")

@@ -98,15 +98,15 @@ class StepReport:
 
 
 def write_traffic(doc: dict[str, Any], run_dir: Path, say: Callable[[str], None]) -> None:
-    """traffic.json, and traffic.png of the total when matplotlib is there (else a note)."""
+    """traffic.json, and traffic.png of the total when matplotlib is there; optional outputs, so a failure
+    is a note (rank 0 alone writes: raising here would strand the other ranks in their next collective)."""
     from hybrid.diagnostics import DiagnosticsError
     from hybrid.diagnostics.heatmap import write_heatmap
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "traffic.json").write_text(json.dumps(doc))
     try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "traffic.json").write_text(json.dumps(doc))
         write_heatmap(doc["matrices"]["total"], str(run_dir / "traffic.png"), "bytes sent per step, rank → rank",
-                      "bytes", doc["node_of"],
-                      row_label="sender rank", col_label="receiver rank")
-    except DiagnosticsError as e:
-        say(f"note: traffic.png not written: {e}")
+                      "bytes", doc["node_of"], row_label="sender rank", col_label="receiver rank")
+    except (DiagnosticsError, OSError, ValueError) as e:  # an optional picture: never stop the run for it
+        say(f"note: traffic map not written: {e}")

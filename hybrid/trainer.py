@@ -139,6 +139,9 @@ class Trainer:
                 self.message(f"note: model.init_from={init_from} ignored: resuming {resume[0]} wins")
         elif init_from:
             self.message(_pretrained(self.model, self.cfg.model))
+        note = self.profiler.skipped(self.step)
+        if note:
+            self.message(note)
         self.metrics = open_metrics(self.cfg, self.ctx.rank == 0, self.step)
         for line in self._held:
             self.metrics.message(line)  # rank 0 only
@@ -146,6 +149,7 @@ class Trainer:
         return self.metrics
 
     def close(self) -> None:
+        self.profiler.stop()  # a run that ends inside the profiled steps still writes its trace
         if self.metrics is not None:
             self.metrics.close()
 

@@ -123,7 +123,8 @@ def run_hook(st: Compression, bucket):  # noqa: ANN001, ANN201
     exact = None
     if st.measure and C.size(st.group) > 1:
         exact = bucket.buffer().clone()
-        dist.all_reduce(exact, group=st.group)  # the reference: uncounted, it is not training traffic
+        with C.TIMER.collective(C.group_name(st.group), "meter"):  # timed apart from the training traffic
+            dist.all_reduce(exact, group=st.group)  # the reference: uncounted, it is not training traffic
         exact /= C.size(st.group)
     if st.iteration < st.warmup_steps:
         fut = allreduce_hook(st.group, bucket)

@@ -9,11 +9,12 @@ makes, and `record` turns the sums into per-rank means:
   definitions). Times include waiting for the slowest peer, as a training step sees them.
 - `comm/<group>/{s,exposed_s,busbw_gbps}`: the group's time, the time the training thread waited on it.
 - `comm/overlap_dp`, `comm/overlap_pp`: 1 − exposed / total over the DP groups' gradient sync and over
-  PP's p2p (the loss's metrics-only reductions left out).
+  PP's p2p (the loss's and the compression meter's metrics-only reductions left out).
 - `time/{step,data,compute,optimizer,bubble,comm_<group>,other}_s`: compute is forward + backward without
   the exposed waits inside them; the bubble is the part of the PP wait that the schedule itself implies
   (`schedule_idle_s`), the rest is exposed PP communication; optimizer includes gradient write-back and
-  clipping; other is the unattributed rest.
+  clipping; meter is the compression error meter's exact all-reduce (it runs on logged steps only, so it
+  is kept out of compute and of the groups' figures); other is the unattributed rest.
 """
 
 from __future__ import annotations
@@ -24,14 +25,12 @@ from hybrid.parallel.collectives import CommCounter, bus_factor
 from hybrid.parallel.timing import StepTiming, union_length
 
 GROUPS = ("tp", "pp", "dp", "dp_intra", "dp_inter", "embedding")
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "regather", "all_to_all", "send_fwd", "send_bwd",
-       "send_recv", "loss")
-DP_GROUPS = ("dp", "dp_intra", "dp_inter")
-OP_FIELDS = ("calls", "bytes", "s", "exposed_s")
-GROUP_FIELDS = ("s", "exposed_s")
-SHARES = ("dp_total", "dp_exposed", "pp_total", "pp_exposed")
-PHASES = ("step", "data", "compute", "optimizer", "bubble")
 LOSS = "loss"  # the op label of the loss's metrics-only broadcast / mean
+METER = "meter"  # the compression error meter's exact all-reduce (logged steps only)
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "regather", "all_to_all", "send_fwd", "send_bwd",
+       "send_recv", LOSS, METER)
+DP_GROUPS = ("dp", "dp_intra", "dp_inter")
+PHASES = ("step", "data", "compute", "optimizer", "bubble")
 
 
 def local_vector(t: StepTiming, counter: CommCounter, idle_s: float) -> list[float]:
@@ -42,7 +41,7 @@ def local_vector(t: StepTiming, counter: CommCounter, idle_s: float) -> list[flo
         for op in OPS:
             out += [counter.calls.get((g, op), 0), counter.bytes.get((g, op), 0), t.op_s.get((g, op), 0.0),
                     t.exposed_op_s.get((g, op), 0.0)]
-        out += [t.group_s.get(g, 0.0), t.exposed_s.get(g, 0.0)]
+        out += [t.group_s.get(g, 0.0), t.exposed_s.get(g, 0.0), t.exposed_op_s.get((g, METER), 0.0)]
     out += [*_share(t, DP_GROUPS), *_share(t, ("pp",))]
     pp_wait = t.exposed_s.get("pp", 0.0)
     compute = t.phase_s.get("forward", 0.0) + t.phase_s.get("backward", 0.0)
@@ -51,9 +50,9 @@ def local_vector(t: StepTiming, counter: CommCounter, idle_s: float) -> list[flo
 
 
 def _share(t: StepTiming, groups: Sequence[str]) -> list[float]:
-    """(total, exposed) of the groups' traffic without the loss's metrics-only reductions."""
-    spans = [iv for (g, op), ivs in t.intervals.items() if g in groups and op != LOSS for iv in ivs]
-    exposed = sum(s for (g, op), s in t.exposed_op_s.items() if g in groups and op != LOSS)
+    """(total, exposed) of the groups' traffic without the loss's and the meter's metrics-only reductions."""
+    spans = [iv for (g, op), ivs in t.intervals.items() if g in groups and op not in (LOSS, METER) for iv in ivs]
+    exposed = sum(s for (g, op), s in t.exposed_op_s.items() if g in groups and op not in (LOSS, METER))
     return [union_length(spans), exposed]
 
 
@@ -63,6 +62,7 @@ def record(sums: Sequence[float], world: int, sizes: dict[str, int]) -> dict[str
     v = [x / world for x in sums]
     out: dict[str, float] = {}
     exposed: dict[str, float] = {}
+    meter = 0.0
     i = 0
     for g in GROUPS:
         wire = 0.0
@@ -71,16 +71,16 @@ def record(sums: Sequence[float], world: int, sizes: dict[str, int]) -> dict[str
             i += 4
             out.update(_op_keys(f"comm/{g}/{op}", calls, nbytes, s, exp, bus_factor(op, sizes.get(g, 1))))
             wire += nbytes * bus_factor(op, sizes.get(g, 1))
-        s, exp = v[i: i + 2]
-        i += 2
-        exposed[g] = exp
+        s, exp, met = v[i: i + 3]
+        i += 3
+        exposed[g], meter = exp - met, meter + met
         if s or exp:
             out.update({f"comm/{g}/s": s, f"comm/{g}/exposed_s": exp})
             if s and wire:
                 out[f"comm/{g}/busbw_gbps"] = wire / s / 1e9
     dp_total, dp_exp, pp_total, pp_exp = v[i: i + 4]
     out.update(_overlap("dp", dp_total, dp_exp) | _overlap("pp", pp_total, pp_exp))
-    return out | _breakdown(v[i + 4: i + 4 + len(PHASES)], exposed)
+    return out | _breakdown(v[i + 4: i + 4 + len(PHASES)], exposed, meter)
 
 
 def _op_keys(prefix: str, calls: float, nbytes: float, s: float, exposed: float, factor: float) -> dict[str, float]:
@@ -101,13 +101,13 @@ def _overlap(name: str, total: float, exposed: float) -> dict[str, float]:
     return {f"comm/overlap_{name}": hidden / total if hidden > 1e-9 * total else 0.0}
 
 
-def _breakdown(phases: Sequence[float], exposed: dict[str, float]) -> dict[str, float]:
-    """Where the step went: data, compute, optimizer, bubble, each group's exposed communication, and
-    the unattributed rest."""
+def _breakdown(phases: Sequence[float], exposed: dict[str, float], meter: float) -> dict[str, float]:
+    """Where the step went: data, compute, optimizer, bubble, each group's exposed communication, the
+    compression meter (logged steps only), and the unattributed rest."""
     step, data, compute, optimizer, bubble = phases
     comm = {g: s - (bubble if g == "pp" else 0.0) for g, s in exposed.items() if s}
     parts = {"data": data, "compute": compute, "optimizer": optimizer, "bubble": bubble,
-             **{f"comm_{g}": s for g, s in comm.items()}}
+             **{f"comm_{g}": s for g, s in comm.items()}, **({"meter": meter} if meter else {})}
     out = {"time/step_s": step, **{f"time/{k}_s": s for k, s in parts.items()}}
     out["time/other_s"] = step - sum(parts.values())
     return out

@@ -30,7 +30,7 @@ from hybrid.parallel import collectives as C
 from hybrid.parallel.actions import Action, Op, Schedule, steps
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.schedules import simulate
-from hybrid.parallel.timing import Clock, HostClock, Mark, wait_watched
+from hybrid.parallel.timing import Clock, HostClock, Mark, Span
 
 ForwardStep = Callable[[int, int, Optional[torch.Tensor]], torch.Tensor]
 """(chunk, microbatch, received hidden states or None on the first part) → hidden states, or the
@@ -73,7 +73,7 @@ class P2P:
     def __init__(self, group: Group, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         self.group, self.shape, self.dtype, self.device = group, shape, dtype, device
         self.name = C.group_name(group)
-        self.sending: list[tuple[dist.Work, torch.Tensor, bool]] = []  # in flight: work, tensor kept alive, watched
+        self.sending: list[tuple[dist.Work, torch.Tensor, Span, bool]] = []  # in flight (tensor kept alive)
 
     def exchange(self, schedule: Schedule, rank: int, batch: list[Action],
                  tensors: dict[Action, torch.Tensor]) -> dict[Action, torch.Tensor]:
@@ -104,7 +104,7 @@ class P2P:
             return received
         for op, work in zip(ops, works):
             if op.op is dist.isend:
-                self.sending.append((work, op.tensor, C.TIMER.launched(self.name, "send_recv", work, start)))
+                self.sending.append((work, op.tensor, *C.TIMER.launched(self.name, "send_recv", work, start)))
             else:
                 work.wait()
         return received
@@ -113,8 +113,8 @@ class P2P:
         """Wait for the sends still in flight (the end of a schedule)."""
         if self.sending:
             with C.TIMER.waiting(self.name, "send_recv"):
-                for work, _, watched in self.sending:
-                    wait_watched(work) if watched else work.wait()
+                for work, _, span, watched in self.sending:
+                    span.wait(work, watched)
         self.sending = []
 
 

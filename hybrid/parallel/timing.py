@@ -24,11 +24,12 @@ While a torch profiler runs (`profiling=True`), collectives are also labelled `c
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -45,24 +46,25 @@ class HostClock:
 
     def __init__(self) -> None:
         self._watched: Optional[queue.SimpleQueue] = None
+        self._pid = 0  # the process the watcher thread runs in (a forked child starts its own)
 
     def mark(self) -> float:
         return time.perf_counter()
 
-    def when_done(self, work: dist.Work, store: Callable[[Mark], None]) -> bool:
-        """Call `store(end)` once `work` completes; True when a watcher thread now waits on `work` (gloo
-        lets one thread wait on a work: the owner then polls `work.is_completed()` instead)."""
+    def when_done(self, work: dist.Work, span: Span) -> bool:
+        """Set `span.end` once `work` completes; True when a watcher thread now waits on `work` (a gloo
+        p2p work may be waited on once only: the owner then waits through `span.wait`)."""
         try:
             future = work.get_future()
         except RuntimeError:  # "Work::getFuture not implemented"
-            self._watcher().put((work, store))
+            self._watcher().put((work, span))
             return True
-        future.add_done_callback(lambda _: store(time.perf_counter()))
+        future.add_done_callback(lambda _: span.set_end(time.perf_counter()))
         return False
 
     def _watcher(self) -> queue.SimpleQueue:
-        if self._watched is None:
-            self._watched = queue.SimpleQueue()
+        if self._watched is None or self._pid != os.getpid():
+            self._watched, self._pid = queue.SimpleQueue(), os.getpid()
             threading.Thread(target=_watch, args=(self._watched,), daemon=True, name="hybrid-comm-timer").start()
         return self._watched
 
@@ -71,18 +73,21 @@ class HostClock:
 
 
 def _watch(works: queue.SimpleQueue) -> None:
-    """The watcher thread: wait for each work in turn (the wait releases the GIL), note when it ended."""
+    """The watcher thread: wait for each work in turn (the wait releases the GIL), note when it ended,
+    and keep a failed wait's error for the owner (`Span.wait` raises it)."""
     while True:
-        work, store = works.get()
+        work, span = works.get()
         try:
             work.wait()
-        finally:
-            store(time.perf_counter())
+        except Exception as e:  # noqa: BLE001
+            span.error = e
+        span.set_end(time.perf_counter())
 
 
 class CudaClock:
-    """CUDA events on the current stream; an async work's end is an event on a watcher stream that waits
-    for the work (a device-side dependency: the host never blocks)."""
+    """CUDA events on the current stream; an async work's end is an event recorded in its future's callback,
+    whose current stream already waits on the collective (a device-side dependency: the host never blocks,
+    and the work keeps holding its tensors until its owner waits on it)."""
 
     def __init__(self) -> None:
         self.watch = torch.cuda.Stream()
@@ -92,10 +97,15 @@ class CudaClock:
         event.record()
         return event
 
-    def when_done(self, work: dist.Work, store: Callable[[Mark], None]) -> bool:
-        with torch.cuda.stream(self.watch):
-            work.wait()  # the watcher stream, not the compute stream, waits for the collective
-            store(self.mark())
+    def when_done(self, work: dist.Work, span: Span) -> bool:
+        try:
+            future = work.get_future()
+        except RuntimeError:  # no future: the watcher stream waits (the caller keeps the tensors alive)
+            with torch.cuda.stream(self.watch):
+                work.wait()
+                span.set_end(self.mark())
+            return False
+        future.then(lambda _: span.set_end(self.mark()))
         return False
 
     def seconds(self, a: torch.cuda.Event, b: torch.cuda.Event) -> float:
@@ -117,9 +127,22 @@ class Span:
     kind: str  # BLOCKING, ASYNC or WAIT
     start: Mark
     end: Optional[Mark] = None
+    error: Optional[Exception] = None  # a watched work's failed wait
+    exposed: bool = False  # the training thread waited on it (the outermost blocking or wait span)
 
     def set_end(self, mark: Mark) -> None:
         self.end = mark
+
+    def wait(self, work: dist.Work, watched: bool, poll_s: float = 5e-5) -> None:
+        """Wait for `work`, this span's collective: directly, or, when the watcher thread waits on it,
+        until the watcher noted its end (raising the error its wait raised)."""
+        if not watched:
+            work.wait()
+            return
+        while self.end is None:
+            time.sleep(poll_s)
+        if self.error is not None:
+            raise self.error
 
 
 @dataclass
@@ -142,6 +165,8 @@ class CommTimer:
     def __init__(self) -> None:
         self.on = False
         self.profiling = False
+        self.thread = 0  # the training thread: only its waits are exposed time
+        self.depth = 0  # exposed spans open on it (a span inside another is not exposed again)
         self.clock: Clock = HostClock()
         self.spans: list[Span] = []
         self.phases: list[tuple[str, Mark, Mark]] = []
@@ -151,6 +176,7 @@ class CommTimer:
     def begin_step(self, on: bool) -> None:
         """Start a step; record it only if `on`."""
         self.spans, self.phases, self.on = [], [], on
+        self.thread, self.depth = threading.get_ident(), 0
         self.origin = self.clock.mark() if on else None
 
     def mark(self) -> Optional[Mark]:
@@ -168,14 +194,14 @@ class CommTimer:
             return _NULL
         return self._span(group, op, WAIT)
 
-    def launched(self, group: str, op: str, work: Optional[dist.Work], start: Optional[Mark]) -> bool:
-        """An async collective launched at `start`: its span ends when `work` completes. True when a
-        watcher thread waits on `work`: the caller must then not `wait()` on it (poll `wait_watched`)."""
+    def launched(self, group: str, op: str, work: Optional[dist.Work], start: Optional[Mark]) -> tuple[Span, bool]:
+        """An async collective launched at `start`: its span ends when `work` completes. Returns the span
+        and whether a watcher thread waits on `work` (then wait on it only through `span.wait`)."""
         if not self.on or work is None or start is None:
-            return False
+            return UNTIMED, False
         span = Span(group, op, ASYNC, start)
         self.spans.append(span)
-        return self.clock.when_done(work, span.set_end)
+        return span, self.clock.when_done(work, span)
 
     def phase(self, name: str, start: Optional[Mark], end: Optional[Mark] = None) -> None:
         """A region of the step from `start` to `end` (now when None)."""
@@ -195,10 +221,18 @@ class CommTimer:
     @contextlib.contextmanager
     def _span(self, group: str, op: str, kind: str) -> Iterator[None]:
         with self.label(group, op):
-            span = Span(group, op, kind, self.clock.mark()) if self.on else None
-            yield
-            if span is not None:
-                span.end = self.clock.mark()
+            if not self.on:
+                yield
+                return
+            outer = self.depth == 0 and threading.get_ident() == self.thread
+            span = Span(group, op, kind, self.clock.mark(), exposed=outer)
+            self.depth += outer
+            try:
+                yield
+            finally:
+                self.depth -= outer
+            span.end = self.clock.mark()
+            if kind != WAIT or outer:  # a nested wait adds nothing: its time is already the outer span's
                 self.spans.append(span)
 
     def end_step(self) -> Optional[StepTiming]:
@@ -212,12 +246,8 @@ class CommTimer:
 
 
 _NULL = contextlib.nullcontext()
-
-
-def wait_watched(work: dist.Work, poll_s: float = 5e-5) -> None:
-    """Wait for a work a watcher thread is waiting on (it completes when that wait returns)."""
-    while not work.is_completed():
-        time.sleep(poll_s)
+UNTIMED = Span("", "", ASYNC, 0.0)
+"""The span of an untimed async work: `UNTIMED.wait(work, False)` is `work.wait()`."""
 
 
 def _finished(spans: list[Span], patience_s: float = 5.0) -> list[Span]:
@@ -246,7 +276,7 @@ def resolve(clock: Clock, origin: Mark, end: Mark, spans: list[Span],
         iv = (sec(s.start), sec(s.end))
         if s.kind != WAIT:
             ivals[(s.group, s.op)].append(iv)
-        if s.kind != ASYNC:
+        if s.exposed:
             out.exposed_s[s.group] = out.exposed_s.get(s.group, 0.0) + iv[1] - iv[0]
             out.exposed_op_s[(s.group, s.op)] = out.exposed_op_s.get((s.group, s.op), 0.0) + iv[1] - iv[0]
             exposed_ivals.append(iv)

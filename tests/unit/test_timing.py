@@ -4,12 +4,14 @@ bandwidths against nccl-tests' definitions, the breakdown adding up to the step.
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import pytest
 
 from hybrid.parallel import comm_report
 from hybrid.parallel.collectives import CommCounter, bus_factor
-from hybrid.parallel.timing import HostClock, Span, resolve, union_length
+from hybrid.parallel.timing import CommTimer, HostClock, Span, resolve, union_length
 
 
 def brute_union(intervals: list[tuple[float, float]], step: float = 1e-3) -> float:
@@ -39,7 +41,8 @@ def test_record_bandwidth_overlap_and_breakdown() -> None:
     counter.bytes[("tp", "all_gather")] = 1_000_000
     counter.calls[("tp", "all_gather")] = 1
     spans = [Span("dp", "all_reduce", "async", 0.2, 0.6), Span("dp", "all_reduce", "async", 0.5, 0.8),
-             Span("dp", "wait", "wait", 0.7, 0.8), Span("tp", "all_gather", "blocking", 0.1, 0.15)]
+             Span("dp", "wait", "wait", 0.7, 0.8, exposed=True),
+             Span("tp", "all_gather", "blocking", 0.1, 0.15, exposed=True)]
     phases = [("data", 0.0, 0.05), ("forward", 0.05, 0.3), ("backward", 0.3, 0.7), ("optimizer", 0.8, 0.95)]
     t = timing_of(spans, phases, 1.0)
     sizes = {"dp": 4, "tp": 2}
@@ -55,10 +58,67 @@ def test_record_bandwidth_overlap_and_breakdown() -> None:
 
 
 def test_bubble_is_carved_out_of_the_pipeline_wait() -> None:
-    spans = [Span("pp", "send_recv", "blocking", 0.0, 0.3), Span("pp", "send_recv", "blocking", 0.5, 0.6)]
+    spans = [Span("pp", "send_recv", "blocking", 0.0, 0.3, exposed=True),
+             Span("pp", "send_recv", "blocking", 0.5, 0.6, exposed=True)]
     t = timing_of(spans, [("forward", 0.3, 0.5)], 0.6)
     for idle, bubble in ((0.25, 0.25), (0.9, 0.4)):  # the bubble never exceeds the time actually waited
         rec = comm_report.record(comm_report.local_vector(t, CommCounter(), idle), 1, {"pp": 2})
         assert rec["time/bubble_s"] == pytest.approx(bubble)
         assert rec["time/comm_pp_s"] == pytest.approx(0.4 - bubble)
         assert rec["comm/overlap_pp"] == 0.0
+
+
+class FakeWork:
+    """A work without a future (as gloo's p2p works): `wait` blocks `delay_s`, then returns or raises."""
+
+    def __init__(self, delay_s: float, error: Exception | None = None) -> None:
+        self.delay_s, self.error, self.waits = delay_s, error, 0
+
+    def get_future(self) -> None:
+        raise RuntimeError("Work::getFuture not implemented")
+
+    def wait(self) -> bool:
+        self.waits += 1
+        time.sleep(self.delay_s)
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def test_watched_works_are_waited_once_and_their_errors_reach_the_owner() -> None:
+    timer = CommTimer()
+    timer.begin_step(True)
+    ok, bad = FakeWork(0.05), FakeWork(0.01, RuntimeError("peer closed"))
+    span, watched = timer.launched("pp", "send_recv", ok, timer.mark())
+    assert watched
+    span.wait(ok, watched)
+    assert ok.waits == 1 and span.end is not None  # the watcher's wait only: a gloo send completes once
+    bad_span, _ = timer.launched("pp", "send_recv", bad, timer.mark())
+    with pytest.raises(RuntimeError, match="peer closed"):
+        bad_span.wait(bad, True)
+    assert bad.waits == 1
+    assert timer.end_step().op_s[("pp", "send_recv")] >= 0.05
+
+
+def test_a_wait_inside_a_wait_and_other_threads_are_not_exposed_twice() -> None:
+    timer = CommTimer()
+    timer.begin_step(True)
+    with timer.waiting("dp"):
+        with timer.collective("dp_intra", "reduce_scatter"):
+            time.sleep(0.02)
+    worker = threading.Thread(target=lambda: timer.collective("tp", "all_reduce").__enter__())
+    worker.start()
+    worker.join()
+    t = timer.end_step()
+    assert t.exposed_s["dp"] >= 0.02 and "dp_intra" not in t.exposed_s and "tp" not in t.exposed_s
+    assert t.op_s[("dp_intra", "reduce_scatter")] >= 0.02  # still time in flight for its own op
+
+
+def test_the_meter_is_its_own_category() -> None:
+    spans = [Span("dp", "meter", "blocking", 0.1, 0.3, exposed=True),
+             Span("dp", "wait", "wait", 0.8, 0.9, exposed=True)]
+    t = timing_of(spans, [("backward", 0.0, 0.5)], 1.0)
+    rec = comm_report.record(comm_report.local_vector(t, CommCounter(), 0.0), 1, {"dp": 2})
+    assert rec["time/meter_s"] == pytest.approx(0.2)
+    assert rec["time/comm_dp_s"] == pytest.approx(0.1)
+    assert rec["time/compute_s"] == pytest.approx(0.3)
