@@ -47,7 +47,6 @@ def run(cfg: Config) -> None:
     from hybrid.data import prepare_data
     from hybrid.metrics import format_count
     from hybrid.model import analytic_param_count
-    from hybrid.parallel import collectives as C
     from hybrid.parallel.context import ParallelContext
     from hybrid.parallel.rng import derive_seed
     from hybrid.trainer import Trainer, build_chunks
@@ -61,8 +60,6 @@ def run(cfg: Config) -> None:
         raise ConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's {corpus.vocab_size} tokens")
     _init_distributed(device)
     ctx = ParallelContext.build(layout)
-    for name in ("tp", "dp", "pp", "dp_intra", "dp_inter", "embedding"):
-        C.name_group(getattr(ctx, f"{name}_group"), name)
     # dropout on replicated activations: the same stream on every TP rank, a different one per stage
     torch.manual_seed(derive_seed(cfg.train.seed, "stage", ctx.pp_rank))
     model = build_chunks(cfg, vocab, ctx).to(device)

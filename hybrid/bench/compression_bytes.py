@@ -125,8 +125,6 @@ def bytes_rank(rank: int, world: int, model: str, methods: list[tuple[str, Any]]
     bucket synced by itself with a fresh hook and buffer and the counts summed (the same bytes: every payload is
     a per-bucket function of the shapes), so a rank holds one bucket's gradients and residuals at a time."""
     ctx = ParallelContext.build(Layout.create(world, ranks_per_node=world // 2))
-    for name in DP_GROUPS:
-        C.name_group(getattr(ctx, f"{name}_group"), name)
     groups, _ = bucket_params(model)
 
     def bucket(i: int, last: bool) -> GradBucket:

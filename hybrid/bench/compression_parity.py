@@ -100,8 +100,6 @@ def parity_rank(rank: int, world: int, cfg: Config, corpus: Corpus, error_every:
     """Train `cfg` for train.steps on this rank (as `Trainer.fit`, metering the compression error every
     `error_every` steps), then `evaluate()`; per step the loss and `mean_bytes()`'s figures."""
     ctx = ParallelContext.build(validate(cfg, world, world))
-    for name in ("tp", "dp", "pp", "dp_intra", "dp_inter", "embedding"):
-        C.name_group(getattr(ctx, f"{name}_group"), name)
     hook, state = make_hook(cfg.compression, ctx.dp_group, ctx.dp_intra_group, ctx.dp_inter_group)
     trainer = Trainer(cfg, ctx, build_chunks(cfg, corpus.vocab_size, ctx), corpus, CPU, hook, state)
     c, steps = cfg.compression, []

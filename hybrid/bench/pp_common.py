@@ -11,7 +11,6 @@ import torch
 
 from hybrid.bench.common import check_models
 from hybrid.config import Config, compose_config, validate
-from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
 
 CPU = torch.device("cpu")
@@ -42,11 +41,8 @@ def bench_cfg(args: argparse.Namespace, *overrides: str) -> Config:
 
 
 def pp_context(cfg: Config, world: int) -> ParallelContext:
-    """The mesh `cfg.parallel` asks for on `world` ranks, its groups named for COUNTER."""
-    ctx = ParallelContext.build(validate(cfg, world, world))
-    for name in ("tp", "dp", "pp", "embedding"):
-        C.name_group(getattr(ctx, f"{name}_group"), name)
-    return ctx
+    """The mesh `cfg.parallel` asks for on `world` ranks (its groups named for COUNTER by `build`)."""
+    return ParallelContext.build(validate(cfg, world, world))
 
 
 def microbatches(vocab: int, m: int, b: int, s: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:

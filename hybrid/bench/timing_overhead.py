@@ -32,7 +32,6 @@ from hybrid.trainer import Trainer, build_chunks
 
 MODULE = "hybrid.bench.timing_overhead"
 QUICK = {"models": ["gpt-tiny"], "pairs": 2, "warmup": 1, "seq_len": 16, "micro_batch": 1, "microbatches": 2}
-GROUPS = ("tp", "dp", "pp", "dp_intra", "dp_inter", "embedding")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,8 +62,6 @@ def rank_steps(rank: int, world: int, cfg_overrides: list[str], vocab: Optional[
     cfg = compose_config(cfg_overrides)
     p = cfg.parallel
     ctx = ParallelContext.build(Layout.create(world, tp=p.tp, pp=p.pp))
-    for name in GROUPS:
-        C.name_group(getattr(ctx, f"{name}_group"), name)
     corpus = synthetic_corpus(resolve_vocab(cfg, vocab), cfg.data.seq_len, 256)
     hook, state = make_hook(cfg.compression, ctx.dp_group)
     trainer = Trainer(cfg, ctx, build_chunks(cfg, corpus.vocab_size, ctx), corpus, torch.device("cpu"), hook, state)

@@ -12,7 +12,6 @@ from hybrid.compression.hooks import make_hook
 from hybrid.config import Config, compose_config
 from hybrid.data import Corpus
 from hybrid.model import build_model
-from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.trainer import Trainer
 
@@ -20,11 +19,8 @@ MB = 2**20
 
 
 def tp_context(world: int, tp: int) -> ParallelContext:
-    """The mesh of `world` ranks with TP size `tp` (dp = world / tp), its groups named for COUNTER."""
-    ctx = ParallelContext.build(Layout.create(world, tp=tp))
-    C.name_group(ctx.tp_group, "tp")
-    C.name_group(ctx.dp_group, "dp")
-    return ctx
+    """The mesh of `world` ranks with TP size `tp` (dp = world / tp); `build` names its groups for COUNTER."""
+    return ParallelContext.build(Layout.create(world, tp=tp))
 
 
 def add_train_options(p: argparse.ArgumentParser) -> None:

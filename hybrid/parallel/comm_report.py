@@ -22,14 +22,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hybrid.parallel.collectives import CommCounter, bus_factor
+from hybrid.parallel.context import GROUP_KINDS as GROUPS
+from hybrid.parallel.data import DP_GROUPS
 from hybrid.parallel.timing import StepTiming, union_length
 
-GROUPS = ("tp", "pp", "dp", "dp_intra", "dp_inter", "embedding")
 LOSS = "loss"  # the op label of the loss's metrics-only broadcast / mean
 METER = "meter"  # the compression error meter's exact all-reduce (logged steps only)
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "regather", "all_to_all", "send_fwd", "send_bwd",
        "send_recv", LOSS, METER)
-DP_GROUPS = ("dp", "dp_intra", "dp_inter")
 PHASES = ("step", "data", "compute", "optimizer", "bubble")
 
 

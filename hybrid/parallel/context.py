@@ -19,6 +19,11 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from hybrid.parallel.collectives import name_group
+
+GROUP_KINDS = ("tp", "dp", "pp", "dp_intra", "dp_inter", "embedding")
+"""Every kind of group a rank belongs to, by the name its traffic is counted under."""
+
 
 class LayoutError(ValueError):
     """The (world, tp, pp, dp, node size) combination cannot be laid out."""
@@ -110,11 +115,15 @@ class Layout:
         """First and last stage of each pipeline: they share the tied embedding's gradient."""
         return [sorted({g[0], g[-1]}) for g in self.pp_groups()]
 
+    def groups(self, kind: str) -> list[list[int]]:
+        """The rank lists of every group of `kind` (one of GROUP_KINDS)."""
+        kinds = {"tp": self.tp_groups, "dp": self.dp_groups, "pp": self.pp_groups, "embedding": self.embedding_groups,
+                 "dp_intra": self.dp_intra_node_groups, "dp_inter": self.dp_inter_node_groups}
+        return kinds[kind]()
+
     def group_sizes(self) -> dict[str, int]:
         """Ranks per group of each kind, by the names the collectives count them under."""
-        kinds = {"tp": self.tp_groups, "pp": self.pp_groups, "dp": self.dp_groups, "embedding": self.embedding_groups,
-                 "dp_intra": self.dp_intra_node_groups, "dp_inter": self.dp_inter_node_groups}
-        return {name: len(groups()[0]) for name, groups in kinds.items()}
+        return {kind: len(self.groups(kind)[0]) for kind in GROUP_KINDS}
 
     def _split_by_node(self, ranks: list[int]) -> list[list[int]]:
         parts: dict[int, list[int]] = {}
@@ -178,7 +187,8 @@ class ParallelContext:
 
     @staticmethod
     def build(layout: Layout) -> ParallelContext:
-        """Create every group. Collective: all ranks must call it with the same layout."""
+        """Create every group, each named after its kind for the collectives' counter and timer.
+        Collective: all ranks must call it with the same layout."""
         if not dist.is_initialized():
             if layout.world != 1:
                 raise LayoutError(f"layout needs {layout.world} ranks but torch.distributed is not initialised")
@@ -193,6 +203,8 @@ class ParallelContext:
         ctx.dp_intra_group = _mine(layout.dp_intra_node_groups(), rank)
         ctx.dp_inter_group = _mine(layout.dp_inter_node_groups(), rank)
         ctx.embedding_group = _mine(layout.embedding_groups(), rank)
+        for kind in GROUP_KINDS:
+            name_group(getattr(ctx, f"{kind}_group"), kind)
         return ctx
 
 

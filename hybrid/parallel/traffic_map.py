@@ -12,17 +12,13 @@ route differently; the totals per rank are the same as the ring's.
 from __future__ import annotations
 
 from hybrid.parallel.collectives import CommCounter, bus_factor
+from hybrid.parallel.context import GROUP_KINDS as GROUPS
 from hybrid.parallel.context import Layout
-
-GROUPS = ("tp", "pp", "dp", "dp_intra", "dp_inter", "embedding")
 
 
 def members(layout: Layout, kind: str, rank: int) -> list[int]:
     """The ranks of `rank`'s group of `kind`, in group-rank order (empty when it has none)."""
-    lists = {"tp": layout.tp_groups, "pp": layout.pp_groups, "dp": layout.dp_groups,
-             "dp_intra": layout.dp_intra_node_groups, "dp_inter": layout.dp_inter_node_groups,
-             "embedding": layout.embedding_groups}
-    return next((g for g in lists[kind]() if rank in g), [])
+    return next((g for g in layout.groups(kind) if rank in g), [])
 
 
 def rows(layout: Layout, rank: int, counter: CommCounter) -> dict[str, list[float]]:

@@ -39,7 +39,6 @@ NORM_TOL = {"rtol": 1e-5, "atol": 1e-6}
 # near zero turns fp32 round-off of that gradient into a visible weight difference: up to 1.4e-5
 # is seen already at tp2 without any pipeline. A wrong gradient would move weights by ~lr.
 WEIGHT_TOL = {"rtol": 1e-4, "atol": 5e-5}
-GROUPS = ("tp", "dp", "pp", "dp_intra", "dp_inter", "embedding")
 MODEL_CONFIGS = {"gpt": "gpt-tiny", "llama": "llama-tiny"}  # another registered family: gpt-tiny's sizes
 
 
@@ -114,10 +113,7 @@ def layout_context(world: int, case: Case) -> ParallelContext:
     """The groups of `case`'s layout on `world` ranks (built now, all named); one process: no groups."""
     if world == 1:
         return ParallelContext.single()
-    ctx = ParallelContext.build(Layout.create(world, tp=case.tp, pp=case.pp))
-    for name in GROUPS:
-        C.name_group(getattr(ctx, f"{name}_group"), name)
-    return ctx
+    return ParallelContext.build(Layout.create(world, tp=case.tp, pp=case.pp))
 
 
 def train_cases(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]]:
@@ -128,8 +124,6 @@ def train_cases(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]
         key = (case.tp, case.pp)
         if key not in contexts:
             ctx = ParallelContext.build(Layout.create(world, tp=case.tp, pp=case.pp))
-            for name in GROUPS:
-                C.name_group(getattr(ctx, f"{name}_group"), name)
             contexts[key] = ctx
         out.append(train_case(contexts[key], case, world))
     return out

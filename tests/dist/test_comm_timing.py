@@ -19,11 +19,11 @@ from hybrid.compression.hooks import make_hook
 from hybrid.config import compose_config
 from hybrid.parallel import collectives as C
 from hybrid.parallel import traffic_map
+from hybrid.parallel.context import GROUP_KINDS as GROUPS
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.trainer import Trainer, build_chunks
 
 DELAY_S = 0.3
-GROUPS = ("tp", "dp", "pp", "dp_intra", "dp_inter", "embedding")
 
 
 def delayed_collectives(rank: int, world: int) -> dict:
@@ -60,8 +60,6 @@ def make_trainer(tp: int, pp: int, extra: tuple[str, ...] = (), world: int = 2) 
         "train.eval_every=0", f"parallel.tp={tp}", f"parallel.pp={pp}", "parallel.bucket_mb=0.1",
         "parallel.name=test", *extra])
     ctx = ParallelContext.build(Layout.create(world, tp=tp, pp=pp))
-    for name in GROUPS:
-        C.name_group(getattr(ctx, f"{name}_group"), name)
     corpus = synthetic_corpus()
     hook, state = make_hook(cfg.compression, ctx.dp_group)
     return Trainer(cfg, ctx, build_chunks(cfg, corpus.vocab_size, ctx), corpus, torch.device("cpu"), hook, state)

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 from harness import run_ranks
-from pp_helpers import GROUPS, VOCAB, Case, make_cfg
+from pp_helpers import VOCAB, Case, make_cfg
 from test_dp import synthetic_corpus
 
 from hybrid.compression import codecs, hierarchical, powersgd
@@ -144,8 +144,6 @@ def train_runs(rank: int, world: int, runs: dict[str, tuple[Case, int, list[str]
         key = (case.tp, case.pp, rpn)
         if key not in contexts:
             ctx = ParallelContext.build(Layout.create(world, tp=case.tp, pp=case.pp, ranks_per_node=rpn))
-            for name in GROUPS:
-                C.name_group(getattr(ctx, f"{name}_group"), name)
             contexts[key] = ctx
         out[label] = train_method(contexts[key], case, world, overrides)
     return out

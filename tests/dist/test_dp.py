@@ -46,8 +46,6 @@ def train_losses(rank: int, world: int, family: str, micro_batch: int, tp: int =
     cfg = tiny_cfg(family, world // tp, micro_batch)
     cfg.parallel.tp = tp
     ctx = ParallelContext.build(Layout.create(world, tp=tp)) if world > 1 else ParallelContext.single()
-    C.name_group(ctx.dp_group, "dp")
-    C.name_group(ctx.tp_group, "tp")
     corpus = synthetic_corpus()
     model = build_model(cfg.model, corpus.vocab_size, ctx.tp_group, seed=cfg.train.seed)
     hook, state = make_hook(cfg.compression, ctx.dp_group)

@@ -55,8 +55,6 @@ def train(rank: int, world: int, family: str, tp: int, sp: bool, dropout: float 
     cfg = model_cfg(family, tp, dp, GLOBAL_BATCH // dp // 2 if world > 1 else 2, sp, dropout, kv_heads, heads)
     cfg.train.precision = precision
     ctx = ParallelContext.build(Layout.create(world, tp=tp)) if world > 1 else ParallelContext.single()
-    C.name_group(ctx.dp_group, "dp")
-    C.name_group(ctx.tp_group, "tp")
     corpus = synthetic_corpus(vocab=VOCAB)
     model = build_model(cfg.model, VOCAB, ctx.tp_group, seed=cfg.train.seed, sequence_parallel=sp)
     hook, state = make_hook(cfg.compression, ctx.dp_group)
