@@ -1,7 +1,7 @@
 """The command line's edge: bad input becomes one readable line and an exit status, never a traceback.
 
 Modules raise their own exceptions (`ConfigError` and its `CheckpointError`, `ScheduleError`,
-`CompressionError` — the last two translated into ConfigError by `config.validate`); the entry
+`CompressionError` — the last two translated into ConfigError by `validation.validate`); the entry
 points turn the known ones into one line here:
 
 - `hybrid.train` (under torchrun): `exit_on_error(body)` → `fail(msg)`: a `[rankN] hybrid: error: ...`

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from hybrid.cli import env_int, exit_on_error, precheck, warn
-from hybrid.config import CONFIG_DIR, CompressionConfig, Config, ConfigError, register_configs, validate
+from hybrid.config import CONFIG_DIR, CompressionConfig, Config, ConfigError, register_configs
+from hybrid.validation import validate
 
 if TYPE_CHECKING:
     from hybrid.parallel.context import Layout

@@ -15,7 +15,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def load_model_config(name: str, **overrides: Any) -> ModelConfig:
-    """`configs/model/<name>.yaml` typed against ModelConfig, with keyword overrides."""
+    """`hybrid/configs/model/<name>.yaml` typed against ModelConfig, with keyword overrides."""
     raw = OmegaConf.load(CONFIGS / "model" / f"{name}.yaml")
     raw.pop("defaults", None)
     merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), raw, overrides)

@@ -38,11 +38,12 @@ from hybrid.bench.common import parse_with_quick, table
 from hybrid.bench.inputs import resolve_vocab
 from hybrid.bench.memory import MemoryWatch
 from hybrid.checkpoint import Checkpointer, Stager
-from hybrid.config import Config, validate
+from hybrid.config import Config
 from hybrid.model import analytic_param_count
 from hybrid.parallel.context import ParallelContext
 from hybrid.testing.ranks import launch
 from hybrid.trainer import Trainer
+from hybrid.validation import validate
 
 MODULE = "hybrid.bench.checkpoint_async"
 QUICK = {"model": "gpt-tiny", "seq": 32, "micro_batch": 1, "global_batch": 8, "steps": 2, "warmup": 1, "rounds": 1,

@@ -17,9 +17,10 @@ import torch
 from hybrid.bench.common import check_models
 from hybrid.bench.inputs import synthetic_corpus
 from hybrid.compression.hooks import make_hook
-from hybrid.config import Config, compose_config, validate
+from hybrid.config import Config, compose_config
 from hybrid.parallel.context import ParallelContext
 from hybrid.trainer import Trainer, build_chunks
+from hybrid.validation import validate
 
 LAYOUT_RE = re.compile(r"^tp(\d+)pp(\d+)dp(\d+)$")
 CPU = torch.device("cpu")
@@ -28,7 +29,7 @@ MIB = 2**20
 
 def add_run_options(p: argparse.ArgumentParser, model: str, timeout: float) -> None:
     """The options every checkpoint benchmark has: the model and layout, the batch, the folder, the timeout."""
-    p.add_argument("--model", default=model, help="configs/model")
+    p.add_argument("--model", default=model, help="hybrid/configs/model")
     p.add_argument("--layout", default="tp2pp2dp2", help="the layout of the ranks, tp<t>pp<p>dp<d>")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per microbatch")

@@ -50,11 +50,12 @@ from hybrid.bench.common import parse_with_quick, table
 from hybrid.bench.inputs import resolve_vocab
 from hybrid.bench.memory import MemoryWatch, rss_mib
 from hybrid.checkpoint import MANIFEST, METADATA, init_optimizer_state, read_manifest
-from hybrid.config import Config, validate
+from hybrid.config import Config
 from hybrid.model import analytic_param_count, build_model
 from hybrid.optim import adamw
 from hybrid.parallel.context import ParallelContext
 from hybrid.testing.ranks import launch
+from hybrid.validation import validate
 
 MODULE = "hybrid.bench.checkpoint_size"
 DCP_FRAMING = 2048

@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 HYBRID_CACHE=/tmp/hc PYTHONPATH=. python -m hybrid.bench.compression_parity [--quick]
 
---model on the default corpus (configs/data/default.yaml: the stdlib text and a BPE trained on it, built
+--model on the default corpus (hybrid/configs/data/default.yaml: the stdlib text and a BPE trained on it, built
 offline once under $HYBRID_CACHE), dp=--dp forked ranks, one real `Trainer` per run with the same seed, data
 and hyperparameters; final `evaluate()` loss vs the uncompressed run, mean compression ratio and error and
 bytes_dp per step from `mean_bytes()`. An EF run missing the 3% goal runs again with a longer warm-up. Our
@@ -22,11 +22,12 @@ import torch
 from hybrid.bench import common
 from hybrid.bench.common import check_models, parse_with_quick, table, verdict
 from hybrid.compression.hooks import make_hook
-from hybrid.config import Config, compose_config, validate
+from hybrid.config import Config, compose_config
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
 from hybrid.testing.ranks import launch
 from hybrid.trainer import Trainer, build_chunks
+from hybrid.validation import validate
 
 if TYPE_CHECKING:
     from hybrid.data import Corpus
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line of this benchmark."""
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
     common.add_quick(p, "5 steps per run, under a minute")
-    p.add_argument("--model", default="gpt-tiny", help="configs/model")
+    p.add_argument("--model", default="gpt-tiny", help="hybrid/configs/model")
     p.add_argument("--dp", type=int, default=4, help="DP ranks")
     p.add_argument("--seq", type=int, default=64, help="data.seq_len")
     p.add_argument("--micro-batch", type=int, default=2, help="train.micro_batch_size")

@@ -37,7 +37,7 @@ QUICK = {"models": ["gpt-tiny"], "pairs": 2, "warmup": 1, "seq_len": 16, "micro_
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
     common.add_quick(p, "gpt-tiny, 2 pairs")
-    p.add_argument("--models", nargs="+", default=["gpt-tiny", "gpt-125m"], help="configs/model names")
+    p.add_argument("--models", nargs="+", default=["gpt-tiny", "gpt-125m"], help="hybrid/configs/model names")
     p.add_argument("--world", type=int, default=2, help="gloo ranks")
     p.add_argument("--parallel", nargs="*", default=[], help="layout overrides, e.g. parallel.tp=2 (default: dp)")
     p.add_argument("--pairs", type=int, default=12, help="on/off pairs of steps")

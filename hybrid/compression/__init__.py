@@ -3,4 +3,4 @@
 
 class CompressionError(ValueError):
     """A `compression` config that names an unknown method or a bad knob: one readable line.
-    `hybrid.config.validate` reports it as a ConfigError (bad input, exit 2)."""
+    `hybrid.validation.validate` reports it as a ConfigError (bad input, exit 2)."""

@@ -10,7 +10,7 @@ Each family lives in its own module (`gpt.py`, `llama.py`) and registers itself 
 `register_family` when `hybrid.model` is imported; everything else asks `family_of(cfg)` /
 `get_family(name)` instead of comparing names. `docs/extending.md` shows how to add one.
 
-No collectives here. Bad model input raises `ModelConfigError`; `hybrid.config.validate` and the
+No collectives here. Bad model input raises `ModelConfigError`; `hybrid.validation.validate` and the
 command-line entry points turn it into their one-line `ConfigError` (this package never imports
 `hybrid.config`).
 """

@@ -49,11 +49,12 @@ import torch.distributed as dist
 
 from hybrid import cli
 from hybrid.cli import EXIT_FAILED, EXIT_OK, UsageError, env_int
-from hybrid.config import ConfigError, compose_config, validate
+from hybrid.config import ConfigError, compose_config
 from hybrid.diagnostics import DiagnosticsError, bandwidth_table
 from hybrid.diagnostics import bandwidth as bw
 from hybrid.diagnostics import preflight as pf
 from hybrid.parallel.context import Layout, LayoutError, ParallelContext
+from hybrid.validation import validate
 
 KINDS = ("world", "tp", "dp", "pp", "dp_intra", "dp_inter")
 SIZE = re.compile(r"^(\d+)\s*([KMG]?)(I?B)?$", re.IGNORECASE)

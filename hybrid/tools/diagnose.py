@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from hybrid import cli
 from hybrid.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, UsageError, env_int, error_line, say
-from hybrid.config import Config, ConfigError, compose_config, validate
+from hybrid.config import Config, ConfigError, compose_config
 from hybrid.diagnostics import DiagnosticsError
 from hybrid.diagnostics import advice as A
 from hybrid.diagnostics.heatmap import require_matplotlib, write_heatmap
@@ -47,6 +47,7 @@ from hybrid.diagnostics.pairwise import measure
 from hybrid.diagnostics.report import Probe, Report, render, size_text
 from hybrid.diagnostics.system import Facts, gather_facts, node_size, rank_facts
 from hybrid.parallel.context import Layout, LayoutError
+from hybrid.validation import validate
 
 KNOWN_ERRORS = (ConfigError, DiagnosticsError, LayoutError)
 UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,

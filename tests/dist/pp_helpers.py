@@ -20,7 +20,8 @@ import torch
 from test_dp import SEQ, synthetic_corpus
 
 from hybrid.compression.hooks import make_hook
-from hybrid.config import compose_config, validate
+from hybrid.config import compose_config
+from hybrid.validation import validate
 from hybrid.model import analytic_param_count
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext

@@ -24,7 +24,8 @@ from harness import run_ranks
 from pp_helpers import LOSS_TOL, TIMEOUT, VOCAB, Case, assert_matches_reference, make_cfg, reference, train_cases
 
 from hybrid.checkpoint import model_shape
-from hybrid.config import ConfigError, compose_config, validate
+from hybrid.config import ConfigError, compose_config
+from hybrid.validation import validate
 from hybrid.model import analytic_param_count, build_model
 from hybrid.model.family import Blocks, Family, ModelConfigError, family_names, get_family, register_family
 from hybrid.model.gpt import check_learned_positions, learned_positions_shape

@@ -47,7 +47,7 @@ def test_run_tool_prints_the_report_or_the_help_and_lets_bugs_raise(capsys: pyte
         cli.run_tool("doc", [], lambda argv: {}["x"], CODES)
 
     def compression(argv: list[str]) -> str:
-        raise CompressionError("x")  # not a ConfigError: config.validate translates it, a tool does not
+        raise CompressionError("x")  # not a ConfigError: validation.validate translates it, a tool does not
 
     with pytest.raises(CompressionError):
         cli.run_tool("doc", [], compression)

@@ -1,4 +1,4 @@
-"""Config: every file in configs/ composes and validates; bad input is one line and exit 2."""
+"""Config: every file in hybrid/configs/ composes and validates; bad input is one line and exit 2."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.config import ConfigError, compose_config, validate
+from hybrid.config import ConfigError, compose_config
+from hybrid.validation import validate
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUPS = ["model", "parallel", "data", "optim", "compression"]

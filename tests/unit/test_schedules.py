@@ -243,7 +243,8 @@ def test_invalid_sizes_are_rejected(name, p, m, v, match):
 def test_registered_schedule_is_built_checked_and_accepted_by_the_config(monkeypatch):
     """A new schedule is one order function and one registry entry: build, checks, config choices and the error
     lines follow the registry."""
-    from hybrid.config import ConfigError, compose_config, validate
+    from hybrid.config import ConfigError, compose_config
+    from hybrid.validation import validate
 
     def late_order(pp, m, v, rank):  # every forward, then every backward: GPipe by another name
         return gpipe_order(pp, m, v, rank)

@@ -1,0 +1,178 @@
+"""`validate(cfg, world_size)`: everything about a composed config that is knowable before a process
+group exists. A bad value raises `ConfigError` with one readable line (turned into the CLI's error line
+by `hybrid.cli`); the schemas themselves live in `hybrid.config`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from hybrid.config import (
+    CheckpointConfig,
+    CompressionConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+)
+from hybrid.parallel.schedules import SCHEDULES, ScheduleError, check_sizes
+
+if TYPE_CHECKING:
+    from hybrid.parallel.context import Layout
+
+
+_CHOICES = {
+    "parallel.schedule": SCHEDULES,  # the registry: its names
+    "train.precision": ("auto", "fp32", "bf16"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "logging.wandb.mode": ("offline", "online", "disabled"),
+}
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    return functools.reduce(getattr, dotted.split("."), cfg)
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None) -> Layout:
+    """Check everything knowable before groups exist; return the layout. Raises ConfigError.
+
+    `ranks_per_node` is the detected node size (torchrun's LOCAL_WORLD_SIZE);
+    `parallel.ranks_per_node` overrides it.
+    """
+    from hybrid.model.family import family_names
+    from hybrid.parallel.context import Layout, LayoutError
+
+    _validate_compression(cfg.compression)
+    for key, allowed in ({"model.family": family_names()} | _CHOICES).items():
+        _require(_get(cfg, key) in allowed, f"{key}={_get(cfg, key)!r} is not one of {', '.join(allowed)}")
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    try:
+        layout = Layout.create(world_size, p.tp, p.pp, p.dp, p.ranks_per_node or ranks_per_node,
+                               p.allow_tp_across_nodes)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    _validate_model(m, p.tp)
+    _require(p.virtual_stages >= 1, f"parallel.virtual_stages must be >= 1, got {p.virtual_stages}")
+    _require(m.n_layers >= p.pp * p.virtual_stages,
+             f"model.n_layers={m.n_layers} is fewer than pp·virtual_stages = {p.pp * p.virtual_stages}")
+    _require(p.bucket_mb > 0, f"parallel.bucket_mb must be > 0, got {p.bucket_mb}")
+    _require(t.steps >= 0, f"train.steps must be >= 0, got {t.steps}")
+    _require(t.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {t.micro_batch_size}")
+    per_step = t.micro_batch_size * layout.dp
+    _require(t.global_batch_size >= per_step and t.global_batch_size % per_step == 0,
+             f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+             f"micro_batch_size·dp = {t.micro_batch_size}·{layout.dp} = {per_step}")
+    _validate_pipeline(p, m, t.global_batch_size // per_step)
+    _require(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    _require(t.eval_every >= 0 and t.eval_batches >= 1, "train.eval_every must be >= 0 and eval_batches >= 1")
+    _validate_data(cfg.data, m)
+    if p.sequence_parallel:
+        _require(cfg.data.seq_len % p.tp == 0, f"parallel.sequence_parallel=true needs "
+                 f"data.seq_len={cfg.data.seq_len} divisible by parallel.tp={p.tp}")
+    _require(cfg.optim.grad_clip >= 0, f"optim.grad_clip must be >= 0, got {cfg.optim.grad_clip}")
+    _require(cfg.optim.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {cfg.optim.warmup_steps}")
+    _require(cfg.logging.log_every >= 1, f"logging.log_every must be >= 1, got {cfg.logging.log_every}")
+    _validate_checkpoint(cfg.checkpoint)
+    s = list(cfg.profile.steps)
+    _require(not s or (len(s) == 2 and 1 <= s[0] <= s[1] <= t.steps),
+             f"profile.steps={s} must be [] or [first, last] with 1 <= first <= last <= train.steps={t.steps}")
+    return layout
+
+
+def _validate_pipeline(p: ParallelConfig, m: ModelConfig, microbatches: int) -> None:
+    """Schedule sizes (interleaving needs pp >= 2 and microbatches divisible by pp) and stage_layers."""
+    from hybrid.parallel.pipeline import partition_layers
+
+    spec = SCHEDULES[p.schedule]
+    _require(p.virtual_stages >= spec.min_virtual_stages, f"parallel.schedule={p.schedule} needs "
+             f"parallel.virtual_stages >= {spec.min_virtual_stages} ({spec.fewer_virtual})")
+    if p.pp > 1 or p.virtual_stages > 1:
+        try:
+            check_sizes(p.schedule, p.pp, microbatches, p.virtual_stages)
+        except ScheduleError as e:
+            raise ConfigError(f"parallel.schedule={p.schedule}: {e}") from None
+    if p.stage_layers is not None:
+        try:
+            partition_layers(m.n_layers, p.pp * p.virtual_stages, p.stage_layers)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def _validate_compression(c: CompressionConfig) -> None:
+    """The compression package's own check, its CompressionError reported as bad input."""
+    from hybrid.compression import CompressionError
+    from hybrid.compression.hooks import check
+
+    try:
+        check(c)
+    except CompressionError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    _require(c.every >= 0, f"checkpoint.every must be >= 0 (0 disables saving), got {c.every}")
+    _require(c.keep >= 0, f"checkpoint.keep must be >= 0 (0 keeps all), got {c.keep}")
+    _require(bool(str(c.resume).strip()), "checkpoint.resume must be none, auto or a checkpoint path")
+    _require(bool(str(c.dir).strip()), "checkpoint.dir must not be empty")
+
+
+def _validate_model(m: ModelConfig, tp: int) -> None:
+    from hybrid.model.family import family_of
+
+    for key in ("n_layers", "hidden", "n_heads", "max_seq_len", "make_vocab_size_divisible_by"):
+        _require(getattr(m, key) >= 1, f"model.{key} must be >= 1, got {getattr(m, key)}")
+    _require(m.hidden % m.n_heads == 0, f"model.hidden={m.hidden} is not divisible by model.n_heads={m.n_heads}")
+    kv = m.n_kv_heads or m.n_heads
+    _require(kv >= 1 and m.n_heads % kv == 0,
+             f"model.n_kv_heads={kv} must divide model.n_heads={m.n_heads}")
+    _require(m.n_heads % tp == 0, f"model.n_heads={m.n_heads} is not divisible by parallel.tp={tp}")
+    _require(kv % tp == 0, f"model.n_kv_heads={kv} is not divisible by parallel.tp={tp}")
+    ffn = m.ffn_hidden or 4 * m.hidden
+    _require(ffn % tp == 0, f"model.ffn_hidden={ffn} is not divisible by parallel.tp={tp}")
+    _require(m.vocab_size is None or m.vocab_size >= 1, f"model.vocab_size must be >= 1, got {m.vocab_size}")
+    _require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
+    with _model_input():
+        family_of(m).check(m)
+    _require(m.init_from is None or (Path(m.init_from) / "config.json").is_file(),
+             f"model.init_from={m.init_from} is not a transformers model folder (a directory with config.json)")
+
+
+@contextlib.contextmanager
+def _model_input() -> Iterator[None]:
+    """The model package's ModelConfigError (bad model input) is our one-line ConfigError."""
+    from hybrid.model.family import ModelConfigError
+
+    try:
+        yield
+    except ModelConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _validate_data(d: DataConfig, m: ModelConfig) -> None:
+    import os
+
+    from omegaconf import OmegaConf
+
+    from hybrid.model.family import family_of
+
+    for key in ("path", "tokenizer"):
+        _require(not OmegaConf.is_missing(d, key), f"data.{key} is required by data={d.name} (set data.{key}=...)")
+    _require(d.seq_len >= 1, f"data.seq_len must be >= 1, got {d.seq_len}")
+    with _model_input():
+        family_of(m).check_seq_len(m, d.seq_len)
+    if d.path is not None:
+        _require(os.path.exists(d.path), f"data.path={d.path} does not exist")
+    if d.tokenizer is not None:
+        _require(os.path.isdir(d.tokenizer), f"data.tokenizer={d.tokenizer} is not a directory")
+    _require(d.vocab_size >= 256 + 1, f"data.vocab_size must be > 256 (byte-level BPE), got {d.vocab_size}")
+    _require(0.0 < d.eval_fraction < 1.0, f"data.eval_fraction must be in (0, 1), got {d.eval_fraction}")
