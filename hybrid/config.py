@@ -117,6 +117,8 @@ class CheckpointFields:
     every: int = 0  # steps between saves; 0 disables
     keep: int = 3  # newest checkpoints kept
     resume: str = "none"  # none | auto | <path>
+    # signals that make every rank save the step reached and exit 0 (hybrid.checkpoint.preempt); [] disables
+    save_on_signal: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
 
 
 # `checkpoint.async` (overlap the write with training) is a Python keyword, so the schema adds it to

@@ -270,7 +270,16 @@ class Trainer:
 
     def fit(self) -> Optional[StepResult]:
         """Train to `train.steps` (from `self.step`, which a resume sets), logging every `logging.log_every`
-        steps, evaluating every `train.eval_every` and checkpointing every `checkpoint.every`."""
+        steps, evaluating every `train.eval_every` and checkpointing every `checkpoint.every`. A signal of
+        `checkpoint.save_on_signal` ends the run at the next step boundary, on every rank, after saving
+        that step (`Checkpointer.save_on_signal`: one all_reduce per step while any such signal is set)."""
+        with self.checkpointer.preemption:  # the signals' handlers only set a flag, read at step boundaries
+            last = self._steps()
+        self.checkpointer.wait()  # an async save still in flight completes before the run ends
+        return last
+
+    def _steps(self) -> Optional[StepResult]:
+        """`fit`'s loop: steps until `train.steps`, or until the step a signal's save ends with."""
         t, last = self.cfg.train, None
         while self.step < t.steps:
             C.COUNTER.reset()
@@ -292,7 +301,8 @@ class Trainer:
                 if self.metrics is not None:
                     self.metrics.log_eval(self.step, eval_loss)
             self.checkpointer.after_step(self.step)
-        self.checkpointer.wait()  # an async save still in flight completes before the run ends
+            if self.checkpointer.save_on_signal(self.step):
+                break
         return last
 
 

@@ -11,7 +11,8 @@ One folder per step, `<checkpoint.dir>/<run name>/step_0000100/`:
 
 The rooms: `files` (step folders, completeness, `latest`, keep-k), `resume` (which checkpoint to
 resume and whether it fits), `state` (the layout-independent state dict and its resharding load),
-`stager` (the blocking copy of an async save), `checkpointer` (`Checkpointer`: save, load, cleanup).
+`stager` (the blocking copy of an async save), `checkpointer` (`Checkpointer`: save, load, cleanup),
+`preempt` (save on a signal: the flag, and the ranks' agreement on it).
 """
 
 from hybrid.checkpoint.checkpointer import Checkpointer

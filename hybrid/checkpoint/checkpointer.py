@@ -43,6 +43,7 @@ from hybrid.checkpoint.files import (
     step_path,
     write_manifest,
 )
+from hybrid.checkpoint.preempt import Preemption
 from hybrid.checkpoint.resume import hook_key, layout_of, model_shape, resume_lines
 from hybrid.checkpoint.stager import Staged, Stager
 from hybrid.checkpoint.state import (
@@ -96,6 +97,9 @@ class Checkpointer:
         self.pending: Optional[tuple[Any, Path, float]] = None
         self.stager = Stager()
         self.protected: set[Path] = set()  # the checkpoint this run resumed from
+        self.saved_step: Optional[int] = None  # the step of the last save started
+        # checkpoint.save_on_signal (a config without the key, as a bench's, saves on no signal)
+        self.preemption = Preemption(getattr(c, "save_on_signal", ()), device)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and (step % self.every == 0 or step == self.cfg.train.steps)
@@ -112,6 +116,7 @@ class Checkpointer:
         self.wait()
         run = self.states["trainer"].state_dict()
         path = step_path(self.root, run["step"])
+        self.saved_step = run["step"]
         state = self.state_dict()
         self._prepare(path, run)
         start = time.perf_counter()
@@ -124,6 +129,20 @@ class Checkpointer:
                 dcp.save(state, checkpoint_id=str(path), no_dist=not distributed())
             self._finish(path, start)
         return path
+
+    def save_on_signal(self, step: int) -> Optional[str]:
+        """At a step boundary: if any rank caught a `checkpoint.save_on_signal` signal (`Preemption.agreed`:
+        one all_reduce over the world), save step `step` (unless this step's save already started), wait
+        until it is complete, log it and return the signal's name; else None."""
+        sig = self.preemption.agreed()
+        if sig is None:
+            return None
+        if self.saved_step != step:
+            self.save()
+        self.wait()
+        if self.writer:
+            self.log(f"checkpoint: saved step {step} on {sig.name}; exiting (resume with checkpoint.resume=auto)")
+        return sig.name
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is complete, then clean up."""
