@@ -17,6 +17,7 @@ It is not training traffic and is not counted in the step's bytes.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from collections.abc import Sequence
@@ -58,9 +59,14 @@ class Preemption:
         self._previous: dict[signal.Signals, Any] = {}
 
     def handle(self, signum: int, frame: Optional[FrameType] = None) -> None:
-        """The handler: remember the first signal, nothing else (no I/O, no collective)."""
+        """The handler: remember the first signal, nothing else (no I/O, no collective). A second one
+        while the first is pending (a rank stuck in a collective, a user insisting) takes its default
+        action: the process ends at once."""
         if not self.caught:
             self.caught = signum
+            return
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
     def __enter__(self) -> Preemption:
         if threading.current_thread() is threading.main_thread():

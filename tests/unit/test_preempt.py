@@ -67,3 +67,19 @@ def test_single_process_sees_its_own_signal() -> None:
         signal.raise_signal(signal.SIGUSR1)
         assert p.agreed() is signal.SIGUSR1
     assert Preemption(["SIGUSR1"], CPU).agreed() is None  # a fresh flag
+
+
+def _insist() -> None:
+    with Preemption(["SIGUSR1"], CPU):
+        signal.raise_signal(signal.SIGUSR1)  # the first: a flag only
+        signal.raise_signal(signal.SIGUSR1)  # the second: the default action ends the process
+    raise SystemExit(0)
+
+
+def test_a_second_signal_ends_the_process_at_once() -> None:
+    import multiprocessing
+
+    proc = multiprocessing.get_context("fork").Process(target=_insist)
+    proc.start()
+    proc.join(timeout=30)
+    assert proc.exitcode == -signal.SIGUSR1
