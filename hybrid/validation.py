@@ -120,6 +120,9 @@ def _validate_compression(c: CompressionConfig) -> None:
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:
+    from hybrid.checkpoint.preempt import parse_signals
+
+    parse_signals(c.save_on_signal)  # a name that is no catchable signal: ConfigError
     _require(c.every >= 0, f"checkpoint.every must be >= 0 (0 disables saving), got {c.every}")
     _require(c.keep >= 0, f"checkpoint.keep must be >= 0 (0 keeps all), got {c.keep}")
     _require(bool(str(c.resume).strip()), "checkpoint.resume must be none, auto or a checkpoint path")

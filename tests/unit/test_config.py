@@ -111,6 +111,7 @@ def test_derived_dp_and_microbatches() -> None:
      "data.seq_len=127 divisible by parallel.tp=2"),
     (["checkpoint.every=-1"], 1, "checkpoint.every must be >= 0"),
     (["checkpoint.keep=-2"], 1, "checkpoint.keep must be >= 0"),
+    (["checkpoint.save_on_signal=[SIGKILL]"], 1, "save_on_signal: .SIGKILL. is not a signal a process can catch"),
     (["checkpoint.resume=''"], 1, "checkpoint.resume must be none, auto or a checkpoint path"),
     (["train.steps=10", "profile.steps=[5,12]"], 1, r"profile.steps=\[5, 12\] must be \[\] or \[first, last\]"),
     (["profile.steps=[3,2]"], 1, "1 <= first <= last"),
