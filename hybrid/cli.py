@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import NoReturn, Optional, TypeVar, Union
 
 from hybrid.config import ConfigError
+from hybrid.overrides import App as App  # where @hydra.main sits, for precheck
 from hybrid.overrides import check
 from hybrid.overrides import one_line as one_line  # Hydra's errors as one line, for the tools
 
@@ -130,13 +131,13 @@ def run_tool(doc: str, argv: Optional[list[str]], body: Callable[[list[str]], st
     return EXIT_OK
 
 
-def precheck(argv: list[str], app_module: str = "hybrid.train") -> None:
+def precheck(argv: list[str], app: App = App("hybrid.train", None)) -> None:
     """Compose what the command line would run, once per job of a `--multirun` sweep, with Hydra's
     compose API and the run's own search path (`hydra.searchpath=[...]`, `--config-dir`, `--config-path`,
     `--config-name` honoured), so that a bad override, an unknown group option or a key the schema lacks
     (`+train.foo=1`) is one readable line instead of Hydra's multi-line report or a silent no-op.
     Flags that only print (`--help`, `--hydra-help`, `--info`, `--shell-completion`, `--version`) skip it."""
     try:
-        check(argv, app_module)
+        check(argv, app)  # app: where @hydra.main sits (a relative --config-path starts there)
     except ConfigError as e:
         fail(str(e))

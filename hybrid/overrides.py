@@ -4,7 +4,10 @@ the config each job composes to (with the user's search path), and keys the sche
 `hybrid.cli.precheck` turns what goes wrong here into one line. The flags are parsed by Hydra's own
 parser (the one `@hydra.main` uses) and the search path is built the way `@hydra.main` builds it
 (`--config-path`, `--config-dir`, `hydra.searchpath=[...]`), so the check composes what the run
-will compose. Nothing here is distributed: every rank checks its own command line, no collective.
+will compose. Both come from Hydra's `_internal` package (`get_args_parser`,
+`create_automatic_config_search_path`, `Hydra.create_main_hydra2`, as `hydra.initialize_config_dir`
+uses them); tests/unit/test_cli_hydra.py notices when a Hydra release moves them. Nothing here is
+distributed: every rank checks its own command line, no collective.
 """
 
 from __future__ import annotations
@@ -35,6 +38,19 @@ MAX_JOBS = 64
 """Compositions a sweep's pre-check makes at most (each takes ~0.1 s)."""
 
 
+class App(typing.NamedTuple):
+    """Where `@hydra.main` sits, as Hydra sees it: the script's file when it runs as `__main__`
+    (`python -m hybrid.train`), else its module (a console script); the other one is None."""
+
+    module: Optional[str]
+    file: Optional[str]
+
+    @classmethod
+    def of(cls, name: str, file: str) -> App:
+        """From a module's `__name__` and `__file__`."""
+        return cls(None, file) if name == "__main__" else cls(name, None)
+
+
 def hydra_args(argv: list[str]) -> Optional[argparse.Namespace]:
     """`argv` parsed by Hydra's own argument parser; None when the parser would print and exit by itself
     (`--version`, a malformed flag): Hydra then reports it in its own words."""
@@ -58,16 +74,17 @@ def is_multirun(args: argparse.Namespace) -> bool:
 
 
 @contextlib.contextmanager
-def hydra_for(args: argparse.Namespace, app_module: str) -> Iterator[None]:
-    """A global Hydra with the search path `@hydra.main(config_path=CONFIG_DIR)` in `app_module` builds for
-    `args`: `--config-path` replaces the primary folder, `--config-dir` is added before the schemas."""
+def hydra_for(args: argparse.Namespace, app: App) -> Iterator[None]:
+    """A global Hydra with the search path `@hydra.main(config_path=CONFIG_DIR)` at `app` builds for `args`:
+    `--config-path` replaces the primary folder (a relative one is relative to the app's file, or its
+    package when it runs as a module), `--config-dir` is added before the schemas."""
     from hydra._internal.hydra import Hydra
     from hydra._internal.utils import create_automatic_config_search_path
     from hydra.core.config_search_path import SearchPathQuery
     from hydra.core.global_hydra import GlobalHydra
 
     register_configs()
-    path = create_automatic_config_search_path(None, app_module, args.config_path or CONFIG_DIR)
+    path = create_automatic_config_search_path(app.file, app.module, args.config_path or CONFIG_DIR)
     if args.config_dir is not None:
         folder = os.path.abspath(args.config_dir)
         if not os.path.isdir(folder):
@@ -75,7 +92,7 @@ def hydra_for(args: argparse.Namespace, app_module: str) -> Iterator[None]:
         path.prepend("command-line", f"file://{folder}", anchor=SearchPathQuery(provider="schema"))
     GlobalHydra.instance().clear()
     try:
-        Hydra.create_main_hydra2(task_name=app_module.rpartition(".")[2], config_search_path=path)
+        Hydra.create_main_hydra2(task_name="precheck", config_search_path=path)
         yield
     finally:
         GlobalHydra.instance().clear()
@@ -136,6 +153,8 @@ def one_line(e: BaseException) -> str:
     if "Could not find" in msg and options:
         options = [o for o in options if not o.endswith("_schema")]
         return f"{msg} (available: {', '.join(options)}){closest(msg, options)}"
+    if msg.endswith("not found.") and len(lines) > 1:  # a primary config folder or module: where Hydra looked
+        return f"{msg} {lines[1]}"
     if msg.endswith("while composing config:") and len(lines) > 1:
         msg = f"{msg.removesuffix(' raised while composing config:')}: {lines[1]}"
     cause = e.__cause__
@@ -196,12 +215,12 @@ def check_keys(cfg: DictConfig, overrides: list[str]) -> None:
         raise ConfigError(f"unknown key '{key}' in {given}: the schema has no such key{suggestion(key)}")
 
 
-def check(argv: list[str], app_module: str) -> None:
+def check(argv: list[str], app: App) -> None:
     """Compose what `argv` would run (each job of a sweep, see sweep_jobs) and check its keys; raises
     Hydra's composition error or ConfigError. Flags that only print (PRINT_AND_EXIT) check nothing."""
     args = hydra_args(argv)
     if args is None or not wants_check(args):
         return
-    with hydra_for(args, app_module):
+    with hydra_for(args, app):
         for overrides in sweep_jobs(args.overrides) if is_multirun(args) else [args.overrides]:
             check_keys(compose_job(args, overrides), overrides)

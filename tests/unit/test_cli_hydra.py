@@ -75,6 +75,19 @@ def test_a_missing_primary_config_is_one_line(capsys: pytest.CaptureFixture[str]
     assert "is not a folder" in refused(["-cd", "/nonexistent/conf"], capsys, monkeypatch)
 
 
+def test_a_relative_config_path_starts_where_hydra_starts_it(capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Like Hydra: from train.py's folder under `python -m`, from its package for a console script
+    (`hybrid/configs` is a folder, not a package, so only the first finds it)."""
+    script = cli.App.of("__main__", str(ROOT / "hybrid" / "train.py"))
+    cli.precheck(["-cp", "configs", "--cfg", "job"], script)
+    with pytest.raises(SystemExit):
+        cli.precheck(["-cp", "nope"], script)
+    assert f"config directory '{(ROOT / 'hybrid').resolve() / 'nope'}'" in capsys.readouterr().err
+    line = refused(["-cp", "configs"], capsys, monkeypatch)  # the default App: the module hybrid.train
+    assert "Primary config module 'hybrid.configs' not found" in line
+
+
 @pytest.mark.parametrize("flags", [["--help"], ["-h"], ["--hydra-help"], ["--info"], ["--info", "defaults"],
                                    ["-sc", "install=bash"], ["--shell-completion", "query=bash"], ["--version"]])
 def test_flags_that_only_print_skip_the_check(flags: list[str]) -> None:
