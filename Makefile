@@ -5,11 +5,11 @@ export OMP_NUM_THREADS ?= 1
 
 .PHONY: setup run test lint bench clean
 
-setup:            ## install torch (CPU or CUDA build) and hybrid with test extras
-	bash scripts/setup.sh
+setup:            ## install torch (CPU or CUDA build) and hybrid with test extras, into $(PYTHON)
+	PYTHON="$(PYTHON)" bash scripts/setup.sh
 
-run:              ## the default job: gpt-tiny on the embedded corpus, data parallel over $(NPROC) ranks
-	bash launch/local.sh $(NPROC)
+run:              ## the default job: gpt-tiny on the embedded corpus, data parallel over $(NPROC) ranks, with $(PYTHON)
+	PYTHON="$(PYTHON)" bash launch/local.sh $(NPROC)
 
 test:             ## the whole test suite (what .ci/run calls)
 	$(PYTHON) -m ruff check hybrid tests

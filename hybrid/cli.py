@@ -21,7 +21,10 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import NoReturn, Optional, TypeVar, Union
 
-from hybrid.config import ConfigError, compose_config
+from hybrid.config import ConfigError
+from hybrid.overrides import App as App  # where @hydra.main sits, for precheck
+from hybrid.overrides import check
+from hybrid.overrides import one_line as one_line  # Hydra's errors as one line, for the tools
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the command ran and found a fault (e.g. export's verification)
@@ -128,27 +131,13 @@ def run_tool(doc: str, argv: Optional[list[str]], body: Callable[[list[str]], st
     return EXIT_OK
 
 
-def precheck(argv: list[str]) -> None:
-    """Compose the config once with Hydra's compose API so that a bad override or an unknown
-    group option becomes one readable line instead of Hydra's multi-line report."""
-    if any(a.startswith("-") for a in argv):
-        return  # Hydra's own flags (--cfg, --help, -m, …): let Hydra handle the command line
+def precheck(argv: list[str], app: App = App("hybrid.train", None)) -> None:
+    """Compose what the command line would run, once per job of a `--multirun` sweep, with Hydra's
+    compose API and the run's own search path (`hydra.searchpath=[...]`, `--config-dir`, `--config-path`,
+    `--config-name` honoured), so that a bad override, an unknown group option or a key the schema lacks
+    (`+train.foo=1`) is one readable line instead of Hydra's multi-line report or a silent no-op.
+    Flags that only print (`--help`, `--hydra-help`, `--info`, `--shell-completion`, `--version`) skip it."""
     try:
-        compose_config([a for a in argv if not a.lstrip("+~").startswith(("hydra.", "hydra/"))])
-    except Exception as e:  # noqa: BLE001  (any composition failure is bad input)
-        fail(one_line(e))
-
-
-def one_line(e: BaseException) -> str:
-    """Hydra's composition error as one line: its first line, the options it lists, its cause."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    msg = lines[0] if lines else type(e).__name__
-    options = [ln for ln in lines[1:] if not ln.startswith(("Config search path", "provider=", "Available"))]
-    if "Could not find" in msg and options:
-        return f"{msg} (available: {', '.join(o for o in options if not o.endswith('_schema'))})"
-    if msg.endswith("while composing config:") and len(lines) > 1:
-        msg = f"{msg.removesuffix(' raised while composing config:')}: {lines[1]}"
-    cause = e.__cause__
-    if cause is not None and str(cause).strip():
-        msg += " " + str(cause).strip().splitlines()[0]
-    return msg
+        check(argv, app)  # app: where @hydra.main sits (a relative --config-path starts there)
+    except ConfigError as e:
+        fail(str(e))

@@ -15,7 +15,7 @@ import hydra
 import torch
 import torch.distributed as dist
 
-from hybrid.cli import env_int, exit_on_error, precheck, warn
+from hybrid.cli import App, env_int, exit_on_error, precheck, warn
 from hybrid.config import CONFIG_DIR, CompressionConfig, Config, ConfigError, register_configs
 from hybrid.validation import validate
 
@@ -136,7 +136,7 @@ def main() -> None:
     register_configs()
     if env_int("RANK", 0) != 0:  # only rank 0 writes Hydra's outputs and log file
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
-    precheck(sys.argv[1:])
+    precheck(sys.argv[1:], App.of(__name__, __file__))  # bad overrides: one line and exit 2, before Hydra
     _hydra_main()
 
 

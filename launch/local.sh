@@ -24,7 +24,9 @@ Re-running a finished run with auto resumes its last step and ends at once.
 Environment:
   MAX_RESTARTS     worker-group restarts after a failure (default: 3; 0 = fail at once)
   OMP_NUM_THREADS  threads per rank (default: max(1, cores / NPROC))
-  TORCHRUN         torchrun command to use (default: torchrun)
+  TORCHRUN         torchrun command to use (default: torchrun; "$PYTHON -m torch.distributed.run"
+                   when PYTHON is set or no torchrun is on PATH)
+  PYTHON           the Python whose torch runs the job (default: python3 when torchrun is absent)
   HYBRID_MODULE    module to run instead of hybrid.train (smoke tests); gets the same arguments
 
 Examples:
@@ -84,6 +86,14 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( THREADS > 0 ? THREADS : 1 ))}"
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
-# shellcheck disable=SC2086  # TORCHRUN may hold a command with arguments (e.g. "python -m torch.distributed.run")
-exec ${TORCHRUN:-torchrun} --standalone --nproc_per_node="$NPROC" --max-restarts="$MAX_RESTARTS" \
+# The launcher: $TORCHRUN if given; else the torchrun of $PYTHON when PYTHON is given (`make run PYTHON=…`)
+# or no torchrun is on PATH (a venv not activated); else torchrun.
+if [[ -n "${TORCHRUN:-}" ]]; then
+  read -r -a LAUNCHER <<< "$TORCHRUN"  # may hold a command with arguments (e.g. "python -m torch.distributed.run")
+elif [[ -n "${PYTHON:-}" ]] || ! command -v torchrun >/dev/null 2>&1; then
+  LAUNCHER=("${PYTHON:-python3}" -m torch.distributed.run)
+else
+  LAUNCHER=(torchrun)
+fi
+exec "${LAUNCHER[@]}" --standalone --nproc_per_node="$NPROC" --max-restarts="$MAX_RESTARTS" \
   -m "${HYBRID_MODULE:-hybrid.train}" ${RESUME[@]+"${RESUME[@]}"} "$@"

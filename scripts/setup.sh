@@ -6,10 +6,17 @@
 # own `torch>=…` requirement is then already satisfied, so `pip install -e .` adds nothing of torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/versions.sh
+source scripts/versions.sh
 PY=${PYTHON:-python3}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+# the floor pyproject.toml declares ("torch>=X"): any torch at or above it is kept, whatever its build
+TORCH_MIN=$(sed -n 's/^ *"torch>=\([0-9.]*\)".*/\1/p' pyproject.toml)
 
-have_torch() { "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] >= '2.5' else 1)" 2>/dev/null; }
+have_torch() {
+    local v
+    v=$("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null) && version_ge "$v" "${TORCH_MIN:-2.5}"
+}
 
 if have_torch; then
     echo "setup: torch $("$PY" -c 'import torch; print(torch.__version__)') already installed"
