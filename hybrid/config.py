@@ -13,10 +13,11 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib.resources import files
+from pathlib import Path
 from typing import TYPE_CHECKING, Optional, cast
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 class ConfigError(ValueError):
@@ -113,10 +114,11 @@ class TrainConfig:
 
 @dataclass
 class CheckpointFields:
-    dir: str = "checkpoints"  # root folder; a run writes <dir>/<run>/step_XXXXXXX
+    dir: str = "checkpoints"  # a run writes <dir>/<run_name>/step_XXXXXXX; a sweep job: <job folder>/checkpoints
     every: int = 0  # steps between saves; 0 disables
     keep: int = 3  # newest checkpoints kept
-    resume: str = "none"  # none | auto | <path>
+    resume: str = "none"  # none | auto (this run's newest, if any) | <path>
+    allow_changes: bool = False  # resume although training settings (lr, seed, batch, optim, model, data, …) changed
     # signals that make every rank save the step reached and exit 0 (hybrid.checkpoint.preempt); [] disables
     save_on_signal: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
 
@@ -139,7 +141,7 @@ class WandbConfig:
 
 @dataclass
 class LoggingConfig:
-    dir: str = "runs/${run_name}"  # everything of a run lives here
+    dir: str = "runs/${run_name}"  # everything of a run lives here; a sweep job (-m): its job folder
     log_every: int = 1  # steps between metrics.jsonl lines
     progress: bool = True  # progress bar on rank 0
     timing: bool = True  # logged steps: time every collective (comm/ keys) and break the step down (time/ keys)
@@ -156,7 +158,10 @@ class ProfileConfig:
 
 @dataclass
 class Config:
-    run_name: str = "${model.name}-${parallel.name}"
+    # names checkpoints/<run_name>, runs/<run_name>, multirun/<run_name> and the wandb run: <model>-<layout>,
+    # the layout being parallel.name while tp, pp, dp, virtual_stages are that group file's, else derived
+    # from them (`parallel=dp parallel.tp=4` → tp4; see layout_label). Set it to continue a run under another layout.
+    run_name: str = "${model.name}-${hybrid.layout:${parallel}}"
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -169,6 +174,26 @@ class Config:
 
 
 CONFIG_DIR = str(files("hybrid") / "configs")  # package data: found wherever hybrid is installed
+_LAYOUT_KEYS = ("tp", "pp", "virtual_stages", "dp")
+
+
+def layout_label(parallel: ParallelConfig) -> str:
+    """The layout part of the default run name: `parallel.name` while tp, pp, virtual_stages and dp are
+    those of the group file of that name (or no such file exists: a label of the user's), else derived."""
+    path = Path(CONFIG_DIR) / "parallel" / f"{parallel.name}.yaml"
+    if not path.is_file():
+        return parallel.name
+    saved = OmegaConf.merge(OmegaConf.structured(ParallelConfig), OmegaConf.load(path))
+    same = all(getattr(parallel, k) == saved[k] for k in _LAYOUT_KEYS)
+    return parallel.name if same else derived_label(parallel.tp, parallel.pp, parallel.virtual_stages, parallel.dp)
+
+
+def derived_label(tp: int, pp: int, virtual_stages: int, dp: Optional[int]) -> str:
+    """`tp4`, `tp2pp2`, `pp4v2`, `tp2pp2dp2` (dp only when set): the names the group files use; `dp` for
+    pure data parallelism over every rank, `single` for one process (dp=1)."""
+    sizes = (("tp", tp), ("pp", pp), ("v", virtual_stages), ("dp", dp or 1))
+    label = "".join(f"{k}{n}" for k, n in sizes if n > 1)
+    return label or ("single" if dp == 1 else "dp")
 
 
 def compose_config(overrides: Sequence[str] = ()) -> Config:
@@ -192,3 +217,5 @@ def register_configs() -> None:
     """Register the root schema; `hybrid/configs/config.yaml` lists it first in its defaults, so every
     group file merged under `model`, `parallel`, … is typed by that group's dataclass."""
     ConfigStore.instance().store(name="schema", node=Config)
+    if not OmegaConf.has_resolver("hybrid.layout"):
+        OmegaConf.register_new_resolver("hybrid.layout", layout_label)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import gc
 import os
 import sys
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
 
 import hydra
 import torch
@@ -52,6 +53,7 @@ def run(cfg: Config) -> None:
     from hybrid.parallel.rng import derive_seed
     from hybrid.trainer import Trainer, build_chunks
 
+    place_sweep_job(cfg)
     world, rank = env_int("WORLD_SIZE", 1), env_int("RANK", 0)
     layout = validate(cfg, world, env_int("LOCAL_WORLD_SIZE", world))
     device = _device(cfg)
@@ -67,6 +69,8 @@ def run(cfg: Config) -> None:
     hook, state = make_hook(cfg.compression, ctx.dp_group, ctx.dp_intra_group, ctx.dp_inter_group)
     writer = rank == 0
     resume = plan_resume(cfg, vocab, writer, warn)  # before anything is written: a bad checkpoint is bad input
+    if nothing_to_do(resume, cfg, writer):
+        return
     trainer = Trainer(cfg, ctx, model, corpus, device, hook, state)
     metrics = trainer.start(resume)  # loads (a checkpoint that cannot be read fails before any write), then logs
     if writer:
@@ -86,6 +90,45 @@ def run(cfg: Config) -> None:
         trainer.fit()
     finally:
         trainer.close()
+
+
+def nothing_to_do(resume: Optional[tuple[Path, dict[str, Any]]], cfg: Config, writer: bool) -> bool:
+    """Whether the checkpoint resumed is already at train.steps: then rank 0 says so in one line and the
+    run ends (exit 0) before anything is written. Every rank has the same answer (plan_resume's broadcast)."""
+    from hybrid.checkpoint import finished_line
+
+    line = finished_line(*resume, cfg) if resume else None
+    if line and writer:
+        warn(line)
+    return line is not None
+
+
+def place_sweep_job(cfg: Config) -> None:
+    """A sweep job (`-m`) writes into its own folder, Hydra's hydra.sweep.dir/hydra.sweep.subdir
+    (multirun/<run_name>/<job number> by default: no timestamps, so every rank of a job names the same
+    folder); a single run keeps logging.dir and checkpoint.dir."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return
+    if "RANK" in os.environ and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+        raise ConfigError("a sweep (-m) under torchrun starts one process group per job, and the second one hangs "
+                          "on torchrun's shared store (pytorch#135712): set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                          "(launch/*.sh do)")
+    hc = HydraConfig.get()
+    use_job_folder(cfg, str(Path(hc.sweep.dir) / str(hc.sweep.subdir)), list(hc.overrides.task))
+
+
+def use_job_folder(cfg: Config, folder: str, overrides: list[str]) -> None:
+    """The job's logging.dir is `folder` and its checkpoints go to `folder`/checkpoints; a logging.dir or
+    checkpoint.dir on the command line would put every job in one place, so it is bad input here."""
+    for override in overrides:
+        if override.lstrip("+~").split("=", 1)[0] in ("logging.dir", "checkpoint.dir"):
+            raise ConfigError(f"{override}: in a sweep (-m) each job writes into its own folder ({folder}); "
+                              "move the sweep with hydra.sweep.dir=... instead")
+    cfg.logging.dir = folder
+    cfg.checkpoint.dir = f"{folder}/checkpoints"
 
 
 def compression_summary(c: CompressionConfig, layout: Layout) -> str:

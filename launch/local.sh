@@ -19,7 +19,10 @@ times) and, with checkpoint.resume=auto, they continue from the newest complete 
 run (checkpoint.dir/run_name/step_*; incomplete ones are skipped). Save some with checkpoint.every=N.
 checkpoint.resume=auto is added unless the overrides set checkpoint.resume themselves:
 checkpoint.resume=none starts from scratch, checkpoint.resume=PATH resumes that checkpoint.
-Re-running a finished run with auto resumes its last step and ends at once.
+Running a command again therefore continues its run: a finished run has nothing to do (one line,
+exit 0); other training settings than the checkpoint's (train.lr, seed, batch, optim.*, model.*,
+data.*, ...) are refused (exit 2) unless checkpoint.allow_changes=true. Another NPROC resumes
+resharded; another tp/pp is another run_name (add run_name=OLD_NAME to continue the old run).
 
 Environment:
   MAX_RESTARTS     worker-group restarts after a failure (default: 3; 0 = fail at once)

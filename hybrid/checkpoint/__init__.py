@@ -32,18 +32,21 @@ from hybrid.checkpoint.files import (
 from hybrid.checkpoint.resume import (
     check_compatible,
     config_changes,
+    finished_line,
     layout_name,
     layout_of,
     model_shape,
     plan_resume,
+    refuse_changes,
     resolve_resume,
+    training_changes,
 )
 from hybrid.checkpoint.stager import Stager
 from hybrid.checkpoint.state import init_optimizer_state, load_weights
 
 __all__ = [
     "FORMAT", "MANIFEST", "METADATA", "CheckpointError", "Checkpointer", "Stager", "check_compatible",
-    "config_changes", "find_latest", "init_optimizer_state", "layout_name", "layout_of", "list_steps",
-    "load_weights", "model_shape", "plan_resume", "problem", "read_manifest", "resolve_resume", "run_root",
-    "stale", "step_path",
+    "config_changes", "find_latest", "finished_line", "init_optimizer_state", "layout_name", "layout_of",
+    "list_steps", "load_weights", "model_shape", "plan_resume", "problem", "read_manifest", "refuse_changes",
+    "resolve_resume", "run_root", "stale", "step_path", "training_changes",
 ]

@@ -1,6 +1,8 @@
 """Choosing what to resume and checking that it fits: `checkpoint.resume` (none | auto | a path) to
-one checkpoint, the model shape it must share with this run, the layout and DP-hook keys that decide
-whether per-rank state (RNG streams, hook state) carries over, and what a resume logs.
+one checkpoint, the model shape it must share with this run, the training settings it must share
+unless `checkpoint.allow_changes` (`refuse_changes`), whether anything is left to train
+(`finished_line`), the layout and DP-hook keys that decide whether per-rank state (RNG streams, hook
+state) carries over, and what a resume logs.
 
 Collective: `plan_resume` is one broadcast from rank 0 over the world; the rest is local.
 """
@@ -99,6 +101,7 @@ def plan_resume(cfg: Config, vocab: int, is_writer: bool, warn: Log) -> Optional
             if path is not None:
                 manifest = read_manifest(path)
                 check_compatible(manifest, cfg, vocab, path)
+                refuse_changes(manifest, cfg, path)
                 answer[0] = (str(path), manifest)
         except CheckpointError as e:
             answer[0] = e
@@ -111,22 +114,70 @@ def plan_resume(cfg: Config, vocab: int, is_writer: bool, warn: Log) -> Optional
     return None if answer[0] is None else (Path(answer[0][0]), answer[0][1])
 
 
+# What a resume may change without changing where training goes: the layout (resharded), where files go,
+# what is logged and profiled, how long it trains (extending a run), evals, the device, labels, a start
+# point a resume ignores, and a metric-only knob. Any other difference (train.lr, seed, batch sizes, precision,
+# optim.*, model.*, data.*, compression.*) is a training setting: a resume refuses it unless
+# checkpoint.allow_changes=true.
+FREE_PREFIXES = ("run_name", "parallel.", "checkpoint.", "logging.", "profile.")
+FREE_KEYS = frozenset({"train.steps", "train.device", "train.eval_every", "train.eval_batches", "model.name",
+                       "model.init_from", "data.name", "data.cache_dir", "optim.name", "compression.measure_error"})
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+    return out
+
+
+def changed_values(saved: dict[str, Any], cfg: Config, both: bool = False) -> dict[str, tuple[Any, Any]]:
+    """Dotted key → (saved value, value now) for every config value that differs from the saved run's; a
+    key only one side has counts with None on the other, or (`both`) not at all."""
+    from omegaconf import OmegaConf
+
+    old, new = _flat(saved), _flat(OmegaConf.to_container(cfg, resolve=True))
+    keys = old.keys() & new.keys() if both else old.keys() | new.keys()
+    return {k: (old.get(k), new.get(k)) for k in sorted(keys) if old.get(k) != new.get(k)}
+
+
+def _lines(changes: dict[str, tuple[Any, Any]], limit: int) -> list[str]:
+    lines = [f"{k}: {old} → {new}" for k, (old, new) in list(changes.items())[:limit]]
+    return lines + ([f"and {len(changes) - limit} more"] if len(changes) > limit else [])
+
+
 def config_changes(saved: dict[str, Any], cfg: Config, limit: int = 12) -> list[str]:
     """`key: old → new` for every config value that differs from the saved run's, except the layout,
     checkpoint, logging and profile keys (a resumed run is expected to change those)."""
-    from omegaconf import OmegaConf
-
-    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
-        return out
-
-    old, new = flat(saved), flat(OmegaConf.to_container(cfg, resolve=True))
     skip = ("parallel.", "checkpoint.", "logging.", "profile.", "run_name")
-    keys = [k for k in sorted(old.keys() | new.keys()) if not k.startswith(skip) and old.get(k) != new.get(k)]
-    lines = [f"{k}: {old.get(k)} → {new.get(k)}" for k in keys[:limit]]
-    return lines + ([f"and {len(keys) - limit} more"] if len(keys) > limit else [])
+    return _lines({k: v for k, v in changed_values(saved, cfg).items() if not k.startswith(skip)}, limit)
+
+
+def training_changes(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
+    """The changed training settings: keys outside FREE_PREFIXES and FREE_KEYS. Only keys both configs
+    have: one that the saved config lacks comes from an older hybrid, which behaved as its default."""
+    return {k: v for k, v in changed_values(saved, cfg, both=True).items()
+            if not k.startswith(FREE_PREFIXES) and k not in FREE_KEYS}
+
+
+def refuse_changes(manifest: dict[str, Any], cfg: Config, path: Path) -> None:
+    """A resume continues the checkpoint's run: other training settings are refused (CheckpointError, one
+    line naming them) unless `checkpoint.allow_changes` is true."""
+    changes = training_changes(manifest.get("config", {}), cfg)
+    if changes and not cfg.checkpoint.allow_changes:
+        raise CheckpointError(f"checkpoint {path} was trained with other settings ({'; '.join(_lines(changes, 12))}); "
+                              "checkpoint.allow_changes=true resumes it with the new values, "
+                              "checkpoint.resume=none or another run_name starts a fresh run")
+
+
+def finished_line(path: Path, manifest: dict[str, Any], cfg: Config) -> Optional[str]:
+    """The one line of a run with nothing left to train (its checkpoint is at train.steps, or past it), else None."""
+    step, steps = int(manifest["step"]), cfg.train.steps
+    if step < steps:
+        return None
+    where = "= train.steps" if step == steps else f"> train.steps={steps}"
+    return (f"nothing to do: {path} is at step {step} {where}; raise train.steps to train longer, "
+            "or checkpoint.resume=none / another run_name to start fresh")
 
 
 def resume_lines(path: Path, manifest: dict[str, Any], cfg: Config, here: dict[str, Any], same_hook: bool) -> list[str]:

@@ -341,7 +341,8 @@ def test_train_run_starts_from_init_from_unless_resuming(tmp_path: Path, saved: 
     base = [f"data.path={text}", f"data.tokenizer={folder}", f"data.cache_dir={tmp_path / 'cache'}",
             "logging.progress=false", "logging.wandb.mode=disabled", f"model.init_from={folder}"]
     resume = step_path(saved[0] / "ckpt" / "llama", SAVE_STEP)
-    for name, extra in (("init", ["train.steps=1"]), ("resume", ["train.steps=3", f"checkpoint.resume={resume}"])):
+    resumed = ["train.steps=3", f"checkpoint.resume={resume}", "checkpoint.allow_changes=true"]  # other data
+    for name, extra in (("init", ["train.steps=1"]), ("resume", resumed)):
         run(_cfg("llama", Case(), 1, *base, *extra, f"logging.dir={tmp_path / name}"))
         err = capsys.readouterr().err
         if name == "init":

@@ -69,10 +69,10 @@ def bad_copy(saved: Path, tmp: Path, kind: str) -> tuple[Path, list[str], str]:
     if kind == "unfinished":
         (copy / METADATA).unlink()
         return copy, [], f"is incomplete: {METADATA} is missing (the save did not finish)"
-    if kind == "zeroed":  # the right size, garbage inside: only reading it can tell
+    if kind == "zeroed":  # the right size, garbage inside: only reading it can tell (a run with steps left does)
         f = copy / "__0_0.distcp"
         f.write_bytes(bytes(f.stat().st_size))
-        return copy, [], "could not be read"
+        return copy, ["train.steps=6"], "could not be read"
     if kind == "missing":
         return tmp / "no" / "step_0000004", [], "does not exist"
     return saved / "run", [], "is not a hybrid checkpoint (hybrid.json is missing)"  # a run folder, not a checkpoint

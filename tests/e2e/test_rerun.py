@@ -1,0 +1,111 @@
+"""Running again: a sweep's jobs each get their own folder, and a re-run with `checkpoint.resume=auto`
+either continues, has nothing to do, or refuses changed training settings — never trains nothing
+silently, never rewrites what an earlier run logged.
+
+Single-process `python -m hybrid.train` runs with the working directory in a temporary folder, so
+the default places (`runs/`, `checkpoints/`, `multirun/`) are what is tested; one torchrun run
+checks that a refusal is one line on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from test_torchrun import QUICK
+from test_torchrun import env as env  # noqa: F401  (the shared fixture)
+
+from hybrid.checkpoint import MANIFEST, METADATA, read_manifest, run_root, step_path
+from hybrid.config import compose_config
+from hybrid.optim import lr_at
+
+SMALL = [*QUICK, "model.hidden=64", "model.n_layers=2", "data.max_chars=200000", "train.eval_every=0"]
+TIMEOUT = 180
+
+
+def train(cwd: Path, env: dict[str, str], *args: str, nproc: int = 0) -> subprocess.CompletedProcess:
+    """`python -m hybrid.train args` in `cwd` (under torchrun with `nproc` ranks when nproc > 0)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    cmd = [sys.executable, *launcher, "-m", "hybrid.train", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def expected_lr(cfg_overrides: list[str], step: int) -> float:
+    """The LR the run's schedule gives step `step` (counted from 1): hybrid.optim.lr_at on the composed config."""
+    cfg = compose_config(cfg_overrides)
+    return lr_at(step - 1, cfg.train.lr, cfg.train.steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio)
+
+
+def test_each_sweep_job_gets_its_own_run_folder_and_checkpoints(tmp_path: Path, env: dict[str, str]) -> None:
+    base = [*SMALL, "train.steps=2", "checkpoint.every=1"]
+    r = train(tmp_path, env, "-m", *base, "train.lr=1e-3,3e-3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    sweep = tmp_path / "multirun" / compose_config(base).run_name
+    jobs = sorted(p.parent for p in sweep.glob("*/metrics.jsonl"))
+    assert len(jobs) == 2
+    checkpoints, lrs = set(), set()
+    for job in jobs:
+        lr = float(re.findall(r"train\.lr=([\d.e-]+)", (job / ".hydra" / "overrides.yaml").read_text())[-1])
+        lrs.add(lr)
+        job_cfg = [*base, f"train.lr={lr}"]
+        assert [(m["step"], m["lr"]) for m in rows(job)] == [(s, expected_lr(job_cfg, s)) for s in (1, 2)]
+        root = run_root(compose_config([*job_cfg, f"checkpoint.dir={job / 'checkpoints'}"]))
+        for step in (1, 2):
+            assert (step_path(root, step) / METADATA).is_file()
+            assert read_manifest(step_path(root, step))["config"]["train"]["lr"] == lr
+        checkpoints.add(root.resolve())
+    assert len(checkpoints) == 2 and lrs == {1e-3, 3e-3}
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def snapshot(*roots: Path) -> dict[str, tuple[int, int]]:
+    return {str(f): (f.stat().st_size, f.stat().st_mtime_ns) for root in roots for f in sorted(root.rglob("*"))
+            if f.is_file()}
+
+
+def errors(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if "hybrid: error:" in ln]
+
+
+def test_a_rerun_continues_refuses_or_has_nothing_to_do(tmp_path: Path, env: dict[str, str]) -> None:
+    first = [*SMALL, "train.steps=2", "checkpoint.every=2"]
+    r = train(tmp_path, env, *first)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cfg = compose_config(first)
+    run_dir, ck = tmp_path / cfg.logging.dir, tmp_path / run_root(cfg)
+    assert (step_path(ck, 2) / MANIFEST).is_file()
+    logged, before = (run_dir / "metrics.jsonl").read_bytes(), snapshot(ck, run_dir / "metrics.jsonl")
+
+    changed = [*first, "train.lr=1e-3", "checkpoint.resume=auto"]  # another LR: refused, nothing written
+    r = train(tmp_path, env, *changed)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert len(errors(r.stderr)) == 1 and "Traceback" not in r.stderr
+    assert "train.lr" in errors(r.stderr)[0] and "checkpoint.allow_changes=true" in errors(r.stderr)[0]
+    assert snapshot(ck, run_dir / "metrics.jsonl") == before
+
+    r = train(tmp_path, env, *changed, nproc=2)  # the same refusal on every rank (another dp: allowed)
+    assert r.returncode != 0
+    assert sorted(ln.split()[0] for ln in errors(r.stderr)) == ["[rank0]", "[rank1]"], r.stderr[-3000:]
+    assert all("train.lr" in ln and "allow_changes" in ln for ln in errors(r.stderr))
+    assert snapshot(ck, run_dir / "metrics.jsonl") == before
+
+    r = train(tmp_path, env, *first, "checkpoint.resume=auto")  # the same run again: finished
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [ln for ln in r.stderr.splitlines() if "nothing to do" in ln] == [
+        f"hybrid: nothing to do: {step_path(run_root(cfg), 2)} is at step 2 = train.steps; raise train.steps to "
+        "train longer, or checkpoint.resume=none / another run_name to start fresh"]
+    assert snapshot(ck, run_dir / "metrics.jsonl") == before
+
+    longer = [*changed, "checkpoint.allow_changes=true", "train.steps=3"]  # accepted: trains step 3 only
+    r = train(tmp_path, env, *longer)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (run_dir / "metrics.jsonl").read_bytes().startswith(logged)
+    assert [(m["step"], m["lr"]) for m in rows(run_dir)][2:] == [(3, expected_lr(longer, 3))]
+    assert (step_path(ck, 3) / METADATA).is_file()
