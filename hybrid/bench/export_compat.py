@@ -116,17 +116,22 @@ def _create_venv(path: Path, version: str) -> None:
         raise InstallError(f"pip install transformers=={version}: {' '.join(lines)[:300]}")
 
 
+def venv_ready(path: Path, version: str) -> bool:
+    """Whether `path` holds a finished venv of transformers==`version` for this interpreter and torch."""
+    stamp = path / ".hybrid-venv.json"
+    return stamp.is_file() and stamp.read_text() == _stamp(version) and (path / "bin" / "python").exists()
+
+
 def ensure_venv(path: Path, version: str) -> Path:
-    """The python of a venv with transformers==`version` at `path`: reused when its stamp matches,
-    else (re)built under a file lock, so two runs never build the same venv at once."""
+    """The python of a venv with transformers==`version` at `path`: reused when ready, else (re)built
+    under a file lock (two runs never build the same venv at once); the stamp is written last."""
     from filelock import FileLock
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    stamp = path / ".hybrid-venv.json"
     with FileLock(str(path) + ".lock"):
-        if not (stamp.is_file() and stamp.read_text() == _stamp(version) and (path / "bin" / "python").exists()):
+        if not venv_ready(path, version):
             _create_venv(path, version)
-            stamp.write_text(_stamp(version))
+            (path / ".hybrid-venv.json").write_text(_stamp(version))
     return path / "bin" / "python"
 
 
