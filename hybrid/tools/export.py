@@ -42,7 +42,15 @@ from hybrid.checkpoint import MANIFEST, CheckpointError, find_latest, list_steps
 from hybrid.cli import EXIT_BAD_INPUT, EXIT_FAILED, UsageError, run_tool, warn
 from hybrid.config import ConfigError, ModelConfig
 from hybrid.model.family import ModelConfigError
-from hybrid.tools.export_files import DTYPES, cast_state, check_parents, copy_tokenizer, finish_config, staging
+from hybrid.tools.export_files import (
+    DTYPES,
+    cast_state,
+    check_parents,
+    copy_tokenizer,
+    dtype_kwarg,
+    finish_config,
+    staging,
+)
 
 KEYS = ("checkpoint", "out", "force", "dtype", "verify")
 BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -206,7 +214,7 @@ def write_folder(folder: Path, model: nn.Module, cfg: ModelConfig, vocab: int, t
     state = cast_state(export_hf_state_dict(model, cfg, vocab), DTYPES[dtype])  # tp=1: no collective
     config = hf_config(cfg, vocab, **ids)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+        skeleton = AutoModelForCausalLM.from_config(config, **dtype_kwarg(DTYPES[dtype]))
     skeleton.save_pretrained(str(folder), state_dict=dict(state))  # it empties the dict it is given
     finish_config(folder)
     return len(state)
@@ -219,7 +227,8 @@ def verify(folder: Path, model: nn.Module, vocab: int, dtype: str) -> float:
     on random ids, within VERIFY_RTOL[dtype]; the max |Δlogits|."""
     from transformers import AutoModelForCausalLM
 
-    theirs, info = AutoModelForCausalLM.from_pretrained(str(folder), output_loading_info=True, dtype=DTYPES[dtype])
+    theirs, info = AutoModelForCausalLM.from_pretrained(str(folder), output_loading_info=True,
+                                                        **dtype_kwarg(DTYPES[dtype]))
     bad = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v} | (
         {"error_msgs": info["error_msgs"]} if info.get("error_msgs") else {})
     if bad:

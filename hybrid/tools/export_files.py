@@ -72,6 +72,15 @@ def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, 
     return out
 
 
+def dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The keyword that gives `from_config`/`from_pretrained` a dtype: `dtype` from transformers 4.56 on,
+    `torch_dtype` before (so the tool itself also runs on the oldest transformers hybrid declares)."""
+    import transformers
+    from packaging.version import Version
+
+    return {"dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype": dtype}
+
+
 def _read(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))
 
