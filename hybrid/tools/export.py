@@ -2,20 +2,26 @@
 
     python -m hybrid.tools.export checkpoint=checkpoints/gpt-tiny-tp2pp2/step_0000100 out=exported/gpt-tiny
     python -m hybrid.tools.export checkpoint=checkpoints/gpt-tiny-tp2pp2 out=exported/gpt-tiny force=true
+    python -m hybrid.tools.export checkpoint=checkpoints/gpt-tiny-tp2pp2 out=exported/gpt-tiny-bf16 dtype=bf16
 
 Keys (key=value): checkpoint (a step folder, or a run folder: its newest complete checkpoint), out (the
-folder to write; it must not exist or be empty unless force=true), force (true | false: replace a
-non-empty out), verify (true | false, default true: load the written folder with transformers and
-compare its logits with ours before publishing it).
+folder to write; it must not exist or be empty unless force=true; missing parent folders are
+created), force (true | false: replace a non-empty out), dtype (fp32 | bf16, default fp32: the
+weights' dtype in model.safetensors and config.json), verify (true | false, default true: load the
+written folder with transformers in that dtype and compare its logits with ours before publishing it:
+max |Δlogits| within 1e-3 (fp32) or 3e-2 (bf16) of max(1, max |logits|)).
 
 One process, no process group: the model is rebuilt from the checkpoint's manifest (its `config`
 model section and the real vocabulary), its weights loaded with `hybrid.checkpoint.load_weights`
 (resharded from whatever layout saved them), converted with `hybrid.model.hf.to_hf_state_dict`, and
 written by transformers' own `save_pretrained` (config.json, generation_config.json,
-model.safetensors without the tied head), plus the checkpoint's tokenizer. Everything is written to
-a temporary folder next to `out` and renamed into place at the end, so a failure leaves `out` as it
-was. Bad input (or an unwritable out) is one `hybrid: error: ...` line on stderr and exit status 2; a
-failed verification is such a line and exit status 1.
+model.safetensors without the tied head), plus the checkpoint's tokenizer with a pad token (= eos);
+`export_files` rewrites what transformers 5 writes and transformers 4 cannot read (the tokenizer's
+class, config.json's `dtype` and `rope_parameters`), so the folder loads with both. Everything is
+written to a temporary folder next to `out` and renamed into place at the end, so a failure leaves
+`out` as it was (and removes the parent folders it created). Bad input (or an unwritable out) is
+one `hybrid: error: ...` line on stderr and exit status 2; a failed verification is such a line and
+exit status 1.
 """
 
 from __future__ import annotations
@@ -36,12 +42,23 @@ from hybrid.checkpoint import MANIFEST, CheckpointError, find_latest, list_steps
 from hybrid.cli import EXIT_BAD_INPUT, EXIT_FAILED, UsageError, run_tool, warn
 from hybrid.config import ConfigError, ModelConfig
 from hybrid.model.family import ModelConfigError
+from hybrid.tools.export_files import (
+    DTYPES,
+    cast_state,
+    check_parents,
+    copy_tokenizer,
+    dtype_kwarg,
+    finish_config,
+    staging,
+)
 
-KEYS = ("checkpoint", "out", "force", "verify")
+KEYS = ("checkpoint", "out", "force", "dtype", "verify")
 BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 EOS_TOKEN = "<|endoftext|>"
 VERIFY_IDS = (2, 16)  # the batch of random token ids the verification runs
-VERIFY_RTOL = 1e-3  # max |Δlogits| allowed, relative to max(1, max |logits|): a conversion bug is O(1)
+# max |Δlogits| allowed, relative to max(1, max |logits|): a conversion bug is O(1); bf16 weights and
+# arithmetic move tiny models' logits by ~0.4% of their largest
+VERIFY_RTOL = {"fp32": 1e-3, "bf16": 3e-2}
 
 
 class VerifyError(RuntimeError):
@@ -56,6 +73,7 @@ class Options:
     out: Path
     force: bool = False
     verify: bool = True
+    dtype: str = "fp32"
 
 
 @dataclass
@@ -68,6 +86,7 @@ class Report:
     step: int
     n_tensors: int
     tokenizer: bool
+    dtype: str
     max_abs_diff: Optional[float]  # max |Δlogits| of the verification (None: not verified)
 
 
@@ -92,7 +111,10 @@ def parse_args(argv: list[str]) -> Options:
             if seen[key].lower() not in BOOLS:
                 raise UsageError(f"{key} must be true or false, got {seen[key]!r}")
             flags[key] = BOOLS[seen[key].lower()]
-    return Options(Path(seen["checkpoint"]), Path(seen["out"]), **flags)
+    dtype = seen.get("dtype", "fp32")
+    if dtype not in DTYPES:
+        raise UsageError(f"dtype must be {' or '.join(DTYPES)}, got {dtype!r}")
+    return Options(Path(seen["checkpoint"]), Path(seen["out"]), dtype=dtype, **flags)
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -114,13 +136,16 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def check_out(out: Path, force: bool) -> None:
-    """`out` may be new, an empty folder, or (force=true) a folder to replace; never a file."""
+    """`out` may be new (under missing parents too), an empty folder, or (force=true) a folder to
+    replace; never a file, nor under one."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"out={out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise UsageError(f"out={out} exists and is not empty (force=true replaces it)")
-    if not out.resolve().parent.is_dir():
-        raise UsageError(f"out={out}: its parent folder does not exist")
+    try:
+        check_parents(out)
+    except NotADirectoryError as e:
+        raise UsageError(str(e)) from None
 
 
 def model_config(manifest: dict[str, Any], path: Path) -> tuple[ModelConfig, int]:
@@ -174,44 +199,46 @@ def token_ids(tokenizer_dir: Path) -> dict[str, Optional[int]]:
     return {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}
 
 
-def write_folder(folder: Path, model: nn.Module, cfg: ModelConfig, vocab: int, tokenizer_dir: Path) -> int:
-    """transformers' `save_pretrained` from a model skeleton on the meta device given our converted
-    state dict (so no second copy of the weights is built): config.json, generation_config.json,
-    model.safetensors (a tied lm_head is left out, as transformers does); then the tokenizer files.
-    Returns the number of tensors converted."""
+def write_folder(folder: Path, model: nn.Module, cfg: ModelConfig, vocab: int, tokenizer_dir: Path,
+                 dtype: str) -> int:
+    """The checkpoint's tokenizer (`copy_tokenizer`: pad = eos, a class transformers 4 knows), then
+    transformers' `save_pretrained` from a model skeleton on the meta device given our converted state
+    dict in `dtype` (so no second fp32 copy of the weights is built): config.json (with the tokenizer's
+    bos/eos/pad ids and transformers 4's spellings: `finish_config`), generation_config.json,
+    model.safetensors (a tied lm_head is left out, as transformers does). Returns the number of tensors."""
     from transformers import AutoModelForCausalLM
 
     from hybrid.model.hf import export_hf_state_dict, hf_config
 
-    state = export_hf_state_dict(model, cfg, vocab)  # tp=1: no collective
-    config = hf_config(cfg, vocab, **token_ids(tokenizer_dir))
+    ids = token_ids(folder) if copy_tokenizer(tokenizer_dir, folder, getattr(cfg, "max_seq_len", None)) else {}
+    state = cast_state(export_hf_state_dict(model, cfg, vocab), DTYPES[dtype])  # tp=1: no collective
+    config = hf_config(cfg, vocab, **ids)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    skeleton.save_pretrained(str(folder), state_dict={k: v.detach().contiguous() for k, v in state.items()})
-    if tokenizer_dir.is_dir():
-        for f in tokenizer_dir.iterdir():
-            if f.is_file():
-                shutil.copy2(f, folder / f.name)
+        skeleton = AutoModelForCausalLM.from_config(config, **dtype_kwarg(DTYPES[dtype]))
+    skeleton.save_pretrained(str(folder), state_dict=dict(state))  # it empties the dict it is given
+    finish_config(folder)
     return len(state)
 
 
 @torch.no_grad()
-def verify(folder: Path, model: nn.Module, vocab: int) -> float:
-    """Load `folder` with `AutoModelForCausalLM.from_pretrained` (no missing, unexpected or mismatched
-    keys allowed) and compare its logits with our `full_logits` on random ids; the max |Δlogits|."""
+def verify(folder: Path, model: nn.Module, vocab: int, dtype: str) -> float:
+    """Load `folder` with `AutoModelForCausalLM.from_pretrained` in `dtype` (no missing, unexpected or
+    mismatched keys allowed) and compare its logits (computed in `dtype`) with our fp32 `full_logits`
+    on random ids, within VERIFY_RTOL[dtype]; the max |Δlogits|."""
     from transformers import AutoModelForCausalLM
 
-    theirs, info = AutoModelForCausalLM.from_pretrained(str(folder), output_loading_info=True, dtype=torch.float32)
+    theirs, info = AutoModelForCausalLM.from_pretrained(str(folder), output_loading_info=True,
+                                                        **dtype_kwarg(DTYPES[dtype]))
     bad = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v} | (
         {"error_msgs": info["error_msgs"]} if info.get("error_msgs") else {})
     if bad:
         raise VerifyError(f"transformers loads {folder} with {bad}")
     seq = min(VERIFY_IDS[1], getattr(model.cfg, "max_seq_len", VERIFY_IDS[1]))
     ids = torch.randint(0, vocab, (VERIFY_IDS[0], seq), generator=torch.Generator().manual_seed(0))
-    ours, ref = model.full_logits(ids), theirs.eval()(ids).logits
+    ours, ref = model.full_logits(ids), theirs.eval()(ids).logits.float()
     diff = (ours - ref).abs().max().item()
-    if not diff <= VERIFY_RTOL * max(1.0, ref.abs().max().item()):
-        raise VerifyError(f"transformers' logits differ from ours by up to {diff:.3g}")
+    if not diff <= VERIFY_RTOL[dtype] * max(1.0, ref.abs().max().item()):
+        raise VerifyError(f"transformers' logits ({dtype}) differ from ours by up to {diff:.3g}")
     return diff
 
 
@@ -257,27 +284,24 @@ def export(opts: Options) -> Report:
     manifest = read_manifest(path)
     cfg, vocab = model_config(manifest, path)
     model = load_model(path, cfg, vocab)
-    tmp = opts.out.parent / f".{opts.out.name}.export-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
+    with staging(opts.out, os.getpid()) as tmp:
         with _quiet_transformers():
-            n = write_folder(tmp, model, cfg, vocab, path / "tokenizer")
-            diff = verify(tmp, model, vocab) if opts.verify else None
+            n = write_folder(tmp, model, cfg, vocab, path / "tokenizer", opts.dtype)
+            diff = verify(tmp, model, vocab, opts.dtype) if opts.verify else None
         publish(tmp, opts.out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return Report(path, opts.out, cfg.family, int(manifest["step"]), n, (path / "tokenizer").is_dir(), diff)
+    return Report(path, opts.out, cfg.family, int(manifest["step"]), n, (path / "tokenizer").is_dir(), opts.dtype,
+                  diff)
 
 
 def render(r: Report) -> str:
     hf = _lm_class(r.family)
     files = ", ".join(sorted(f.name for f in r.out.iterdir()))
     check = ("not verified (verify=false)" if r.max_abs_diff is None else
-             f"verified: transformers loads it with no missing/unexpected keys, max |Δlogits| = {r.max_abs_diff:.3g}")
+             f"verified: transformers loads it with no missing/unexpected keys, max |Δlogits| = {r.max_abs_diff:.3g}"
+             f" ({r.dtype} forward vs ours in fp32)")
     tok = "" if r.tokenizer else " (the checkpoint has no tokenizer: none written)"
-    return (f"exported {r.checkpoint} (step {r.step}) as {hf} to {r.out}: {r.n_tensors} tensors; {check}\n"
-            f"files: {files}{tok}")
+    return (f"exported {r.checkpoint} (step {r.step}) as {hf} to {r.out}: {r.n_tensors} tensors in {r.dtype}; "
+            f"{check}\nfiles: {files}{tok}")
 
 
 EXIT_CODES = (((ConfigError, ModelConfigError, OSError), EXIT_BAD_INPUT),  # bad input, or an unwritable out

@@ -19,10 +19,20 @@ Then, in the test process:
   `load_hf_into` (the reference) within LOSS_TOL, and differ from a run from random weights.
 - `hybrid.train.run` (one process) starts from `model.init_from` and says so; with a resume as well,
   the resume wins and a note says init_from was ignored.
+- both exports load on transformers 4 as well (the floor itself: tests/e2e/test_export_floor.py):
+  tokenizer_config.json names `PreTrainedTokenizerFast` (not transformers 5's `TokenizersBackend`),
+  pad = eos in the tokenizer, config.json and generation_config.json, config.json carries 4.x's
+  `torch_dtype` (and `rope_theta` for Llama) next to 5.x's `dtype` (`rope_parameters`).
+- `dtype=bf16` into `out=exported/deeper/gpt-bf16` (relative, missing parents created): every
+  tensor in model.safetensors is our converted weight rounded to bf16 bit for bit, config.json says
+  bfloat16, `AutoModelForCausalLM` (dtype "auto") loads it in bf16 and its logits are within
+  BF16_RTOL of our fp32 logits; `AutoTokenizer` and `pipeline("text-generation")` (greedy, 3 tokens)
+  work on the folder. A failed export (its verification broken on purpose) removes the parent folders
+  it created.
 - bad input: missing, partial (no .metadata) and corrupt checkpoints, an existing non-empty `out`,
-  unknown or missing keys: exit 2, one `hybrid: error:` line on stderr, `out` untouched, no temp
-  folder left; `init_from` folders that do not fit the model: one-line ModelConfigError naming the field
-  (hybrid.train reports it as a ConfigError).
+  an `out` under a file, unknown or missing keys, a bad dtype: exit 2, one `hybrid: error:` line on
+  stderr, `out` untouched, no temp folder left; `init_from` folders that do not fit the model:
+  one-line ModelConfigError naming the field (hybrid.train reports it as a ConfigError).
 - `load_pretrained` also reads a sharded `model.safetensors.index.json` folder with base-model names.
 
 Measured (fp32, logits of magnitude < 1): max |Δlogits| GPT 2.4e-7, Llama 1.8e-7 (the tool's own
@@ -65,6 +75,9 @@ EOS = "<|endoftext|>"
 FAMILIES = {"gpt": (), "llama": ("model.n_kv_heads=2", "model.tie_embeddings=false")}
 LOGITS_TOL = {"atol": 1e-5, "rtol": 1e-5}  # fp32, two implementations (ours vs transformers' sdpa)
 LOSS_TOL = {"rtol": 1e-5, "atol": 1e-5}  # as tests/dist/pp_helpers.py: the same math under another layout
+# bf16 keeps 8 significant bits (a rounding moves a value by up to 2^-9 ≈ 2e-3 relative); a bf16 forward
+# of a few layers accumulates several such errors: allowed, 3e-2 of the largest fp32 logit (at least 1)
+BF16_RTOL = 3e-2
 IMPORT_LAYOUTS = [Case("llama", tp=1, pp=2), Case("llama", tp=2, pp=1)]
 
 
@@ -174,11 +187,9 @@ def test_export_loads_in_transformers_with_equal_logits(family: str, saved: Any,
     assert not list(folder.parent.glob(f".{folder.name}.*")), "a temp folder was left behind"
     theirs = load_hf(folder)
     assert type(theirs).__name__ == ("GPT2LMHeadModel" if family == "gpt" else "LlamaForCausalLM")
-    ours = _whole(family)
+    assert weights["tok_embed.weight"].shape[0] == VOCAB + 1  # tp=2 padding
+    ours = _trained(family, saved[1])
     cfg = ours.cfg
-    assert ours.padded_vocab == VOCAB and weights["tok_embed.weight"].shape[0] == VOCAB + 1  # tp=2 padding
-    ours.load_state_dict({k: v[:VOCAB] if k in ("tok_embed.weight", "head.weight") else v
-                          for k, v in weights.items()}, strict=True)
     expected = to_hf_state_dict(dict(ours.named_parameters()), cfg, VOCAB)
     got = theirs.state_dict()
     assert sorted(got) == sorted(expected)
@@ -193,6 +204,77 @@ def test_export_loads_in_transformers_with_equal_logits(family: str, saved: Any,
     assert hf_cfg["vocab_size"] == VOCAB and hf_cfg["tie_word_embeddings"] == (family == "gpt")
     tok = AutoTokenizer.from_pretrained(str(folder))
     assert tok.eos_token == EOS and tok("w5 w7")["input_ids"] == [5, 7]
+    _check_transformers_4_files(folder, "float32")
+
+
+def _trained(family: str, results: list[dict[str, Any]]) -> torch.nn.Module:
+    """Our whole model (fp32) with the ranks' trained weights, vocabulary padding stripped."""
+    ours = _whole(family)
+    assert ours.padded_vocab == VOCAB
+    ours.load_state_dict({k: v[:VOCAB] if k in ("tok_embed.weight", "head.weight") else v
+                          for k, v in merged_weights(results, family).items()}, strict=True)
+    return ours.eval()
+
+
+def _check_transformers_4_files(folder: Path, dtype: str) -> None:
+    """What transformers 4 needs: a tokenizer class it knows, pad = eos everywhere, its config spellings."""
+    from transformers import AutoTokenizer
+
+    tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    assert tok_cfg["tokenizer_class"] == "PreTrainedTokenizerFast" and tok_cfg["pad_token"] == EOS, tok_cfg
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    assert tok.pad_token == EOS and tok.pad_token_id == tok.eos_token_id == 0
+    hf_cfg = json.loads((folder / "config.json").read_text())
+    gen_cfg = json.loads((folder / "generation_config.json").read_text())
+    assert hf_cfg["pad_token_id"] == gen_cfg["pad_token_id"] == 0
+    assert hf_cfg["torch_dtype"] == hf_cfg["dtype"] == dtype
+    if "rope_parameters" in hf_cfg:
+        assert hf_cfg["rope_theta"] == hf_cfg["rope_parameters"]["rope_theta"]
+
+
+def test_bf16_export_into_new_parents_loads_with_auto_classes_and_pipeline(
+        tmp_path: Path, saved: Any, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, pipeline
+
+    from hybrid.tools.export import main
+
+    monkeypatch.chdir(tmp_path)
+    out = Path("exported") / "deeper" / "gpt-bf16"  # relative, as in the README; no parent exists
+    ckpt = step_path(saved[0] / "ckpt" / "gpt", SAVE_STEP)
+    assert main([f"checkpoint={ckpt}", f"out={out}", "dtype=bf16"]) == 0
+    assert "tensors in bf16; verified" in capsys.readouterr().out
+    assert sorted(p.name for p in out.parent.iterdir()) == ["gpt-bf16"]  # no temp folder left
+    ours = _trained("gpt", saved[1])
+    expected = to_hf_state_dict(dict(ours.named_parameters()), ours.cfg, VOCAB)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(k for k in expected if k != "lm_head.weight")  # tied head left out
+        for k in f.keys():
+            assert torch.equal(f.get_tensor(k), expected[k].to(torch.bfloat16)), k
+    _check_transformers_4_files(out, "bfloat16")
+    theirs = AutoModelForCausalLM.from_pretrained(str(out), dtype="auto").eval()
+    assert theirs.dtype == torch.bfloat16
+    ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref, got = ours.full_logits(ids), theirs(ids).logits.float()
+    assert (got - ref).abs().max().item() <= BF16_RTOL * max(1.0, ref.abs().max().item())
+    generated = pipeline("text-generation", model=str(out))("w5 w7", max_new_tokens=3, min_new_tokens=3,
+                                                            do_sample=False, return_tensors=True)
+    assert generated[0]["generated_token_ids"][:2] == [5, 7] and len(generated[0]["generated_token_ids"]) == 5
+
+
+def test_a_failed_export_removes_the_parents_it_created(tmp_path: Path, saved: Any, capsys: pytest.CaptureFixture,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from hybrid.tools import export as tool
+
+    def broken(*args: Any) -> float:
+        raise tool.VerifyError("transformers' logits differ from ours by up to 1")
+
+    monkeypatch.setattr(tool, "verify", broken)
+    ckpt = step_path(saved[0] / "ckpt" / "gpt", SAVE_STEP)
+    code, lines = _main(capsys, f"checkpoint={ckpt}", f"out={tmp_path / 'new' / 'deeper' / 'out'}")
+    assert code == 1 and lines == ["hybrid: error: transformers' logits differ from ours by up to 1"], lines
+    assert list(tmp_path.iterdir()) == []
 
 
 def import_runs(rank: int, world: int, folder: Path, cases: list[Case]) -> list[dict[str, Any]]:
@@ -283,6 +365,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, saved: 
         ((f"checkpoint={partial.parent}", f"out={out}"), "no complete checkpoint"),
         ((f"checkpoint={corrupt}", f"out={out}"), "is corrupt"),
         ((f"checkpoint={ckpt}", f"out={existing}"), "not empty (force=true replaces it)"),
+        ((f"checkpoint={ckpt}", f"out={existing / 'keep.txt' / 'out'}"), "keep.txt is not a folder"),
+        ((f"checkpoint={ckpt}", f"out={out}", "dtype=fp16"), "dtype must be fp32 or bf16, got 'fp16'"),
         ((f"checkpoint={ckpt}", f"out={out}", "colour=red"), "unknown key 'colour'"),
         ((f"checkpoint={ckpt}",), "out= is required"),
         ((f"checkpoint={ckpt}", f"out={out}", "force=maybe"), "force must be true or false"),
