@@ -39,12 +39,14 @@ def check_rope(cfg: ModelConfig) -> None:
 
 
 def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
-    """LlamaConfig keywords; dropout on attention probabilities."""
+    """LlamaConfig keywords; dropout on attention probabilities. The RoPE base goes in both spellings:
+    transformers 5 reads `rope_parameters`, 4.x only `rope_theta`."""
     return {"hidden_size": cfg.hidden, "intermediate_size": ffn_hidden(cfg), "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads, "num_key_value_heads": kv_heads(cfg),
             "head_dim": cfg.hidden // cfg.n_heads, "max_position_embeddings": cfg.max_seq_len,
             "rms_norm_eps": cfg.norm_eps, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.dropout}
+            "rope_theta": cfg.rope_theta, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+            "attention_dropout": cfg.dropout}
 
 
 def hf_rules(cfg: ModelConfig) -> dict[str, Rule]:
