@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from hybrid.config import ModelConfig
+from hybrid.config import CONFIG_DIR, ModelConfig
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(CONFIG_DIR)
 
 
 def load_model_config(name: str, **overrides: Any) -> ModelConfig:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.config import ConfigError, compose_config
+from hybrid.config import CONFIG_DIR, ConfigError, compose_config
 from hybrid.validation import validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,7 +17,7 @@ GROUPS = ["model", "parallel", "data", "optim", "compression"]
 
 
 def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (ROOT / "configs" / group).glob("*.yaml"))
+    return sorted(p.stem for p in (Path(CONFIG_DIR) / group).glob("*.yaml"))
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
@@ -52,8 +52,8 @@ def restated(yaml: object, schema: object, where: str) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("path", sorted(p.relative_to(ROOT / "configs").as_posix()
-                                        for p in (ROOT / "configs").rglob("*.yaml") if p.parent.name != "model"))
+@pytest.mark.parametrize("path", sorted(p.relative_to(Path(CONFIG_DIR)).as_posix()
+                                        for p in (Path(CONFIG_DIR)).rglob("*.yaml") if p.parent.name != "model"))
 def test_no_config_file_restates_a_schema_default(path: str) -> None:
     """The dataclasses of hybrid/config.py are the one source of defaults: a YAML value equal to the default
     would hide a later change of it (model files define models and may spell out every field)."""
@@ -62,7 +62,7 @@ def test_no_config_file_restates_a_schema_default(path: str) -> None:
     from hybrid.config import Config
 
     schema = OmegaConf.to_container(OmegaConf.structured(Config), resolve=False)
-    raw = OmegaConf.to_container(OmegaConf.load(ROOT / "configs" / path), resolve=False)
+    raw = OmegaConf.to_container(OmegaConf.load(Path(CONFIG_DIR) / path), resolve=False)
     group = path.split("/")[0] if "/" in path else None
     raw = {k: v for k, v in raw.items() if k not in ("defaults", "hydra")} if group is None else raw
     assert restated(raw, schema if group is None else schema[group], "" if group is None else f"{group}.") == []
