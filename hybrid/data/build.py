@@ -44,8 +44,8 @@ if TYPE_CHECKING:
     from hybrid.config import DataConfig
     from hybrid.data.sources import Table
 
-MAP_ROWS = 1000  # documents per datasets.map batch, per Arrow record batch, per append to tokens.npy
-_PLAN_ROWS = 10_000
+MAP_ROWS = 256  # documents per datasets.map batch, per Arrow record batch, per append to tokens.npy
+_PLAN_ROWS = 10_000  # rows per length count (Arrow slices, zero-copy)
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def plan_documents(ds: Dataset, max_chars: Optional[int]) -> Plan:
 
 def texts(ds: Table) -> Iterator[Optional[str]]:
     """The "text" column, in order, batch by batch."""
-    for batch in ds.iter(batch_size=_PLAN_ROWS):
+    for batch in ds.iter(batch_size=MAP_ROWS):
         yield from batch["text"]
 
 

@@ -2,7 +2,7 @@
 
 An entry `corpus-<key>/` holds `meta.json`, `tokens.npy` (the stream) and, when the BPE was trained,
 `tokenizer/`. The key hashes everything that determines the stream: the source (its files' sizes and
-mtimes, or the hub names and cached Arrow files), the tokenizer (its folder's files, or the BPE's
+mtimes, or the hub names and cached Arrow files), the tokenizer (its folder's files but weights, or the BPE's
 vocabulary size), `max_chars`, `max_tokens` and `FORMAT`. Not `seq_len`: packing is a view.
 """
 
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from hybrid.config import DataConfig
 
 FORMAT = 2  # bump when the cache layout or the build changes (2: tokens.npy streamed, hub/saved sources)
+_WEIGHTS = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack"}  # beside a tokenizer, not of it
 
 
 def cache_root(cfg: DataConfig) -> Path:
@@ -34,7 +35,8 @@ def cache_key(cfg: DataConfig, source_key: dict[str, object], tokenizer_dir: Opt
         tok: object = ("bpe", int(cfg.vocab_size))
     else:
         folder = Path(tokenizer_dir).resolve()
-        tok = (str(folder), fingerprint(sorted(f for f in folder.rglob("*") if f.is_file())))
+        files = sorted(f for f in folder.rglob("*") if f.is_file() and f.suffix not in _WEIGHTS)
+        tok = (str(folder), fingerprint(files))  # a model folder's weights may change: its tokenizer did not
     key = {"format": FORMAT, "source": source_key, "tokenizer": tok, "max_chars": cfg.max_chars,
            "max_tokens": cfg.max_tokens}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
