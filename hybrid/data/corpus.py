@@ -56,14 +56,14 @@ def prepare_data(cfg: DataConfig, init_from: Optional[str] = None) -> Corpus:
     source = resolve_source(cfg)
     root = cache_root(cfg)
     entry = root / f"corpus-{cache_key(cfg, source.key, tokenizer_dir)}"
-    build_once(entry, functools.partial(_build, cfg, source, tokenizer_dir, root))
+    build_once(entry, functools.partial(_build, cfg, source, tokenizer_dir, entry))
     return _load(cfg, entry, tokenizer_dir)
 
 
-def _build(cfg: DataConfig, source: Source, tokenizer_dir: Optional[str], root: Path, out: Path) -> dict[str, object]:
-    """Build an entry's files into `out` (called under the lock)."""
-    log.info("building the data cache for %s in %s", source.where, out)
-    meta = build_stream(source, cfg, tokenizer_dir, root / "hf_datasets", out)
+def _build(cfg: DataConfig, source: Source, tokenizer_dir: Optional[str], entry: Path, out: Path) -> dict[str, object]:
+    """Build `entry`'s files into `out`, its private folder (called under the lock)."""
+    log.info("building the data cache for %s in %s", source.where, entry)
+    meta = build_stream(source, cfg, tokenizer_dir, entry.parent / "hf_datasets", out)
     log.info("data cache built in %.1f s: %d docs, %d chars, %d tokens", meta["build_s"], meta["docs"],
              meta["chars"], meta["tokens"])
     return meta
