@@ -62,14 +62,24 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     name: str = "default"  # label only
-    path: Optional[str] = MISSING  # local .txt/.jsonl/.json/.parquet file or folder; null = embedded corpus
-    text_field: str = "text"  # column holding the text in jsonl/parquet files
-    tokenizer: Optional[str] = None  # local transformers tokenizer folder; None = BPE trained on the corpus
+    path: Optional[str] = MISSING  # local .txt/.jsonl/.json/.parquet file or folder, a datasets.save_to_disk
+    #   folder, or a token file (.bin raw ids / .npy); null = embedded corpus (or data.dataset)
+    dataset: Optional[str] = None  # hub dataset name (e.g. wikitext), read from the local HF datasets cache
+    dataset_config: Optional[str] = None  # its configuration (e.g. wikitext-2-raw-v1)
+    split: str = "train"  # split of a hub dataset or of a saved DatasetDict
+    online: bool = False  # let `datasets` reach the hub (download, streaming); default: cache only, offline
+    streaming: bool = False  # read data.dataset as a stream (needs online and max_chars or max_tokens)
+    num_proc: Optional[int] = None  # processes tokenizing the corpus (datasets.map); None = this one
+    text_field: str = "text"  # column holding the text in jsonl/parquet files, saved and hub datasets
+    tokenizer: Optional[str] = None  # local transformers tokenizer folder; None = model.init_from's if it
+    #   has one, else a BPE trained on the corpus
+    token_dtype: Optional[str] = None  # dtype of a .bin token file: uint16 (None) | uint32 | int32
     vocab_size: int = 8192  # vocabulary of the BPE trained when `tokenizer` is None
     seq_len: int = 128  # tokens per training sequence
     eval_fraction: float = 0.01  # share of the packed sequences held out for eval
     cache_dir: Optional[str] = None  # None = $HYBRID_CACHE or ~/.cache/hybrid
     max_chars: Optional[int] = None  # cap on corpus characters read (quick experiments)
+    max_tokens: Optional[int] = None  # cap on the token stream's length (cut where it is reached)
 
 
 @dataclass

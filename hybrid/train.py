@@ -57,10 +57,11 @@ def run(cfg: Config) -> None:
     world, rank = env_int("WORLD_SIZE", 1), env_int("RANK", 0)
     layout = validate(cfg, world, env_int("LOCAL_WORLD_SIZE", world))
     device = _device(cfg)
-    corpus = prepare_data(cfg.data)
+    corpus = prepare_data(cfg.data, init_from=cfg.model.init_from)
     vocab = cfg.model.vocab_size or corpus.vocab_size
     if vocab < corpus.vocab_size:
-        raise ConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's {corpus.vocab_size} tokens")
+        raise ConfigError(f"model.vocab_size={vocab} is smaller than the data's {corpus.vocab_size} ids "
+                          "(the tokenizer's size, or a token file's largest id + 1)")
     _init_distributed(device)
     ctx = ParallelContext.build(layout)
     # dropout on replicated activations: the same stream on every TP rank, a different one per stage

@@ -169,13 +169,38 @@ def _validate_data(d: DataConfig, m: ModelConfig) -> None:
     from hybrid.model.family import family_of
 
     for key in ("path", "tokenizer"):
-        _require(not OmegaConf.is_missing(d, key), f"data.{key} is required by data={d.name} (set data.{key}=...)")
+        _require(not OmegaConf.is_missing(d, key) or (key == "path" and d.dataset is not None),
+                 f"data.{key} is required by data={d.name} (set data.{key}=...)")
     _require(d.seq_len >= 1, f"data.seq_len must be >= 1, got {d.seq_len}")
     with _model_input():
         family_of(m).check_seq_len(m, d.seq_len)
-    if d.path is not None:
-        _require(os.path.exists(d.path), f"data.path={d.path} does not exist")
+    path = None if OmegaConf.is_missing(d, "path") else d.path
+    if path is not None:
+        _require(os.path.exists(path), f"data.path={path} does not exist")
     if d.tokenizer is not None:
         _require(os.path.isdir(d.tokenizer), f"data.tokenizer={d.tokenizer} is not a directory")
     _require(d.vocab_size >= 256 + 1, f"data.vocab_size must be > 256 (byte-level BPE), got {d.vocab_size}")
     _require(0.0 < d.eval_fraction < 1.0, f"data.eval_fraction must be in (0, 1), got {d.eval_fraction}")
+    _validate_data_source(d, path, m)
+
+
+def _validate_data_source(d: DataConfig, path: Optional[str], m: ModelConfig) -> None:
+    """The combinations of data.path / dataset / streaming / token files that mean something."""
+    tokens_in = path is not None and Path(path).suffix.lower() in (".bin", ".npy")
+    has_tokenizer = d.tokenizer is not None or (m.init_from is not None and any(
+        (Path(m.init_from) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")))
+    for key in ("num_proc", "max_chars", "max_tokens"):
+        value = getattr(d, key)
+        _require(value is None or value >= 1, f"data.{key} must be >= 1 or null, got {value}")
+    _require(d.dataset is None or path is None, f"set data.path={path} or data.dataset={d.dataset}, not both")
+    _require(not d.streaming or d.dataset is not None, "data.streaming=true needs data.dataset=<hub dataset name>")
+    _require(not d.streaming or d.online, f"data.streaming=true reads data.dataset={d.dataset} from the hub: "
+             "set data.online=true, or drop streaming to read the local cache")
+    _require(not d.streaming or d.max_chars is not None or (has_tokenizer and d.max_tokens is not None),
+             "data.streaming=true needs a bound: data.max_chars (or data.max_tokens with a data.tokenizer)")
+    _require(d.token_dtype in (None, "uint16", "uint32", "int32"),
+             f"data.token_dtype={d.token_dtype} is not one of uint16, uint32, int32")
+    _require(d.token_dtype is None or (path is not None and Path(path).suffix.lower() == ".bin"),
+             f"data.token_dtype={d.token_dtype} applies to a .bin token file only (data.path={path})")
+    _require(not tokens_in or has_tokenizer or m.vocab_size is not None,
+             f"data.path={path} holds token ids: set model.vocab_size (or data.tokenizer) to size the model")

@@ -19,6 +19,9 @@ import torch
 from omegaconf import OmegaConf
 
 import hybrid.data as data
+import hybrid.data.build as build
+import hybrid.data.corpus as corpus_mod
+import hybrid.data.sources as sources
 from hybrid.config import ConfigError, DataConfig
 from hybrid.data import prepare_data
 from hybrid.sampler import StepSampler, batch_from, eval_indices
@@ -119,7 +122,7 @@ def test_local_tokenizer_folder_gives_the_same_stream(tmp_path: Path) -> None:
 
 def test_default_corpus_small(tmp_path: Path) -> None:
     corpus = prepare_data(_cfg(tmp_path, path=None, max_chars=200_000, vocab_size=512))
-    files = data._stdlib_files()
+    files = sources._stdlib_files()
     names = {p.name for p in files}
     assert "topics.py" in names and "os.py" in names
     assert not any(part in {"test", "tests", "site-packages", "idlelib"} for p in files for part in p.parts)
@@ -193,7 +196,7 @@ def test_second_call_uses_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     first = prepare_data(_cfg(tmp_path, path=path))
     tokens = Path(first.meta["cache"]) / "tokens.npy"
     mtime = tokens.stat().st_mtime_ns
-    monkeypatch.setattr(data, "_build", _no_build)
+    monkeypatch.setattr(corpus_mod, "_build", _no_build)
     again = prepare_data(_cfg(tmp_path, path=path))
     longer = prepare_data(_cfg(tmp_path, path=path, seq_len=2 * SEQ, eval_fraction=0.2))  # a view: no rebuild
     assert tokens.stat().st_mtime_ns == mtime and again.meta == first.meta
@@ -221,7 +224,7 @@ def test_crashed_build_leaves_nothing_trusted(tmp_path: Path, monkeypatch: pytes
     def crash(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(data, "encode_documents", crash)
+    monkeypatch.setattr(build.NpyWriter, "append", crash)
     with pytest.raises(KeyboardInterrupt):
         prepare_data(_cfg(tmp_path, path=path))
     monkeypatch.undo()
@@ -240,14 +243,14 @@ def test_concurrent_prepare_builds_once(tmp_path: Path, monkeypatch: pytest.Monk
     docs = _docs(40)
     cfg = _cfg(tmp_path, path=str(_write_jsonl(tmp_path / "d.jsonl", docs)))
     builds = tmp_path / "builds.log"
-    real_build = data._build
+    real_build = corpus_mod._build
 
-    def counting_build(*args: object) -> None:
+    def counting_build(*args: object) -> dict:
         with open(builds, "a") as f:
             f.write(f"{os.getpid()}\n")
-        real_build(*args)
+        return real_build(*args)
 
-    monkeypatch.setattr(data, "_build", counting_build)
+    monkeypatch.setattr(corpus_mod, "_build", counting_build)
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     ctx = mp.get_context("fork")
     barrier, queue = ctx.Barrier(3), ctx.Queue()
@@ -260,7 +263,7 @@ def test_concurrent_prepare_builds_once(tmp_path: Path, monkeypatch: pytest.Monk
         assert p.exitcode == 0
     assert len(builds.read_text().split()) == 1
     assert len({r for r in results}) == 1
-    monkeypatch.setattr(data, "_build", _no_build)
+    monkeypatch.setattr(corpus_mod, "_build", _no_build)
     _check_packing(prepare_data(cfg), docs)
     assert not [p for p in (tmp_path / "cache").iterdir() if ".tmp-" in p.name]
 
@@ -358,6 +361,6 @@ def test_default_corpus_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert corpus.vocab_size == 8192 and corpus.meta["chars"] > 5_000_000
     n = corpus.meta["tokens"] // 129
     assert corpus.train.shape == (n - max(1, int(n * 0.01)), 129) and corpus.eval.shape[0] == max(1, int(n * 0.01))
-    monkeypatch.setattr(data, "_build", _no_build)
+    monkeypatch.setattr(corpus_mod, "_build", _no_build)
     again = prepare_data(cfg)
     np.testing.assert_array_equal(np.asarray(again.eval), np.asarray(corpus.eval))
