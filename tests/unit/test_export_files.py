@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybrid.data import EOS_TOKEN, _train_tokenizer
+from hybrid.data import EOS_TOKEN
+from hybrid.data.tokenize import train_tokenizer
 from hybrid.tools.export_files import cast_state, copy_tokenizer, legacy_config, staging, tokenizer_config
 
 DOCS = ["the quick brown fox jumps over the lazy dog", "pack my box with five dozen liquor jugs"] * 20
@@ -31,7 +32,7 @@ def test_the_data_pipelines_tokenizer_is_written_for_transformers_4_and_5(tmp_pa
     from transformers import AutoTokenizer
 
     src, dst = tmp_path / "ckpt-tokenizer", tmp_path / "out"
-    _train_tokenizer(DOCS, 300).save_pretrained(str(src))
+    train_tokenizer(DOCS, 300).save_pretrained(str(src))
     dst.mkdir()
     assert copy_tokenizer(src, dst, max_len=64) and not copy_tokenizer(tmp_path / "none", dst, 64)
     written = json.loads((dst / "tokenizer_config.json").read_text())
