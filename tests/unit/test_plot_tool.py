@@ -35,7 +35,8 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Path:
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.pop("RANK", None)
     cmd = [sys.executable, "-m", "hybrid.train", "model=gpt-tiny", f"train.steps={STEPS}",
-           f"train.eval_every={EVAL_EVERY}", "data.max_chars=200000", "logging.wandb.mode=disabled",
+           f"train.eval_every={EVAL_EVERY}", "train.global_batch_size=8", "train.micro_batch_size=4",
+           "train.eval_batches=1", "data.seq_len=64", "data.max_chars=200000", "logging.wandb.mode=disabled",
            "logging.progress=false", "logging.traffic_map=false", "run_name=x", f"logging.dir={tmp}/x",
            f"checkpoint.dir={tmp}/ck"]
     done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
