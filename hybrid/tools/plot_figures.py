@@ -71,7 +71,7 @@ def having(runs: Sequence[Run], *keys: str) -> list[tuple[int, Run]]:
 
 
 def title(what: str, smooth: int) -> str:
-    return what + (f" (moving average over {smooth} points; faint: as logged)" if smooth > 1 else "")
+    return what + (f"\nsolid: moving average over {smooth} points; faint: as logged" if smooth > 1 else "")
 
 
 def loss_figure(runs: Sequence[Run], x: str = "step", smooth: int = 1) -> Figure:
@@ -153,24 +153,19 @@ def compression_figure(runs: Sequence[Run], x: str = "step", smooth: int = 1) ->
         every: list[float] = []
         for i, run in having(runs, key):
             xs, ys = run.series(key)
+            if not any(ys):  # an exact sync: nothing to draw on a log axis, said in the legend
+                ax.plot([], [], color=color(i), label=f"{run.label}: 0 (exact)")
+                continue
             draw(ax, (x_values(run, xs, x), ys), color(i), run.label, smooth if key.endswith("error") else 1,
                  marker="." if len(xs) < 30 else None)
             every += ys
-        if key.endswith("ratio"):
-            log_if_spread(ax, every)
-        else:
-            _log_if_positive(ax, every)
+        log_if_spread(ax, every)
         ax.set_title(labels[key][0])
         ax.set_ylabel(labels[key][1])
         style_x(ax, x)
         ax.legend(loc="best", fontsize="small")
     fig.suptitle("DP gradient compression")
     return fig
-
-
-def _log_if_positive(ax: Axes, values: Sequence[float]) -> None:
-    if values and min(values) > 0:
-        ax.set_yscale("log")
 
 
 def time_figure(runs: Sequence[Run], x: str = "step", smooth: int = 1) -> Figure:
