@@ -71,7 +71,7 @@ def having(runs: Sequence[Run], *keys: str) -> list[tuple[int, Run]]:
 
 
 def title(what: str, smooth: int) -> str:
-    return what + (f"\nsolid: moving average over {smooth} points; faint: as logged" if smooth > 1 else "")
+    return what + (f"\n(lines: moving average over {smooth} points; faint: as logged)" if smooth > 1 else "")
 
 
 def loss_figure(runs: Sequence[Run], x: str = "step", smooth: int = 1) -> Figure:
@@ -86,8 +86,11 @@ def loss_figure(runs: Sequence[Run], x: str = "step", smooth: int = 1) -> Figure
             xs, ys = run.series("eval_loss")
             label = "_eval" if run.has("loss") else f"{run.label} (eval)"
             ax.plot(x_values(run, xs, x), ys, color=color(i), linestyle="--", marker="o", markersize=4, label=label)
+    if any(r.has("eval_loss") for r in runs):  # the two line styles, in the legend after the runs
+        ax.plot([], [], color="0.35", label="training")
+        ax.plot([], [], color="0.35", linestyle="--", marker="o", markersize=4, label="eval")
     ax.set_ylabel("cross-entropy loss (nats / token)")
-    ax.set_title(title("loss: training solid, eval dashed with dots", smooth))
+    ax.set_title(title("training and eval loss", smooth))
     style_x(ax, x)
     ax.legend(loc="upper right")
     return fig
@@ -108,11 +111,13 @@ def throughput_figure(runs: Sequence[Run], x: str = "step", smooth: int = 1) -> 
     return fig
 
 
-def log_if_spread(ax: Axes, values: Sequence[float]) -> None:
-    """A log y axis when the positive values span more than LOG_SPREAD."""
+def log_if_spread(ax: Axes, values: Sequence[float], zero_based: bool = False) -> None:
+    """A log y axis when the positive values span more than LOG_SPREAD, else from 0 if `zero_based`."""
     pos = [v for v in values if v > 0]
     if pos and max(pos) / min(pos) > LOG_SPREAD:
         ax.set_yscale("log")
+    elif pos and min(values) >= 0 and zero_based:
+        ax.set_ylim(bottom=0)
 
 
 def bytes_figure(runs: Sequence[Run], x: str = "step", smooth: int = 1) -> Figure:
@@ -130,7 +135,7 @@ def bytes_figure(runs: Sequence[Run], x: str = "step", smooth: int = 1) -> Figur
                 xs, ys = b[g]
                 ax.plot(x_values(run, xs, x), [y / 1e6 for y in ys], color=color(i), label=run.label, linewidth=1.6)
                 every += [y / 1e6 for y in ys]
-        log_if_spread(ax, every)
+        log_if_spread(ax, every, zero_based=True)
         ax.set_title(GROUP_TITLES.get(g, g))
         ax.set_ylabel("MB per step, mean per rank")
         style_x(ax, x)
@@ -192,7 +197,7 @@ def time_figure(runs: Sequence[Run], x: str = "step", smooth: int = 1) -> Figure
     ax.invert_yaxis()
     ax.set_xlabel("seconds per step (mean per rank, first timed step left out)")
     ax.set_title("step time breakdown")
-    ax.margins(x=0.12)
+    ax.set_xlim(0, 1.15 * max(sum(max(v, 0.0) for v in p.values()) for _, _, p in parts))  # room for the totals
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.1 / len(parts)), ncol=min(len(names), 6),
               fontsize="small", frameon=False)
     return fig
@@ -201,7 +206,8 @@ def time_figure(runs: Sequence[Run], x: str = "step", smooth: int = 1) -> Figure
 def _part_color(names: list[str], part: str) -> str:
     """Fixed colours for the common parts; comm_<group> and the rest from a second palette."""
     fixed = {"compute": "#4C72B0", "data": "#8C8C8C", "optimizer": "#55A868", "bubble": "#C44E52",
-             "comm_dp": "#DD8452", "comm_tp": "#8172B3", "comm_pp": "#937860", "other": "#DDDDDD"}
+             "comm_dp": "#DD8452", "comm_tp": "#8172B3", "comm_pp": "#937860", "meter": "#DA8BC3",
+             "other": "#DDDDDD"}
     if part in fixed:
         return fixed[part]
     return f"C{(names.index(part) + 4) % 10}"

@@ -94,7 +94,8 @@ def test_loss_figure_has_one_line_per_run_and_eval_points(real: Path, scaled: Pa
     lines = labelled(fig)
     records = [json.loads(ln) for ln in (real / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
-    assert [k for k in lines if not k.startswith("_")] == ["a", "b"]
+    assert [k for k in lines if not k.startswith("_")] == ["a", "b", "training", "eval"]  # two style keys
+    assert not lines["training"][0] and not lines["eval"][0]
     assert lines["a"] == ([r["step"] for r in train], [r["loss"] for r in train])
     assert lines["b"][1] == pytest.approx([r["loss"] * SCALE for r in train])
     evals = [(xs, ys) for label, xs, ys in drawn(fig) if label == "_eval"]
