@@ -189,7 +189,8 @@ def time_figure(runs: Sequence[Run], x: str = "step", smooth: int = 1) -> Figure
         left = 0.0
         for k in names:
             width = max(p.get(k, 0.0), 0.0)  # `other` may round below zero
-            ax.barh(row, width, left=left, color=_part_color(names, k), label=k if row == 0 else "_" + k)
+            name = PART_LABELS.get(k, k.replace("comm_", "exposed comm ")) if row == 0 else "_" + k
+            ax.barh(row, width, left=left, color=_part_color(names, k), label=name)
             left += width
         total = sum(max(v, 0.0) for v in p.values())
         ax.text(left, row, f" {total:.3g} s", va="center", fontsize="small")
@@ -201,6 +202,9 @@ def time_figure(runs: Sequence[Run], x: str = "step", smooth: int = 1) -> Figure
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.1 / len(parts)), ncol=min(len(names), 6),
               fontsize="small", frameon=False)
     return fig
+
+
+PART_LABELS = {"meter": "compression error meter", "bubble": "pipeline bubble", "other": "other (unattributed)"}
 
 
 def _part_color(names: list[str], part: str) -> str:
