@@ -329,8 +329,9 @@ class MetricsLogger:
         else:
             print(text, file=sys.stderr, flush=True)
 
-    def close(self, exit_code: int = 0) -> None:
-        """Close the bar and the sinks; safe to call more than once."""
+    def close(self, exit_code: int = 0, last_line: str = "") -> None:
+        """Close the bar and the sinks, then print `last_line` (the run's summary) after the bar's last
+        line; safe to call more than once."""
         if self._closed:
             return
         self._closed = True
@@ -338,6 +339,8 @@ class MetricsLogger:
             self._bar.close()
         for sink in self.sinks:
             sink.close(exit_code)
+        if last_line:
+            self.message(last_line)
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -157,14 +157,14 @@ class Trainer:
             self.metrics.close()
 
     def summarize(self, wall_s: float, log: Optional[Path] = None) -> Optional[dict[str, Any]]:
-        """After `fit`, on every rank: rank 0 prints the summary line and writes summary.json (returned).
+        """After `fit`, on every rank: rank 0 writes summary.json (returned), closes its metrics, prints the line.
         Collective: one all_gather_object over the world (each rank's peak memory, the signal it caught)."""
         ranks = gather((peak_memory(self.device), self.checkpointer.preemption.caught))
         if self.ctx.rank != 0 or self.metrics is None:
             return None
         saved = [str(p) for s, p, ok in scan(self.checkpointer.root) if ok and s > self.tally.start_step]  # kept ones
         doc = summary(self.tally, (self.step, self.cfg.train.steps), wall_s, ranks, self.device, saved, log)
-        self.metrics.message(summary_line(write_summary(Path(self.cfg.logging.dir), doc)))
+        self.metrics.close(last_line=summary_line(write_summary(Path(self.cfg.logging.dir), doc)))
         return doc
 
     def _schedule(self, microbatches: int, forward_only: bool = False) -> Schedule:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -24,7 +25,8 @@ def _lines(path: Path) -> list[str]:
 
 
 def test_every_stderr_line_reaches_train_log(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """say, warn, print to stderr, MetricsLogger messages and progress lines and the hybrid.* loggers' lines: held until `open`, then written after a header; stderr still gets them all."""
+    """say, warn, print to stderr, MetricsLogger messages and progress lines and the hybrid.* loggers'
+    lines: held until `open`, then written after a header; stderr still gets them all."""
     err = sys.stderr
     with RunLog(True, "python -m hybrid.train x=1") as log:
         say("before the run dir is known")
@@ -42,8 +44,7 @@ def test_every_stderr_line_reaches_train_log(tmp_path: Path, capsys: pytest.Capt
         sys.stderr.write("no newline")
     assert sys.stderr is err
     lines = _lines(tmp_path / "train.log")
-    assert lines[0].startswith("==== ") and lines[0].endswith("start (pid %d): python -m hybrid.train x=1"
-                                                              % __import__("os").getpid())
+    assert lines[0].startswith("==== ") and lines[0].endswith(f"start (pid {os.getpid()}): python -m hybrid.train x=1")
     assert lines[1:7] == ["before the run dir is known", "data.corpus: building the data cache", "hybrid: a warning",
                           "printed", "part of a line", "bar 3/3"]
     assert lines[7:] == ["step 2/2 loss=1.5 [0s]", "hello", "unfinished", "no newline"]
