@@ -144,9 +144,12 @@ else:
 
 @dataclass
 class WandbConfig:
+    # values left at these defaults yield to WANDB_MODE / WANDB_PROJECT / WANDB_ENTITY / WANDB_RUN_GROUP
     mode: str = "offline"  # offline | online | disabled
     project: str = "hybrid"
     entity: Optional[str] = None
+    group: Optional[str] = None  # wandb's run group (e.g. one per sweep)
+    tags: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -156,6 +159,7 @@ class LoggingConfig:
     progress: bool = True  # progress bar on rank 0
     timing: bool = True  # logged steps: time every collective (comm/ keys) and break the step down (time/ keys)
     traffic_map: bool = True  # the last step's bytes rank → rank: traffic.json (+ traffic.png with matplotlib)
+    tensorboard: bool = False  # scalars under <dir>/tensorboard/ (needs the tensorboard package)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 

@@ -1,25 +1,11 @@
-"""Run metrics: model FLOPs and MFU, a step timer, and the sinks (metrics.jsonl, wandb, progress bar).
-
-One `MetricsLogger` exists per rank; only the writer rank (`is_writer=True`) touches files,
-imports wandb or draws the progress bar, so every rank can call it unconditionally.
-
-Conventions:
-- `step` counts the optimizer steps completed so far (1 after the first step, `total_steps` at the
-  end), as the trainer and the checkpoint folders (`step_000100`) count them. A run resumed from
-  the checkpoint of step `start_step` keeps the lines with `step <= start_step` and drops the later
-  ones that a crashed run may have left, so each step appears once in `metrics.jsonl`.
-- `metrics.jsonl` is strict JSON (one object per line, `step` first): tensors and numpy scalars
-  become Python numbers, and non-finite floats (NaN, ±inf) are written as `null`.
-- wandb's own folders (WANDB_DIR, WANDB_CACHE_DIR, WANDB_CONFIG_DIR, WANDB_DATA_DIR,
-  WANDB_ARTIFACT_DIR) are pointed inside the run directory before wandb is imported.
-  Console capture is off: `metrics.jsonl` and the run's own log are the record.
+"""Run metrics: model FLOPs and MFU, a step timer, JSON-safe values, and the formats of the lines a run
+prints (counts, durations, byte sizes, the progress line). Where metrics go (metrics.jsonl, wandb,
+TensorBoard) is `hybrid.sinks`; the run's log file and summary are `hybrid.runlog`.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import sys
 import time
 from typing import Any
@@ -27,14 +13,12 @@ from typing import Any
 import torch
 
 __all__ = [
-    "MetricsLogger", "StepTimer", "format_count", "jsonable", "mfu", "model_flops_per_token", "peak_flops",
+    "LineProgress", "StepTimer", "format_bytes", "format_count", "format_duration", "jsonable", "mfu",
+    "model_flops_per_token", "peak_flops", "progress_postfix",
 ]
 
 # Dense bf16 tensor-core peak per GPU (FLOP/s), matched as a substring of the device name.
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12}
-_WANDB_MODES = ("offline", "online", "disabled")
-_WANDB_DIRS = {"WANDB_DIR": "", "WANDB_CACHE_DIR": "cache", "WANDB_CONFIG_DIR": "config",
-               "WANDB_DATA_DIR": "data", "WANDB_ARTIFACT_DIR": "artifacts"}
 
 
 def model_flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int) -> float:
@@ -65,6 +49,22 @@ def format_count(n: float) -> str:
             value = n / div
             return f"{value:.3g}{suffix}" if value < 100 else f"{value:.1f}{suffix}"
     return f"{n:.4g}" if isinstance(n, float) else str(n)
+
+
+def format_duration(seconds: float) -> str:
+    """Wall time for a line: 3.2 → '3.2s', 192 → '3m12s', 7384 → '2h03m'."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, s = divmod(int(round(seconds)), 60)
+    return f"{minutes}m{s:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
+
+
+def format_bytes(n: float) -> str:
+    """Binary byte size for a line: 1536 → '1.5 KiB', 3 * 2**30 → '3.0 GiB'."""
+    for div, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(n) >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 def jsonable(value: Any) -> Any:
@@ -136,7 +136,7 @@ class StepTimer:
         self.stop()
 
 
-def _fmt_postfix(metrics: dict[str, Any]) -> str:
+def progress_postfix(metrics: dict[str, Any]) -> str:
     """Short progress-bar postfix: loss, lr, tokens/s, eval loss when present."""
     parts = []
     if isinstance(metrics.get("loss"), (int, float)):
@@ -148,7 +148,7 @@ def _fmt_postfix(metrics: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-class _LineProgress:
+class LineProgress:
     """tqdm's interface for non-terminals: a 'step n/total postfix' line at most every `interval` seconds."""
 
     def __init__(self, total: int, initial: int, interval: float = 10.0) -> None:
@@ -177,166 +177,3 @@ class _LineProgress:
     def close(self) -> None:
         if self._shown != self.n:
             self._emit(time.perf_counter())
-
-
-def _trim_jsonl(path: str, start_step: int) -> None:
-    """Keep only well-formed lines with step <= start_step; rewrite atomically (tmp file + rename)."""
-    if not os.path.exists(path):
-        return
-    kept = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by a crash
-                continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= start_step:
-                kept.append(line if line.endswith("\n") else line + "\n")
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _has_wandb_key() -> bool:
-    """Whether WANDB_API_KEY or a ~/.netrc entry for the wandb host holds an API key."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    import netrc
-    from urllib.parse import urlparse
-
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
-    try:
-        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
-
-
-class MetricsLogger:
-    """Per-rank sink for step metrics: metrics.jsonl + wandb + progress bar, all on the writer rank only."""
-
-    def __init__(self, run_dir: str, config: dict, is_writer: bool, total_steps: int,
-                 wandb_mode: str = "offline", wandb_project: str = "hybrid", wandb_entity: str | None = None,
-                 progress: bool = True, start_step: int = 0, run_name: str = "run") -> None:
-        if wandb_mode not in _WANDB_MODES:
-            raise ValueError(f"wandb mode {wandb_mode!r} is not one of {', '.join(_WANDB_MODES)}")
-        self.run_dir = os.path.abspath(run_dir)
-        self.path = os.path.join(self.run_dir, "metrics.jsonl")
-        self.is_writer = is_writer
-        self.total_steps = total_steps
-        self.start_step = start_step
-        self._file: Any = None
-        self._wandb_run: Any = None
-        self._bar: Any = None
-        self._closed = False
-        if not is_writer:
-            return
-        os.makedirs(self.run_dir, exist_ok=True)
-        if start_step > 0:
-            _trim_jsonl(self.path, start_step)
-        self._file = open(self.path, "a" if start_step > 0 else "w", encoding="utf-8")  # noqa: SIM115 (open for the run)
-        if wandb_mode != "disabled":
-            try:
-                self._wandb_run = self._init_wandb(config, wandb_mode, wandb_project, wandb_entity, run_name)
-            except BaseException:
-                self._file.close()
-                raise
-        if progress:
-            self._bar = self._make_bar()
-
-    def _init_wandb(self, config: dict, mode: str, project: str, entity: str | None, name: str) -> Any:
-        """Point wandb's folders into the run dir, then start a run; online without credentials raises."""
-        for var, sub in _WANDB_DIRS.items():
-            os.environ[var] = os.path.join(self.run_dir, sub) if sub else self.run_dir
-            os.makedirs(os.environ[var], exist_ok=True)
-        import wandb  # lazy: slow to import, and never needed when disabled
-
-        if mode == "online":
-            try:
-                logged_in = wandb.login(prompt=False, verify=False)
-            except TypeError:  # older wandb without `prompt`: look where `wandb login` stores the key
-                logged_in = _has_wandb_key()
-            if not logged_in:
-                raise RuntimeError("wandb online mode needs credentials: set WANDB_API_KEY or run `wandb login` "
-                                   "(or use logging.wandb.mode=offline)")
-        settings = wandb.Settings(console="off", quiet=True)
-        try:
-            return wandb.init(project=project, entity=entity, name=name, config=jsonable(config),
-                              dir=self.run_dir, mode=mode, settings=settings)
-        except Exception as e:  # one readable line instead of a wandb traceback
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise RuntimeError(f"wandb.init failed ({mode} mode): {msg}") from e
-
-    def _make_bar(self) -> Any:
-        """A tqdm bar on a terminal; plain periodic lines when stderr is a file or pipe (torchrun/Slurm logs)."""
-        if not sys.stderr.isatty():
-            return _LineProgress(self.total_steps, self.start_step)
-        from tqdm import tqdm
-
-        return tqdm(total=self.total_steps, initial=self.start_step, unit="step", dynamic_ncols=True,
-                    file=sys.stderr)
-
-    def _write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
-
-    def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any] | None:
-        """Record the metrics after `step` completed steps; returns the JSON record written (None off the writer)."""
-        if not self.is_writer or self._closed:
-            return None
-        record = {"step": int(step), **{k: v for k, v in jsonable(metrics).items() if k != "step"}}
-        self._write(record)
-        if self._wandb_run is not None:
-            self._wandb_run.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=int(step))
-        if self._bar is not None:
-            self._bar.set_postfix_str(_fmt_postfix(record), refresh=False)
-            self.update_progress(step)
-        return record
-
-    def update_progress(self, step: int) -> None:
-        """Move the bar to `step` completed steps without logging (for steps between log lines)."""
-        if self._bar is not None and not self._closed:
-            done = min(int(step), self.total_steps) if self.total_steps else int(step)
-            if done > self._bar.n:
-                self._bar.update(done - self._bar.n)
-
-    def log_eval(self, step: int, eval_loss: Any) -> None:
-        """Record an evaluation: a {step, eval_loss} line, a wandb point, and one printed line."""
-        if not self.is_writer or self._closed:
-            return
-        record = {"step": int(step), "eval_loss": jsonable(eval_loss)}
-        self._write(record)
-        if self._wandb_run is not None and record["eval_loss"] is not None:
-            self._wandb_run.log({"eval_loss": record["eval_loss"]}, step=int(step))
-        value = record["eval_loss"]
-        shown = f"{value:.4f}" if isinstance(value, (int, float)) else str(value)
-        self.message(f"step {step}: eval_loss {shown}")
-
-    def message(self, text: str) -> None:
-        """Print one line on the writer without breaking the progress bar."""
-        if not self.is_writer:
-            return
-        if self._bar is not None and not self._closed:
-            self._bar.write(text, file=sys.stderr)
-        else:
-            print(text, file=sys.stderr, flush=True)
-
-    def close(self, exit_code: int = 0) -> None:
-        """Close the bar, the file and the wandb run; safe to call more than once."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._bar is not None:
-            self._bar.close()
-        if self._file is not None:
-            self._file.close()
-        if self._wandb_run is not None:
-            self._wandb_run.finish(exit_code=exit_code)
-
-    def __enter__(self) -> MetricsLogger:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        self.close(exit_code=0 if exc_type is None else 1)

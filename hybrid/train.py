@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from hybrid.cli import App, env_int, exit_on_error, precheck, warn
 from hybrid.config import CONFIG_DIR, CompressionConfig, Config, ConfigError, register_configs
+from hybrid.runlog import RunLog, command_line, save_hydra_files
 from hybrid.validation import validate
 
 if TYPE_CHECKING:
@@ -42,8 +43,9 @@ def _init_distributed(device: torch.device) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
 
-def run(cfg: Config) -> None:
-    """Build everything from a composed config and train."""
+def run(cfg: Config, log: Optional[RunLog] = None) -> None:
+    """Build everything from a composed config and train. `log` (rank 0 under `main`) gets the run folder
+    once the run is accepted: train.log opens and the `.hydra/` files are written then, not before."""
     from hybrid.checkpoint import plan_resume
     from hybrid.compression.hooks import make_hook
     from hybrid.data import prepare_data
@@ -74,7 +76,10 @@ def run(cfg: Config) -> None:
         return
     trainer = Trainer(cfg, ctx, model, corpus, device, hook, state)
     metrics = trainer.start(resume)  # loads (a checkpoint that cannot be read fails before any write), then logs
+    log = log or RunLog(enabled=False)
     if writer:
+        log.open(Path(cfg.logging.dir))
+        save_hydra_files(cfg, Path(cfg.logging.dir))
         n, analytic = trainer.n_params, analytic_param_count(cfg.model, vocab, layout.tp)
         metrics.message(layout.rank_map())
         if cfg.parallel.sequence_parallel and layout.tp == 1:
@@ -89,6 +94,7 @@ def run(cfg: Config) -> None:
                         f"device {device}, run dir {cfg.logging.dir}")
     try:
         trainer.fit()
+        trainer.summarize(log.elapsed(), log.path)  # collective: after a fit every rank completed
     finally:
         trainer.close()
 
@@ -172,13 +178,14 @@ def _shutdown() -> None:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def _hydra_main(cfg: Config) -> None:
-    exit_on_error(lambda: run(cfg))  # bad input: one line per rank, exit 2 (hybrid.cli)
+    with RunLog(env_int("RANK", 0) == 0, command_line()) as log:  # rank 0's lines, also in train.log
+        exit_on_error(lambda: run(cfg, log))  # bad input: one line per rank, exit 2 (hybrid.cli)
     _shutdown()
 
 
 def main() -> None:
     register_configs()
-    if env_int("RANK", 0) != 0:  # only rank 0 writes Hydra's outputs and log file
+    if env_int("RANK", 0) != 0:  # only rank 0 writes the run's .hydra/ files and train.log (hybrid.runlog)
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
     precheck(sys.argv[1:], App.of(__name__, __file__))  # bad overrides: one line and exit 2, before Hydra
     _hydra_main()

@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from hybrid.checkpoint import Checkpointer
+from hybrid.checkpoint.files import scan
 from hybrid.config import Config, ConfigError, ModelConfig
 from hybrid.data import Corpus
-from hybrid.metrics import MetricsLogger
 from hybrid.model import build_model
 from hybrid.model.family import ModelConfigError
 from hybrid.optim import build_optimizer, lr_at
@@ -43,7 +43,9 @@ from hybrid.parallel.schedules import Schedule, build_schedule
 from hybrid.parallel.timing import clock_for
 from hybrid.profiling import StepProfiler
 from hybrid.report import StepReport
+from hybrid.runlog import Tally, gather, peak_memory, summary, summary_line, write_summary
 from hybrid.sampler import StepSampler, batch_from, eval_indices
+from hybrid.sinks import TENSORBOARD_MISSING, MetricsLogger, WandbSettings, tensorboard_installed
 
 if TYPE_CHECKING:
     import numpy as np
@@ -142,7 +144,8 @@ class Trainer:
         note = self.profiler.skipped(self.step)
         if note:
             self.message(note)
-        self.metrics = open_metrics(self.cfg, self.ctx.rank == 0, self.step)
+        self.tally = Tally(self.step)
+        self.metrics = open_metrics(self.cfg, self.ctx.rank == 0, self.step, (self.tally,))
         for line in self._held:
             self.metrics.message(line)  # rank 0 only
         self._held.clear()
@@ -152,6 +155,17 @@ class Trainer:
         self.profiler.stop()  # a run that ends inside the profiled steps still writes its trace
         if self.metrics is not None:
             self.metrics.close()
+
+    def summarize(self, wall_s: float, log: Optional[Path] = None) -> Optional[dict[str, Any]]:
+        """After `fit`, on every rank: rank 0 writes summary.json (returned), closes its metrics, prints the line.
+        Collective: one all_gather_object over the world (each rank's peak memory, the signal it caught)."""
+        ranks = gather((peak_memory(self.device), self.checkpointer.preemption.caught))
+        if self.ctx.rank != 0 or self.metrics is None:
+            return None
+        saved = [str(p) for s, p, ok in scan(self.checkpointer.root) if ok and s > self.tally.start_step]  # kept ones
+        doc = summary(self.tally, (self.step, self.cfg.train.steps), wall_s, ranks, self.device, saved, log)
+        self.metrics.close(last_line=summary_line(write_summary(Path(self.cfg.logging.dir), doc)))
+        return doc
 
     def _schedule(self, microbatches: int, forward_only: bool = False) -> Schedule:
         p = self.cfg.parallel
@@ -317,15 +331,20 @@ def _pretrained(model: nn.ModuleList, model_cfg: ModelConfig) -> str:
         raise ConfigError(str(e)) from None
 
 
-def open_metrics(cfg: Config, writer: bool, start_step: int = 0) -> MetricsLogger:
-    """Rank 0 writes metrics.jsonl (its lines after `start_step` dropped), wandb and the progress bar;
-    a wandb failure is bad input."""
+def open_metrics(cfg: Config, writer: bool, start_step: int = 0, extra: tuple[Any, ...] = ()) -> MetricsLogger:
+    """Rank 0 writes metrics.jsonl (lines after `start_step` dropped), wandb (`WandbSettings.of`), TensorBoard,
+    the `extra` sinks and the progress bar; a wandb failure, or no tensorboard (any rank), is bad input."""
     from omegaconf import OmegaConf
 
+    w, tensorboard = cfg.logging.wandb, bool(getattr(cfg.logging, "tensorboard", False))
+    if tensorboard and not tensorboard_installed():
+        raise ConfigError(TENSORBOARD_MISSING)
+    s = WandbSettings.of(w)
     try:
         return MetricsLogger(cfg.logging.dir, OmegaConf.to_container(cfg, resolve=True), is_writer=writer,
-                             total_steps=cfg.train.steps, wandb_mode=cfg.logging.wandb.mode,
-                             wandb_project=cfg.logging.wandb.project, wandb_entity=cfg.logging.wandb.entity,
-                             progress=cfg.logging.progress, run_name=cfg.run_name, start_step=start_step)
+                             total_steps=cfg.train.steps, wandb_mode=s.mode, wandb_project=s.project,
+                             wandb_entity=s.entity, progress=cfg.logging.progress, run_name=cfg.run_name,
+                             start_step=start_step, wandb_group=s.group, wandb_tags=s.tags, tensorboard=tensorboard,
+                             extra=extra)
     except RuntimeError as e:
         raise ConfigError(str(e)) from None
