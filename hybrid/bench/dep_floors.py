@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ from typing import Optional
 import torch
 
 from hybrid.bench.common import table, verdict
-from hybrid.bench.export_compat import InstallError, _run, _venv_env
+from hybrid.bench.export_compat import InstallError, _run, _venv_env, make_venv
 
 MODULE = "hybrid.bench.dep_floors"
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,17 +107,9 @@ def _first_error(text: str) -> str:
 
 
 def _create_venv(path: Path, pins: Sequence[str]) -> None:
-    """venv --system-site-packages (plus a .pth to this interpreter's site-packages when it is itself a
-    venv), then one `pip install` of all the pins with torch constrained to the installed build."""
-    import site
-
-    shutil.rmtree(path, ignore_errors=True)
-    _run([sys.executable, "-m", "venv", "--system-site-packages", path], 120).check_returncode()
-    python = path / "bin" / "python"
-    if sys.prefix != sys.base_prefix:
-        purelib = _run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], 60).stdout.strip()
-        (Path(purelib) / "hybrid-parent-site.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    (path / "constraints.txt").write_text(f"torch=={torch.__version__}\n")
+    """`export_compat.make_venv`, then one `pip install` of all the pins with torch constrained to the
+    installed build."""
+    python = make_venv(path)
     r = _run([python, "-m", "pip", "install", "--disable-pip-version-check", "-c", path / "constraints.txt",
               *pins], INSTALL_TIMEOUT_S, _venv_env())
     if r.returncode != 0:

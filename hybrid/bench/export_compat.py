@@ -97,9 +97,10 @@ def _venv_env() -> dict[str, str]:
     return env | {"PYTHONNOUSERSITE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _create_venv(path: Path, version: str) -> None:
-    """venv --system-site-packages (plus a .pth to this interpreter's site-packages when it is itself
-    a venv), then pip: `transformers==version` with torch pinned to the installed one."""
+def make_venv(path: Path) -> Path:
+    """A fresh venv at `path` that sees this interpreter's packages (--system-site-packages, plus a .pth
+    to this interpreter's site-packages when it is itself a venv) and a `constraints.txt` pinning torch to
+    the installed build; returns its python."""
     import site
 
     shutil.rmtree(path, ignore_errors=True)
@@ -109,6 +110,12 @@ def _create_venv(path: Path, version: str) -> None:
         purelib = _run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], 60).stdout.strip()
         (Path(purelib) / "hybrid-parent-site.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     (path / "constraints.txt").write_text(f"torch=={torch.__version__}\n")
+    return python
+
+
+def _create_venv(path: Path, version: str) -> None:
+    """`make_venv`, then pip: `transformers==version` with torch pinned to the installed one."""
+    python = make_venv(path)
     r = _run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "-c", path / "constraints.txt",
               f"transformers=={version}"], INSTALL_TIMEOUT_S, _venv_env())
     if r.returncode != 0:
