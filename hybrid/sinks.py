@@ -1,7 +1,6 @@
 """Where step metrics go: `metrics.jsonl`, wandb and TensorBoard, each a `Sink`, fed by the rank's
-`MetricsLogger`, which also draws the progress bar. Only the writer rank (`is_writer=True`) opens a
-sink, imports wandb or tensorboard, or draws the bar, so every rank calls the logger unconditionally.
-Nothing here is distributed: no collective.
+`MetricsLogger`, which also draws the progress bar. Only the writer rank (`is_writer=True`) opens a sink,
+imports wandb or tensorboard, or draws the bar, so every rank calls the logger. No collective here.
 
 Conventions:
 - `step` counts the optimizer steps completed so far (1 after the first step, `total_steps` at the
@@ -13,10 +12,9 @@ Conventions:
   scalars become Python numbers, and non-finite floats (NaN, ±inf) are written as `null`.
 - wandb and TensorBoard get grouped names (`metric_name`): loss → train/loss, eval_loss → eval/loss,
   tokens_per_s → perf/tokens_per_s, bytes_dp → traffic/bytes_dp; names with a `/` are kept.
-- wandb's folders: its runs go to `<run dir>/wandb/`, its cache, config, data and artifact folders to
-  `<run dir>/wandb/{cache,config,data,artifacts}` — except where the user set WANDB_DIR,
-  WANDB_CACHE_DIR, WANDB_CONFIG_DIR, WANDB_DATA_DIR or WANDB_ARTIFACT_DIR, which are never
-  overwritten (the ones set here are removed again at close). The run id is kept in
+- wandb's folders: runs go to `<run dir>/wandb/`, its cache, config, data and artifact folders to
+  `<run dir>/wandb/{cache,config,data,artifacts}` — except where the user set WANDB_DIR or
+  WANDB_{CACHE,CONFIG,DATA,ARTIFACT}_DIR, never overwritten (those set here are removed at close). The run id is kept in
   `<run dir>/wandb/run_id`: a run that continues (start_step > 0) continues that wandb run
   (`resume="allow"`); a fresh start gets a new id. Console capture is off: `train.log` is the record.
 """
@@ -30,9 +28,12 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from hybrid.metrics import LineProgress, jsonable, progress_postfix
+
+if TYPE_CHECKING:
+    from hybrid.config import WandbConfig
 
 WANDB_MODES = ("offline", "online", "disabled")
 _MODE_ALIASES = {"dryrun": "offline", "run": "online"}  # wandb's older names for WANDB_MODE
@@ -121,9 +122,9 @@ class WandbSettings:
     tags: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, w: Any, env: Optional[Mapping[str, str]] = None) -> WandbSettings:
+    def of(cls, w: WandbConfig, env: Optional[Mapping[str, str]] = None) -> WandbSettings:
         """From `logging.wandb` (a WandbConfig), then `with_env(env)` (os.environ by default)."""
-        s = cls(w.mode, w.project, w.entity, getattr(w, "group", None), tuple(getattr(w, "tags", ())))
+        s = cls(w.mode, w.project, w.entity, w.group, tuple(w.tags))
         return s.with_env(os.environ if env is None else env)
 
     def with_env(self, env: Mapping[str, str]) -> WandbSettings:

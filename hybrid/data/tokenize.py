@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # either marks a transformers tokenizer folder
+TOKENIZER_CLASSES = {"TokenizersBackend": "PreTrainedTokenizerFast"}  # transformers 5 name → the name 4.x knows
 _ENCODE_BATCH = 256
 
 
@@ -51,8 +52,8 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
     tokenizer.save_pretrained(str(folder))
     config_file = folder / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
-    if config.get("tokenizer_class") == "TokenizersBackend":
-        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if config.get("tokenizer_class") in TOKENIZER_CLASSES:
+        config["tokenizer_class"] = TOKENIZER_CLASSES[config["tokenizer_class"]]
         config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 

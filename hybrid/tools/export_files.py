@@ -26,8 +26,9 @@ from typing import Any, Optional
 
 import torch
 
+from hybrid.data.tokenize import TOKENIZER_CLASSES
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-TOKENIZER_CLASSES = {"TokenizersBackend": "PreTrainedTokenizerFast"}  # transformers 5 name → the name 4.x knows
 LOAD_TIME_KEYS = ("is_local", "local_files_only")
 
 
