@@ -32,6 +32,7 @@ RULES: dict[str, tuple[str, ...]] = {
                      "hybrid.parallel.rng"),
     "hybrid.testing": (),
     "hybrid.config": (),
+    "hybrid.lifeline": (),
     "hybrid.validation": ("hybrid.config", "hybrid.parallel", "hybrid.compression", "hybrid.model",
                           "hybrid.checkpoint.preempt"),
     "hybrid.overrides": ("hybrid.config",),
@@ -50,10 +51,11 @@ RULES: dict[str, tuple[str, ...]] = {
                        "hybrid.report", "hybrid.sinks", "hybrid.runlog"),
     "hybrid.train": ("hybrid.cli", "hybrid.config", "hybrid.validation", "hybrid.parallel", "hybrid.compression",
                      "hybrid.model", "hybrid.data", "hybrid.metrics", "hybrid.checkpoint", "hybrid.trainer",
-                     "hybrid.runlog"),
+                     "hybrid.runlog", "hybrid.lifeline"),
     "hybrid.diagnostics": ("hybrid.parallel",),
     "hybrid.tools": ("hybrid.cli", "hybrid.config", "hybrid.validation", "hybrid.parallel", "hybrid.model",
-                     "hybrid.checkpoint", "hybrid.data", "hybrid.trainer", "hybrid.diagnostics"),
+                     "hybrid.checkpoint", "hybrid.data", "hybrid.trainer", "hybrid.diagnostics",
+                     "hybrid.lifeline"),
     "hybrid.bench": ("hybrid",),
 }
 
