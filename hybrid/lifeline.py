@@ -1,4 +1,4 @@
-"""A process that torchrun started dies with its torchrun agent: `hold(os.environ)`, first thing in an entry point.
+"""A process that torchrun started dies with its torchrun agent: `hold(os.environ)`, run by `hybrid/__init__.py`.
 
 torchrun starts every worker in a session of its own, so when the agent itself dies without stopping them
 (SIGKILL, the OOM killer, a crash) no signal reaches the workers: they would train on to the end with
@@ -15,10 +15,12 @@ stops the worker where it is; at worst it leaves a step folder without `.metadat
 Slurm's preemption) forwards the signal to its workers and waits for them (they save), so they are gone
 before it exits and the death signal never fires.
 
-The race: the agent may die before `hold` runs. The parent is read before arming and read again after:
-a different parent means the agent is already gone, and the process exits at once (SIGKILL, as above).
-An agent that died even earlier, during the interpreter's start-up and the entry point's imports, cannot
-be told from a live one (torchrun may itself be pid 1 in a container), so `hold` runs before any work.
+When: importing the package `hybrid` holds, so every entry point (`python -m hybrid.train`, the tools,
+their console scripts) is covered before it imports torch, some 30 ms after the interpreter starts. The
+race: the agent may die before that. The parent is read before arming and again after; a different parent
+means the agent is already gone (this process was adopted by init or a subreaper), and the process ends
+at once, as the kernel would have ended it. An agent that died in the interpreter's own start-up cannot
+be told from a live one (torchrun may itself be pid 1 in a container).
 
 Only under torchrun (`TORCHELASTIC_RUN_ID` is set): a plain `python -m hybrid.train`, or a test's forked
 rank, has an ordinary parent (a shell, pytest) and keeps running when it exits.
@@ -26,8 +28,6 @@ rank, has an ordinary parent (a shell, pytest) and keeps running when it exits.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import signal
 import sys
@@ -61,7 +61,9 @@ def hold(environ: Mapping[str, str]) -> None:
 def set_death_signal(sig: int) -> None:
     """prctl(PR_SET_PDEATHSIG, sig) through libc: the kernel sends `sig` to this process when the thread
     that started it exits (torchrun starts its workers from the agent's main thread)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    import ctypes  # here: `import hybrid` outside torchrun pays nothing for it
+
+    libc = ctypes.CDLL(None, use_errno=True)  # the interpreter's own symbols, libc's prctl among them
     if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")

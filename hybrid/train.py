@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from hybrid.cli import App, env_int, exit_on_error, precheck, warn
 from hybrid.config import CONFIG_DIR, CompressionConfig, Config, ConfigError, register_configs
-from hybrid.lifeline import hold
 from hybrid.runlog import RunLog, command_line, save_hydra_files
 from hybrid.validation import validate
 
@@ -185,7 +184,6 @@ def _hydra_main(cfg: Config) -> None:
 
 
 def main() -> None:
-    hold(os.environ)  # under torchrun: this worker dies with its agent (hybrid.lifeline)
     register_configs()
     if env_int("RANK", 0) != 0:  # only rank 0 writes the run's .hydra/ files and train.log (hybrid.runlog)
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]

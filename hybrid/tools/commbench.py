@@ -53,7 +53,6 @@ from hybrid.config import ConfigError, compose_config
 from hybrid.diagnostics import DiagnosticsError, bandwidth_table
 from hybrid.diagnostics import bandwidth as bw
 from hybrid.diagnostics import preflight as pf
-from hybrid.lifeline import hold
 from hybrid.parallel.context import Layout, LayoutError, ParallelContext
 from hybrid.validation import validate
 
@@ -309,8 +308,7 @@ def _print(text: str) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Console entry point (`hybrid-commbench`); under torchrun each rank dies with its agent (hybrid.lifeline)."""
-    hold(os.environ)
+    """Console entry point (`hybrid-commbench`)."""
     return run(argv)
 
 

@@ -46,7 +46,6 @@ from hybrid.diagnostics.heatmap import require_matplotlib, write_heatmap
 from hybrid.diagnostics.pairwise import measure
 from hybrid.diagnostics.report import Probe, Report, render, size_text
 from hybrid.diagnostics.system import Facts, gather_facts, node_size, rank_facts
-from hybrid.lifeline import hold
 from hybrid.parallel.context import Layout, LayoutError
 from hybrid.validation import validate
 
@@ -283,9 +282,7 @@ def run(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """`hybrid-diagnose` / `python -m hybrid.tools.diagnose`: `run`, and after bad input a short wait so
-    torchrun does not cut the other ranks' error lines. Under torchrun each rank dies with its agent
-    (hybrid.lifeline)."""
-    hold(os.environ)
+    torchrun does not cut the other ranks' error lines."""
     code = run(argv)
     if code == EXIT_BAD_INPUT:
         cli.wait_for_peers_to_report()

@@ -33,6 +33,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "hybrid.testing": (),
     "hybrid.config": (),
     "hybrid.lifeline": (),
+    "hybrid.rdzv_timeout": (),
     "hybrid.validation": ("hybrid.config", "hybrid.parallel", "hybrid.compression", "hybrid.model",
                           "hybrid.checkpoint.preempt"),
     "hybrid.overrides": ("hybrid.config",),
@@ -51,11 +52,10 @@ RULES: dict[str, tuple[str, ...]] = {
                        "hybrid.report", "hybrid.sinks", "hybrid.runlog"),
     "hybrid.train": ("hybrid.cli", "hybrid.config", "hybrid.validation", "hybrid.parallel", "hybrid.compression",
                      "hybrid.model", "hybrid.data", "hybrid.metrics", "hybrid.checkpoint", "hybrid.trainer",
-                     "hybrid.runlog", "hybrid.lifeline"),
+                     "hybrid.runlog"),
     "hybrid.diagnostics": ("hybrid.parallel",),
     "hybrid.tools": ("hybrid.cli", "hybrid.config", "hybrid.validation", "hybrid.parallel", "hybrid.model",
-                     "hybrid.checkpoint", "hybrid.data", "hybrid.trainer", "hybrid.diagnostics",
-                     "hybrid.lifeline"),
+                     "hybrid.checkpoint", "hybrid.data", "hybrid.trainer", "hybrid.diagnostics"),
     "hybrid.bench": ("hybrid",),
 }
 
