@@ -41,7 +41,8 @@ POLL_S = 1.0  # the watchdog's period where there is no prctl
 
 
 def under_torchrun(environ: Mapping[str, str]) -> bool:
-    """torchrun's agent sets TORCHELASTIC_RUN_ID for every worker it starts (and nothing else does)."""
+    """torchrun's agent sets TORCHELASTIC_RUN_ID for the workers it starts (their own children inherit it, and
+    then die with the worker that started them: that is the parent they watch)."""
     return "TORCHELASTIC_RUN_ID" in environ
 
 
