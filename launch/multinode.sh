@@ -17,12 +17,14 @@ Options (each falls back to the environment variable in brackets):
   --endpoint H[:P]    rendezvous host and port (same on every node)   [MASTER_ADDR, MASTER_PORT] port 29500
   --run-id ID         rendezvous id (same on every node)              [RUN_ID]        default hybrid
   --max-restarts N    worker-group restarts after a failure           [MAX_RESTARTS]  default 3
+  --join-timeout S    seconds to wait for the nodes to join           [JOIN_TIMEOUT]  default 600
   --local-addr ADDR   address this node advertises to the others      [LOCAL_ADDR]    default: hostname
   -h, --help          this text
 The first argument that is not one of these options (or everything after `--`)
 is passed to hybrid.train unchanged. Extra torchrun flags: TORCHRUN_ARGS="...";
 TORCHRUN="cmd" replaces the torchrun command; HYBRID_MODULE=pkg.mod runs another
-module instead of hybrid.train with the same arguments (smoke tests).
+module instead of hybrid.train with the same arguments (smoke tests); PYTHON (default
+python3) runs the filter that shortens a join timeout's traceback to one line.
 
 Fault tolerance: when a rank on any node fails, every agent stops and restarts its
 ranks (at most --max-restarts times, 0 = fail at once) and, with checkpoint.resume=auto,
@@ -30,6 +32,11 @@ they continue from the newest complete checkpoint of the run (checkpoint.dir/run
 step_*, on storage every node sees; incomplete ones are skipped). Save some with
 checkpoint.every=N. checkpoint.resume=auto is added unless the overrides set
 checkpoint.resume themselves (none: from scratch; PATH: that checkpoint).
+
+Joining: each node says at once what it waits for (node count, endpoint, rendezvous id,
+its rank). If not all nodes join within --join-timeout seconds (also when a restart
+waits for a node that is gone), the agent ends with one line and exit status 1.
+Every rank dies with its node's torchrun agent, even one killed with SIGKILL.
 
 Examples:
   # node 0 and node 1 of a 2-node job, 8 GPUs each (node0 reachable as node0:29500)
@@ -60,12 +67,13 @@ NPROC="${NPROC_PER_NODE:-}"
 ENDPOINT="${MASTER_ADDR:-}${MASTER_ADDR:+:${MASTER_PORT:-29500}}"
 RUN_ID="${RUN_ID:-hybrid}"
 MAX_RESTARTS="${MAX_RESTARTS:-3}"
+JOIN_TIMEOUT="${JOIN_TIMEOUT:-600}"
 LOCAL_ADDR="${LOCAL_ADDR:-}"
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
-    --nnodes|--node-rank|--nproc|--endpoint|--run-id|--max-restarts|--local-addr)
+    --nnodes|--node-rank|--nproc|--endpoint|--run-id|--max-restarts|--join-timeout|--local-addr)
       [[ $# -ge 2 ]] || die "$1 needs a value"
       case "$1" in
         --nnodes) NNODES="$2" ;;
@@ -74,6 +82,7 @@ while [[ $# -gt 0 ]]; do
         --endpoint) ENDPOINT="$2" ;;
         --run-id) RUN_ID="$2" ;;
         --max-restarts) MAX_RESTARTS="$2" ;;
+        --join-timeout) JOIN_TIMEOUT="$2" ;;
         --local-addr) LOCAL_ADDR="$2" ;;
       esac
       shift 2 ;;
@@ -93,6 +102,7 @@ fi
 [[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || die "--nproc must be a positive integer, got '$NPROC'"
 [[ "$NODE_RANK" =~ ^[0-9]+$ ]] || die "--node-rank must be a non-negative integer, got '$NODE_RANK'"
 [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || die "--max-restarts must be a non-negative integer, got '$MAX_RESTARTS'"
+[[ "$JOIN_TIMEOUT" =~ ^[1-9][0-9]*$ ]] || die "--join-timeout must be a positive number of seconds, got '$JOIN_TIMEOUT'"
 
 # torch >= 2.5 shares the agent's TCPStore with the ranks and keeps it across restarts: a restarted
 # rank then reads its peers' addresses of the failed attempt and gloo/NCCL set-up fails (pytorch#135712).
@@ -114,10 +124,26 @@ export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 ARGS=(
   --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC"
   --rdzv_backend=c10d --rdzv_endpoint="$ENDPOINT" --rdzv_id="$RUN_ID" --max_restarts="$MAX_RESTARTS"
+  --rdzv_conf="join_timeout=$JOIN_TIMEOUT"
 )
 [[ -z "$LOCAL_ADDR" ]] || ARGS+=(--local_addr="$LOCAL_ADDR")
 # shellcheck disable=SC2206  # TORCHRUN_ARGS is a list of flags, split on purpose
 [[ -z "${TORCHRUN_ARGS:-}" ]] || ARGS+=($TORCHRUN_ARGS)
 
+MIN_NODES="${NNODES%%:*}"
+NODES="$NNODES"
+[[ "$NNODES" != *:* ]] || NODES="$MIN_NODES to ${NNODES#*:}"
+echo "multinode.sh: node rank $NODE_RANK waiting up to $JOIN_TIMEOUT s for $NODES node(s) to join at $ENDPOINT" \
+  "(rendezvous id $RUN_ID)" >&2
+TIMED_OUT="multinode.sh: error: timed out after $JOIN_TIMEOUT s: fewer than $MIN_NODES node(s) joined at $ENDPOINT"
+TIMED_OUT+=" (rendezvous id $RUN_ID); start the same command on every node, or raise --join-timeout"
+
+# torchrun ends a rendezvous timeout with a traceback: hybrid.rdzv_timeout (any Python 3, no torch) turns it
+# into TIMED_OUT and passes everything else on stderr (the ranks' lines too) through at once; it ignores
+# INT/TERM/HUP and ends when every writer is gone. `exec` keeps torchrun on this shell's pid: killing the
+# script kills the agent, and the ranks die with it (hybrid.lifeline).
+if FILTER="$(command -v "${PYTHON:-python3}")"; then
+  exec 2> >(trap '' INT TERM HUP; exec "$FILTER" -m hybrid.rdzv_timeout "$TIMED_OUT" >&2)
+fi
 # shellcheck disable=SC2086  # TORCHRUN may hold a command with arguments
 exec ${TORCHRUN:-torchrun} "${ARGS[@]}" -m "${HYBRID_MODULE:-hybrid.train}" ${RESUME[@]+"${RESUME[@]}"} "$@"

@@ -32,6 +32,8 @@ RULES: dict[str, tuple[str, ...]] = {
                      "hybrid.parallel.rng"),
     "hybrid.testing": (),
     "hybrid.config": (),
+    "hybrid.lifeline": (),
+    "hybrid.rdzv_timeout": (),
     "hybrid.validation": ("hybrid.config", "hybrid.parallel", "hybrid.compression", "hybrid.model",
                           "hybrid.checkpoint.preempt"),
     "hybrid.overrides": ("hybrid.config",),
