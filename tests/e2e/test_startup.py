@@ -1,8 +1,8 @@
 """hybrid.startup: the folder lock, the writability and free-space probes, the checkpoint size estimate,
-where a wandb key is found, a failed write as one line — in one process or with a forked holder — and
-the real command line's refusals: a second `python -m hybrid.train` on folders another run holds, and
-wandb online without a key under torchrun. Each refusal is one line (one per rank), exit status 2, no
-traceback, nothing written.
+where a wandb key is found, a failed write as one line; then the run's edge (`hybrid.train.run` under
+`exit_on_error`, as `main` runs it, in this process): a second run on folders a forked holder holds, an
+unwritable folder, a save failing while training (exit 1); and wandb online without a key under
+torchrun. Each refusal is one line (one per rank), exit status 2, no traceback, nothing written.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import multiprocessing as mp
 import os
 import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 from omegaconf import OmegaConf
-from test_torchrun import ROOT, torchrun
 from test_torchrun import env as env  # noqa: F401  (the shared fixture)
+from test_torchrun import torchrun
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hybrid.checkpoint import run_root
@@ -102,18 +101,14 @@ def test_an_unwritable_folder_is_refused_before_a_step(unwritable: str, tmp_path
                                                       capsys: pytest.CaptureFixture) -> None:
     """`hybrid.train.run` as `main` runs it: a logging.dir that cannot be created (its parent is read-only),
     or a read-only checkpoint.dir, is one line and exit 2 before anything is trained or written."""
-    from hybrid.train import RUN_ERRORS, run
-
     ro = read_only(tmp_path / "ro")
     folders = {"logging.dir": tmp_path / "run", "checkpoint.dir": tmp_path / "ck"}
     folders[unwritable] = ro / "run" if unwritable == "logging.dir" else ro
-    cfg = compose_config([*B, "train.steps=2", *(f"{k}={v}" for k, v in folders.items())])
-    with pytest.raises(SystemExit) as e:
-        exit_on_error(lambda: run(cfg), RUN_ERRORS)
-    assert e.value.code == 2
-    named = {"logging.dir": f"logging.dir {ro / 'run'}", "checkpoint.dir": f"checkpoint folder {ro / cfg.run_name}"}
-    assert [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln] == [
-        f"hybrid: error: {named[unwritable]} cannot be created: Permission denied"]
+    overrides = ["train.steps=2", "checkpoint.every=1", *(f"{k}={v}" for k, v in folders.items())]
+    code, lines = main_run(overrides, capsys)
+    run_name = compose_config(B).run_name
+    named = {"logging.dir": f"logging.dir {ro / 'run'}", "checkpoint.dir": f"checkpoint folder {ro / run_name}"}
+    assert (code, lines) == (2, [f"hybrid: error: {named[unwritable]} cannot be created: Permission denied"])
     assert sorted(tmp_path.iterdir()) == [ro] and list(ro.iterdir()) == []  # nothing trained or written
 
 
@@ -189,20 +184,22 @@ def test_a_failed_write_while_training_is_one_line() -> None:
     assert write_fault(RuntimeError("boom"), 1) is None
 
 
-def train(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "hybrid.train", *B, "train.steps=2", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+def main_run(overrides: list[str], capsys: pytest.CaptureFixture) -> tuple[int, list[str]]:
+    """`hybrid.train.run` in this process, as `main` runs it: (exit status, the error lines)."""
+    from hybrid.train import RUN_ERRORS, run
 
-
-def errors(stderr: str) -> list[str]:
-    return [ln for ln in stderr.splitlines() if "hybrid: error:" in ln]
+    cfg = compose_config([*B, *overrides])
+    with pytest.raises(SystemExit) as e:
+        exit_on_error(lambda: run(cfg), RUN_ERRORS)
+    return int(e.value.code or 0), [ln for ln in capsys.readouterr().err.splitlines() if "hybrid: error:" in ln]
 
 
 def files(*roots: Path) -> dict[str, bytes]:
     return {str(f): f.read_bytes() for root in roots for f in sorted(root.rglob("*")) if f.is_file()}
 
 
-def test_a_second_run_on_held_folders_is_refused_naming_the_holder(tmp_path: Path, env: dict[str, str]) -> None:
+def test_a_second_run_on_held_folders_is_refused_naming_the_holder(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
     folders = [f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ck'}"]
     run_dir, ck = tmp_path / "run", run_root(compose_config([*B, *folders]))
     (ck / "step_0000002").mkdir(parents=True)
@@ -211,15 +208,31 @@ def test_a_second_run_on_held_folders_is_refused_naming_the_holder(tmp_path: Pat
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 9.5}\n')
     before = files(run_dir, ck)
     try:
-        r = train(env, *folders, "checkpoint.resume=auto")
+        code, lines = main_run([*folders, "train.steps=2", "checkpoint.resume=auto"], capsys)
     finally:
         done.set()
         proc.join(10)
-    assert r.returncode == 2, r.stderr[-3000:]
-    assert errors(r.stderr) == [f"hybrid: error: logging.dir {run_dir} is in use by another run (pid {proc.pid} on "
-                                f"{socket.gethostname()}, started {errors(r.stderr)[0].split(', started ')[1]}"]
-    assert "Traceback" not in r.stderr and "python" in errors(r.stderr)[0]  # the holder's command line
+    assert code == 2 and len(lines) == 1
+    assert lines[0].startswith(f"hybrid: error: logging.dir {run_dir} is in use by another run (pid {proc.pid} on "
+                               f"{socket.gethostname()}, started ")
+    assert lines[0].endswith(f"{' '.join(sys.argv[1:])}); wait for it to end, or give this run its own logging.dir "
+                             "(or run_name)")  # the holder's command line (the fork's: pytest's)
     assert files(run_dir, ck) == before
+
+
+def test_a_save_that_fails_while_training_is_one_line_and_exit_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    def disk_full(*_: Any, **__: Any) -> None:
+        raise CheckpointException("save", {0: (OSError(28, "No space left on device"), None)})
+
+    monkeypatch.setattr(dcp, "save", disk_full)
+    code, lines = main_run([f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ck'}", "train.steps=2",
+                            "checkpoint.every=1"], capsys)
+    assert (code, lines) == (1, ["hybrid: error: writing the run's files failed after step 1 (rank 0): [Errno 28] "
+                                 "No space left on device; free space or fix the folder's permissions, then resume "
+                                 "with checkpoint.resume=auto"])
 
 
 def test_wandb_online_without_a_key_is_one_line_on_every_rank(tmp_path: Path, env: dict[str, str]) -> None:
@@ -229,7 +242,7 @@ def test_wandb_online_without_a_key_is_one_line_on_every_rank(tmp_path: Path, en
     r = torchrun(2, *B, "train.steps=2", "logging.wandb.mode=online", f"logging.dir={tmp_path / 'run'}",
                  f"checkpoint.dir={tmp_path / 'ck'}", env=no_key, timeout=180)
     assert r.returncode != 0
-    lines = sorted(errors(r.stderr))
+    lines = sorted(ln for ln in r.stderr.splitlines() if "hybrid: error:" in ln)
     assert [ln.split(" ", 1)[0] for ln in lines] == ["[rank0]", "[rank1]"], r.stderr[-3000:]
     assert lines[0].split(" ", 1)[1] == lines[1].split(" ", 1)[1]
     assert "logging.wandb.mode=online needs a wandb API key" in lines[0]
