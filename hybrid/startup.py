@@ -57,6 +57,8 @@ LOCK_FILE = ".hybrid.lock"
 EXTRA_BYTES = 16 << 20
 """A checkpoint's small extras: manifest, RNG and hook states, the tokenizer's files."""
 _TRIES = 10  # lock files replaced under us (each by a holder that ended) before giving up
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS})
+"""The OSErrors of a write the run cannot go on from (space, quota, permissions); others are bugs: raised."""
 
 
 class WriteFault(Exception):
@@ -136,7 +138,10 @@ def _lock_file(folder: Path, what: str, key: str) -> Optional[int]:
     a warning, when the file system keeps no locks."""
     path = folder / LOCK_FILE
     for _ in range(_TRIES):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ConfigError(f"{what} {folder}: its lock file {LOCK_FILE} cannot be opened: {e.strerror}") from None
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -281,8 +286,8 @@ def hold_run_folders(cfg: Config, n_params: int, writer: bool) -> RunFolders:
 
 
 def write_fault(e: BaseException, step: int) -> Optional[str]:
-    """The line for a write that failed while training (an OSError, also inside DCP's CheckpointException
-    or as the cause of Checkpointer.wait's RuntimeError), or None for anything else (a bug: it raises)."""
+    """The line for a write that failed while training (an OSError of `_WRITE_ERRNOS`, also inside DCP's
+    CheckpointException or as the cause of Checkpointer.wait's RuntimeError), or None for anything else."""
     cause: Optional[BaseException] = e
     while cause is not None and not isinstance(cause, (OSError, CheckpointException)):
         cause = cause.__cause__
@@ -292,7 +297,7 @@ def write_fault(e: BaseException, step: int) -> Optional[str]:
         where = f" (rank {failed[0][0]})" if failed else ""
     else:
         where = ""
-    if not isinstance(cause, OSError):
+    if not isinstance(cause, OSError) or cause.errno not in _WRITE_ERRNOS:
         return None
     return (f"writing the run's files failed after step {step}{where}: {cause}; free space or fix the "
             "folder's permissions, then resume with checkpoint.resume=auto")

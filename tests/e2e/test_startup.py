@@ -182,6 +182,7 @@ def test_a_failed_write_while_training_is_one_line() -> None:
     assert write_fault(PermissionError(13, "Permission denied", "/x/metrics.jsonl"), 1) is not None
     assert write_fault(CheckpointException("save", {0: (ValueError("x"), None)}), 1) is None  # a bug: raised
     assert write_fault(RuntimeError("boom"), 1) is None
+    assert write_fault(FileNotFoundError(2, "No such file or directory"), 1) is None  # not a write the disk refused
 
 
 def main_run(overrides: list[str], capsys: pytest.CaptureFixture) -> tuple[int, list[str]]:
