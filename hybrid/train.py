@@ -16,14 +16,21 @@ import hydra
 import torch
 import torch.distributed as dist
 
-from hybrid.cli import App, env_int, exit_on_error, precheck, warn
+from hybrid.cli import EXIT_BAD_INPUT, EXIT_FAILED, App, env_int, exit_on_error, precheck, warn
 from hybrid.config import CONFIG_DIR, CompressionConfig, Config, ConfigError, register_configs
 from hybrid.runlog import RunLog, command_line, save_hydra_files
+from hybrid.startup import WriteFault, hold_run_folders, write_fault
 from hybrid.validation import validate
 
 if TYPE_CHECKING:
+    from hybrid.data import Corpus
     from hybrid.parallel.context import Layout
     from hybrid.parallel.schedules import Schedule
+    from hybrid.trainer import Trainer
+
+
+RUN_ERRORS = ((ConfigError, EXIT_BAD_INPUT), (WriteFault, EXIT_FAILED))
+"""Bad input (config, data, checkpoint, the run's folders) exits 2; a write that failed while training, 1."""
 
 
 def _device(cfg: Config) -> torch.device:
@@ -46,14 +53,8 @@ def _init_distributed(device: torch.device) -> None:
 def run(cfg: Config, log: Optional[RunLog] = None) -> None:
     """Build everything from a composed config and train. `log` (rank 0 under `main`) gets the run folder
     once the run is accepted: train.log opens and the `.hydra/` files are written then, not before."""
-    from hybrid.checkpoint import plan_resume
-    from hybrid.compression.hooks import make_hook
     from hybrid.data import prepare_data
-    from hybrid.metrics import format_count
     from hybrid.model import analytic_param_count
-    from hybrid.parallel.context import ParallelContext
-    from hybrid.parallel.rng import derive_seed
-    from hybrid.trainer import Trainer, build_chunks
 
     place_sweep_job(cfg)
     world, rank = env_int("WORLD_SIZE", 1), env_int("RANK", 0)
@@ -65,12 +66,28 @@ def run(cfg: Config, log: Optional[RunLog] = None) -> None:
         raise ConfigError(f"model.vocab_size={vocab} is smaller than the data's {corpus.vocab_size} ids "
                           "(the tokenizer's size, or a token file's largest id + 1)")
     _init_distributed(device)
+    # rank 0 locks and probes the run's folders and checks wandb's key: one answer for every rank (a broadcast)
+    with hold_run_folders(cfg, analytic_param_count(cfg.model, vocab, layout.tp), rank == 0):
+        _start(cfg, log, layout, device, corpus, vocab)
+
+
+def _start(cfg: Config, log: Optional[RunLog], layout: Layout, device: torch.device, corpus: Corpus,
+           vocab: int) -> None:
+    """`run` once rank 0 holds the run's folders: groups, model, resume plan, then (accepted) the run."""
+    from hybrid.checkpoint import plan_resume
+    from hybrid.compression.hooks import make_hook
+    from hybrid.metrics import format_count
+    from hybrid.model import analytic_param_count
+    from hybrid.parallel.context import ParallelContext
+    from hybrid.parallel.rng import derive_seed
+    from hybrid.trainer import Trainer, build_chunks
+
     ctx = ParallelContext.build(layout)
     # dropout on replicated activations: the same stream on every TP rank, a different one per stage
     torch.manual_seed(derive_seed(cfg.train.seed, "stage", ctx.pp_rank))
     model = build_chunks(cfg, vocab, ctx).to(device)
     hook, state = make_hook(cfg.compression, ctx.dp_group, ctx.dp_intra_group, ctx.dp_inter_group)
-    writer = rank == 0
+    writer = ctx.rank == 0
     resume = plan_resume(cfg, vocab, writer, warn)  # before anything is written: a bad checkpoint is bad input
     if nothing_to_do(resume, cfg, writer):
         return
@@ -92,9 +109,19 @@ def run(cfg: Config, log: Optional[RunLog] = None) -> None:
                         f"exact match: {n == analytic}), {trainer.report.flops_per_token / 1e9:.3f} GFLOP/token "
                         f"(6N + 12·L·h·s), vocab {vocab}, {trainer.num_microbatches} microbatch(es)/step, "
                         f"device {device}, run dir {cfg.logging.dir}")
+    _fit(trainer, log)
+
+
+def _fit(trainer: Trainer, log: RunLog) -> None:
+    """Train, summarize, close; a write that fails meanwhile (full disk, permissions) is a WriteFault."""
     try:
         trainer.fit()
         trainer.summarize(log.elapsed(), log.path)  # collective: after a fit every rank completed
+    except BaseException as e:
+        fault = write_fault(e, trainer.step)  # one line and exit 1 instead of a traceback
+        if fault is None:
+            raise
+        raise WriteFault(fault) from None
     finally:
         trainer.close()
 
@@ -179,7 +206,7 @@ def _shutdown() -> None:
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def _hydra_main(cfg: Config) -> None:
     with RunLog(env_int("RANK", 0) == 0, command_line()) as log:  # rank 0's lines, also in train.log
-        exit_on_error(lambda: run(cfg, log))  # bad input: one line per rank, exit 2 (hybrid.cli)
+        exit_on_error(lambda: run(cfg, log), RUN_ERRORS)  # one line per rank, exit 2 or 1 (hybrid.cli)
     _shutdown()
 
 
