@@ -14,6 +14,7 @@ matplotlib is installed.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
@@ -36,8 +37,10 @@ class StepReport:
     """The record of a logged step on one rank (every rank builds it: the sums are collective)."""
 
     def __init__(self, cfg: Config, ctx: ParallelContext, grad_sync: GradSync, device: torch.device,
-                 n_params: int, seq_len: int) -> None:
+                 n_params: int, seq_len: int, say: Callable[[str], None] = print) -> None:
         self.cfg, self.ctx, self.grad_sync, self.device, self.seq_len = cfg, ctx, grad_sync, device, seq_len
+        self.say = say  # the run's log (rank 0 prints)
+        self.diverged_at: Optional[int] = None  # the first logged step whose loss was NaN or inf
         m = cfg.model
         self.flops_per_token = model_flops_per_token(n_params, m.n_layers, m.hidden, seq_len)
         self.peak = peak_flops(device)
@@ -71,7 +74,12 @@ class StepReport:
                 "bytes_embedding": embedding / world, **sync, **comm}
 
     def record(self, step: int, loss: float, grad_norm: float, lr: float, step_time_s: float) -> dict[str, Any]:
-        """The metrics.jsonl record of a step. Collective (see `mean_bytes`)."""
+        """The metrics.jsonl record of a step. Collective (see `mean_bytes`). The first non-finite loss
+        also gets a warning line: such a state is not saved (`Checkpointer.save`)."""
+        if not math.isfinite(loss) and self.diverged_at is None:
+            self.diverged_at = step
+            self.say(f"warning: the loss is {loss} at step {step}: training diverged (a lower train.lr, or "
+                     "optim.grad_clip, may help); a non-finite state is never checkpointed")
         tokens = self.cfg.train.global_batch_size * self.seq_len
         tps = tokens / step_time_s
         flops = tps * self.flops_per_token / self.ctx.layout.world  # achieved per rank

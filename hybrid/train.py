@@ -16,6 +16,7 @@ import hydra
 import torch
 import torch.distributed as dist
 
+from hybrid.checkpoint import NonFiniteState
 from hybrid.cli import EXIT_BAD_INPUT, EXIT_FAILED, App, env_int, exit_on_error, precheck, warn
 from hybrid.config import CONFIG_DIR, CompressionConfig, Config, ConfigError, register_configs
 from hybrid.runlog import RunLog, command_line, save_hydra_files
@@ -29,8 +30,9 @@ if TYPE_CHECKING:
     from hybrid.trainer import Trainer
 
 
-RUN_ERRORS = ((ConfigError, EXIT_BAD_INPUT), (WriteFault, EXIT_FAILED))
-"""Bad input (config, data, checkpoint, the run's folders) exits 2; a write that failed while training, 1."""
+RUN_ERRORS = ((ConfigError, EXIT_BAD_INPUT), (WriteFault, EXIT_FAILED), (NonFiniteState, EXIT_FAILED))
+"""Bad input (config, data, checkpoint, the run's folders) exits 2; a write that failed while training, or a
+diverged (non-finite) state due to be checkpointed, 1."""
 
 
 def _device(cfg: Config) -> torch.device:

@@ -105,7 +105,7 @@ class Trainer:
         self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
         self._microbatches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.n_params = self.count_params()  # collective over TP and PP: every rank computes it here, once
-        self.report = StepReport(cfg, ctx, self.grad_sync, device, self.n_params, corpus.seq_len)
+        self.report = StepReport(cfg, ctx, self.grad_sync, device, self.n_params, corpus.seq_len, self.message)
         self.profiler = StepProfiler(cfg.profile, ctx.rank, device, self.message)
         self.checkpointer = Checkpointer(cfg, ctx, device, self.checkpoint_states(),
                                          tokenizer=getattr(corpus, "tokenizer", None), log=self.message)

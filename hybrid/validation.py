@@ -83,6 +83,7 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
     _require(cfg.optim.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {cfg.optim.warmup_steps}")
     _require(cfg.logging.log_every >= 1, f"logging.log_every must be >= 1, got {cfg.logging.log_every}")
     _validate_checkpoint(cfg.checkpoint)
+    _validate_run_name(str(cfg.run_name))
     s = list(cfg.profile.steps)
     _require(not s or (len(s) == 2 and 1 <= s[0] <= s[1] <= t.steps),
              f"profile.steps={s} must be [] or [first, last] with 1 <= first <= last <= train.steps={t.steps}")
@@ -127,6 +128,13 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
     _require(c.keep >= 0, f"checkpoint.keep must be >= 0 (0 keeps all), got {c.keep}")
     _require(bool(str(c.resume).strip()), "checkpoint.resume must be none, auto or a checkpoint path")
     _require(bool(str(c.dir).strip()), "checkpoint.dir must not be empty")
+
+
+def _validate_run_name(name: str) -> None:
+    """run_name names one folder inside checkpoint.dir (and runs/): it must not climb out of it."""
+    _require(bool(name.strip()) and name not in (".", "..") and not any(c in name for c in "/\\\0"),
+             f"run_name={name!r} must be one folder name (no '/', '\\', '..'): it names a folder inside "
+             "checkpoint.dir and runs/")
 
 
 def _validate_model(m: ModelConfig, tp: int) -> None:

@@ -12,10 +12,11 @@ One folder per step, `<checkpoint.dir>/<run name>/step_0000100/`:
 The rooms: `files` (step folders, completeness, `latest`, keep-k), `resume` (which checkpoint to
 resume and whether it fits), `state` (the layout-independent state dict and its resharding load),
 `stager` (the blocking copy of an async save), `checkpointer` (`Checkpointer`: save, load, cleanup),
-`preempt` (save on a signal: the flag, and the ranks' agreement on it).
+`preempt` (save on a signal: the flag, and the ranks' agreement on it), `trust` (what is read or removed:
+the restricted index reader, foreign folders, removal inside the run folder only).
 """
 
-from hybrid.checkpoint.checkpointer import Checkpointer
+from hybrid.checkpoint.checkpointer import Checkpointer, NonFiniteState
 from hybrid.checkpoint.files import (
     FORMAT,
     MANIFEST,
@@ -45,7 +46,7 @@ from hybrid.checkpoint.stager import Stager
 from hybrid.checkpoint.state import init_optimizer_state, load_weights
 
 __all__ = [
-    "FORMAT", "MANIFEST", "METADATA", "CheckpointError", "Checkpointer", "Stager", "check_compatible",
+    "FORMAT", "MANIFEST", "METADATA", "CheckpointError", "Checkpointer", "NonFiniteState", "Stager", "check_compatible",
     "config_changes", "find_latest", "finished_line", "init_optimizer_state", "layout_name", "layout_of",
     "list_steps", "load_weights", "model_shape", "plan_resume", "problem", "read_manifest", "refuse_changes",
     "resolve_resume", "run_root", "stale", "step_path", "training_changes",

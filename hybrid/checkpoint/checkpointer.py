@@ -19,7 +19,6 @@ barrier; a load runs DCP's plan exchange.
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -51,6 +50,7 @@ from hybrid.checkpoint.state import (
     coord_key,
     derive_rng_state,
     fill_copies,
+    first_nonfinite,
     init_optimizer_state,
     load_target,
     model_pieces,
@@ -60,6 +60,7 @@ from hybrid.checkpoint.state import (
     to_dcp,
     unblob,
 )
+from hybrid.checkpoint.trust import remove_step
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -70,6 +71,10 @@ if TYPE_CHECKING:
 
 def _quiet(_: str) -> None:
     pass
+
+
+class NonFiniteState(RuntimeError):
+    """The state due to be saved holds a NaN or an inf: it was not saved, and nothing was removed."""
 
 
 def _tp_mesh(ctx: ParallelContext, device: torch.device) -> Optional[DeviceMesh]:
@@ -117,6 +122,7 @@ class Checkpointer:
         run = self.states["trainer"].state_dict()
         path = step_path(self.root, run["step"])
         self.saved_step = run["step"]
+        self.refuse_nonfinite(run["step"])
         state = self.state_dict()
         self._prepare(path, run)
         start = time.perf_counter()
@@ -143,6 +149,27 @@ class Checkpointer:
         if self.writer:
             self.log(f"checkpoint: saved step {step} on {sig.name}; exiting (resume with checkpoint.resume=auto)")
         return sig.name
+
+    def refuse_nonfinite(self, step: int) -> None:
+        """Raise NonFiniteState on every rank when any rank's parameters or AdamW moments hold a NaN or an
+        inf: such a state is never written, and no finite checkpoint is removed for it. Collectives: one
+        all_reduce (MIN) over the world of the first rank with such a tensor, then, when there is one, a
+        broadcast of that tensor's global name from it."""
+        init_optimizer_state(self.states["optimizer"])
+        name = first_nonfinite(model_pieces(self.states["model"], self.states["optimizer"], False))
+        world = dist.get_world_size() if distributed() else 1
+        first = torch.tensor([self.ctx.rank if name is not None else world])
+        if distributed():
+            dist.all_reduce(first, op=dist.ReduceOp.MIN)
+            box = [name]
+            if int(first) < world:
+                dist.broadcast_object_list(box, src=int(first))
+            name = box[0]
+        if int(first) < world:
+            latest = self.root / "latest"
+            kept = latest.resolve() if latest.exists() else "none was saved"
+            raise NonFiniteState(f"step {step} was not checkpointed: {name} is not finite (NaN or inf) on rank "
+                                 f"{int(first)}; the last finite checkpoint ({kept}) is kept and nothing was removed")
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is complete, then clean up."""
@@ -182,17 +209,31 @@ class Checkpointer:
                 "torch": torch.__version__, "config": OmegaConf.to_container(cfg, resolve=True)}
 
     def _prepare(self, path: Path, run: dict[str, Any]) -> None:
-        """Rank 0 replaces any earlier folder of this step, writes the manifest and the tokenizer;
-        everyone waits for it before DCP writes a byte."""
+        """Rank 0 replaces any earlier folder of this step (`trust.remove_step`: a symbolic link is unlinked,
+        never followed), writes the manifest and the tokenizer; everyone waits for it before DCP writes a
+        byte. Collective: a broadcast from rank 0 of its error (None when it wrote), so that a failed write
+        (disk full, permissions) is the same error on every rank rather than a hang or a peer's traceback."""
+        error: Optional[OSError] = None
         if self.writer:
-            if path.exists():
-                shutil.rmtree(path)
-            path.mkdir(parents=True)
-            write_manifest(path, self._manifest(run))
-            if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
-                self.tokenizer.save_pretrained(str(path / "tokenizer"))
+            try:
+                self._write_head(path, run)
+            except OSError as e:
+                error = e
         if distributed():
-            dist.barrier(group=self.group)
+            box = [error]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            error = box[0]
+        if error is not None:
+            raise error
+
+    def _write_head(self, path: Path, run: dict[str, Any]) -> None:
+        why = remove_step(path, self.root)
+        if why is not None:
+            raise FileExistsError(f"checkpoint: cannot save step {run['step']}: {why}")
+        path.mkdir(parents=True)
+        write_manifest(path, self._manifest(run))
+        if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
+            self.tokenizer.save_pretrained(str(path / "tokenizer"))
 
     def _finish(self, path: Path, start: float) -> None:
         if not self.writer:
@@ -207,8 +248,8 @@ class Checkpointer:
         """Remove what keep-k (`files.stale`) says, never the checkpoint resumed from. Nothing is in
         flight here."""
         for p in stale(scan(self.root), self.keep, {p.resolve() for p in self.protected}):
-            shutil.rmtree(p, ignore_errors=True)
-            self.log(f"checkpoint: removed {p}")
+            why = remove_step(p, self.root)
+            self.log(f"checkpoint: removed {p}" if why is None else f"warning: checkpoint: kept {p}: {why}")
 
     def load(self, path: Path, manifest: dict[str, Any]) -> None:
         """Load `path` (with its `manifest`, from `plan_resume`): parameters and optimizer state

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
+from hybrid.checkpoint.trust import SafeReader, untrusted
 from hybrid.config import Config, ConfigError
 
 MANIFEST, METADATA, FORMAT = "hybrid.json", ".metadata", 1
@@ -42,16 +42,20 @@ def step_path(root: Path, step: int) -> Path:
 
 
 def list_steps(root: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every `step_*` folder under `root`, oldest first, complete or not."""
+    """(step, folder) of every `step_*` folder under `root`, oldest first, complete or not. A symbolic
+    link named like one is not a folder this run wrote: it is neither resumed nor removed."""
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _STEP_DIR.match(p.name)) and p.is_dir() and not p.is_symlink()]
     return sorted(found)
 
 
 def problem(path: Path) -> Optional[str]:
     """Why `path` is not a complete, loadable checkpoint; None when it is. Checks the manifest, DCP's
-    index, and that every shard file the index names exists and is as long as the index says."""
+    index, and that every shard file the index names exists and is as long as the index says. A symbolic
+    link is judged by its target."""
+    path = path.resolve()
     if not path.exists():
         return "does not exist"
     if not path.is_dir():
@@ -60,12 +64,15 @@ def problem(path: Path) -> Optional[str]:
         return f"is not a hybrid checkpoint ({MANIFEST} is missing)"
     if not (path / METADATA).is_file():
         return f"is incomplete: {METADATA} is missing (the save did not finish)"
+    for p in (path, path / MANIFEST, path / METADATA):
+        if why := untrusted(p):
+            return f"is not trusted: {p.name} {why} (a copy you make is yours: cp -r it into a folder of yours)"
     try:
         read_manifest(path)
     except Exception as e:  # noqa: BLE001  (any unreadable manifest is a corrupt checkpoint)
         return f"is corrupt: cannot read its {MANIFEST} ({first_line(e)})"
     try:
-        md = dcp.FileSystemReader(str(path)).read_metadata()
+        md = SafeReader(str(path)).read_metadata()  # a restricted unpickler: a crafted index runs no code
     except Exception as e:  # noqa: BLE001  (any unreadable index is a corrupt checkpoint)
         return f"is corrupt: cannot read its index {METADATA} ({first_line(e)})"
     need: dict[str, int] = {}
@@ -119,7 +126,7 @@ def stale(steps: list[tuple[int, Path, bool]], keep: int, protected: set[Path]) 
 
 
 def scan(root: Path) -> list[tuple[int, Path, bool]]:
-    """(step, resolved folder, complete) of every step folder under `root`, oldest first."""
+    """(step, resolved folder, complete) of every step folder under `root` (no symbolic links), oldest first."""
     return [(s, p.resolve(), (p / METADATA).is_file()) for s, p in list_steps(root)]
 
 

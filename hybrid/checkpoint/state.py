@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor, Shard
 
 from hybrid.checkpoint.files import CheckpointError, distributed, first_line, single_process_quiet
+from hybrid.checkpoint.trust import SafeReader
 from hybrid.parallel.params import param_info
 
 if TYPE_CHECKING:
@@ -113,6 +114,11 @@ def model_pieces(model: nn.ModuleList, optimizer: Optional[torch.optim.Optimizer
     return out
 
 
+def first_nonfinite(found: list[Piece]) -> Optional[str]:
+    """The global name of the first piece holding a NaN or an inf, else None (one pass over each tensor)."""
+    return next((p.key for p in found if not bool(torch.isfinite(p.local).all())), None)
+
+
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create AdamW's state (zero moments, step 0) for every parameter that has none yet, so that a
     load can fill it in place; AdamW itself creates exactly this on its first step."""
@@ -140,7 +146,8 @@ def blob(obj: Any) -> bytes:
 
 
 def unblob(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
+    """A blob back as tensors and containers (`weights_only=True`: a crafted blob cannot run code)."""
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def coord_key(kind: str, pp: int, dp: int, tp: int) -> str:
@@ -242,7 +249,8 @@ def read_state(state: dict[str, Any], path: Path) -> None:
     failure is a CheckpointError naming `path`."""
     try:
         with single_process_quiet():
-            dcp.load(state, checkpoint_id=str(path), planner=ReshardingLoadPlanner(), no_dist=not distributed())
+            dcp.load(state, storage_reader=SafeReader(str(path)), planner=ReshardingLoadPlanner(),
+                     no_dist=not distributed())
     except CheckpointException as e:  # DCP wraps each rank's error (a BaseException): report the first
         failures = [exc for exc, _ in e.failures.values()]
         raise CheckpointError(_load_failure(path, failures[0] if failures else e)) from None
