@@ -49,14 +49,14 @@ PARITY_RUNS: tuple[tuple[str, tuple[str, ...], bool], ...] = (  # (label, overri
     ("torch_powersgd EF", ("compression=torch_powersgd", "compression.rank=4", "compression.warmup_steps=2"), False),
 )
 PARITY_GOAL = 0.03
-QUICK = {"dp": 2, "seq": 32, "micro_batch": 2, "global_batch": 4, "steps": 5, "eval_batches": 1, "error_every": 1,
+QUICK = {"dp": 2, "seq": 32, "micro_batch": 2, "global_batch": 4, "steps": 3, "eval_batches": 1, "error_every": 1,
          "retry_warmup": 0.0, "timeout": 300.0}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of this benchmark."""
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
-    common.add_quick(p, "5 steps per run, under a minute")
+    common.add_quick(p, "3 steps per run, under a minute")
     p.add_argument("--model", default="gpt-tiny", help="hybrid/configs/model")
     p.add_argument("--dp", type=int, default=4, help="DP ranks")
     p.add_argument("--seq", type=int, default=64, help="data.seq_len")
