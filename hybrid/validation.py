@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -18,6 +19,7 @@ from hybrid.config import (
     ConfigError,
     DataConfig,
     ModelConfig,
+    OptimConfig,
     ParallelConfig,
 )
 from hybrid.parallel.schedules import SCHEDULES, ScheduleError, check_sizes
@@ -66,21 +68,21 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
     _require(m.n_layers >= p.pp * p.virtual_stages,
              f"model.n_layers={m.n_layers} is fewer than pp·virtual_stages = {p.pp * p.virtual_stages}")
     _require(p.bucket_mb > 0, f"parallel.bucket_mb must be > 0, got {p.bucket_mb}")
-    _require(t.steps >= 0, f"train.steps must be >= 0, got {t.steps}")
     _require(t.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {t.micro_batch_size}")
     per_step = t.micro_batch_size * layout.dp
     _require(t.global_batch_size >= per_step and t.global_batch_size % per_step == 0,
              f"train.global_batch_size={t.global_batch_size} is not a multiple of "
              f"micro_batch_size·dp = {t.micro_batch_size}·{layout.dp} = {per_step}")
     _validate_pipeline(p, m, t.global_batch_size // per_step)
-    _require(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    _require(math.isfinite(t.lr) and t.lr > 0, f"train.lr must be a finite number > 0, got {t.lr}")
+    _require(t.steps >= 1, f"train.steps must be >= 1 (optimizer steps to train), got {t.steps}")
     _require(t.eval_every >= 0 and t.eval_batches >= 1, "train.eval_every must be >= 0 and eval_batches >= 1")
     _validate_data(cfg.data, m)
     if p.sequence_parallel:
         _require(cfg.data.seq_len % p.tp == 0, f"parallel.sequence_parallel=true needs "
                  f"data.seq_len={cfg.data.seq_len} divisible by parallel.tp={p.tp}")
-    _require(cfg.optim.grad_clip >= 0, f"optim.grad_clip must be >= 0, got {cfg.optim.grad_clip}")
-    _require(cfg.optim.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {cfg.optim.warmup_steps}")
+    _validate_optim(cfg.optim)
+    _validate_block_size(cfg.compression, p.bucket_mb, layout.dp)
     _require(cfg.logging.log_every >= 1, f"logging.log_every must be >= 1, got {cfg.logging.log_every}")
     _validate_checkpoint(cfg.checkpoint)
     _validate_run_name(str(cfg.run_name))
@@ -107,6 +109,29 @@ def _validate_pipeline(p: ParallelConfig, m: ModelConfig, microbatches: int) -> 
             partition_layers(m.n_layers, p.pp * p.virtual_stages, p.stage_layers)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+
+def _validate_optim(o: OptimConfig) -> None:
+    """AdamW's hyperparameters and the schedule's: each inside the range where it means something."""
+    for key in ("beta1", "beta2"):
+        _require(0.0 <= getattr(o, key) < 1.0, f"optim.{key} must be in [0, 1), got {getattr(o, key)}")
+    _require(o.eps > 0, f"optim.eps must be > 0, got {o.eps}")
+    _require(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
+    _require(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio must be in [0, 1] (the cosine's floor as a share "
+             f"of train.lr), got {o.min_lr_ratio}")
+    _require(o.grad_clip >= 0, f"optim.grad_clip must be >= 0, got {o.grad_clip}")
+    _require(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
+    for key in ("beta1", "beta2", "eps", "weight_decay", "min_lr_ratio", "grad_clip"):
+        _require(math.isfinite(getattr(o, key)), f"optim.{key} must be finite, got {getattr(o, key)}")
+
+
+def _validate_block_size(c: CompressionConfig, bucket_mb: float, dp: int) -> None:
+    """A scale block of int8/sign is at most one DP rank's chunk of a full bucket: each chunk is padded to
+    a whole number of blocks, so a larger block only allocates padding (at most doubling a chunk here)."""
+    limit = max(1, int(bucket_mb * 2**20 / 4) // dp)
+    _require(c.block_size <= limit, f"compression.block_size={c.block_size} exceeds one DP rank's chunk of a "
+             f"bucket ({limit} fp32 elements = parallel.bucket_mb={bucket_mb} MB / dp={dp}); each chunk is "
+             "padded to whole blocks")
 
 
 def _validate_compression(c: CompressionConfig) -> None:
@@ -142,6 +167,12 @@ def _validate_model(m: ModelConfig, tp: int) -> None:
 
     for key in ("n_layers", "hidden", "n_heads", "max_seq_len", "make_vocab_size_divisible_by"):
         _require(getattr(m, key) >= 1, f"model.{key} must be >= 1, got {getattr(m, key)}")
+    for key in ("n_kv_heads", "ffn_hidden"):  # null means the default; 0 or less is not a size
+        _require(getattr(m, key) is None or getattr(m, key) >= 1,
+                 f"model.{key} must be >= 1 (or null for the default), got {getattr(m, key)}")
+    for key in ("norm_eps", "init_std", "rope_theta"):
+        value = getattr(m, key)
+        _require(math.isfinite(value) and value > 0, f"model.{key} must be a finite number > 0, got {value}")
     _require(m.hidden % m.n_heads == 0, f"model.hidden={m.hidden} is not divisible by model.n_heads={m.n_heads}")
     kv = m.n_kv_heads or m.n_heads
     _require(kv >= 1 and m.n_heads % kv == 0,

@@ -58,9 +58,15 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
 
 
 def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """The transformers tokenizer saved in `folder`; a folder it cannot load is one ConfigError line."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # noqa: BLE001  (a garbled or partial folder fails in many ways: all are bad input)
+        text = str(e).strip().splitlines()
+        raise ConfigError(f"tokenizer {folder} cannot be loaded ({type(e).__name__}: "
+                          f"{text[0] if text else 'no message'})") from None
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"tokenizer {folder} has no eos_token (needed as the document separator)")
     return tokenizer
@@ -71,6 +77,9 @@ def resolve_tokenizer(tokenizer: Optional[str], init_from: Optional[str]) -> Opt
     if tokenizer is not None:
         if not Path(tokenizer).is_dir():
             raise ConfigError(f"data.tokenizer={tokenizer} is not a directory")
+        if not any((Path(tokenizer) / f).is_file() for f in TOKENIZER_FILES):
+            raise ConfigError(f"data.tokenizer={tokenizer} holds no tokenizer ({' or '.join(TOKENIZER_FILES)} "
+                              "is missing)")
         return str(tokenizer)
     if init_from is not None and any((Path(init_from) / f).is_file() for f in TOKENIZER_FILES):
         log.info("data.tokenizer unset: using the tokenizer of model.init_from=%s", init_from)

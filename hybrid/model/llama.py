@@ -38,6 +38,13 @@ def check_rope(cfg: ModelConfig) -> None:
         raise ModelConfigError("llama needs an even head dimension for RoPE")
 
 
+def check_rope_length(cfg: ModelConfig, seq_len: int) -> None:
+    """The RoPE tables hold model.max_seq_len positions (transformers' max_position_embeddings)."""
+    if seq_len > cfg.max_seq_len:
+        raise ModelConfigError(f"data.seq_len={seq_len} exceeds model.max_seq_len={cfg.max_seq_len} "
+                               "(the RoPE tables' positions)")
+
+
 def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     """LlamaConfig keywords; dropout on attention probabilities. The RoPE base goes in both spellings:
     transformers 5 reads `rope_parameters`, 4.x only `rope_theta`."""
@@ -87,6 +94,7 @@ LLAMA = register_family(Family(
     blocks=Blocks(norm="rms", mlp="swiglu", bias=False, positions="rope"),
     param_count=llama_param_count,
     check=check_rope,
+    check_seq_len=check_rope_length,
     hf=HFCounterpart(model_type="llama", config_class="LlamaConfig", lm_class="LlamaForCausalLM",
                      config=hf_config_kwargs, rules=hf_rules, shape=hf_shape),
 ))
