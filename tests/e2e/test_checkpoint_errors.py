@@ -12,14 +12,15 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from test_torchrun import QUICK, ROOT, torchrun
 from test_torchrun import env as env  # noqa: F401  (the shared fixture)
 
+import hybrid.train
 from hybrid.checkpoint import METADATA, step_path
+from hybrid.testing.cli_runs import CliRun, run_forked
 
 RUN = "gpt-tiny-dp"
 CONFIG = [*QUICK, "model.hidden=64", "model.n_layers=2", "train.steps=4", "train.eval_every=0",
@@ -31,15 +32,15 @@ def saved(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> Path
     """A finished run: `<tmp>/ck/gpt-tiny-dp/step_000000{2,4}` and `<tmp>/run/metrics.jsonl` (steps 1..4)."""
     tmp = tmp_path_factory.mktemp("saved")
     r = train(tmp, tmp / "run", env)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.code == 0, r.stderr[-3000:]
     assert (step_path(tmp / "ck" / RUN, 4) / METADATA).is_file()
     return tmp
 
 
-def train(tmp: Path, run_dir: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "hybrid.train", *CONFIG, f"checkpoint.dir={tmp / 'ck'}", f"logging.dir={run_dir}",
-           *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+def train(tmp: Path, run_dir: Path, env: dict[str, str], *extra: str) -> CliRun:
+    """`python -m hybrid.train` as a forked child of this process (hybrid.testing.cli_runs)."""
+    argv = [*CONFIG, f"checkpoint.dir={tmp / 'ck'}", f"logging.dir={run_dir}", *extra]
+    return run_forked(hybrid.train.main, argv, ROOT, env, timeout_s=180)
 
 
 def snapshot(*roots: Path) -> dict[str, tuple[int, int, bytes]]:
@@ -78,7 +79,7 @@ def bad_copy(saved: Path, tmp: Path, kind: str) -> tuple[Path, list[str], str]:
     return saved / "run", [], "is not a hybrid checkpoint (hybrid.json is missing)"  # a run folder, not a checkpoint
 
 
-def check_refused(r: subprocess.CompletedProcess, path: Path, reason: str, ranks: list[str]) -> None:
+def check_refused(r: CliRun | subprocess.CompletedProcess, path: Path, reason: str, ranks: list[str]) -> None:
     """One `hybrid: error:` message per rank naming `path` and `reason`, no traceback before them.
     (Found in the text, not per line: under PYTHONUNBUFFERED=1 two ranks' lines can interleave.)"""
     found = re.findall(r"(\[rank\d+\] )?hybrid: error: (.*?)(?=\[rank\d+\] hybrid: error: |\n|$)", r.stderr)
@@ -99,7 +100,7 @@ def test_a_bad_checkpoint_is_one_line_and_writes_nothing(kind: str, saved: Path,
     shutil.copytree(saved / "run", run_dir)
     before = snapshot(saved / "ck", tmp_path / "copy", run_dir / "metrics.jsonl")
     r = train(saved, run_dir, env, f"checkpoint.resume={path}", *extra)
-    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.code == 2, r.stderr[-3000:]
     check_refused(r, path, reason, [""])
     assert "Traceback" not in r.stderr
     assert snapshot(saved / "ck", tmp_path / "copy", run_dir / "metrics.jsonl") == before

@@ -18,18 +18,23 @@ from pathlib import Path
 from test_torchrun import QUICK
 from test_torchrun import env as env  # noqa: F401  (the shared fixture)
 
+import hybrid.train
 from hybrid.checkpoint import MANIFEST, METADATA, read_manifest, run_root, step_path
 from hybrid.config import compose_config
 from hybrid.optim import lr_at
+from hybrid.testing.cli_runs import CliRun, run_forked
 
 SMALL = [*QUICK, "model.hidden=64", "model.n_layers=2", "data.max_chars=200000", "train.eval_every=0"]
 TIMEOUT = 180
 
 
-def train(cwd: Path, env: dict[str, str], *args: str, nproc: int = 0) -> subprocess.CompletedProcess:
-    """`python -m hybrid.train args` in `cwd` (under torchrun with `nproc` ranks when nproc > 0)."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
-    cmd = [sys.executable, *launcher, "-m", "hybrid.train", *args]
+def train(cwd: Path, env: dict[str, str], *args: str, nproc: int = 0) -> CliRun | subprocess.CompletedProcess:
+    """`python -m hybrid.train args` in `cwd`: under torchrun with `nproc` ranks when nproc > 0, else as a
+    forked child of this process (hybrid.testing.cli_runs: the same entry point, without the imports)."""
+    if not nproc:
+        return run_forked(hybrid.train.main, list(args), cwd, env, timeout_s=TIMEOUT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+           "hybrid.train", *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
 
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from hybrid.config import CONFIG_DIR, ConfigError, compose_config
+from hybrid.testing.cli_runs import CliRun, run_forked
 from hybrid.validation import validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,7 +89,7 @@ def test_derived_dp_and_microbatches() -> None:
     (["model.n_heads=6", "model.hidden=384", "parallel=tp4pp2"], 8, "n_heads=6 is not divisible by parallel.tp=4"),
     (["model=llama-tiny", "parallel=tp4pp2"], 8, "n_kv_heads=2 is not divisible by parallel.tp=4"),
     (["model.ffn_hidden=1022", "parallel=tp4pp2"], 8, "ffn_hidden=1022 is not divisible"),
-    (["train.steps=-1"], 1, "train.steps must be >= 0"),
+    (["train.steps=-1"], 1, "train.steps must be >= 1"),
     (["train.global_batch_size=30"], 4, "not a multiple of micro_batch_size"),
     (["data.seq_len=4096"], 1, "exceeds model.max_seq_len"),
     (["model.n_layers=2", "parallel=pp4"], 4, "fewer than pp"),
@@ -122,17 +120,18 @@ def test_validate_rejects(overrides: list[str], world: int, needle: str) -> None
         validate(compose_config(overrides), world)
 
 
-def run_train(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "hybrid.train", *args], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT, env=full_env)
+def run_train(*args: str, cwd: Path = ROOT) -> CliRun:
+    """`python -m hybrid.train *args` as a forked child of this process (hybrid.testing.cli_runs)."""
+    import hybrid.train
+
+    return run_forked(hybrid.train.main, list(args), cwd, {"OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.parametrize("args,needle", [
     (["model=nope"], "Could not find 'model/nope'"),
     (["train.foo=1"], "Could not override 'train.foo'"),
     (["train.steps=abc"], "could not be converted to Integer"),
-    (["train.steps=-5"], "train.steps must be >= 0"),
+    (["train.steps=-5"], "train.steps must be >= 1"),
     (["model.hidden=250"], "hidden=250 is not divisible by model.n_heads=4"),
     (["data.path=/nonexistent/corpus.txt"], "does not exist"),
     (["compression=nope"], "Could not find 'compression/nope'"),
@@ -140,16 +139,16 @@ def run_train(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
     (["train.steps=4", "profile.steps=[3,9]"], "profile.steps=[3, 9] must be"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, tmp_path: Path) -> None:
-    r = run_train(*args, f"logging.dir={tmp_path}", "logging.wandb.mode=disabled")
+    r = run_train(*args, f"logging.dir={tmp_path}", "logging.wandb.mode=disabled", cwd=tmp_path)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert r.returncode == 2, r.stderr
+    assert r.code == 2, r.stderr
     assert len(lines) == 1 and lines[0].startswith("hybrid: error:"), r.stderr
     assert needle in lines[0]
 
 
 def test_cfg_job_prints_the_composed_config() -> None:
     r = run_train("--cfg", "job", "model=llama-tiny", "train.steps=7")
-    assert r.returncode == 0, r.stderr
+    assert r.code == 0, r.stderr
     assert "family: llama" in r.stdout and "steps: 7" in r.stdout
 
 

@@ -1,0 +1,80 @@
+"""Every bad input of the command line is one `hybrid: error:` line, exit status 2, no traceback, and nothing
+written: a table of command lines, each run through the real entry point `hybrid.train.main` in a forked
+child (hybrid.testing.cli_runs: a real process, without seconds of imports each) working in an empty folder
+that must stay empty. One case also runs as a fresh `python -m hybrid.train`, the reference the fork must
+match. To cover a new bad input, add a row to CASES.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hybrid.train
+from hybrid.testing.cli_runs import CliRun, run_forked
+
+B = ["model=gpt-tiny", "data.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=4",
+     "logging.wandb.mode=disabled", "logging.progress=false"]
+
+CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece of the one error line)
+    ("beta1", ["optim.beta1=1.5"], "optim.beta1 must be in [0, 1)"),
+    ("beta2", ["optim.beta2=1"], "optim.beta2 must be in [0, 1)"),
+    ("eps", ["optim.eps=-1"], "optim.eps must be > 0"),
+    ("weight-decay", ["optim.weight_decay=-0.1"], "optim.weight_decay must be >= 0"),
+    ("min-lr-ratio", ["optim.min_lr_ratio=-3"], "optim.min_lr_ratio must be in [0, 1]"),
+    ("lr-inf", ["train.lr=inf"], "train.lr must be a finite number > 0"),
+    ("lr-nan", ["train.lr=nan"], "train.lr must be a finite number > 0"),
+    ("steps-0", ["train.steps=0"], "train.steps must be >= 1"),
+    ("init-std", ["model.init_std=-1"], "model.init_std must be a finite number > 0"),
+    ("norm-eps", ["model.norm_eps=-1"], "model.norm_eps must be a finite number > 0"),
+    ("ffn-negative", ["model.ffn_hidden=-8"], "model.ffn_hidden must be >= 1"),
+    ("ffn-zero", ["model.ffn_hidden=0"], "model.ffn_hidden must be >= 1"),
+    ("kv-heads-zero", ["model.n_kv_heads=0"], "model.n_kv_heads must be >= 1"),
+    ("unknown-key", ["+train.foo=1"], "unknown key 'train.foo'"),
+    ("block-size", ["compression=int8", "compression.block_size=1000000000"],
+     "compression.block_size=1000000000 exceeds one DP rank's chunk of a bucket"),
+    ("llama-seq-len", ["model=llama-tiny", "data.seq_len=4096"], "exceeds model.max_seq_len"),
+    ("run-name-escapes", ["run_name=../../x"], "run_name='../../x' must be one folder name"),
+    ("tokenizer-empty", ["data.tokenizer={empty}"], "holds no tokenizer"),
+    ("tokenizer-garbled", ["data.tokenizer={garbled}"], "cannot be loaded"),
+]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Prepared inputs outside the runs' working folders: an empty and a garbled tokenizer folder."""
+    root = tmp_path_factory.mktemp("inputs")
+    (root / "empty").mkdir()
+    (root / "garbled").mkdir()
+    (root / "garbled" / "tokenizer.json").write_text("{not json")
+    return {"empty": str(root / "empty"), "garbled": str(root / "garbled")}
+
+
+def assert_refused(r: CliRun, needle: str, cwd: Path) -> None:
+    assert r.code == 2, (r.code, r.stderr[-3000:])
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert len(r.error_lines()) == 1 and needle in r.error_lines()[0], r.stderr[-3000:]
+    assert list(cwd.iterdir()) == [], sorted(p.name for p in cwd.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_exit_2_nothing_written(overrides: list[str], needle: str, folders: dict[str, str],
+                                                      tmp_path: Path) -> None:
+    argv = [*B, *(o.format(**folders) for o in overrides)]
+    assert_refused(run_forked(hybrid.train.main, argv, tmp_path, {"OMP_NUM_THREADS": "1"}), needle, tmp_path)
+
+
+def test_the_fork_runs_as_a_fresh_process_does(tmp_path: Path) -> None:
+    (tmp_path / "fork").mkdir()
+    (tmp_path / "fresh").mkdir()
+    argv = [*B, "optim.eps=-1"]
+    forked = run_forked(hybrid.train.main, argv, tmp_path / "fork")
+    fresh = subprocess.run([sys.executable, "-m", "hybrid.train", *argv], cwd=tmp_path / "fresh", text=True,
+                           capture_output=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert (forked.code, forked.error_lines()) == (fresh.returncode, [ln for ln in fresh.stderr.splitlines()
+                                                                      if "hybrid: error:" in ln])
+    assert_refused(forked, "optim.eps must be > 0", tmp_path / "fork")
