@@ -19,6 +19,7 @@ import torch.distributed as dist
 from hybrid.checkpoint import NonFiniteState
 from hybrid.cli import EXIT_BAD_INPUT, EXIT_FAILED, App, env_int, exit_on_error, precheck, warn
 from hybrid.config import CONFIG_DIR, CompressionConfig, Config, ConfigError, register_configs
+from hybrid.parallel.timeouts import CollectiveFault, collective_fault, timeout_of
 from hybrid.runlog import RunLog, command_line, save_hydra_files
 from hybrid.startup import WriteFault, hold_run_folders, write_fault
 from hybrid.validation import validate
@@ -30,9 +31,10 @@ if TYPE_CHECKING:
     from hybrid.trainer import Trainer
 
 
-RUN_ERRORS = ((ConfigError, EXIT_BAD_INPUT), (WriteFault, EXIT_FAILED), (NonFiniteState, EXIT_FAILED))
+RUN_ERRORS = ((ConfigError, EXIT_BAD_INPUT), (WriteFault, EXIT_FAILED), (NonFiniteState, EXIT_FAILED),
+              (CollectiveFault, EXIT_FAILED))
 """Bad input (config, data, checkpoint, the run's folders) exits 2; a write that failed while training, or a
-diverged (non-finite) state due to be checkpointed, 1."""
+diverged (non-finite) state due to be checkpointed, or a collective that timed out or lost a peer, 1."""
 
 
 def _device(cfg: Config) -> torch.device:
@@ -45,11 +47,12 @@ def _device(cfg: Config) -> torch.device:
     return torch.device("cpu")
 
 
-def _init_distributed(device: torch.device) -> None:
-    """NCCL on CUDA, gloo on CPU; a single process without torchrun needs no process group."""
+def _init_distributed(device: torch.device, timeout_s: float) -> None:
+    """NCCL on CUDA, gloo on CPU, with `parallel.timeout_s` for the world's collectives; a single process
+    without torchrun needs no process group."""
     if "RANK" not in os.environ or dist.is_initialized():
         return
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout_of(timeout_s))
 
 
 def run(cfg: Config, log: Optional[RunLog] = None) -> None:
@@ -67,7 +70,7 @@ def run(cfg: Config, log: Optional[RunLog] = None) -> None:
     if vocab < corpus.vocab_size:
         raise ConfigError(f"model.vocab_size={vocab} is smaller than the data's {corpus.vocab_size} ids "
                           "(the tokenizer's size, or a token file's largest id + 1)")
-    _init_distributed(device)
+    _init_distributed(device, cfg.parallel.timeout_s)
     # rank 0 locks and probes the run's folders and checks wandb's key: one answer for every rank (a broadcast)
     with hold_run_folders(cfg, analytic_param_count(cfg.model, vocab, layout.tp), rank == 0):
         _start(cfg, log, layout, device, corpus, vocab)
@@ -84,7 +87,7 @@ def _start(cfg: Config, log: Optional[RunLog], layout: Layout, device: torch.dev
     from hybrid.parallel.rng import derive_seed
     from hybrid.trainer import Trainer, build_chunks
 
-    ctx = ParallelContext.build(layout)
+    ctx = ParallelContext.build(layout, cfg.parallel.timeout_s)
     # dropout on replicated activations: the same stream on every TP rank, a different one per stage
     torch.manual_seed(derive_seed(cfg.train.seed, "stage", ctx.pp_rank))
     model = build_chunks(cfg, vocab, ctx).to(device)
@@ -111,19 +114,23 @@ def _start(cfg: Config, log: Optional[RunLog], layout: Layout, device: torch.dev
                         f"exact match: {n == analytic}), {trainer.report.flops_per_token / 1e9:.3f} GFLOP/token "
                         f"(6N + 12·L·h·s), vocab {vocab}, {trainer.num_microbatches} microbatch(es)/step, "
                         f"device {device}, run dir {cfg.logging.dir}")
-    _fit(trainer, log)
+    _fit(trainer, log, cfg.parallel.timeout_s)
 
 
-def _fit(trainer: Trainer, log: RunLog) -> None:
-    """Train, summarize, close; a write that fails meanwhile (full disk, permissions) is a WriteFault."""
+def _fit(trainer: Trainer, log: RunLog, timeout_s: float) -> None:
+    """Train, summarize, close; a write that fails meanwhile (full disk, permissions) is a WriteFault, a
+    collective that timed out or lost a peer a CollectiveFault (one line naming the group)."""
     try:
         trainer.fit()
         trainer.summarize(log.elapsed(), log.path)  # collective: after a fit every rank completed
     except BaseException as e:
         fault = write_fault(e, trainer.step)  # one line and exit 1 instead of a traceback
-        if fault is None:
+        if fault is not None:
+            raise WriteFault(fault) from None
+        hang = collective_fault(e, trainer.step, timeout_s)
+        if hang is None:
             raise
-        raise WriteFault(fault) from None
+        raise CollectiveFault(hang) from None
     finally:
         trainer.close()
 

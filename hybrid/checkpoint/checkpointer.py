@@ -73,6 +73,19 @@ def _quiet(_: str) -> None:
     pass
 
 
+def _save_group(cfg: Config) -> dist.ProcessGroup:
+    """The async saves' own gloo group over the world, with `parallel.timeout_s` (a bench's config may lack it)."""
+    from datetime import timedelta
+
+    from hybrid.parallel.collectives import name_group
+
+    timeout_s = getattr(cfg.parallel, "timeout_s", None)
+    group = dist.new_group(backend="gloo", timeout=None if timeout_s is None else timedelta(seconds=timeout_s),
+                           group_desc="checkpoint")
+    name_group(group, "checkpoint")
+    return group
+
+
 class NonFiniteState(RuntimeError):
     """The state due to be saved holds a NaN or an inf: it was not saved, and nothing was removed."""
 
@@ -98,7 +111,7 @@ class Checkpointer:
         self.writer = ctx.rank == 0
         self.mesh = _tp_mesh(ctx, device)
         # async saves run DCP's collectives in a background thread: on their own gloo group
-        self.group = dist.new_group(backend="gloo") if self.use_async and distributed() else None
+        self.group = _save_group(cfg) if self.use_async and distributed() else None
         self.pending: Optional[tuple[Any, Path, float]] = None
         self.stager = Stager()
         self.protected: set[Path] = set()  # the checkpoint this run resumed from

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
@@ -186,9 +187,10 @@ class ParallelContext:
         return ParallelContext(layout=Layout(world=1), rank=0)
 
     @staticmethod
-    def build(layout: Layout) -> ParallelContext:
-        """Create every group, each named after its kind for the collectives' counter and timer.
-        Collective: all ranks must call it with the same layout."""
+    def build(layout: Layout, timeout_s: Optional[float] = None) -> ParallelContext:
+        """Create every group, each named after its kind for the collectives' counter and timer, with
+        `timeout_s` (`parallel.timeout_s`; None: torch's default). Collective: all ranks must call it with
+        the same layout."""
         if not dist.is_initialized():
             if layout.world != 1:
                 raise LayoutError(f"layout needs {layout.world} ranks but torch.distributed is not initialised")
@@ -197,22 +199,23 @@ class ParallelContext:
         if dist.get_world_size() != layout.world:
             raise LayoutError(f"layout is for {layout.world} ranks, world size is {dist.get_world_size()}")
         ctx = ParallelContext(layout=layout, rank=rank)
-        ctx.tp_group = _mine(layout.tp_groups(), rank)
-        ctx.dp_group = _mine(layout.dp_groups(), rank)
-        ctx.pp_group = _mine(layout.pp_groups(), rank)
-        ctx.dp_intra_group = _mine(layout.dp_intra_node_groups(), rank)
-        ctx.dp_inter_group = _mine(layout.dp_inter_node_groups(), rank)
-        ctx.embedding_group = _mine(layout.embedding_groups(), rank)
+        ctx.tp_group = _mine(layout.tp_groups(), rank, "tp", timeout_s)
+        ctx.dp_group = _mine(layout.dp_groups(), rank, "dp", timeout_s)
+        ctx.pp_group = _mine(layout.pp_groups(), rank, "pp", timeout_s)
+        ctx.dp_intra_group = _mine(layout.dp_intra_node_groups(), rank, "dp_intra", timeout_s)
+        ctx.dp_inter_group = _mine(layout.dp_inter_node_groups(), rank, "dp_inter", timeout_s)
+        ctx.embedding_group = _mine(layout.embedding_groups(), rank, "embedding", timeout_s)
         for kind in GROUP_KINDS:
             name_group(getattr(ctx, f"{kind}_group"), kind)
         return ctx
 
 
-def _mine(groups: list[list[int]], rank: int) -> Optional[dist.ProcessGroup]:
+def _mine(groups: list[list[int]], rank: int, kind: str, timeout_s: Optional[float]) -> Optional[dist.ProcessGroup]:
     """Create all `groups` (every rank must take part in every new_group) and return ours."""
     found = None
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     for ranks in groups:
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, timeout=timeout, group_desc=kind)
         if rank in ranks:
             found = g
     return found

@@ -1,0 +1,89 @@
+"""Collective timeouts: every process group of a run gets `parallel.timeout_s`, and a collective that timed
+out, or lost its peer, becomes one line naming the group, its ranks, the operation and the step.
+
+Without a timeout a rank that stops answering (hung, SIGSTOPped, deadlocked) holds every peer in its
+collective for torch's default of 30 minutes, silently. With one, gloo raises in each waiting rank after
+`timeout_s` (`RuntimeError: ... Timed out waiting 5000ms for recv operation to complete`; a peer that died
+instead gives `Connection closed by peer`), and `collective_fault` turns that exception into the line. NCCL
+aborts the communicator on the timeout itself (TORCH_NCCL_ASYNC_ERROR_HANDLING, on by default) and ends the
+process with its own report.
+
+Which group: the exception does not say, so `where` walks its traceback from the innermost frame out and
+takes the first process group it finds — an argument of `torch.distributed`'s call (`group=`), a local, or
+a `group`/`process_group`/`pg` attribute of the frame's `self` (a DP bucket's wait, a p2p helper) — named
+by the name `ParallelContext.build` gave it (`collectives.name_group`); `group=None` is the world.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from types import FrameType, TracebackType
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from hybrid.parallel.collectives import group_name
+
+MARKERS = ("Timed out waiting", "Application timeout caused pair closure", "Connection closed by peer",
+           "Connection reset by peer")
+"""gloo's words for a peer that stopped answering (the timeout fired, or fired before on the same pair) or died."""
+_C10D = "torch/distributed/distributed_c10d.py"
+_GROUP_ATTRS = ("group", "process_group", "pg")
+_NOISE = re.compile(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]|Got the following error when running the callback:|RuntimeError:")
+
+
+class CollectiveFault(RuntimeError):
+    """A collective timed out or lost a peer while training: one line (`collective_fault`), exit 1."""
+
+
+def timeout_of(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)
+
+
+def collective_fault(e: BaseException, step: int, timeout_s: float) -> Optional[str]:
+    """The one line for `e` when it is a collective that timed out or lost a peer at step `step`, else None."""
+    text = str(e)
+    if not isinstance(e, RuntimeError) or not any(m in text for m in MARKERS):
+        return None
+    pg, op = where(e.__traceback__)
+    world = pg is None or pg == dist.distributed_c10d._get_default_group()
+    group = "world" if world else group_name(pg)
+    if group == "other":
+        group = getattr(pg, "group_desc", "") or "unnamed"
+    ranks = list(range(dist.get_world_size())) if world else dist.get_process_group_ranks(pg)
+    detail = next(line for line in text.splitlines() if any(m in line for m in MARKERS))
+    detail = _NOISE.sub("", detail).strip()  # gloo's source location, the future's wrapper
+    return (f"collective {op} on the {group} group (ranks {ranks}) failed in step {step + 1}: {detail}; a rank of "
+            f"that group stopped answering for parallel.timeout_s={timeout_s:g} s (hung, stopped or dead)")
+
+
+def where(tb: Optional[TracebackType]) -> tuple[Optional[dist.ProcessGroup], str]:
+    """(the process group, the operation) of the innermost frame of `tb` that names a group; (None, …)
+    means the world (torch's default group). The operation is torch.distributed's function, if it was called."""
+    frames: list[FrameType] = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    op = next((f.f_code.co_name for f in reversed(frames) if f.f_code.co_filename.endswith(_C10D)), "wait")
+    for frame in reversed(frames):
+        found, pg = _group_in(frame)
+        if found:
+            return pg, op
+    return None, op
+
+
+def _group_in(frame: FrameType) -> tuple[bool, Optional[dist.ProcessGroup]]:
+    """(whether `frame` names a group, which: None = the world)."""
+    local = frame.f_locals
+    for value in local.values():
+        if isinstance(value, dist.ProcessGroup):
+            return True, value
+    if frame.f_code.co_filename.endswith(_C10D) and "group" in local and local["group"] is None:
+        return True, None
+    holder: Any = local.get("self")
+    for attr in _GROUP_ATTRS:
+        value = getattr(holder, attr, None)
+        if isinstance(value, dist.ProcessGroup):
+            return True, value
+    return False, None
