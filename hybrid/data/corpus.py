@@ -56,7 +56,7 @@ def prepare_data(cfg: DataConfig, init_from: Optional[str] = None) -> Corpus:
     source = resolve_source(cfg)
     root = cache_root(cfg)
     entry = root / f"corpus-{cache_key(cfg, source.key, tokenizer_dir)}"
-    build_once(entry, functools.partial(_build, cfg, source, tokenizer_dir, entry))
+    build_once(entry, functools.partial(_build, cfg, source, tokenizer_dir, entry), tokenizer_dir is None)
     return _load(cfg, entry, tokenizer_dir)
 
 

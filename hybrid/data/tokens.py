@@ -41,7 +41,7 @@ def open_tokens(path: str, token_dtype: Optional[str]) -> np.ndarray:
         return np.memmap(p, dtype=dtype, mode="r")
     try:
         tokens = np.load(p, mmap_mode="r")
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, EOFError) as e:  # EOFError: an empty file
         raise ConfigError(f"{where} is not a readable .npy file: {' '.join(str(e).split())}") from None
     if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or tokens.size == 0:
         raise ConfigError(f"{where} holds a {tokens.dtype} array of shape {tokens.shape}; "
