@@ -41,6 +41,8 @@ CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece o
     ("run-name-escapes", ["run_name=../../x"], "run_name='../../x' must be one folder name"),
     ("tokenizer-empty", ["data.tokenizer={empty}"], "holds no tokenizer"),
     ("tokenizer-garbled", ["data.tokenizer={garbled}"], "cannot be loaded"),
+    ("timeout-zero", ["parallel.timeout_s=0"], "parallel.timeout_s must be > 0"),
+    ("wandb-online-no-key", ["logging.wandb.mode=online"], "logging.wandb.mode=online needs a wandb API key"),
 ]
 
 
@@ -51,7 +53,8 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (root / "empty").mkdir()
     (root / "garbled").mkdir()
     (root / "garbled" / "tokenizer.json").write_text("{not json")
-    return {"empty": str(root / "empty"), "garbled": str(root / "garbled")}
+    (root / "home").mkdir()  # HOME without a netrc or wandb settings: no wandb key
+    return {"empty": str(root / "empty"), "garbled": str(root / "garbled"), "home": str(root / "home")}
 
 
 def assert_refused(r: CliRun, needle: str, cwd: Path) -> None:
@@ -65,7 +68,8 @@ def assert_refused(r: CliRun, needle: str, cwd: Path) -> None:
 def test_bad_input_is_one_line_exit_2_nothing_written(overrides: list[str], needle: str, folders: dict[str, str],
                                                       tmp_path: Path) -> None:
     argv = [*B, *(o.format(**folders) for o in overrides)]
-    assert_refused(run_forked(hybrid.train.main, argv, tmp_path, {"OMP_NUM_THREADS": "1"}), needle, tmp_path)
+    env = {"OMP_NUM_THREADS": "1", "HOME": folders["home"], "WANDB_API_KEY": ""}
+    assert_refused(run_forked(hybrid.train.main, argv, tmp_path, env), needle, tmp_path)
 
 
 def test_the_fork_runs_as_a_fresh_process_does(tmp_path: Path) -> None:
