@@ -117,11 +117,26 @@ def parity_rank(rank: int, world: int, cfg: Config, corpus: Corpus, error_every:
     return {"steps": steps, "eval": trainer.evaluate(), "s_per_step": wall / cfg.train.steps}
 
 
-def parity_run(args: argparse.Namespace, corpus: Corpus, label: str, overrides: Sequence[str],
-               goal: bool) -> dict[str, Any]:
-    """One parity run on --dp ranks: its row, the means taken over the steps after the warm-up."""
-    cfg = parity_cfg(args, overrides)
-    res = launch(parity_rank, args.dp, cfg, corpus, args.error_every, timeout=args.timeout)[0]
+def parity_ranks(rank: int, world: int, cfgs: list[Config], corpus: Corpus, error_every: int) -> list[dict[str, Any]]:
+    """`parity_rank` for each config in turn on the same forked ranks (one launch: the ranks and the process
+    group are set up once); each run starts from the same RNG state, as a run of its own would."""
+    out = []
+    for cfg in cfgs:
+        torch.manual_seed(cfg.train.seed)
+        out.append(parity_rank(rank, world, cfg, corpus, error_every))
+    return out
+
+
+def parity_runs(args: argparse.Namespace, corpus: Corpus, runs: Sequence[tuple[str, Sequence[str], bool]]
+                ) -> list[dict[str, Any]]:
+    """The parity runs (label, overrides, held to the goal) on --dp ranks: their rows."""
+    cfgs = [parity_cfg(args, overrides) for _, overrides, _ in runs]
+    results = launch(parity_ranks, args.dp, cfgs, corpus, args.error_every, timeout=args.timeout * len(runs))[0]
+    return [parity_row(label, o, goal, cfg, res) for (label, o, goal), cfg, res in zip(runs, cfgs, results)]
+
+
+def parity_row(label: str, overrides: Sequence[str], goal: bool, cfg: Config, res: dict[str, Any]) -> dict[str, Any]:
+    """One run's row, the means taken over the steps after the warm-up."""
     warm = cfg.compression.warmup_steps
     after = res["steps"][warm:] or res["steps"]
     errors = [s["error"] for s in after if s["error"] is not None]
@@ -181,12 +196,12 @@ def section_parity(args: argparse.Namespace, out: Callable[[str], None]) -> list
     from hybrid.data import prepare_data
 
     corpus = prepare_data(parity_cfg(args, []).data)
-    rows = [parity_run(args, corpus, label, o, goal) for label, o, goal in PARITY_RUNS]
+    rows = parity_runs(args, corpus, PARITY_RUNS)
     parity_verdicts(rows)
     warm = max(1, round(args.retry_warmup * args.steps))
     retry = [r for r in rows if args.retry_warmup > 0 and r["pass"] is False and r["warmup"] < warm]
-    rows += [parity_run(args, corpus, r["label"], [*r["overrides"], f"compression.warmup_steps={warm}"], True)
-             for r in retry]
+    rows += parity_runs(args, corpus, [(r["label"], [*r["overrides"], f"compression.warmup_steps={warm}"], True)
+                                        for r in retry]) if retry else []
     parity_verdicts(rows)
     print_parity(args, rows, corpus, out)
     print_pair(rows, out)

@@ -20,7 +20,7 @@ from hybrid.testing.cli_runs import CliRun, run_forked
 B = ["model=gpt-tiny", "data.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=4",
      "logging.wandb.mode=disabled", "logging.progress=false"]
 
-CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece of the one error line)
+CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece of the one error line): one process
     ("beta1", ["optim.beta1=1.5"], "optim.beta1 must be in [0, 1)"),
     ("beta2", ["optim.beta2=1"], "optim.beta2 must be in [0, 1)"),
     ("eps", ["optim.eps=-1"], "optim.eps must be > 0"),
@@ -44,6 +44,21 @@ CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece o
     ("timeout-zero", ["parallel.timeout_s=0"], "parallel.timeout_s must be > 0"),
     ("wandb-online-no-key", ["logging.wandb.mode=online"], "logging.wandb.mode=online needs a wandb API key"),
 ]
+RANKED: list[tuple[str, list[str], str]] = [  # the same, as rank 0 and rank 1 of two torchrun ranks see them
+    ("tp-heads", ["parallel=tp2", "model.n_heads=3", "model.hidden=192"],
+     "model.n_heads=3 is not divisible by parallel.tp=2"),
+    ("tp-kv-heads", ["parallel=tp2", "model=llama-tiny", "model.n_kv_heads=1"],
+     "model.n_kv_heads=1 is not divisible by parallel.tp=2"),
+    ("tp-ffn", ["parallel=tp2", "model.ffn_hidden=1001"], "model.ffn_hidden=1001 is not divisible by parallel.tp=2"),
+    ("pp-interleaved", ["parallel=pp2", "train.micro_batch_size=4", "parallel.schedule=interleaved",
+                        "parallel.virtual_stages=2", "train.global_batch_size=12"],
+     "interleaved schedule needs microbatches (3) divisible by pp=2"),
+    ("pp-stage-layers", ["parallel=pp2", "parallel.stage_layers=[3,2]"], "summing to model.n_layers=4"),
+    ("compression-rank", ["compression=powersgd", "compression.rank=0"], "compression.rank must be > 0, got 0"),
+]
+"""Checks made before the process group exists run alike on every rank: each forked child gets torchrun's
+RANK/WORLD_SIZE (no MASTER_ADDR: nothing to wait for) and must print its own `[rankN]` line.
+(tests/e2e/test_torchrun.py runs the real torchrun for a bad layout and a bad override.)"""
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +85,16 @@ def test_bad_input_is_one_line_exit_2_nothing_written(overrides: list[str], need
     argv = [*B, *(o.format(**folders) for o in overrides)]
     env = {"OMP_NUM_THREADS": "1", "HOME": folders["home"], "WANDB_API_KEY": ""}
     assert_refused(run_forked(hybrid.train.main, argv, tmp_path, env), needle, tmp_path)
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [c[1:] for c in RANKED], ids=[c[0] for c in RANKED])
+def test_bad_input_is_one_line_on_every_rank(overrides: list[str], needle: str, tmp_path: Path) -> None:
+    for rank in (0, 1):
+        env = {"OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_WORLD_SIZE": "2"}
+        r = run_forked(hybrid.train.main, [*B, *overrides], tmp_path, env)
+        assert_refused(r, needle, tmp_path)
+        assert r.error_lines()[0].startswith(f"[rank{rank}] hybrid: error: "), r.error_lines()
 
 
 def test_the_fork_runs_as_a_fresh_process_does(tmp_path: Path) -> None:
