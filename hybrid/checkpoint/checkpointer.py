@@ -19,6 +19,8 @@ barrier; a load runs DCP's plan exchange.
 
 from __future__ import annotations
 
+import errno
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -110,6 +112,7 @@ class Checkpointer:
         self.root = run_root(cfg)
         self.writer = ctx.rank == 0
         self.mesh = _tp_mesh(ctx, device)
+        self.device = device  # the world group's collectives run there (NCCL: CUDA tensors)
         # async saves run DCP's collectives in a background thread: on their own gloo group
         self.group = _save_group(cfg) if self.use_async and distributed() else None
         self.pending: Optional[tuple[Any, Path, float]] = None
@@ -171,7 +174,7 @@ class Checkpointer:
         init_optimizer_state(self.states["optimizer"])
         name = first_nonfinite(model_pieces(self.states["model"], self.states["optimizer"], False))
         world = dist.get_world_size() if distributed() else 1
-        first = torch.tensor([self.ctx.rank if name is not None else world])
+        first = torch.tensor([self.ctx.rank if name is not None else world], device=self.device)
         if distributed():
             dist.all_reduce(first, op=dist.ReduceOp.MIN)
             box = [name]
@@ -224,20 +227,22 @@ class Checkpointer:
     def _prepare(self, path: Path, run: dict[str, Any]) -> None:
         """Rank 0 replaces any earlier folder of this step (`trust.remove_step`: a symbolic link is unlinked,
         never followed), writes the manifest and the tokenizer; everyone waits for it before DCP writes a
-        byte. Collective: a broadcast from rank 0 of its error (None when it wrote), so that a failed write
-        (disk full, permissions) is the same error on every rank rather than a hang or a peer's traceback."""
+        byte. Collective: a broadcast from rank 0 of its errno (0 when it wrote; in place of a barrier), so that
+        a failed write (disk full, permissions) is an OSError on every rank rather than a peer's traceback."""
         error: Optional[OSError] = None
         if self.writer:
             try:
                 self._write_head(path, run)
             except OSError as e:
                 error = e
+        on = self.device if self.group is None else torch.device("cpu")  # the async saves' group is gloo
+        code = torch.tensor([0 if error is None else (error.errno or errno.EIO)], device=on)
         if distributed():
-            box = [error]
-            dist.broadcast_object_list(box, src=0, group=self.group)
-            error = box[0]
+            dist.broadcast(code, src=0, group=self.group)
         if error is not None:
             raise error
+        if int(code):
+            raise OSError(int(code), f"{os.strerror(int(code))} (rank 0, writing {path})")
 
     def _write_head(self, path: Path, run: dict[str, Any]) -> None:
         why = remove_step(path, self.root)
