@@ -70,10 +70,16 @@ def run(cfg: Config, log: Optional[RunLog] = None) -> None:
     if vocab < corpus.vocab_size:
         raise ConfigError(f"model.vocab_size={vocab} is smaller than the data's {corpus.vocab_size} ids "
                           "(the tokenizer's size, or a token file's largest id + 1)")
-    _init_distributed(device, cfg.parallel.timeout_s)
-    # rank 0 locks and probes the run's folders and checks wandb's key: one answer for every rank (a broadcast)
-    with hold_run_folders(cfg, analytic_param_count(cfg.model, vocab, layout.tp), rank == 0):
-        _start(cfg, log, layout, device, corpus, vocab)
+    try:
+        _init_distributed(device, cfg.parallel.timeout_s)
+        # rank 0 locks and probes the run's folders and checks wandb's key: one answer for every rank (a broadcast)
+        with hold_run_folders(cfg, analytic_param_count(cfg.model, vocab, layout.tp), rank == 0):
+            _start(cfg, log, layout, device, corpus, vocab)
+    except RuntimeError as e:  # a collective of the start-up (groups, resume plan, load) that timed out
+        hang = collective_fault(e, None, cfg.parallel.timeout_s)
+        if hang is None:
+            raise
+        raise CollectiveFault(hang) from None
 
 
 def _start(cfg: Config, log: Optional[RunLog], layout: Layout, device: torch.device, corpus: Corpus,

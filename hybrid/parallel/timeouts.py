@@ -41,36 +41,49 @@ def timeout_of(seconds: float) -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def collective_fault(e: BaseException, step: int, timeout_s: float) -> Optional[str]:
-    """The one line for `e` when it is a collective that timed out or lost a peer at step `step`, else None."""
+def collective_fault(e: BaseException, step: Optional[int], timeout_s: float) -> Optional[str]:
+    """The one line for `e` when it is a collective that timed out or lost a peer (gloo's words, or one of
+    torch.distributed's DistError kinds: a store or NCCL failure), else None. `step`: the steps completed
+    (None: during start-up, before the first)."""
     text = str(e)
-    if not isinstance(e, RuntimeError) or not any(m in text for m in MARKERS):
+    if isinstance(e, CollectiveFault) or not (isinstance(e, dist.DistError) or (
+            isinstance(e, RuntimeError) and any(m in text for m in MARKERS))):
         return None
-    pg, op = where(e.__traceback__)
-    world = pg is None or pg == dist.distributed_c10d._get_default_group()
-    group = "world" if world else group_name(pg)
-    if group == "other":
-        group = getattr(pg, "group_desc", "") or "unnamed"
-    ranks = list(range(dist.get_world_size())) if world else dist.get_process_group_ranks(pg)
-    detail = next(line for line in text.splitlines() if any(m in line for m in MARKERS))
-    detail = _NOISE.sub("", detail).strip()  # gloo's source location, the future's wrapper
-    return (f"collective {op} on the {group} group (ranks {ranks}) failed in step {step + 1}: {detail}; a rank of "
-            f"that group stopped answering for parallel.timeout_s={timeout_s:g} s (hung, stopped or dead)")
+    pg, op, stepping = where(e.__traceback__)
+    group, ranks = _named(pg)
+    lines = text.strip().splitlines() or [type(e).__name__]
+    detail = _NOISE.sub("", next((ln for ln in lines if any(m in ln for m in MARKERS)), lines[0])).strip()
+    when = "during start-up" if step is None else f"in step {step + 1}" if stepping else f"after step {step}"
+    return (f"collective {op} on the {group} group ({ranks}) failed {when}: {detail}; a rank of that group "
+            f"stopped answering for parallel.timeout_s={timeout_s:g} s (hung, stopped or dead)")
 
 
-def where(tb: Optional[TracebackType]) -> tuple[Optional[dist.ProcessGroup], str]:
-    """(the process group, the operation) of the innermost frame of `tb` that names a group; (None, …)
-    means the world (torch's default group). The operation is torch.distributed's function, if it was called."""
+def _named(pg: Optional[dist.ProcessGroup]) -> tuple[str, str]:
+    """(the group's name, its ranks) for the line; the world when `pg` is None or torch's default group."""
+    up = dist.is_initialized()
+    if pg is None or (up and pg == dist.distributed_c10d._get_default_group()):
+        return "world", f"ranks {list(range(dist.get_world_size()))}" if up else "every rank"
+    name = group_name(pg)
+    name = getattr(pg, "group_desc", "") or "unnamed" if name == "other" else name
+    return name, f"ranks {dist.get_process_group_ranks(pg)}"
+
+
+def where(tb: Optional[TracebackType]) -> tuple[Optional[dist.ProcessGroup], str, bool]:
+    """(the process group, the operation, inside a training step) of `tb`: the group of the innermost frame
+    that names one (None: the world, torch's default group), torch.distributed's function if one was
+    called, and whether a `train_step` frame is on the way (else the fault came after a step: metrics,
+    eval, a save)."""
     frames: list[FrameType] = []
     while tb is not None:
         frames.append(tb.tb_frame)
         tb = tb.tb_next
     op = next((f.f_code.co_name for f in reversed(frames) if f.f_code.co_filename.endswith(_C10D)), "wait")
+    stepping = any(f.f_code.co_name == "train_step" for f in frames)
     for frame in reversed(frames):
         found, pg = _group_in(frame)
         if found:
-            return pg, op
-    return None, op
+            return pg, op, stepping
+    return None, op, stepping
 
 
 def _group_in(frame: FrameType) -> tuple[bool, Optional[dist.ProcessGroup]]:

@@ -50,20 +50,24 @@ def _one_rank_missing(rank: int, world: int) -> list[Any]:
     if rank == 1:
         time.sleep(2.5 * TIMEOUT_S)  # never joins: both of rank 0's collectives time out
         return []
+    def train_step() -> None:  # a fault inside a training step is "in step <completed + 1>"
+        dist.all_reduce(torch.ones(8), group=groups[0])
+
     lines = []
-    for call in (lambda: dist.all_reduce(torch.ones(8), group=groups[0]), _Bucket(groups[1]).reduce):
+    for call in (train_step, _Bucket(groups[1]).reduce):
         try:
             call()
             lines.append(None)
         except RuntimeError as e:
-            lines.append(collective_fault(e, 6, TIMEOUT_S))
+            lines += [collective_fault(e, 6, TIMEOUT_S), collective_fault(e, None, TIMEOUT_S)]
     return lines
 
 
 def test_a_timed_out_collective_names_its_group_and_operation() -> None:
     lines = launch(_one_rank_missing, 2, timeout=60)[0]
     assert lines[0].startswith("collective all_reduce on the dp group (ranks [0, 1]) failed in step 7: Timed out")
-    assert lines[1].startswith("collective wait on the dp group (ranks [0, 1]) failed in step 7: Timed out")
+    assert lines[1].startswith("collective all_reduce on the dp group (ranks [0, 1]) failed during start-up: ")
+    assert lines[2].startswith("collective wait on the dp group (ranks [0, 1]) failed after step 6: Timed out")
     assert all("parallel.timeout_s=1 s" in line and "\n" not in line for line in lines)
     assert collective_fault(RuntimeError("shape mismatch"), 6, TIMEOUT_S) is None  # anything else: not ours
 
@@ -101,6 +105,6 @@ def test_a_stopped_rank_ends_the_run_naming_the_group(tmp_path: Path, env: dict[
     errors = [line for line in text.splitlines() if "hybrid: error:" in line]
     assert len(errors) == 1 and errors[0].startswith("[rank0] hybrid: error: collective "), text[-3000:]
     # at dp=2 the step's collectives are the gradients' (dp) and the metrics' (world): either may be waiting
-    assert re.search(r" on the (dp|world) group \(ranks \[0, 1\]\) failed in step \d+: Timed out", errors[0])
+    assert re.search(r" on the (dp|world) group \(ranks \[0, 1\]\) failed (in|after) step \d+: Timed out", errors[0])
     assert "Traceback" not in text.split("hybrid: error:")[0]  # the rank's own line, not a traceback wall
     assert took < timeout_s + 30
