@@ -77,12 +77,10 @@ def _quiet(_: str) -> None:
 
 def _save_group(cfg: Config) -> dist.ProcessGroup:
     """The async saves' own gloo group over the world, with `parallel.timeout_s` (a bench's config may lack it)."""
-    from datetime import timedelta
-
     from hybrid.parallel.collectives import name_group
+    from hybrid.parallel.timeouts import timeout_of
 
-    timeout_s = getattr(cfg.parallel, "timeout_s", None)
-    group = dist.new_group(backend="gloo", timeout=None if timeout_s is None else timedelta(seconds=timeout_s),
+    group = dist.new_group(backend="gloo", timeout=timeout_of(getattr(cfg.parallel, "timeout_s", None)),
                            group_desc="checkpoint")
     name_group(group, "checkpoint")
     return group

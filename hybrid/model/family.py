@@ -79,6 +79,16 @@ def no_check(*_: Any) -> None:
     """A check that accepts everything."""
 
 
+def positions_up_to_max(what: str) -> Callable[[ModelConfig, int], None]:
+    """A `check_seq_len` for a family with `model.max_seq_len` positions (`what` holds them): a longer
+    sequence has no position, so it is a ModelConfigError."""
+    def check(cfg: ModelConfig, seq_len: int) -> None:
+        if seq_len > cfg.max_seq_len:
+            raise ModelConfigError(f"data.seq_len={seq_len} exceeds model.max_seq_len={cfg.max_seq_len} ({what})")
+
+    return check
+
+
 def ffn_hidden(cfg: ModelConfig) -> int:
     """The MLP inner width: `ffn_hidden`, or 4h."""
     return cfg.ffn_hidden or 4 * cfg.hidden

@@ -16,9 +16,9 @@ from hybrid.model.family import (
     Blocks,
     Family,
     HFCounterpart,
-    ModelConfigError,
     base_shape,
     ffn_hidden,
+    positions_up_to_max,
     register_family,
 )
 from hybrid.model.hf import Rule
@@ -43,11 +43,8 @@ def gpt_param_count(cfg: ModelConfig, vocab_size: int, tp: int = 1) -> int:
     return v * h + cfg.max_seq_len * h + L * per_layer + 2 * h + head
 
 
-def check_learned_positions(cfg: ModelConfig, seq_len: int) -> None:
-    """Learned positions have max_seq_len rows: longer sequences have no position to embed."""
-    if seq_len > cfg.max_seq_len:
-        raise ModelConfigError(f"data.seq_len={seq_len} exceeds model.max_seq_len={cfg.max_seq_len} "
-                               "(learned positions)")
+check_learned_positions = positions_up_to_max("learned positions")
+"""Learned positions have max_seq_len rows: longer sequences have no position to embed."""
 
 
 def learned_positions_shape(cfg: ModelConfig, vocab: int) -> dict[str, Any]:

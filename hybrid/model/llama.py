@@ -12,7 +12,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hybrid.model.family import Blocks, Family, HFCounterpart, ModelConfigError, ffn_hidden, kv_heads, register_family
+from hybrid.model.family import (
+    Blocks,
+    Family,
+    HFCounterpart,
+    ModelConfigError,
+    ffn_hidden,
+    kv_heads,
+    positions_up_to_max,
+    register_family,
+)
 from hybrid.model.hf import Rule
 from hybrid.parallel.tensor import padded_vocab
 
@@ -36,13 +45,6 @@ def check_rope(cfg: ModelConfig) -> None:
     """RoPE rotates pairs of a head's features: the head dimension must be even."""
     if (cfg.hidden // cfg.n_heads) % 2:
         raise ModelConfigError("llama needs an even head dimension for RoPE")
-
-
-def check_rope_length(cfg: ModelConfig, seq_len: int) -> None:
-    """The RoPE tables hold model.max_seq_len positions (transformers' max_position_embeddings)."""
-    if seq_len > cfg.max_seq_len:
-        raise ModelConfigError(f"data.seq_len={seq_len} exceeds model.max_seq_len={cfg.max_seq_len} "
-                               "(the RoPE tables' positions)")
 
 
 def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
@@ -94,7 +96,7 @@ LLAMA = register_family(Family(
     blocks=Blocks(norm="rms", mlp="swiglu", bias=False, positions="rope"),
     param_count=llama_param_count,
     check=check_rope,
-    check_seq_len=check_rope_length,
+    check_seq_len=positions_up_to_max("the RoPE tables' positions"),  # transformers' max_position_embeddings
     hf=HFCounterpart(model_type="llama", config_class="LlamaConfig", lm_class="LlamaForCausalLM",
                      config=hf_config_kwargs, rules=hf_rules, shape=hf_shape),
 ))

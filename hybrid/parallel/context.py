@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
 
 from hybrid.parallel.collectives import name_group
+from hybrid.parallel.timeouts import timeout_of
 
 GROUP_KINDS = ("tp", "dp", "pp", "dp_intra", "dp_inter", "embedding")
 """Every kind of group a rank belongs to, by the name its traffic is counted under."""
@@ -213,9 +213,8 @@ class ParallelContext:
 def _mine(groups: list[list[int]], rank: int, kind: str, timeout_s: Optional[float]) -> Optional[dist.ProcessGroup]:
     """Create all `groups` (every rank must take part in every new_group) and return ours."""
     found = None
-    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     for ranks in groups:
-        g = dist.new_group(ranks, timeout=timeout, group_desc=kind)
+        g = dist.new_group(ranks, timeout=timeout_of(timeout_s), group_desc=kind)
         if rank in ranks:
             found = g
     return found

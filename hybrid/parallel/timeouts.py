@@ -37,8 +37,9 @@ class CollectiveFault(RuntimeError):
     """A collective timed out or lost a peer while training: one line (`collective_fault`), exit 1."""
 
 
-def timeout_of(seconds: float) -> timedelta:
-    return timedelta(seconds=seconds)
+def timeout_of(seconds: Optional[float]) -> Optional[timedelta]:
+    """`parallel.timeout_s` as torch.distributed takes it (None: torch's default)."""
+    return None if seconds is None else timedelta(seconds=seconds)
 
 
 def collective_fault(e: BaseException, step: Optional[int], timeout_s: float) -> Optional[str]:
