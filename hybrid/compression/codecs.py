@@ -207,7 +207,13 @@ def done(value: torch.Tensor) -> torch.futures.Future:
 
 def two_phase_hook(st: TwoPhaseState, bucket: Any) -> torch.futures.Future:
     """all-to-all of encoded chunks → average own chunk → re-encode → all-gather (see module doc)."""
-    buf, n, idx = bucket.buffer(), C.size(st.group), bucket.index()
+    return two_phase_mean(st, bucket.buffer(), bucket.index())
+
+
+def two_phase_mean(st: TwoPhaseState, buf: torch.Tensor, idx: int) -> torch.futures.Future:
+    """The DP mean of the flat fp32 `buf` through the two-phase exchange, written into `buf` (the future's
+    value), with `idx`'s residuals: a gradient bucket's, or (1-bit Adam) a momentum buffer's."""
+    n = C.size(st.group)
     if n == 1:
         return done(buf)  # nothing to exchange, so nothing to lose
     length = chunk_len(st.codec, buf.numel(), n)

@@ -13,6 +13,8 @@ Methods (`compression=<method>`, knobs under `compression.*`):
   sign        1 bit per element + a scale per block, two-phase, error feedback
   topk        the largest `fraction` of each chunk, values + indices, two-phase, error feedback
   powersgd    rank-`rank` factors, error feedback, warm start, `powersgd.py`
+  onebit_adam  1-bit Adam: exact AdamW for `warmup_steps`, then the momentum, not the gradient, sent as
+              sign bits (two-phase, error feedback) with Adam's variance frozen, `onebit_adam.py`
   hierarchical  exact inside a node, `inner` method between nodes, `hierarchical.py`
 
 `make_hook` wraps every method in `Compression`, the hook state that adds what is common to all:
@@ -35,6 +37,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from hybrid.compression import CompressionError, codecs, powersgd
 from hybrid.compression.codecs import done
 from hybrid.compression.hierarchical import HierarchicalState, hierarchical_hook
+from hybrid.compression.onebit_adam import MomentumExchange, local_hook
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 
@@ -86,6 +89,7 @@ class Compression:
     state: Any
     warmup_steps: int = 0
     serial: bool = False  # wait for the previous bucket first: the hook issues collectives in callbacks
+    meter_in_hook: bool = True  # False: the optimizer meters (onebit_adam's compressed momentum)
     iteration: int = 0  # steps whose last bucket was launched
     measure: bool = False
     _sq: list[float] = field(default_factory=lambda: [0.0, 0.0])  # Σ‖ĝ − g‖², Σ‖g‖²
@@ -104,11 +108,15 @@ class Compression:
         self.iteration = sd["iteration"]
         _load_state_dict(self.state, sd["hook"])
 
+    def add_error(self, exact: torch.Tensor, value: torch.Tensor) -> None:
+        """Account one compressed `value` against its `exact` counterpart in Σ‖ĝ − g‖² and Σ‖g‖²."""
+        self._sq[0] += float((value - exact).pow(2).sum())
+        self._sq[1] += float(exact.pow(2).sum())
+
     def _meter(self, exact: torch.Tensor, fut: torch.futures.Future) -> torch.Tensor:
         value = fut.value()
         value = value[0] if isinstance(value, list) else value
-        self._sq[0] += float((value - exact).pow(2).sum())
-        self._sq[1] += float(exact.pow(2).sum())
+        self.add_error(exact, value)
         return value
 
 
@@ -121,7 +129,7 @@ def run_hook(st: Compression, bucket):  # noqa: ANN001, ANN201
         with C.TIMER.waiting(C.group_name(st.group)):
             st._pending.wait()
     exact = None
-    if st.measure and C.size(st.group) > 1:
+    if st.measure and st.meter_in_hook and C.size(st.group) > 1:
         exact = bucket.buffer().clone()
         with C.TIMER.collective(C.group_name(st.group), "meter"):  # timed apart from the training traffic
             dist.all_reduce(exact, group=st.group)  # the reference: uncounted, it is not training traffic
@@ -177,6 +185,10 @@ def _powersgd(cfg: CompressionConfig, group: Group) -> tuple[Hook, Any]:
                                                           cfg.min_compression_rate, cfg.seed)
 
 
+def _onebit_adam(cfg: CompressionConfig, group: Group) -> tuple[Hook, Any]:
+    return local_hook, MomentumExchange(codecs.SignCodec(cfg.block_size), group, cfg.error_feedback)
+
+
 REGISTRY: dict[str, Callable[[CompressionConfig, Group], tuple[Hook, Any]]] = {
     "none": _allreduce,
     "fp16": _cast(torch.float16),
@@ -184,10 +196,13 @@ REGISTRY: dict[str, Callable[[CompressionConfig, Group], tuple[Hook, Any]]] = {
     **{name: _two_phase(spec) for name, spec in codecs.CODECS.items()},  # int8, sign, topk
     "powersgd": _powersgd,
 }
-"""Flat methods: name → factory(compression cfg, group) → (hook, state). `make_hook` also builds
-hierarchical (around one of these) and PyTorch's hooks (`torch_hooks.py`)."""
+"""Flat gradient methods: name → factory(compression cfg, group) → (hook, state). `make_hook` also builds
+hierarchical (around one of these), PyTorch's hooks (`torch_hooks.py`) and onebit_adam."""
 
-METHODS = (*REGISTRY, "hierarchical", "torch_fp16", "torch_bf16", "torch_powersgd")
+OPTIMIZER_SIDE: dict[str, Callable[[CompressionConfig, Group], tuple[Hook, Any]]] = {"onebit_adam": _onebit_adam}
+"""Methods that compress inside the optimizer step (`optim.build_optimizer` picks the optimizer by the state)."""
+
+METHODS = (*REGISTRY, "hierarchical", "torch_fp16", "torch_bf16", "torch_powersgd", *OPTIMIZER_SIDE)
 
 
 def check(cfg: CompressionConfig) -> None:
@@ -205,6 +220,9 @@ def check(cfg: CompressionConfig) -> None:
     if cfg.method == "hierarchical":
         need(cfg.inner in REGISTRY, f"compression=hierarchical needs compression.inner set to one of "
              f"{', '.join(REGISTRY)} (the method between nodes), got {cfg.inner!r}")
+    if cfg.method in OPTIMIZER_SIDE:
+        need(cfg.warmup_steps >= 1, f"compression={cfg.method} needs compression.warmup_steps >= 1 (exact AdamW "
+             f"steps that estimate the variance it then freezes), got {cfg.warmup_steps}")
     if cfg.method == "torch_powersgd" and cfg.error_feedback:
         need(cfg.warmup_steps >= 2, "compression=torch_powersgd with error feedback needs "
              f"compression.warmup_steps >= 2 (PyTorch's start_powerSGD_iter), got {cfg.warmup_steps}")
@@ -230,6 +248,9 @@ def make_hook(cfg: CompressionConfig, group: Group, dp_intra: Group = None,
 
         hook, state = make_torch_hook(cfg, group)
         warmup, serial = (0, True) if cfg.method == "torch_powersgd" else (warmup, False)
+    elif cfg.method in OPTIMIZER_SIDE:
+        hook, state = OPTIMIZER_SIDE[cfg.method](cfg, group)
+        return run_hook, Compression(cfg.method, group, hook, state, warmup, meter_in_hook=False)
     else:
         hook, state = REGISTRY[cfg.method](cfg, group)
     return run_hook, Compression(cfg.method, group, hook, state, warmup, serial)

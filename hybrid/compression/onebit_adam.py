@@ -1,0 +1,159 @@
+"""1-bit Adam (Tang et al. 2021): compress Adam's momentum, not the gradient, once the variance is frozen.
+
+Sign compression with error feedback makes the *sum* of the applied gradients track the true sum, which is
+what SGD needs; Adam divides each element by its running RMS and turns the added step-to-step noise into
+smaller steps. 1-bit Adam moves the compression past that normaliser:
+
+1. **Warm-up** (`compression.warmup_steps` steps): exact AdamW on the DP mean of the gradients (one fp32
+   all-reduce per bucket, in the backward as for `compression=none`). The second moment v settles.
+2. **Compression stage**: v is frozen (its bias correction stays at the warm-up's last step). The comm hook
+   sends nothing (`local_hook`): each DP rank keeps its own gradient, clips it by its model replica's norm,
+   and folds it into the momentum, m ← β₁·m + (1 − β₁)·g. The momentum is then averaged over DP by the
+   two-phase sign exchange of `codecs.py` (all-to-all of 1-bit chunks, average, re-encode, all-gather),
+   with the worker and server error feedback kept per momentum buffer. Every rank decodes the same bytes,
+   so m stays identical across DP; the step is AdamW's with the frozen v:
+   p ← p·(1 − lr·wd) − lr/(1 − β₁ᵗ) · m / (√(v/(1 − β₂^W)) + ε).
+
+The momentum of each gradient bucket lives in one flat buffer laid out as the bucket (the optimizer state's
+`exp_avg` of each parameter is a view into it), so the exchange runs on it in place; `exp_avg_sq` is kept the
+same way. Both stay AdamW's per-parameter state, so checkpoints save and reshard them as for AdamW (a
+DP-size change keeps the frozen variance and the averaged momentum); the residuals are the hook state's
+per-rank blob (`Compression.state_dict`), restored under the same layout and zero after a layout change.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from hybrid.compression.codecs import TwoPhaseState, done, two_phase_mean
+from hybrid.optim import ModelOptimizer, clip_grads, global_grad_norm
+from hybrid.parallel import collectives as C
+
+if TYPE_CHECKING:
+    from hybrid.compression.hooks import Compression
+    from hybrid.parallel.context import ParallelContext
+    from hybrid.parallel.data import GradBucket
+
+
+@dataclass
+class MomentumExchange(TwoPhaseState):
+    """The hook state of `compression=onebit_adam`: the sign codec and its worker/server residuals, kept
+    per momentum buffer (one per gradient bucket, by bucket index)."""
+
+
+def local_hook(st: MomentumExchange, bucket):  # noqa: ANN001, ANN201  (DDP's hook signature: see hooks.run_hook)
+    """The compression stage's gradient hook: no DP communication, each rank keeps its own gradient (the
+    optimizer exchanges the momentum instead)."""
+    return done(bucket.buffer())
+
+
+class OneBitAdam(ModelOptimizer):
+    """AdamW for the warm-up, then the frozen-variance step on the compressed DP mean of the momentum.
+
+    `buckets` are the `GradSync`'s (their flat buffers hold this rank's gradients); `comp` is the hook's
+    `Compression` state, whose `warmup_steps` end the exact stage and whose `measure` flag asks for the
+    momentum's compression error on logged steps (one exact, uncounted all-reduce per buffer)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, buckets: list[GradBucket], ctx: ParallelContext,
+                 grad_clip: float, comp: Compression) -> None:
+        super().__init__(optimizer, [p for b in buckets for p in b.parameters()], ctx, grad_clip)
+        self.buckets, self.comp = buckets, comp
+        self.exchange: MomentumExchange = comp.state
+        self._flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def steps_taken(self) -> int:
+        """Optimizer steps taken so far (AdamW's `step` count, restored with the checkpoint)."""
+        state = self.optimizer.state.get(self.params[0]) if self.params else None
+        return int(state["step"]) if state else 0
+
+    def step(self, lr: float) -> torch.Tensor:
+        """Set `lr`, clip by the global norm (TP then PP: this replica's own gradient after the warm-up), then
+        AdamW's step or the compressed-momentum step; return the norm before clipping."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        norm = global_grad_norm(self.params, self.ctx)
+        clip_grads(self.params, self.grad_clip, norm)
+        if self.steps_taken() < self.comp.warmup_steps:
+            self.optimizer.step()
+        else:
+            self._average_momentum()
+            self._frozen_step(lr)
+        return norm
+
+    def _average_momentum(self) -> None:
+        """m ← β₁·m + (1 − β₁)·g per bucket, then every bucket's two-phase sign mean, waited together."""
+        beta1 = self.optimizer.param_groups[0]["betas"][0]
+        futures, exact = [], []
+        for bucket in self.buckets:
+            m, _ = self.flat_state(bucket)
+            m.lerp_(bucket.buffer(), 1 - beta1)
+            if self.comp.measure and C.size(self.exchange.group) > 1:
+                exact.append((m, self._exact_mean(m)))
+            futures.append(two_phase_mean(self.exchange, m, bucket.index()))
+        with C.TIMER.waiting(C.group_name(self.exchange.group)):
+            torch.futures.wait_all(futures)
+        for m, reference in exact:
+            self.comp.add_error(reference, m)
+
+    def _exact_mean(self, m: torch.Tensor) -> torch.Tensor:
+        """The uncompressed DP mean of `m` (metering only: uncounted, timed apart as `meter`)."""
+        exact = m.clone()
+        with C.TIMER.collective(C.group_name(self.exchange.group), "meter"):
+            dist.all_reduce(exact, group=self.exchange.group)
+        return exact.div_(C.size(self.exchange.group))
+
+    @torch.no_grad()
+    def _frozen_step(self, lr: float) -> None:
+        """AdamW's update with the averaged momentum and the variance frozen at the warm-up's last step."""
+        t = self.steps_taken() + 1
+        for group in self.optimizer.param_groups:
+            params = [p for p in group["params"] if p in self.optimizer.state]
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            states = [self.optimizer.state[p] for p in params]
+            if group["weight_decay"]:
+                torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+            denom = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
+            torch._foreach_div_(denom, math.sqrt(1 - beta2 ** self.comp.warmup_steps))
+            torch._foreach_add_(denom, group["eps"])
+            torch._foreach_addcdiv_(params, [s["exp_avg"] for s in states], denom, value=-lr / (1 - beta1 ** t))
+            for s in states:
+                s["step"] += 1
+
+    def flat_state(self, bucket: GradBucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """`bucket`'s flat (momentum, variance), the parameters' `exp_avg` / `exp_avg_sq` being views into
+        them; (re)built from the per-parameter state when that is not (AdamW's warm-up, a fresh load)."""
+        flat = self._flat.get(bucket.index())
+        states = [self.optimizer.state[p] for p in bucket.parameters()]
+        if flat is None or not _views_of(flat, states):
+            flat = self._flat[bucket.index()] = _flatten(bucket.parameters(), states)
+        return flat
+
+
+def _views_of(flat: tuple[torch.Tensor, torch.Tensor], states: list[dict[str, Any]]) -> bool:
+    m, v = flat
+    offset = 0
+    for s in states:
+        if s["exp_avg"].data_ptr() != m[offset:].data_ptr() or s["exp_avg_sq"].data_ptr() != v[offset:].data_ptr():
+            return False
+        offset += s["exp_avg"].numel()
+    return True
+
+
+def _flatten(params: list[torch.Tensor], states: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One flat momentum and one flat variance buffer in the bucket's order; the state entries become views."""
+    out: list[Optional[torch.Tensor]] = []
+    for key in ("exp_avg", "exp_avg_sq"):
+        flat = torch.cat([s[key].reshape(-1) for s in states])
+        offset = 0
+        for p, s in zip(params, states):
+            s[key] = flat[offset: offset + p.numel()].view_as(p)
+            offset += p.numel()
+        out.append(flat)
+    return out[0], out[1]
