@@ -84,6 +84,9 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
                  f"data.seq_len={cfg.data.seq_len} divisible by parallel.tp={p.tp}")
     _validate_optim(cfg.optim)
     _validate_block_size(cfg.compression, p.bucket_mb, layout.dp)
+    c = cfg.compression
+    _require(c.method == "none" or c.warmup_steps < t.steps, f"compression.warmup_steps={c.warmup_steps} is not "
+             f"shorter than the run (train.steps={t.steps}): compression={c.method} would never start")
     _require(cfg.logging.log_every >= 1, f"logging.log_every must be >= 1, got {cfg.logging.log_every}")
     _validate_checkpoint(cfg.checkpoint)
     _validate_run_name(str(cfg.run_name))
