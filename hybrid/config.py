@@ -109,7 +109,8 @@ class CompressionConfig:
     min_compression_rate: float = 2.0  # powersgd: compress a matrix only if its factors are this much smaller
     seed: int = 0  # powersgd: seed of the first random factors (shared by the DP ranks)
     inner: str = ""  # hierarchical: the method between nodes (exact inside a node)
-    measure_error: bool = True  # logged steps: one extra exact all-reduce to report compression_error
+    measure_error: bool = True  # compression_error: one extra exact all-reduce per bucket (bytes_meter) on ...
+    measure_every: int = 10  # ... every measure_every-th logged step (and the last)
 
 
 @dataclass

@@ -282,6 +282,11 @@ class Trainer:
         """Whether step `step` (counted from 1) writes a metrics record."""
         return step % self.cfg.logging.log_every == 0 or step == self.cfg.train.steps
 
+    def _meters(self, step: int) -> bool:
+        """Whether logged step `step` meters the compression error (`compression.measure_every`)."""
+        every = self.cfg.logging.log_every * self.cfg.compression.measure_every
+        return step % every == 0 or step == self.cfg.train.steps
+
     def fit(self) -> Optional[StepResult]:
         """Train to `train.steps` (from `self.step`, which a resume sets), logging every `logging.log_every`
         steps, evaluating every `train.eval_every` and checkpointing every `checkpoint.every`. A signal of
@@ -298,7 +303,7 @@ class Trainer:
         while self.step < t.steps:
             C.COUNTER.reset()
             logs = self._logs(self.step + 1)
-            self.grad_sync.meter(logs)  # ‖ĝ − g‖ is metered on the steps that get logged, and timed
+            self.grad_sync.meter(logs and self._meters(self.step + 1))  # ‖ĝ − g‖ on a sample of them
             self.profiler.before_step(self.step + 1)
             last = self.train_step(timed=logs and self.cfg.logging.timing)
             self.profiler.after_step(self.step)

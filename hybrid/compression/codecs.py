@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
@@ -203,6 +204,16 @@ def done(value: torch.Tensor) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(value)
     return fut
+
+
+def exact_mean(t: torch.Tensor, group: Group) -> torch.Tensor:
+    """The exact DP mean of `t`, the error meter's reference: one fp32 all-reduce counted under the
+    `meter` name (`bytes_meter`), never as training traffic (`bytes_dp`), and timed apart as `meter`."""
+    exact = t.clone()
+    with C.TIMER.collective(C.group_name(group), "meter"):
+        dist.all_reduce(exact, group=group)
+    C.COUNTER.record("meter", "all_reduce", exact, C.size(group))
+    return exact.div_(C.size(group))
 
 
 def two_phase_hook(st: TwoPhaseState, bucket: Any) -> torch.futures.Future:

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
 from hybrid.compression import CompressionError, codecs, powersgd
@@ -79,8 +78,8 @@ def cast_hook(st: CastState, bucket: Any) -> torch.futures.Future:
 class Compression:
     """The state `make_hook`'s hook runs with: a method's (hook, state) plus warm-up and metering.
 
-    `measure = True` (set by the trainer on logged steps) adds one exact, uncounted fp32
-    all-reduce per bucket, to report ‖ĝ − g‖ and ‖g‖; `take_error()` returns and clears them.
+    `measure = True` (set by the trainer on a sample of the logged steps) adds one exact fp32 all-reduce
+    per bucket, counted as `bytes_meter`, to report ‖ĝ − g‖ and ‖g‖; `take_error()` returns and clears them.
     """
 
     method: str
@@ -130,10 +129,7 @@ def run_hook(st: Compression, bucket):  # noqa: ANN001, ANN201
             st._pending.wait()
     exact = None
     if st.measure and st.meter_in_hook and C.size(st.group) > 1:
-        exact = bucket.buffer().clone()
-        with C.TIMER.collective(C.group_name(st.group), "meter"):  # timed apart from the training traffic
-            dist.all_reduce(exact, group=st.group)  # the reference: uncounted, it is not training traffic
-        exact /= C.size(st.group)
+        exact = codecs.exact_mean(bucket.buffer(), st.group)  # counted as `meter`, not as training traffic
     if st.iteration < st.warmup_steps:
         fut = allreduce_hook(st.group, bucket)
     else:
@@ -216,6 +212,7 @@ def check(cfg: CompressionConfig) -> None:
     need(0 < cfg.fraction <= 1, f"compression.fraction must be in (0, 1], got {cfg.fraction}")
     need(cfg.block_size > 0, f"compression.block_size must be > 0, got {cfg.block_size}")
     need(cfg.warmup_steps >= 0, f"compression.warmup_steps must be >= 0, got {cfg.warmup_steps}")
+    need(cfg.measure_every >= 1, f"compression.measure_every must be >= 1, got {cfg.measure_every}")
     need(cfg.min_compression_rate > 0, f"compression.min_compression_rate must be > 0, got {cfg.min_compression_rate}")
     if cfg.method == "hierarchical":
         need(cfg.inner in REGISTRY, f"compression=hierarchical needs compression.inner set to one of "

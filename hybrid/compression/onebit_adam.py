@@ -24,15 +24,17 @@ per-rank blob (`Compression.state_dict`), restored under the same layout and zer
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-import torch.distributed as dist
 
-from hybrid.compression.codecs import TwoPhaseState, done, two_phase_mean
+from hybrid.compression.codecs import TwoPhaseState, done, exact_mean, two_phase_mean
 from hybrid.optim import ModelOptimizer, clip_grads, global_grad_norm
 from hybrid.parallel import collectives as C
+
+PRECOND = os.environ.get('OB_PRECOND') == '1'
 
 if TYPE_CHECKING:
     from hybrid.compression.hooks import Compression
@@ -89,23 +91,27 @@ class OneBitAdam(ModelOptimizer):
         """m ← β₁·m + (1 − β₁)·g per bucket, then every bucket's two-phase sign mean, waited together."""
         beta1 = self.optimizer.param_groups[0]["betas"][0]
         futures, exact = [], []
+        scales = []
         for bucket in self.buckets:
-            m, _ = self.flat_state(bucket)
+            m, v = self.flat_state(bucket)
             m.lerp_(bucket.buffer(), 1 - beta1)
+            if PRECOND:
+                d = self._denominator(v)
+                m.div_(d)
+                scales.append((m, d))
             if self.comp.measure and C.size(self.exchange.group) > 1:
-                exact.append((m, self._exact_mean(m)))
+                exact.append((m, exact_mean(m, self.exchange.group)))
             futures.append(two_phase_mean(self.exchange, m, bucket.index()))
         with C.TIMER.waiting(C.group_name(self.exchange.group)):
             torch.futures.wait_all(futures)
         for m, reference in exact:
             self.comp.add_error(reference, m)
+        for m, d in scales:
+            m.mul_(d)
 
-    def _exact_mean(self, m: torch.Tensor) -> torch.Tensor:
-        """The uncompressed DP mean of `m` (metering only: uncounted, timed apart as `meter`)."""
-        exact = m.clone()
-        with C.TIMER.collective(C.group_name(self.exchange.group), "meter"):
-            dist.all_reduce(exact, group=self.exchange.group)
-        return exact.div_(C.size(self.exchange.group))
+    def _denominator(self, v: torch.Tensor) -> torch.Tensor:
+        group = self.optimizer.param_groups[0]
+        return (v / (1 - group["betas"][1] ** self.comp.warmup_steps)).sqrt_().add_(group["eps"])
 
     @torch.no_grad()
     def _frozen_step(self, lr: float) -> None:

@@ -132,6 +132,7 @@ class GradSync:
                 self._bucket_of[id(p)] = i
                 p.register_post_accumulate_grad_hook(on_ready)
             self.buckets.append(bucket)
+        self._metered = False  # whether this step meters the compression error (`meter`)
         self.launch_log: list[tuple[int, bool]] = []  # (bucket index, launched inside the backward)
         self.last_launch_log: list[tuple[int, bool]] = []  # the previous step's, kept by finish()
         self.begin_step(1)
@@ -204,8 +205,9 @@ class GradSync:
     def meter(self, on: bool) -> None:
         """Whether the coming step meters ‖ĝ − g‖ (one exact, uncounted all-reduce per bucket): on the
         steps whose record carries `compression_error`, never for an exact hook."""
+        self._metered = on and self.report.error and not self.report.exact and isinstance(self.state, MeteredState)
         if isinstance(self.state, MeteredState):
-            self.state.measure = on and self.report.error and not self.report.exact
+            self.state.measure = self._metered
 
     def local_metrics(self) -> list[float]:
         """This rank's figures of the last step, to be summed over the world (by the caller's one
@@ -217,19 +219,20 @@ class GradSync:
         plain_wire = 4 * numel * 2 * (n - 1) / n  # what the exact fp32 ring all-reduce would send
         err_sq, ref_sq = self.state.take_error() if isinstance(self.state, MeteredState) else (0.0, 0.0)
         return [sum(count.group_bytes(g) for g in DP_GROUPS), count.group_bytes("dp_inter"),
-                sum(count.wire_bytes(g) for g in DP_GROUPS), plain_wire, err_sq, ref_sq]
+                sum(count.wire_bytes(g) for g in DP_GROUPS), plain_wire, err_sq, ref_sq, count.group_bytes("meter")]
 
     def metrics(self, sums: Sequence[float], world: int) -> dict[str, float]:
         """The record's DP keys from `local_metrics()` summed over the `world` ranks: bytes averaged
         per rank, the compression ratio (exact ring bytes / sent ring bytes) and the relative error."""
-        dp, inter, wire, plain_wire, err_sq, ref_sq = sums
+        dp, inter, wire, plain_wire, err_sq, ref_sq, meter = sums
         out = {"bytes_dp": dp / world}
         if self.report.inter_node:
             out["bytes_dp_inter"] = inter / world  # the compressed, between-node part
         if C.size(self.group) > 1:
             out["compression_ratio"] = plain_wire / wire if wire else 1.0
-            if self.report.error:
+            if self._metered:
                 out["compression_error"] = (err_sq / ref_sq) ** 0.5 if ref_sq else 0.0
+                out["bytes_meter"] = meter / world  # the meter's exact all-reduce: not training traffic
         return out
 
 

@@ -117,7 +117,7 @@ def train_method(ctx: ParallelContext, case: Case, world: int, overrides: list[s
     for step in range(steps):
         C.COUNTER.reset()
         calls.clear()
-        state.measure = measure_last and step == steps - 1  # the meter's exact all-reduce must stay uncounted
+        trainer.grad_sync.meter(measure_last and step == steps - 1)  # the meter's all-reduce: not in bytes_dp
         r = trainer.train_step()
         out["losses"].append(r.loss)
         out["norms"].append(r.grad_norm)

@@ -102,17 +102,22 @@ def test_torchrun_pipeline_interleaved_trains(tmp_path: Path, env: dict[str, str
 
 
 def test_torchrun_dp4_powersgd_compression_metrics(tmp_path: Path, env: dict[str, str]) -> None:
-    r = torchrun(4, *QUICK, "parallel=dp", "compression=powersgd", "train.steps=4", "train.eval_every=0",
-                 f"logging.dir={tmp_path}", env=env)
+    r = torchrun(4, *QUICK, "parallel=dp", "compression=powersgd", "train.steps=5", "train.eval_every=0",
+                 "compression.measure_every=2", f"logging.dir={tmp_path}", env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     steps, _ = read_metrics(tmp_path)
-    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
     assert "layout: world=4 = pp1 × dp4 × tp1" in r.stdout + r.stderr
+    params = 1e6 * float(re.search(r"model gpt-tiny: ([\d.]+)M parameters", r.stdout + r.stderr).group(1))
     for s in steps:
-        assert s["bytes_dp"] > 0
+        assert s["bytes_dp"] == steps[-1]["bytes_dp"] > 0  # the meter's all-reduce is not training traffic
         assert s["compression_ratio"] > 1, s  # rank-4 factors instead of fp32 gradients
-        assert 0 < s["compression_error"] < 10, s  # metered on every logged step (log_every=1)
         assert "bytes_dp_inter" not in s  # only under hierarchical
+        metered = s["step"] in (2, 4, 5)  # every 2nd logged step (log_every=1) and the last
+        assert ("compression_error" in s) == metered and ("bytes_meter" in s) == metered, s
+        if metered:
+            assert 0 < s["compression_error"] < 10, s
+            assert s["bytes_meter"] == pytest.approx(4 * params, rel=0.01)  # one fp32 all-reduce of all gradients
 
 
 @pytest.mark.parametrize("overrides,needle", [

@@ -63,10 +63,10 @@ def test_meter_leaves_a_plain_state_alone() -> None:
 def test_metrics_keys_follow_the_report_and_the_dp_size() -> None:
     sync = GradSync(list(model().parameters()), None, lambda s, b: None, Meter(), report=SyncReport(error=True))
     figures = sync.local_metrics()
-    assert figures[-2:] == [0.5, 2.0] and figures[3] == 0.0  # the meter's sums; no ring at dp=1
-    assert sync.metrics([8.0, 4.0, 2.0, 6.0, 1.0, 4.0], 2) == {"bytes_dp": 4.0}  # dp=1: no compression figures
+    assert figures[-3:-1] == [0.5, 2.0] and figures[3] == 0.0  # the meter's sums; no ring at dp=1
+    assert sync.metrics([8.0, 4.0, 2.0, 6.0, 1.0, 4.0, 0.0], 2) == {"bytes_dp": 4.0}  # dp=1: no compression figures
     hier = GradSync(list(model().parameters()), None, lambda s, b: None, None, report=SyncReport(inter_node=True))
-    assert hier.metrics([8.0, 4.0, 2.0, 6.0, 1.0, 4.0], 2) == {"bytes_dp": 4.0, "bytes_dp_inter": 2.0}
+    assert hier.metrics([8.0, 4.0, 2.0, 6.0, 1.0, 4.0, 0.0], 2) == {"bytes_dp": 4.0, "bytes_dp_inter": 2.0}
 
 
 def test_optimizer_step_is_norm_clip_adamw_in_bucket_order() -> None:
