@@ -99,7 +99,8 @@ class OptimConfig:
 
 @dataclass
 class CompressionConfig:
-    # none | fp16 | bf16 | int8 | sign | topk | powersgd | hierarchical | torch_fp16 | torch_bf16 | torch_powersgd
+    # none | fp16 | bf16 | int8 | sign | topk | powersgd | dgc | hierarchical | onebit_adam | torch_fp16 | torch_bf16
+    # | torch_powersgd
     method: str = "none"
     rank: int = 4  # powersgd, torch_powersgd: rank of the low-rank factors
     fraction: float = 0.01  # topk: fraction of each chunk's elements sent, in (0, 1]
@@ -109,6 +110,9 @@ class CompressionConfig:
     min_compression_rate: float = 2.0  # powersgd: compress a matrix only if its factors are this much smaller
     seed: int = 0  # powersgd: seed of the first random factors (shared by the DP ranks)
     inner: str = ""  # hierarchical: the method between nodes (exact inside a node)
+    dgc_momentum: float = 0.9  # dgc: momentum of the accumulated velocity (momentum correction)
+    dgc_clip: float = 1.0  # dgc: local clipping of each bucket's gradient to dgc_clip / sqrt(dp); 0: off
+    sparsity_warmup_steps: int = 0  # dgc: density decays exponentially from 1 to `fraction` over these steps
     measure_error: bool = True  # compression_error: one extra exact all-reduce per bucket (bytes_meter) on ...
     measure_every: int = 10  # ... every measure_every-th logged step (and the last)
 

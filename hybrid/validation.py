@@ -87,6 +87,8 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
     c = cfg.compression
     _require(c.method == "none" or c.warmup_steps < t.steps, f"compression.warmup_steps={c.warmup_steps} is not "
              f"shorter than the run (train.steps={t.steps}): compression={c.method} would never start")
+    _require(c.method != "dgc" or c.sparsity_warmup_steps < t.steps, f"compression.sparsity_warmup_steps="
+             f"{c.sparsity_warmup_steps} is not shorter than the run (train.steps={t.steps})")
     _require(cfg.logging.log_every >= 1, f"logging.log_every must be >= 1, got {cfg.logging.log_every}")
     _validate_checkpoint(cfg.checkpoint)
     _validate_run_name(str(cfg.run_name))

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 HYBRID_CACHE=/tmp/hc PYTHONPATH=. python -m hybrid.bench.compression_parity [--quick]
 
 --model on the default corpus (hybrid/configs/data/default.yaml: the stdlib text and a BPE trained on it, built
-offline once under $HYBRID_CACHE), dp=--dp forked ranks, one real `Trainer` per run with the same seed, data
+offline once under $HYBRID_CACHE), dp=--dp × tp=--tp forked ranks, one real `Trainer` per run with the same seed, data
 and hyperparameters; final `evaluate()` loss vs the uncompressed run, mean compression ratio and error and
 bytes_dp per step from `mean_bytes()`. An EF run missing the 3% goal runs again with a longer warm-up. Our
 PowerSGD is set beside PyTorch's powerSGD_hook at the same rank and warm-up.
@@ -47,7 +47,9 @@ PARITY_RUNS: tuple[tuple[str, tuple[str, ...], bool], ...] = (  # (label, overri
     ("powersgd no-EF", ("compression=powersgd", "compression.rank=4", "compression.error_feedback=false"), False),
     ("powersgd EF", ("compression=powersgd", "compression.rank=4", "compression.warmup_steps=2"), True),
     ("torch_powersgd EF", ("compression=torch_powersgd", "compression.rank=4", "compression.warmup_steps=2"), False),
+    ("onebit_adam", ("compression=onebit_adam",), True),  # its warm-up: ONEBIT_WARMUP of the steps
 )
+ONEBIT_WARMUP = 0.1
 PARITY_GOAL = 0.03
 QUICK = {"dp": 2, "seq": 32, "micro_batch": 2, "global_batch": 4, "steps": 3, "eval_batches": 1, "error_every": 1,
          "retry_warmup": 0.0, "timeout": 300.0}
@@ -59,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_quick(p, "3 steps per run, under a minute")
     p.add_argument("--model", default="gpt-tiny", help="hybrid/configs/model")
     p.add_argument("--dp", type=int, default=4, help="DP ranks")
+    p.add_argument("--tp", type=int, default=1, help="TP ranks (world = dp · tp)")
+    p.add_argument("--lr", type=float, default=None, help="train.lr (default: the config's)")
+    p.add_argument("--only", default="", help="comma-separated run labels to run (default: all; 'none' always runs)")
     p.add_argument("--seq", type=int, default=64, help="data.seq_len")
     p.add_argument("--micro-batch", type=int, default=2, help="train.micro_batch_size")
     p.add_argument("--global-batch", type=int, default=8, help="train.global_batch_size")
@@ -89,9 +94,19 @@ def reproduce_command(args: argparse.Namespace) -> str:
     return common.reproduce_command(MODULE, build_parser(), args)
 
 
+def selected_runs(args: argparse.Namespace) -> list[tuple[str, tuple[str, ...], bool]]:
+    """PARITY_RUNS, or those `--only` names (and the exact run); onebit_adam's warm-up set to its share of --steps."""
+    only = {x.strip() for x in args.only.split(",") if x.strip()}
+    runs = [r for r in PARITY_RUNS if not only or r[0] in only or r[0] == "none"]
+    warm = f"compression.warmup_steps={max(1, round(ONEBIT_WARMUP * args.steps))}"
+    return [(label, (*o, warm) if "compression=onebit_adam" in o else o, goal) for label, o, goal in runs]
+
+
 def parity_cfg(args: argparse.Namespace, overrides: Sequence[str]) -> Config:
     """The full training config of one parity run: the default corpus, fp32 CPU, eval only at the end."""
+    lr = [] if args.lr is None else [f"train.lr={args.lr}"]
     return compose_config([f"model={args.model}", "data=default", f"data.seq_len={args.seq}",
+                           f"parallel.tp={args.tp}", *lr,
                            f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.global_batch}",
                            f"train.steps={args.steps}", "train.eval_every=0", f"train.eval_batches={args.eval_batches}",
                            "train.precision=fp32", "train.device=cpu", "logging.progress=false", *overrides])
@@ -131,7 +146,8 @@ def parity_runs(args: argparse.Namespace, corpus: Corpus, runs: Sequence[tuple[s
                 ) -> list[dict[str, Any]]:
     """The parity runs (label, overrides, held to the goal) on --dp ranks: their rows."""
     cfgs = [parity_cfg(args, overrides) for _, overrides, _ in runs]
-    results = launch(parity_ranks, args.dp, cfgs, corpus, args.error_every, timeout=args.timeout * len(runs))[0]
+    results = launch(parity_ranks, args.dp * args.tp, cfgs, corpus, args.error_every,
+                     timeout=args.timeout * len(runs))[0]
     return [parity_row(label, o, goal, cfg, res) for (label, o, goal), cfg, res in zip(runs, cfgs, results)]
 
 
@@ -142,6 +158,7 @@ def parity_row(label: str, overrides: Sequence[str], goal: bool, cfg: Config, re
     errors = [s["error"] for s in after if s["error"] is not None]
     return {"label": label, "method": cfg.compression.method, "warmup": warm, "goal": goal, "eval": res["eval"],
             "ratio": statistics.mean(s["ratio"] for s in after), "error": statistics.mean(errors) if errors else None,
+            "run_ratio": len(res["steps"]) / sum(1 / s["ratio"] for s in res["steps"]),
             "bytes_dp": statistics.mean(s["bytes_dp"] for s in after), "last_loss": res["steps"][-1]["loss"],
             "s_per_step": res["s_per_step"], "overrides": list(overrides)}
 
@@ -158,16 +175,19 @@ def print_parity(args: argparse.Namespace, rows: list[dict[str, Any]], corpus: C
                  out: Callable[[str], None]) -> None:
     """The parity table and what its columns mean."""
     out(f"\n## parity: {args.model} on the default corpus ({len(corpus.train):,} train / {len(corpus.eval)} "
-        f"eval samples of {args.seq}+1 tokens, vocab {corpus.vocab_size}), dp={args.dp} forked gloo ranks, "
+        f"eval samples of {args.seq}+1 tokens, vocab {corpus.vocab_size}), dp={args.dp} × tp={args.tp} forked gloo "
+        f"ranks, lr {args.lr or 'default'}, "
         f"micro batch {args.micro_batch}, global batch {args.global_batch}, {args.steps} steps, the same seed, data "
         f"and hyperparameters for every run; final eval loss over {args.eval_batches} held-out global batches")
     body = [[r["label"], r["warmup"], f"{r['eval']:.4f}", f"{100 * r['rel']:+.2f}%", verdict(r["pass"]),
-             f"{r['ratio']:.2f}×", "-" if r["error"] is None else f"{r['error']:.4f}", f"{r['bytes_dp']:,.0f}",
+             f"{r['ratio']:.2f}×", f"{r['run_ratio']:.2f}×", "-" if r["error"] is None else f"{r['error']:.4f}",
+             f"{r['bytes_dp']:,.0f}",
              f"{r['last_loss']:.4f}", f"{r['s_per_step']:.3f}"] for r in rows]
     for line in table(["run", "warm-up steps", "final eval loss", "vs none", "within 3%", "mean ratio",
-                       "mean error", "bytes_dp/step", "last train loss", "s/step"], body):
+                       "run ratio", "mean error", "bytes_dp/step", "last train loss", "s/step"], body):
         out(line)
-    out(f"mean ratio (`compression_ratio`: uncompressed ring wire / DP wire), mean error (`compression_error` = "
+    out(f"mean ratio (`compression_ratio`: uncompressed ring wire / DP wire) after the warm-up, run ratio over all "
+        f"steps (warm-up included), mean error (`compression_error` = "
         f"‖ĝ − g‖/‖g‖ against the exact DP mean of this step's gradients, metered every {args.error_every} steps; "
         "with error feedback ĝ also carries earlier steps' residuals, so it can exceed 1) and bytes_dp (COUNTER "
         "payload of the DP groups per rank per step) over the steps after the warm-up. 3% goal: fp16, bf16, int8 "
@@ -196,7 +216,7 @@ def section_parity(args: argparse.Namespace, out: Callable[[str], None]) -> list
     from hybrid.data import prepare_data
 
     corpus = prepare_data(parity_cfg(args, []).data)
-    rows = parity_runs(args, corpus, PARITY_RUNS)
+    rows = parity_runs(args, corpus, selected_runs(args))
     parity_verdicts(rows)
     warm = max(1, round(args.retry_warmup * args.steps))
     retry = [r for r in rows if args.retry_warmup > 0 and r["pass"] is False and r["warmup"] < warm]

@@ -13,6 +13,8 @@ Methods (`compression=<method>`, knobs under `compression.*`):
   sign        1 bit per element + a scale per block, two-phase, error feedback
   topk        the largest `fraction` of each chunk, values + indices, two-phase, error feedback
   powersgd    rank-`rank` factors, error feedback, warm start, `powersgd.py`
+  dgc         top-k with Deep Gradient Compression's corrections (local clipping, momentum correction and
+              masking, sparsity warm-up), `dgc.py`
   onebit_adam  1-bit Adam: exact AdamW for `warmup_steps`, then the momentum, not the gradient, sent as
               sign bits (two-phase, error feedback) with Adam's variance frozen, `onebit_adam.py`
   hierarchical  exact inside a node, `inner` method between nodes, `hierarchical.py`
@@ -35,6 +37,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 
 from hybrid.compression import CompressionError, codecs, powersgd
 from hybrid.compression.codecs import done
+from hybrid.compression.dgc import DGCState, dgc_hook
 from hybrid.compression.hierarchical import HierarchicalState, hierarchical_hook
 from hybrid.compression.onebit_adam import MomentumExchange, local_hook
 from hybrid.parallel import collectives as C
@@ -181,6 +184,11 @@ def _powersgd(cfg: CompressionConfig, group: Group) -> tuple[Hook, Any]:
                                                           cfg.min_compression_rate, cfg.seed)
 
 
+def _dgc(cfg: CompressionConfig, group: Group) -> tuple[Hook, Any]:
+    return dgc_hook, DGCState(codecs.TopKCodec(cfg.fraction), group, True, fraction=cfg.fraction,
+                              momentum=cfg.dgc_momentum, clip=cfg.dgc_clip, warmup_steps=cfg.sparsity_warmup_steps)
+
+
 def _onebit_adam(cfg: CompressionConfig, group: Group) -> tuple[Hook, Any]:
     return local_hook, MomentumExchange(codecs.SignCodec(cfg.block_size), group, cfg.error_feedback)
 
@@ -191,6 +199,7 @@ REGISTRY: dict[str, Callable[[CompressionConfig, Group], tuple[Hook, Any]]] = {
     "bf16": _cast(torch.bfloat16),
     **{name: _two_phase(spec) for name, spec in codecs.CODECS.items()},  # int8, sign, topk
     "powersgd": _powersgd,
+    "dgc": _dgc,
 }
 """Flat gradient methods: name → factory(compression cfg, group) → (hook, state). `make_hook` also builds
 hierarchical (around one of these), PyTorch's hooks (`torch_hooks.py`) and onebit_adam."""
@@ -212,6 +221,12 @@ def check(cfg: CompressionConfig) -> None:
     need(0 < cfg.fraction <= 1, f"compression.fraction must be in (0, 1], got {cfg.fraction}")
     need(cfg.block_size > 0, f"compression.block_size must be > 0, got {cfg.block_size}")
     need(cfg.warmup_steps >= 0, f"compression.warmup_steps must be >= 0, got {cfg.warmup_steps}")
+    need(0 <= cfg.dgc_momentum < 1, f"compression.dgc_momentum must be in [0, 1), got {cfg.dgc_momentum}")
+    need(cfg.dgc_clip >= 0, f"compression.dgc_clip must be >= 0 (0: no local clipping), got {cfg.dgc_clip}")
+    need(cfg.sparsity_warmup_steps >= 0, f"compression.sparsity_warmup_steps must be >= 0, got "
+         f"{cfg.sparsity_warmup_steps}")
+    need(cfg.method != "dgc" or cfg.error_feedback, "compression=dgc accumulates what it did not send: it needs "
+         "compression.error_feedback=true")
     need(cfg.measure_every >= 1, f"compression.measure_every must be >= 1, got {cfg.measure_every}")
     need(cfg.min_compression_rate > 0, f"compression.min_compression_rate must be > 0, got {cfg.min_compression_rate}")
     if cfg.method == "hierarchical":
