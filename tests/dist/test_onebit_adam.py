@@ -3,7 +3,8 @@
 The reference runs every DP worker in this process: per-worker gradients from the same seeded batches,
 AdamW on their mean for the warm-up, then each worker's momentum m ← β₁m + (1 − β₁)gᵢ compressed with
 worker error feedback (sign · mean|x| per block of each chunk), averaged per chunk by its owner, compressed
-again with server error feedback, and the step taken with the variance frozen at the warm-up's last value.
+again with server error feedback, and the step taken with the variance frozen at the warm-up's last value
+(floored at the squared momentum).
 hybrid's ranks run `GradSync` + `build_optimizer` over the same model; the parameters must agree after
 every step, at dp=2 and dp=4, after a resume from the saved state (in place, as the checkpoint loads it),
 and after a resume at another DP size (momentum and frozen variance kept, residuals restarted at zero).
@@ -173,8 +174,10 @@ class Reference:
             bc2 = 1 - b2 ** WARMUP
         for k, p in self.params.items():
             decay = OPTIM.weight_decay if p.ndim >= 2 else 0.0
-            denom = (self.v[k] / bc2).sqrt() + OPTIM.eps
-            self.params[k] = p * (1 - LR * decay) - LR / (1 - b1 ** self.t) * self.m[k] / denom
+            m_hat, v_hat = self.m[k] / (1 - b1 ** self.t), self.v[k] / bc2
+            if self.t > WARMUP:  # frozen: floored at the squared momentum
+                v_hat = torch.maximum(v_hat, m_hat ** 2)
+            self.params[k] = p * (1 - LR * decay) - LR * m_hat / (v_hat.sqrt() + OPTIM.eps)
         return list(self.params.values())
 
     def exchange(self, i: int, moms: list[torch.Tensor]) -> torch.Tensor:
