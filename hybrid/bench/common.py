@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -66,9 +67,13 @@ def reproduce_command(module: str, p: argparse.ArgumentParser, args: argparse.Na
         if not action.option_strings or action.dest == "help" or value is None:
             continue
         if action.dest == "sections":
-            value = ",".join(value)
+            value = shlex.quote(",".join(value))
         elif isinstance(value, (list, tuple)):
-            value = " ".join(map(str, value))
+            value = " ".join(shlex.quote(str(v)) for v in value)
+        elif value == "":
+            continue  # an empty string option is its default
+        else:
+            value = shlex.quote(str(value))
         words.append(f"{action.option_strings[0]} {value}")
     return " ".join(words)
 

@@ -47,9 +47,11 @@ PARITY_RUNS: tuple[tuple[str, tuple[str, ...], bool], ...] = (  # (label, overri
     ("powersgd no-EF", ("compression=powersgd", "compression.rank=4", "compression.error_feedback=false"), False),
     ("powersgd EF", ("compression=powersgd", "compression.rank=4", "compression.warmup_steps=2"), True),
     ("torch_powersgd EF", ("compression=torch_powersgd", "compression.rank=4", "compression.warmup_steps=2"), False),
-    ("onebit_adam", ("compression=onebit_adam",), True),  # its warm-up: ONEBIT_WARMUP of the steps
+    ("onebit_adam", ("compression=onebit_adam",), True),  # its warm-up: WARMUP_SHARE of the steps
+    ("dgc", ("compression=dgc",), True),  # its sparsity warm-up: WARMUP_SHARE of the steps
+    ("dgc β1=0", ("compression=dgc", "optim.beta1=0"), True),  # DGC's velocity as the only momentum
 )
-ONEBIT_WARMUP = 0.1
+WARMUP_SHARE = 0.1
 PARITY_GOAL = 0.03
 QUICK = {"dp": 2, "seq": 32, "micro_batch": 2, "global_batch": 4, "steps": 3, "eval_batches": 1, "error_every": 1,
          "retry_warmup": 0.0, "timeout": 300.0}
@@ -95,11 +97,14 @@ def reproduce_command(args: argparse.Namespace) -> str:
 
 
 def selected_runs(args: argparse.Namespace) -> list[tuple[str, tuple[str, ...], bool]]:
-    """PARITY_RUNS, or those `--only` names (and the exact run); onebit_adam's warm-up set to its share of --steps."""
+    """PARITY_RUNS, or those `--only` names (and the exact run); the warm-ups of onebit_adam (exact steps) and
+    dgc (sparsity) set to WARMUP_SHARE of --steps."""
     only = {x.strip() for x in args.only.split(",") if x.strip()}
     runs = [r for r in PARITY_RUNS if not only or r[0] in only or r[0] == "none"]
-    warm = f"compression.warmup_steps={max(1, round(ONEBIT_WARMUP * args.steps))}"
-    return [(label, (*o, warm) if "compression=onebit_adam" in o else o, goal) for label, o, goal in runs]
+    steps = max(1, round(WARMUP_SHARE * args.steps))
+    warm = {"compression=onebit_adam": f"compression.warmup_steps={steps}",
+            "compression=dgc": f"compression.sparsity_warmup_steps={steps}"}
+    return [(label, (*o, *(w for k, w in warm.items() if k in o)), goal) for label, o, goal in runs]
 
 
 def parity_cfg(args: argparse.Namespace, overrides: Sequence[str]) -> Config:
