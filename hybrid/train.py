@@ -185,6 +185,10 @@ def compression_summary(c: CompressionConfig, layout: Layout) -> str:
     line = f"compression: {c.method} over dp={layout.dp}"
     if c.warmup_steps:
         line += f", exact for the first {c.warmup_steps} steps"
+    if c.method == "onebit_adam":
+        line += " (AdamW), then the momentum sent as signs with the variance frozen"
+    if c.method == "dgc" and c.sparsity_warmup_steps:
+        line += f", density from 1 down to {c.fraction} over {c.sparsity_warmup_steps} steps"
     if c.method != "hierarchical":
         return line + ("" if layout.dp > 1 else " (dp=1: nothing to exchange)")
     intra, inter = len(layout.dp_intra_node_groups()[0]), len(layout.dp_inter_node_groups()[0])
