@@ -183,6 +183,7 @@ class TwoPhaseState:
     error_feedback: bool
     worker: dict[int, torch.Tensor] = field(default_factory=dict)  # n·L: what encoding lost here
     server: dict[int, torch.Tensor] = field(default_factory=dict)  # L: what re-encoding our chunk lost
+    scratch: dict[int, torch.Tensor] = field(default_factory=dict)  # n·L working buffer (not state)
 
     def state_dict(self) -> dict[str, Any]:
         return {"worker": dict(self.worker), "server": dict(self.server)}
@@ -197,6 +198,16 @@ def _residual(store: dict[int, torch.Tensor], index: int, like: torch.Tensor) ->
     if r is None or r.shape != like.shape:
         r = store[index] = torch.zeros_like(like)
     return r
+
+
+def _padded(st: TwoPhaseState, idx: int, buf: torch.Tensor, size: int) -> torch.Tensor:
+    """`buf` copied into bucket `idx`'s padded working buffer (kept across steps: no allocation per call)."""
+    x = st.scratch.get(idx)
+    if x is None or x.numel() != size or x.device != buf.device:
+        x = st.scratch[idx] = torch.zeros(size, dtype=torch.float32, device=buf.device)
+    x[: buf.numel()].copy_(buf)
+    x[buf.numel():].zero_()
+    return x
 
 
 def done(value: torch.Tensor) -> torch.futures.Future:
@@ -228,14 +239,14 @@ def two_phase_mean(st: TwoPhaseState, buf: torch.Tensor, idx: int) -> torch.futu
     if n == 1:
         return done(buf)  # nothing to exchange, so nothing to lose
     length = chunk_len(st.codec, buf.numel(), n)
-    x = torch.zeros(n * length, dtype=torch.float32, device=buf.device)
-    x[: buf.numel()] = buf
+    x = _padded(st, idx, buf, n * length)
     if st.error_feedback:
         x += _residual(st.worker, idx, x)
     sent = torch.stack([st.codec.encode(c) for c in x.view(n, length)])
-    if st.error_feedback:
-        decoded = torch.cat([st.codec.decode(e, length) for e in sent])
-        st.worker[idx] = x - decoded
+    if st.error_feedback:  # worker residual = x − decode(sent), chunk by chunk, in place
+        worker = st.worker[idx].view(n, length)
+        for c, e in enumerate(sent):
+            torch.sub(x[c * length: (c + 1) * length], st.codec.decode(e, length), out=worker[c])
         st.worker[idx][buf.numel():] = 0  # padding is not gradient: nothing to carry over
     received = torch.empty_like(sent)
     C.all_to_all(received, sent, st.group)
@@ -252,8 +263,9 @@ def two_phase_mean(st: TwoPhaseState, buf: torch.Tensor, idx: int) -> torch.futu
     work = C.all_gather_flat(gathered, encoded, st.group, async_op=True)
 
     def decode_all(_: Any) -> torch.Tensor:
-        full = torch.cat([st.codec.decode(e, length) for e in gathered])
-        buf.copy_(full[: buf.numel()])
+        for j, e in enumerate(gathered):  # chunk by chunk into the bucket: no full-size temporary
+            part = buf[j * length: (j + 1) * length]
+            part.copy_(st.codec.decode(e, length)[: part.numel()])
         return buf
 
     return work.get_future().then(decode_all)
