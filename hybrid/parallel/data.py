@@ -33,6 +33,7 @@ from torch import nn
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.grads import sync_sequence_parallel_grads, sync_tied_grads
+from hybrid.parallel.params import param_info
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 
@@ -91,7 +92,8 @@ class GradBucket:
 
 
 def assign_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
-    """Split parameters, in reverse registration order, into buckets of about `bucket_bytes` (fp32)."""
+    """Split parameters, in reverse registration order, into buckets of about `bucket_bytes` (fp32), each
+    split again by `sync_class` (the parts in the order they start)."""
     buckets: list[list[nn.Parameter]] = [[]]
     filled = 0
     for p in reversed(params):
@@ -100,7 +102,27 @@ def assign_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[n
             filled = 0
         buckets[-1].append(p)
         filled += 4 * p.numel()
-    return buckets
+    return [part for b in buckets for part in _by_class(b)]
+
+
+def sync_class(p: nn.Parameter) -> int:
+    """A bucket holds one class: TP-sharded (0), a pipeline-tied embedding copy (1), TP-replicated (2).
+
+    Lossy compression is a deterministic function of a bucket's values, so a bucket whose every element is
+    the same on the ranks that must stay equal (the TP ranks for replicated parameters, the first and last
+    stage for a tied embedding under 1-bit Adam) is compressed the same there and they stay equal; mixed
+    with TP shards, each TP rank's copy of a norm would take another rounding and drift apart."""
+    info = param_info(p)
+    if info.pp_tied or info.pp_duplicate:
+        return 1
+    return 0 if info.shard is not None else 2
+
+
+def _by_class(bucket: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    parts: dict[int, list[nn.Parameter]] = {}
+    for p in bucket:
+        parts.setdefault(sync_class(p), []).append(p)
+    return list(parts.values())
 
 
 class GradSync:

@@ -294,3 +294,46 @@ def test_torch_powersgd_hook_matches_ours() -> None:
         assert lt[-1] < lt[0] - 0.5 and lo[-1] < lo[0] - 0.5
         e_theirs, e_ours = theirs["mean_bytes"]["compression_error"], ours["mean_bytes"]["compression_error"]
         assert 0.75 < e_theirs / e_ours < 1.33, (e_theirs, e_ours)  # rank-4 errors of the same size
+
+
+# ---- model-parallel replicas stay equal under lossy sync ----------------------------------------------
+
+def replicas_worker(rank: int, world: int, case: Case, methods: tuple[str, ...]) -> dict[str, Any]:
+    """Train each method a few steps past its warm-up; return this rank's TP-replicated parameters and its
+    copy of the tied embedding (first stage: tok_embed, last stage: head)."""
+    from pp_helpers import layout_context
+
+    from hybrid.parallel.params import param_info
+
+    ctx = layout_context(world, case)
+    out: dict[str, Any] = {"coord": (ctx.coord.pp, ctx.coord.dp, ctx.coord.tp)}
+    for method in methods:
+        cfg = make_cfg(case, world, extra=["train.steps=5", f"compression={method}", "compression.warmup_steps=2"])
+        torch.manual_seed(1234 + ctx.pp_rank)
+        hook, state = make_hook(cfg.compression, ctx.dp_group)
+        trainer = Trainer(cfg, ctx, build_chunks(cfg, VOCAB, ctx), synthetic_corpus(vocab=VOCAB), torch.device("cpu"),
+                          hook, state)
+        for _ in range(cfg.train.steps):
+            trainer.train_step()
+        named = dict(trainer.model.named_parameters())
+        out[method] = {"replicated": {n: p.detach().clone() for n, p in named.items() if param_info(p).shard is None},
+                       "tied": next((p.detach().clone() for n, p in named.items() if n.endswith(("tok_embed.weight",
+                                     "head.weight")) and param_info(p).pp_tied | param_info(p).pp_duplicate), None)}
+    return out
+
+
+@pytest.mark.parametrize("case,methods", [(Case(tp=2), ("sign", "onebit_adam")), (Case(pp=2), ("onebit_adam",))],
+                         ids=["tp2dp2", "pp2dp2"])
+def test_lossy_sync_keeps_model_parallel_replicas_equal(case: Case, methods: tuple[str, ...]) -> None:
+    """A norm's copies on the TP ranks, and the tied embedding's on the first and last stage, get the same
+    update although the DP exchange rounds: each sits in a bucket of its own kind (`sync_class`)."""
+    runs = {r["coord"]: r for r in run_ranks(replicas_worker, 4, case, methods, timeout=TIMEOUT)}
+    for method in methods:
+        for (pp, dp, tp), r in runs.items():
+            if case.tp > 1:
+                other = runs[(pp, dp, 1 - tp)][method]["replicated"]
+                assert all(torch.equal(v, other[k]) for k, v in r[method]["replicated"].items()), (method, pp, dp)
+        if case.pp > 1:
+            for dp in range(2):
+                first, last = runs[(0, dp, 0)][method]["tied"], runs[(1, dp, 0)][method]["tied"]
+                assert first is not None and torch.equal(first, last), (method, dp)
