@@ -13,7 +13,7 @@ run:              ## the default job: gpt-tiny on the embedded corpus, data para
 
 test:             ## the whole test suite (what .ci/run calls)
 	$(PYTHON) -m ruff check hybrid tests
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q --durations=25 tests
 
 lint:
 	$(PYTHON) -m ruff check hybrid tests

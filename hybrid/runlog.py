@@ -11,6 +11,7 @@
   bar reaches the file as its final state only. A Python exception (a bug) leaves its traceback there.
 - `save_hydra_files`: Hydra's `.hydra/{config,hydra,overrides}.yaml`, written by the run itself
   (hydra.output_subdir is null in config.yaml, so Hydra writes them for no run) once it is accepted.
+- `open_metrics`: the run's `MetricsLogger` (metrics.jsonl, wandb, TensorBoard, progress) from its config.
 - `Tally` (a `hybrid.sinks.Sink`) keeps what the summary needs; `summary` builds `summary.json`.
   Collective: `gather` — one all_gather_object over the world at the end of the run.
 """
@@ -29,13 +30,17 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Optional
+from typing import IO, TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from hybrid.config import ConfigError
 from hybrid.metrics import format_bytes, format_count, format_duration
-from hybrid.sinks import write_atomic
+from hybrid.sinks import TENSORBOARD_MISSING, MetricsLogger, WandbSettings, tensorboard_installed, write_atomic
+
+if TYPE_CHECKING:
+    from hybrid.config import Config
 
 HELD_LINES = 5000
 """Lines kept before the run dir is known; later ones are dropped (a run prints a few dozen by then)."""
@@ -248,3 +253,22 @@ def write_summary(run_dir: Path, doc: dict[str, Any]) -> dict[str, Any]:
 
     write_atomic(run_dir / "summary.json", json.dumps(doc, indent=1, allow_nan=False) + "\n")
     return doc
+
+
+def open_metrics(cfg: Config, writer: bool, start_step: int = 0, extra: tuple[Any, ...] = ()) -> MetricsLogger:
+    """Rank 0 writes metrics.jsonl (lines after `start_step` dropped), wandb (`WandbSettings.of`), TensorBoard,
+    the `extra` sinks and the progress bar; a wandb failure, or no tensorboard (any rank), is bad input."""
+    from omegaconf import OmegaConf
+
+    w, tensorboard = cfg.logging.wandb, bool(getattr(cfg.logging, "tensorboard", False))
+    if tensorboard and not tensorboard_installed():
+        raise ConfigError(TENSORBOARD_MISSING)
+    s = WandbSettings.of(w)
+    try:
+        return MetricsLogger(cfg.logging.dir, OmegaConf.to_container(cfg, resolve=True), is_writer=writer,
+                             total_steps=cfg.train.steps, wandb_mode=s.mode, wandb_project=s.project,
+                             wandb_entity=s.entity, progress=cfg.logging.progress, run_name=cfg.run_name,
+                             start_step=start_step, wandb_group=s.group, wandb_tags=s.tags, tensorboard=tensorboard,
+                             extra=extra)
+    except RuntimeError as e:
+        raise ConfigError(str(e)) from None

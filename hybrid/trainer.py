@@ -43,9 +43,9 @@ from hybrid.parallel.schedules import Schedule, build_schedule
 from hybrid.parallel.timing import clock_for
 from hybrid.profiling import StepProfiler
 from hybrid.report import StepReport
-from hybrid.runlog import Tally, gather, peak_memory, summary, summary_line, write_summary
+from hybrid.runlog import Tally, gather, open_metrics, peak_memory, summary, summary_line, write_summary
 from hybrid.sampler import StepSampler, batch_from, eval_indices
-from hybrid.sinks import TENSORBOARD_MISSING, MetricsLogger, WandbSettings, tensorboard_installed
+from hybrid.sinks import MetricsLogger
 
 if TYPE_CHECKING:
     import numpy as np
@@ -333,23 +333,4 @@ def _pretrained(model: nn.ModuleList, model_cfg: ModelConfig) -> str:
     try:
         return load_pretrained(model, model_cfg.init_from, model_cfg, model[0].vocab_size)
     except ModelConfigError as e:
-        raise ConfigError(str(e)) from None
-
-
-def open_metrics(cfg: Config, writer: bool, start_step: int = 0, extra: tuple[Any, ...] = ()) -> MetricsLogger:
-    """Rank 0 writes metrics.jsonl (lines after `start_step` dropped), wandb (`WandbSettings.of`), TensorBoard,
-    the `extra` sinks and the progress bar; a wandb failure, or no tensorboard (any rank), is bad input."""
-    from omegaconf import OmegaConf
-
-    w, tensorboard = cfg.logging.wandb, bool(getattr(cfg.logging, "tensorboard", False))
-    if tensorboard and not tensorboard_installed():
-        raise ConfigError(TENSORBOARD_MISSING)
-    s = WandbSettings.of(w)
-    try:
-        return MetricsLogger(cfg.logging.dir, OmegaConf.to_container(cfg, resolve=True), is_writer=writer,
-                             total_steps=cfg.train.steps, wandb_mode=s.mode, wandb_project=s.project,
-                             wandb_entity=s.entity, progress=cfg.logging.progress, run_name=cfg.run_name,
-                             start_step=start_step, wandb_group=s.group, wandb_tags=s.tags, tensorboard=tensorboard,
-                             extra=extra)
-    except RuntimeError as e:
         raise ConfigError(str(e)) from None

@@ -1,4 +1,4 @@
-"""1-bit Adam (Tang et al. 2021): compress Adam's momentum, not the gradient, once the variance is frozen.
+"""1-bit Adam (Tang et al. 2021), the communication side: compress Adam's momentum, not the gradient.
 
 Sign compression with error feedback makes the *sum* of the applied gradients track the true sum, which is
 what SGD needs; Adam divides each element by its running RMS and turns the added step-to-step noise into
@@ -14,37 +14,23 @@ smaller steps. 1-bit Adam moves the compression past that normaliser:
    so m stays identical across DP; the step is AdamW's with the frozen v, floored at m̂²:
    p ← p·(1 − lr·wd) − lr · m̂ / (√max(v̂, m̂²) + ε),  m̂ = m/(1 − β₁ᵗ),  v̂ = v/(1 − β₂^W).
 
-The floor is ours, not the paper's: a second moment is never below the squared first (E[g²] ≥ E[g]²), but a
-variance frozen early can be, for elements whose gradients grew after the warm-up (on gpt-tiny, attention
-weights once the loss leaves its unigram plateau). Their steps then exceed lr many-fold; floored, no element
-moves more than lr per step, as in Adam. Without it, 200 steps of gpt-tiny at dp=4 ended 10% above exact
-AdamW's eval loss with an exact (uncompressed) momentum exchange; with it, 1.6%.
-
-The momentum of each gradient bucket lives in one flat buffer laid out as the bucket (the optimizer state's
-`exp_avg` of each parameter is a view into it), so the exchange runs on it in place; `exp_avg_sq` is kept the
-same way. Both stay AdamW's per-parameter state, so checkpoints save and reshard them as for AdamW (a
-DP-size change keeps the frozen variance and the averaged momentum); the residuals are the hook state's
-per-rank blob (`Compression.state_dict`), restored under the same layout and zero after a layout change.
+The optimizer that steps on the exchanged momentum, with the frozen variance, its floor and the flat state
+buffers, is `hybrid.optim.onebit_adam.OneBitAdam`; this module holds the hook state, the (empty) gradient
+hook of the compression stage and the momentum's exchange.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybrid.compression.codecs import TwoPhaseState, done, exact_mean, two_phase_mean
-from hybrid.optim import ModelOptimizer, clip_grads, global_grad_norm
 from hybrid.parallel import collectives as C
-
-PRECOND = os.environ.get('OB_PRECOND') == '1'
 
 if TYPE_CHECKING:
     from hybrid.compression.hooks import Compression
-    from hybrid.parallel.context import ParallelContext
-    from hybrid.parallel.data import GradBucket
 
 
 @dataclass
@@ -59,115 +45,15 @@ def local_hook(st: MomentumExchange, bucket):  # noqa: ANN001, ANN201  (DDP's ho
     return done(bucket.buffer())
 
 
-class OneBitAdam(ModelOptimizer):
-    """AdamW for the warm-up, then the frozen-variance step on the compressed DP mean of the momentum.
-
-    `buckets` are the `GradSync`'s (their flat buffers hold this rank's gradients); `comp` is the hook's
-    `Compression` state, whose `warmup_steps` end the exact stage and whose `measure` flag asks for the
-    momentum's compression error on logged steps (one exact, uncounted all-reduce per buffer)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, buckets: list[GradBucket], ctx: ParallelContext,
-                 grad_clip: float, comp: Compression) -> None:
-        super().__init__(optimizer, [p for b in buckets for p in b.parameters()], ctx, grad_clip)
-        self.buckets, self.comp = buckets, comp
-        self.exchange: MomentumExchange = comp.state
-        self._flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def steps_taken(self) -> int:
-        """Optimizer steps taken so far (AdamW's `step` count, restored with the checkpoint)."""
-        state = self.optimizer.state.get(self.params[0]) if self.params else None
-        return int(state["step"]) if state else 0
-
-    def step(self, lr: float) -> torch.Tensor:
-        """Set `lr`, clip by the global norm (TP then PP: this replica's own gradient after the warm-up), then
-        AdamW's step or the compressed-momentum step; return the norm before clipping."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        norm = global_grad_norm(self.params, self.ctx)
-        clip_grads(self.params, self.grad_clip, norm)
-        if self.steps_taken() < self.comp.warmup_steps:
-            self.optimizer.step()
-        else:
-            self._average_momentum()
-            self._frozen_step(lr)
-        return norm
-
-    def _average_momentum(self) -> None:
-        """m ← β₁·m + (1 − β₁)·g per bucket, then every bucket's two-phase sign mean, waited together."""
-        beta1 = self.optimizer.param_groups[0]["betas"][0]
-        futures, exact = [], []
-        scales = []
-        for bucket in self.buckets:
-            m, v = self.flat_state(bucket)
-            m.lerp_(bucket.buffer(), 1 - beta1)
-            if PRECOND:
-                d = self._denominator(v)
-                m.div_(d)
-                scales.append((m, d))
-            if self.comp.measure and C.size(self.exchange.group) > 1:
-                exact.append((m, exact_mean(m, self.exchange.group)))
-            futures.append(two_phase_mean(self.exchange, m, bucket.index()))
-        with C.TIMER.waiting(C.group_name(self.exchange.group)):
-            torch.futures.wait_all(futures)
-        for m, reference in exact:
-            self.comp.add_error(reference, m)
-        for m, d in scales:
-            m.mul_(d)
-
-    def _denominator(self, v: torch.Tensor) -> torch.Tensor:
-        group = self.optimizer.param_groups[0]
-        return (v / (1 - group["betas"][1] ** self.comp.warmup_steps)).sqrt_().add_(group["eps"])
-
-    @torch.no_grad()
-    def _frozen_step(self, lr: float) -> None:
-        """AdamW's update with the averaged momentum and the variance frozen at the warm-up's last step, floored
-        at the squared momentum (bias-corrected both)."""
-        t = self.steps_taken() + 1
-        for group in self.optimizer.param_groups:
-            params = [p for p in group["params"] if p in self.optimizer.state]
-            if not params:
-                continue
-            beta1, beta2 = group["betas"]
-            states = [self.optimizer.state[p] for p in params]
-            if group["weight_decay"]:
-                torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-            v_hat = torch._foreach_div([s["exp_avg_sq"] for s in states], 1 - beta2 ** self.comp.warmup_steps)
-            m_hat = torch._foreach_div([s["exp_avg"] for s in states], 1 - beta1 ** t)
-            torch._foreach_maximum_(v_hat, torch._foreach_mul(m_hat, m_hat))  # the floor: v̂ ≥ m̂²
-            denom = torch._foreach_sqrt(v_hat)
-            torch._foreach_add_(denom, group["eps"])
-            torch._foreach_addcdiv_(params, m_hat, denom, value=-lr)
-            for s in states:
-                s["step"] += 1
-
-    def flat_state(self, bucket: GradBucket) -> tuple[torch.Tensor, torch.Tensor]:
-        """`bucket`'s flat (momentum, variance), the parameters' `exp_avg` / `exp_avg_sq` being views into
-        them; (re)built from the per-parameter state when that is not (AdamW's warm-up, a fresh load)."""
-        flat = self._flat.get(bucket.index())
-        states = [self.optimizer.state[p] for p in bucket.parameters()]
-        if flat is None or not _views_of(flat, states):
-            flat = self._flat[bucket.index()] = _flatten(bucket.parameters(), states)
-        return flat
-
-
-def _views_of(flat: tuple[torch.Tensor, torch.Tensor], states: list[dict[str, Any]]) -> bool:
-    m, v = flat
-    offset = 0
-    for s in states:
-        if s["exp_avg"].data_ptr() != m[offset:].data_ptr() or s["exp_avg_sq"].data_ptr() != v[offset:].data_ptr():
-            return False
-        offset += s["exp_avg"].numel()
-    return True
-
-
-def _flatten(params: list[torch.Tensor], states: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One flat momentum and one flat variance buffer in the bucket's order; the state entries become views."""
-    out: list[Optional[torch.Tensor]] = []
-    for key in ("exp_avg", "exp_avg_sq"):
-        flat = torch.cat([s[key].reshape(-1) for s in states])
-        offset = 0
-        for p, s in zip(params, states):
-            s[key] = flat[offset: offset + p.numel()].view_as(p)
-            offset += p.numel()
-        out.append(flat)
-    return out[0], out[1]
+def average_momentum(comp: Compression, buffers: list[tuple[torch.Tensor, int]]) -> None:
+    """Replace each (momentum buffer, bucket index) by its DP mean through the two-phase sign exchange, all
+    buffers in flight together; when `comp.measure`, first take each exact mean (one uncounted-as-DP fp32
+    all-reduce per buffer, counted as `bytes_meter`) and add the compression error to `comp`'s meter."""
+    st: MomentumExchange = comp.state
+    metered = comp.measure and C.size(st.group) > 1
+    exact = [exact_mean(m, st.group) for m, _ in buffers] if metered else []
+    futures = [two_phase_mean(st, m, index) for m, index in buffers]
+    with C.TIMER.waiting(C.group_name(st.group)):
+        torch.futures.wait_all(futures)
+    for (m, _), reference in zip(buffers, exact):
+        comp.add_error(reference, m)

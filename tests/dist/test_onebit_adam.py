@@ -25,7 +25,7 @@ from torch.func import functional_call, grad
 
 from hybrid.checkpoint.state import init_optimizer_state
 from hybrid.compression.hooks import make_hook
-from hybrid.compression.onebit_adam import OneBitAdam
+from hybrid.optim import OneBitAdam
 from hybrid.config import CompressionConfig, OptimConfig
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.parallel.data import GradSync, assign_buckets

@@ -1,10 +1,10 @@
-"""The optimizer seam: `ModelOptimizer.step(lr)` is the whole update after `finalize_grads`.
+"""AdamW behind the optimizer seam: `ModelOptimizer.step(lr)` is the whole update after `finalize_grads`.
 
 As Megatron's `optimizer.step()`: set this step's LR, take the global gradient norm, clip by it,
 run AdamW (no-decay groups for vectors), return the norm. `build_optimizer` builds it over the
 parameters of a `GradSync`, in bucket order; a sharded (ZeRO-1) optimizer over the same buckets
-would be a second class here with the same `step(lr)`, chosen by `build_optimizer` (as 1-bit Adam's
-`OneBitAdam` is, in `hybrid.compression.onebit_adam`).
+would be a second class with the same `step(lr)`, chosen by `build_optimizer` (as 1-bit Adam's
+`OneBitAdam` is, in `onebit_adam.py`).
 
 The global norm counts every parameter exactly once across the mesh: a TP-sharded
 parameter contributes its shard on every TP rank, a TP-replicated one (norms, biases of
@@ -25,7 +25,6 @@ from torch import nn
 
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
-from hybrid.parallel.data import GradSync
 from hybrid.parallel.params import param_info
 
 if TYPE_CHECKING:
@@ -117,14 +116,3 @@ class ModelOptimizer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
-
-
-def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float, ctx: ParallelContext,
-                    grad_sync: GradSync) -> ModelOptimizer:
-    """The optimizer of `model`, whose gradients `grad_sync` owns: AdamW with clipping at `cfg.grad_clip`,
-    or 1-bit Adam's (`compression.onebit_adam`) when the DP hook's state is its momentum exchange."""
-    from hybrid.compression.onebit_adam import MomentumExchange, OneBitAdam  # builds on this module
-
-    if isinstance(getattr(grad_sync.state, "state", None), MomentumExchange):
-        return OneBitAdam(adamw(model, cfg, lr), grad_sync.buckets, ctx, cfg.grad_clip, grad_sync.state)
-    return ModelOptimizer(adamw(model, cfg, lr), grad_sync.parameters(), ctx, cfg.grad_clip)
