@@ -106,7 +106,12 @@ class CompressionConfig:
     fraction: float = 0.01  # topk: fraction of each chunk's elements sent, in (0, 1]
     block_size: int = 256  # int8, sign: elements sharing one fp32 scale
     error_feedback: bool = True  # sign, topk, powersgd, torch_powersgd: add last step's compression error back
-    warmup_steps: int = 0  # steps of exact all-reduce before compressing
+    warmup_steps: int = 0  # steps of exact all-reduce before compressing (schedule=auto: at least, per stage)
+    schedule: str = "fixed"  # fixed: exact for warmup_steps, then the method | auto: switch once the loss settles
+    stages: list[str] = field(default_factory=list)  # auto: methods between exact and `method`, e.g. [bf16, int8]
+    settle_window: int = 10  # auto: steps per window of the settling rule (2 windows compared)
+    settle_tol: float = 0.02  # auto: settled when the loss's window mean fell by less than this (relative)
+    exact_params: Optional[list[str]] = None  # kept exact: vectors (norms, biases), embeddings; null: auto's [vectors]
     min_compression_rate: float = 2.0  # powersgd: compress a matrix only if its factors are this much smaller
     seed: int = 0  # powersgd: seed of the first random factors (shared by the DP ranks)
     inner: str = ""  # hierarchical: the method between nodes (exact inside a node)

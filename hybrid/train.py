@@ -182,9 +182,18 @@ def use_job_folder(cfg: Config, folder: str, overrides: list[str]) -> None:
 
 def compression_summary(c: CompressionConfig, layout: Layout) -> str:
     """One start-up line: the DP hook, and under hierarchical how the DP groups split over nodes."""
+    from hybrid.compression.schedule import exact_kinds
+
     line = f"compression: {c.method} over dp={layout.dp}"
-    if c.warmup_steps:
+    if c.schedule == "auto":
+        line += (f", schedule auto: exact, then {' → '.join([*c.stages, c.method])}, each stage once the loss's "
+                 f"{c.settle_window}-step mean falls < {c.settle_tol:.1%}" +
+                 (f" (after {c.warmup_steps} steps at least)" if c.warmup_steps else ""))
+    elif c.warmup_steps:
         line += f", exact for the first {c.warmup_steps} steps"
+    kinds = exact_kinds(c.exact_params, c.schedule)
+    if kinds and c.method != "none":
+        line += f"; kept exact: {', '.join(kinds)}"
     if c.method == "onebit_adam":
         line += " (AdamW), then the momentum sent as signs with the variance frozen"
     if c.method == "dgc" and c.sparsity_warmup_steps:

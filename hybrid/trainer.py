@@ -29,6 +29,8 @@ from torch import nn
 
 from hybrid.checkpoint import Checkpointer
 from hybrid.checkpoint.files import scan
+from hybrid.compression.hooks import Compression
+from hybrid.compression.schedule import exact_kinds, exact_param_ids
 from hybrid.config import Config, ConfigError, ModelConfig
 from hybrid.data import Corpus
 from hybrid.model import build_model
@@ -37,7 +39,7 @@ from hybrid.optim import build_optimizer, lr_at
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.data import CommHook, GradSync, SyncReport, finalize_grads
-from hybrid.parallel.params import param_info
+from hybrid.parallel.params import count_params
 from hybrid.parallel.pipeline import P2P, PipelineStats, partition_layers, run_schedule
 from hybrid.parallel.schedules import Schedule, build_schedule
 from hybrid.parallel.timing import clock_for
@@ -87,8 +89,12 @@ class Trainer:
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * ctx.dp_size)
         c = cfg.compression
         report = SyncReport(error=c.measure_error, exact=c.method == "none", inter_node=c.method == "hierarchical")
+        self.comp = hook_state if isinstance(hook_state, Compression) else None
+        apart = exact_param_ids(self.model.named_parameters(), exact_kinds(c.exact_params, c.schedule))
+        if self.comp is not None:
+            self.comp.exact_params = apart
         self.grad_sync = GradSync(list(self.model.parameters()), ctx.dp_group, hook, hook_state, cfg.parallel.bucket_mb,
-                                  report)
+                                  report, apart=apart)
         self.grad_sync.begin_step(self.num_microbatches)
         self.optimizer = build_optimizer(self.model, cfg.optim, t.lr, ctx, self.grad_sync)
         self.sampler = StepSampler(len(corpus.train), t.micro_batch_size, self.num_microbatches, ctx.dp_size,
@@ -115,13 +121,19 @@ class Trainer:
         return {"model": self.model, "optimizer": self.optimizer, "trainer": self, "hook": self.grad_sync.state}
 
     def state_dict(self) -> dict[str, Any]:
-        """The run's position, the same on every rank: steps done, samples consumed, the data order's seed."""
+        """The run's position, the same on every rank: steps done, samples consumed, the data order's seed,
+        and under `compression.schedule=auto` the schedule's decisions (layout-independent)."""
         sampler = self.sampler.state_dict()
-        return {"step": self.step, "consumed_samples": sampler["consumed_samples"], "data_seed": sampler["seed"]}
+        out = {"step": self.step, "consumed_samples": sampler["consumed_samples"], "data_seed": sampler["seed"]}
+        if self.comp is not None and self.comp.schedule is not None:
+            out["compression_schedule"] = self.comp.schedule.state_dict()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.sampler.load_state_dict({"consumed_samples": state["consumed_samples"], "seed": state["data_seed"]})
+        if "compression_schedule" in state and self.comp is not None and self.comp.schedule is not None:
+            self.comp.schedule.load_state_dict(state["compression_schedule"])
 
     def message(self, line: str) -> None:
         """One line of the run's log (printed by rank 0): through the metrics logger once it exists."""
@@ -183,14 +195,8 @@ class Trainer:
         return P2P(self.ctx.pp_group, shape, torch.float32, self.device)
 
     def count_params(self) -> int:
-        """Parameters of the whole model: local counts summed over TP (shards) and PP (stages)."""
-        local = sum(p.numel() for p in self.model.parameters()
-                    if not param_info(p).pp_duplicate and (not param_info(p).tp_duplicate or self.ctx.tp_rank == 0))
-        n = torch.tensor(float(local))
-        for g in (self.ctx.tp_group, self.ctx.pp_group):
-            if C.size(g) > 1:
-                dist.all_reduce(n, group=g)  # start-up bookkeeping, not training traffic
-        return int(n.item())
+        """Parameters of the whole model (`params.count_params`: collective over TP and PP)."""
+        return count_params(self.model.parameters(), self.ctx.tp_rank, (self.ctx.tp_group, self.ctx.pp_group))
 
     def _batch(self, samples: np.ndarray, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch_from(samples, idx)
@@ -275,8 +281,10 @@ class Trainer:
         return self.report.mean_bytes()
 
     def step_metrics(self, r: StepResult) -> dict[str, Any]:
-        """The metrics.jsonl record of a step (`StepReport.record`; collective)."""
-        return self.report.record(self.step, r.loss, r.grad_norm, r.lr, r.step_time_s)
+        """The metrics.jsonl record of a step (`StepReport.record`; collective), with the compression stage
+        the step ran (`Compression.record`)."""
+        stage = self.comp.record(self.step - 1) if self.comp is not None else {}
+        return {**self.report.record(self.step, r.loss, r.grad_norm, r.lr, r.step_time_s), **stage}
 
     def _logs(self, step: int) -> bool:
         """Whether step `step` (counted from 1) writes a metrics record."""
@@ -306,6 +314,9 @@ class Trainer:
             self.grad_sync.meter(logs and self._meters(self.step + 1))  # ‖ĝ − g‖ on a sample of them
             self.profiler.before_step(self.step + 1)
             last = self.train_step(timed=logs and self.cfg.logging.timing)
+            switch = self.comp.observe(self.step, last.loss) if self.comp is not None else None
+            if switch:
+                self.message(switch)  # the auto schedule's decision, the same on every rank
             self.profiler.after_step(self.step)
             if self._logs(self.step):
                 record = self.step_metrics(last)  # on every rank: the bytes are averaged over ranks

@@ -87,6 +87,10 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
     c = cfg.compression
     _require(c.method == "none" or c.warmup_steps < t.steps, f"compression.warmup_steps={c.warmup_steps} is not "
              f"shorter than the run (train.steps={t.steps}): compression={c.method} would never start")
+    first = max(2 * c.settle_window, c.warmup_steps)  # the first step the auto schedule may switch after
+    _require(c.schedule != "auto" or first < t.steps, f"compression.settle_window={c.settle_window} leaves no step "
+             f"to compress: the auto schedule compares two windows ({first} steps at least) and the run has "
+             f"train.steps={t.steps}")
     _require(c.method != "dgc" or c.sparsity_warmup_steps < t.steps, f"compression.sparsity_warmup_steps="
              f"{c.sparsity_warmup_steps} is not shorter than the run (train.steps={t.steps})")
     _require(cfg.logging.log_every >= 1, f"logging.log_every must be >= 1, got {cfg.logging.log_every}")

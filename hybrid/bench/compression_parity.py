@@ -50,11 +50,13 @@ PARITY_RUNS: tuple[tuple[str, tuple[str, ...], bool], ...] = (  # (label, overri
     ("onebit_adam", ("compression=onebit_adam",), True),  # its warm-up: WARMUP_SHARE of the steps
     ("dgc", ("compression=dgc",), True),  # its sparsity warm-up: WARMUP_SHARE of the steps
     ("dgc β1=0", ("compression=dgc", "optim.beta1=0"), True),  # DGC's velocity as the only momentum
+    ("sign auto", ("compression=sign", "compression.schedule=auto"), True),  # exact until the loss settles
+    ("onebit_adam auto", ("compression=onebit_adam", "compression.schedule=auto", "compression.warmup_steps=0"), True),
 )
 WARMUP_SHARE = 0.1
 PARITY_GOAL = 0.03
 QUICK = {"dp": 2, "seq": 32, "micro_batch": 2, "global_batch": 4, "steps": 3, "eval_batches": 1, "error_every": 1,
-         "retry_warmup": 0.0, "timeout": 300.0}
+         "retry_warmup": 0.0, "timeout": 300.0, "settle_window": 1}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="TP ranks (world = dp · tp)")
     p.add_argument("--lr", type=float, default=None, help="train.lr (default: the config's)")
     p.add_argument("--only", default="", help="comma-separated run labels to run (default: all; 'none' always runs)")
+    p.add_argument("--settle-window", type=int, default=None, help="compression.settle_window of the auto rows "
+                   "(default: the config's)")
     p.add_argument("--seq", type=int, default=64, help="data.seq_len")
     p.add_argument("--micro-batch", type=int, default=2, help="train.micro_batch_size")
     p.add_argument("--global-batch", type=int, default=8, help="train.global_batch_size")
@@ -98,20 +102,24 @@ def reproduce_command(args: argparse.Namespace) -> str:
 
 def selected_runs(args: argparse.Namespace) -> list[tuple[str, tuple[str, ...], bool]]:
     """PARITY_RUNS, or those `--only` names (and the exact run); the warm-ups of onebit_adam (exact steps) and
-    dgc (sparsity) set to WARMUP_SHARE of --steps."""
+    dgc (sparsity) set to WARMUP_SHARE of --steps (not under the auto schedule: it finds the warm-up)."""
     only = {x.strip() for x in args.only.split(",") if x.strip()}
     runs = [r for r in PARITY_RUNS if not only or r[0] in only or r[0] == "none"]
     steps = max(1, round(WARMUP_SHARE * args.steps))
     warm = {"compression=onebit_adam": f"compression.warmup_steps={steps}",
             "compression=dgc": f"compression.sparsity_warmup_steps={steps}"}
-    return [(label, (*o, *(w for k, w in warm.items() if k in o)), goal) for label, o, goal in runs]
+    def warm_ups(o: tuple[str, ...]) -> tuple[str, ...]:
+        return () if "compression.schedule=auto" in o else tuple(w for k, w in warm.items() if k in o)
+    return [(label, (*o, *warm_ups(o)), goal) for label, o, goal in runs]
 
 
 def parity_cfg(args: argparse.Namespace, overrides: Sequence[str]) -> Config:
     """The full training config of one parity run: the default corpus, fp32 CPU, eval only at the end."""
-    lr = [] if args.lr is None else [f"train.lr={args.lr}"]
+    knobs = [] if args.lr is None else [f"train.lr={args.lr}"]
+    if args.settle_window is not None:
+        knobs.append(f"compression.settle_window={args.settle_window}")
     return compose_config([f"model={args.model}", "data=default", f"data.seq_len={args.seq}",
-                           f"parallel.tp={args.tp}", *lr,
+                           f"parallel.tp={args.tp}", *knobs,
                            f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.global_batch}",
                            f"train.steps={args.steps}", "train.eval_every=0", f"train.eval_batches={args.eval_batches}",
                            "train.precision=fp32", "train.device=cpu", "logging.progress=false", *overrides])
@@ -130,11 +138,15 @@ def parity_rank(rank: int, world: int, cfg: Config, corpus: Corpus, error_every:
         metered = c.method != "none" and c.measure_error and (step + 1) % error_every == 0
         trainer.grad_sync.meter(metered)
         result = trainer.train_step()
+        if trainer.comp is not None:
+            trainer.comp.observe(trainer.step, result.loss)  # the auto schedule, as `Trainer.fit` does
         m = trainer.mean_bytes()
         steps.append({"loss": result.loss, "bytes_dp": m["bytes_dp"], "ratio": m.get("compression_ratio", 1.0),
                       "error": m.get("compression_error") if metered else None})
     wall = time.perf_counter() - start
-    return {"steps": steps, "eval": trainer.evaluate(), "s_per_step": wall / cfg.train.steps}
+    bounds = state.schedule.bounds if state.schedule is not None else [cfg.compression.warmup_steps]
+    exact = bounds[0] if bounds else cfg.train.steps  # auto: the step it switched after (never: the whole run)
+    return {"steps": steps, "eval": trainer.evaluate(), "s_per_step": wall / cfg.train.steps, "exact_steps": exact}
 
 
 def parity_ranks(rank: int, world: int, cfgs: list[Config], corpus: Corpus, error_every: int) -> list[dict[str, Any]]:
@@ -157,8 +169,8 @@ def parity_runs(args: argparse.Namespace, corpus: Corpus, runs: Sequence[tuple[s
 
 
 def parity_row(label: str, overrides: Sequence[str], goal: bool, cfg: Config, res: dict[str, Any]) -> dict[str, Any]:
-    """One run's row, the means taken over the steps after the warm-up."""
-    warm = cfg.compression.warmup_steps
+    """One run's row, the means taken over the steps after the warm-up (the auto schedule's: its first switch)."""
+    warm = res["exact_steps"] if cfg.compression.method != "none" else 0
     after = res["steps"][warm:] or res["steps"]
     errors = [s["error"] for s in after if s["error"] is not None]
     return {"label": label, "method": cfg.compression.method, "warmup": warm, "goal": goal, "eval": res["eval"],

@@ -293,7 +293,7 @@ class Checkpointer:
     def _restore_rest(self, state: dict[str, Any], manifest: dict[str, Any], rng_key: Optional[str],
                       hook_blob_key: Optional[str]) -> None:
         run = self.states["trainer"]
-        run.load_state_dict({k: manifest[k] for k in run.state_dict()})
+        run.load_state_dict({k: manifest[k] for k in run.state_dict() if k in manifest})
         step, model = int(manifest["step"]), self.states["model"]
         if rng_key is not None:
             set_rng_state(model, unblob(state[rng_key]))

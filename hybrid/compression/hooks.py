@@ -20,7 +20,9 @@ Methods (`compression=<method>`, knobs under `compression.*`):
   hierarchical  exact inside a node, `inner` method between nodes, `hierarchical.py`
 
 `make_hook` wraps every method in `Compression`, the hook state that adds what is common to all:
-exact all-reduce for the first `warmup_steps` steps, the optional measurement of the relative
+exact all-reduce for the first `warmup_steps` steps, or, under `compression.schedule=auto`, the stages
+`schedule.py` steps through (exact, `compression.stages`, the method) as the loss settles; buckets of
+parameters kept exact (`compression.exact_params`); the optional measurement of the relative
 compression error ‖ĝ − g‖/‖g‖, and `state_dict()` / `load_state_dict()` for checkpoints.
 Bytes are counted at the collective calls (`hybrid.parallel.collectives`); PyTorch's hooks call
 `torch.distributed` themselves, so their module sees a counting proxy of it (`_CountingDist`).
@@ -40,6 +42,7 @@ from hybrid.compression.codecs import done
 from hybrid.compression.dgc import DGCState, dgc_hook
 from hybrid.compression.hierarchical import HierarchicalState, hierarchical_hook
 from hybrid.compression.onebit_adam import MomentumExchange, local_hook
+from hybrid.compression.schedule import Plateau, StageSchedule, check_schedule
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 
@@ -79,7 +82,11 @@ def cast_hook(st: CastState, bucket: Any) -> torch.futures.Future:
 
 @dataclass
 class Compression:
-    """The state `make_hook`'s hook runs with: a method's (hook, state) plus warm-up and metering.
+    """The state `make_hook`'s hook runs with: a method's (hook, state) plus warm-up or schedule, and metering.
+
+    `schedule` (auto) picks each step's stage: 0 exact, i ≤ len(`ladder`) the ladder's (hook, state) i − 1,
+    then the method; without one, the first `warmup_steps` steps are exact. Buckets whose parameters are
+    all in `exact_params` (ids, set by the trainer from `compression.exact_params`) are always exact.
 
     `measure = True` (set by the trainer on a sample of the logged steps) adds one exact fp32 all-reduce
     per bucket, counted as `bytes_meter`, to report ‖ĝ − g‖ and ‖g‖; `take_error()` returns and clears them.
@@ -94,6 +101,10 @@ class Compression:
     meter_in_hook: bool = True  # False: the optimizer meters (onebit_adam's compressed momentum)
     iteration: int = 0  # steps whose last bucket was launched
     measure: bool = False
+    schedule: Optional[StageSchedule] = None
+    ladder: list[tuple[Hook, Any]] = field(default_factory=list)
+    exact_params: frozenset[int] = frozenset()
+    _exact_buckets: dict[int, bool] = field(default_factory=dict)
     _sq: list[float] = field(default_factory=lambda: [0.0, 0.0])  # Σ‖ĝ − g‖², Σ‖g‖²
     _pending: Optional[torch.futures.Future] = None
 
@@ -101,14 +112,53 @@ class Compression:
         out, self._sq = (self._sq[0], self._sq[1]), [0.0, 0.0]
         return out
 
+    def stage_at(self, step: int) -> int:
+        """The stage of the step after `step` steps done: 0 exact, then the ladder's, then the method's."""
+        if self.schedule is not None:
+            return self.schedule.stage(step)
+        return 0 if step < self.warmup_steps else 1 + len(self.ladder)
+
+    def method_at(self, step: int) -> str:
+        if self.schedule is not None:
+            return self.schedule.method(step)
+        return self.method if self.stage_at(step) else "none"
+
+    def record(self, step: int) -> dict[str, Any]:
+        """The metrics of the step after `step` steps done: the stage it ran, unless the hook is exact."""
+        if self.method == "none":
+            return {}
+        return {"comm/compression_method": self.method_at(step), "comm/compression_stage": self.stage_at(step)}
+
+    def observe(self, step: int, loss: float) -> Optional[str]:
+        """After step `step`: hand its training loss (the DP mean, alike on every rank) to the auto schedule;
+        the line announcing a switch, else None."""
+        return self.schedule.observe(step, loss) if self.schedule is not None else None
+
+    def exact_steps(self) -> int:
+        """Steps of the exact stage (1-bit Adam's warm-up, whose variance it freezes): decided or configured."""
+        if self.schedule is not None and self.schedule.bounds:
+            return self.schedule.bounds[0]
+        return self.warmup_steps
+
+    def kept_exact(self, bucket: Any) -> bool:
+        """Whether every parameter of `bucket` is kept exact (`compression.exact_params`)."""
+        i = bucket.index()
+        if i not in self._exact_buckets:
+            self._exact_buckets[i] = bool(self.exact_params) and all(id(p) in self.exact_params
+                                                                     for p in bucket.parameters())
+        return self._exact_buckets[i]
+
     def state_dict(self) -> dict[str, Any]:
-        return {"method": self.method, "iteration": self.iteration, "hook": _state_dict(self.state)}
+        return {"method": self.method, "iteration": self.iteration, "hook": _state_dict(self.state),
+                "ladder": [_state_dict(state) for _, state in self.ladder]}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd["method"] != self.method:
             raise ValueError(f"hook state is for compression={sd['method']}, this run uses {self.method}")
         self.iteration = sd["iteration"]
         _load_state_dict(self.state, sd["hook"])
+        for (_, state), blob in zip(self.ladder, sd.get("ladder", [])):
+            _load_state_dict(state, blob)
 
     def add_error(self, exact: torch.Tensor, value: torch.Tensor) -> None:
         """Account one compressed `value` against its `exact` counterpart in Σ‖ĝ − g‖² and Σ‖g‖²."""
@@ -123,7 +173,8 @@ class Compression:
 
 
 def run_hook(st: Compression, bucket):  # noqa: ANN001, ANN201
-    """The hook `make_hook` returns: warm-up, then the method; meters the error when asked.
+    """The hook `make_hook` returns: the step's stage (exact, a ladder method, the method; exact for the
+    buckets kept exact); meters the error when asked.
 
     `bucket` and the result are unannotated on purpose: DDP's `register_comm_hook` rejects any
     annotation but `dist.GradBucket` / `Future[Tensor]`, and ours would be strings here."""
@@ -133,8 +184,12 @@ def run_hook(st: Compression, bucket):  # noqa: ANN001, ANN201
     exact = None
     if st.measure and st.meter_in_hook and C.size(st.group) > 1:
         exact = codecs.exact_mean(bucket.buffer(), st.group)  # counted as `meter`, not as training traffic
-    if st.iteration < st.warmup_steps:
+    stage = st.stage_at(st.iteration)
+    if stage == 0 or st.kept_exact(bucket):
         fut = allreduce_hook(st.group, bucket)
+    elif stage <= len(st.ladder):
+        hook, state = st.ladder[stage - 1]
+        fut = hook(state, bucket)
     else:
         fut = st.hook(st.state, bucket)
     if bucket.is_last():
@@ -227,17 +282,27 @@ def check(cfg: CompressionConfig) -> None:
          f"{cfg.sparsity_warmup_steps}")
     need(cfg.method != "dgc" or cfg.error_feedback, "compression=dgc accumulates what it did not send: it needs "
          "compression.error_feedback=true")
+    check_schedule(cfg, [m for m in REGISTRY if m != "none"], list(OPTIMIZER_SIDE))
     need(cfg.measure_every >= 1, f"compression.measure_every must be >= 1, got {cfg.measure_every}")
     need(cfg.min_compression_rate > 0, f"compression.min_compression_rate must be > 0, got {cfg.min_compression_rate}")
     if cfg.method == "hierarchical":
         need(cfg.inner in REGISTRY, f"compression=hierarchical needs compression.inner set to one of "
              f"{', '.join(REGISTRY)} (the method between nodes), got {cfg.inner!r}")
-    if cfg.method in OPTIMIZER_SIDE:
+    if cfg.method in OPTIMIZER_SIDE and cfg.schedule == "fixed":
         need(cfg.warmup_steps >= 1, f"compression={cfg.method} needs compression.warmup_steps >= 1 (exact AdamW "
              f"steps that estimate the variance it then freezes), got {cfg.warmup_steps}")
     if cfg.method == "torch_powersgd" and cfg.error_feedback:
         need(cfg.warmup_steps >= 2, "compression=torch_powersgd with error feedback needs "
              f"compression.warmup_steps >= 2 (PyTorch's start_powerSGD_iter), got {cfg.warmup_steps}")
+
+
+def _scheduled(comp: Compression, cfg: CompressionConfig, group: Group) -> Compression:
+    """Under `schedule=auto`: the ladder of `compression.stages` and the schedule that finds the bounds."""
+    if cfg.schedule == "auto":
+        comp.ladder = [REGISTRY[m](cfg, group) for m in cfg.stages]
+        comp.schedule = StageSchedule(["none", *cfg.stages, cfg.method], rule=Plateau(cfg.settle_window,
+                                      cfg.settle_tol), min_steps=cfg.warmup_steps)
+    return comp
 
 
 def make_hook(cfg: CompressionConfig, group: Group, dp_intra: Group = None,
@@ -262,7 +327,8 @@ def make_hook(cfg: CompressionConfig, group: Group, dp_intra: Group = None,
         warmup, serial = (0, True) if cfg.method == "torch_powersgd" else (warmup, False)
     elif cfg.method in OPTIMIZER_SIDE:
         hook, state = OPTIMIZER_SIDE[cfg.method](cfg, group)
-        return run_hook, Compression(cfg.method, group, hook, state, warmup, meter_in_hook=False)
+        comp = Compression(cfg.method, group, hook, state, warmup, meter_in_hook=False)
+        return run_hook, _scheduled(comp, cfg, group)
     else:
         hook, state = REGISTRY[cfg.method](cfg, group)
-    return run_hook, Compression(cfg.method, group, hook, state, warmup, serial)
+    return run_hook, _scheduled(Compression(cfg.method, group, hook, state, warmup, serial), cfg, group)

@@ -34,8 +34,9 @@ class OneBitAdam(ModelOptimizer):
     """AdamW for the warm-up, then the frozen-variance step on the compressed DP mean of the momentum.
 
     `buckets` are the `GradSync`'s (their flat buffers hold this rank's gradients); `comp` is the hook's
-    `Compression` state, whose `warmup_steps` end the exact stage and whose `measure` flag asks for the
-    momentum's compression error (one exact all-reduce per buffer, counted as `bytes_meter`)."""
+    `Compression` state, whose exact stage (`warmup_steps`, or the auto schedule's) is AdamW's and whose
+    `measure` flag asks for the momentum's compression error (one exact all-reduce per buffer, counted as
+    `bytes_meter`)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, buckets: list[GradBucket], ctx: ParallelContext,
                  grad_clip: float, comp: Compression) -> None:
@@ -56,7 +57,7 @@ class OneBitAdam(ModelOptimizer):
             group["lr"] = lr
         norm = global_grad_norm(self.params, self.ctx)
         clip_grads(self.params, self.grad_clip, norm)
-        if self.steps_taken() < self.comp.warmup_steps:
+        if self.comp.stage_at(self.steps_taken()) == 0:
             self.optimizer.step()
         else:
             self._average_momentum()
@@ -65,12 +66,15 @@ class OneBitAdam(ModelOptimizer):
 
     def _average_momentum(self) -> None:
         """m ← β₁·m + (1 − β₁)·g per bucket (g: this rank's clipped gradient), then the DP mean of every
-        bucket's m by the two-phase sign exchange (`compression.onebit_adam.average_momentum`)."""
+        bucket's m by the two-phase sign exchange (`compression.onebit_adam.average_momentum`). A bucket kept
+        exact (`compression.exact_params`) had its gradient all-reduced by the hook: its m is already equal."""
         beta1 = self.optimizer.param_groups[0]["betas"][0]
         buffers = []
         for bucket in self.buckets:
             m, _ = self.flat_state(bucket)
-            buffers.append((m.lerp_(bucket.buffer(), 1 - beta1), bucket.index()))
+            m.lerp_(bucket.buffer(), 1 - beta1)
+            if not self.comp.kept_exact(bucket):
+                buffers.append((m, bucket.index()))
         average_momentum(self.comp, buffers)
 
     @torch.no_grad()
@@ -86,7 +90,7 @@ class OneBitAdam(ModelOptimizer):
             states = [self.optimizer.state[p] for p in params]
             if group["weight_decay"]:
                 torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-            v_hat = torch._foreach_div([s["exp_avg_sq"] for s in states], 1 - beta2 ** self.comp.warmup_steps)
+            v_hat = torch._foreach_div([s["exp_avg_sq"] for s in states], 1 - beta2 ** self.comp.exact_steps())
             m_hat = torch._foreach_div([s["exp_avg"] for s in states], 1 - beta1 ** t)
             torch._foreach_maximum_(v_hat, torch._foreach_mul(m_hat, m_hat))  # the floor: v̂ ≥ m̂²
             denom = torch._foreach_sqrt(v_hat)

@@ -91,9 +91,11 @@ class GradBucket:
         self._buffer.copy_(tensor)
 
 
-def assign_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+def assign_buckets(params: list[nn.Parameter], bucket_bytes: int,
+                   apart: frozenset[int] = frozenset()) -> list[list[nn.Parameter]]:
     """Split parameters, in reverse registration order, into buckets of about `bucket_bytes` (fp32), each
-    split again by `sync_class` (the parts in the order they start)."""
+    split again by `sync_class` and by membership in `apart` (ids: parameters the hook keeps exact), the
+    parts in the order they start."""
     buckets: list[list[nn.Parameter]] = [[]]
     filled = 0
     for p in reversed(params):
@@ -102,7 +104,7 @@ def assign_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[n
             filled = 0
         buckets[-1].append(p)
         filled += 4 * p.numel()
-    return [part for b in buckets for part in _by_class(b)]
+    return [part for b in buckets for part in _by_class(b, apart)]
 
 
 def sync_class(p: nn.Parameter) -> int:
@@ -118,10 +120,10 @@ def sync_class(p: nn.Parameter) -> int:
     return 0 if info.shard is not None else 2
 
 
-def _by_class(bucket: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    parts: dict[int, list[nn.Parameter]] = {}
+def _by_class(bucket: list[nn.Parameter], apart: frozenset[int]) -> list[list[nn.Parameter]]:
+    parts: dict[tuple[int, bool], list[nn.Parameter]] = {}
     for p in bucket:
-        parts.setdefault(sync_class(p), []).append(p)
+        parts.setdefault((sync_class(p), id(p) in apart), []).append(p)
     return list(parts.values())
 
 
@@ -137,11 +139,12 @@ class GradSync:
     """
 
     def __init__(self, params: list[nn.Parameter], group: Group, hook: CommHook, state: Any,
-                 bucket_mb: float = 25.0, report: SyncReport = SyncReport(), in_backward: bool = True) -> None:
+                 bucket_mb: float = 25.0, report: SyncReport = SyncReport(), in_backward: bool = True,
+                 apart: frozenset[int] = frozenset()) -> None:
         self.group, self.hook, self.state, self.report = group, hook, state, report
         self.in_backward = in_backward  # False: every bucket waits for finish() (no overlap; a test switch)
         self.enabled = C.size(group) > 1
-        groups = assign_buckets([p for p in params if p.requires_grad], int(bucket_mb * 2**20))
+        groups = assign_buckets([p for p in params if p.requires_grad], int(bucket_mb * 2**20), apart)
         self.buckets: list[GradBucket] = []
         on_ready = _weak_hook(self)
         self._bucket_of: dict[int, int] = {}

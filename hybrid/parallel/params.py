@@ -21,6 +21,7 @@ initialisation: `init_parameters` generates each full global tensor from a gener
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -135,3 +136,15 @@ def full_tensor(p: torch.Tensor, group: Group) -> torch.Tensor:
 def full_state_dict(module: nn.Module, group: Group) -> dict[str, torch.Tensor]:
     """{global name: global tensor} of every parameter of `module`; a collective over `group`."""
     return {name: full_tensor(p, group) for name, p in module.named_parameters()}
+
+
+def count_params(params: Iterable[nn.Parameter], tp_rank: int, groups: Sequence[Group]) -> int:
+    """Parameters of the whole model: the local count (a TP-replicated parameter on TP rank 0 only, a pipeline
+    duplicate nowhere) summed over `groups` (TP, PP) by one all-reduce each: start-up bookkeeping, uncounted."""
+    local = sum(p.numel() for p in params
+                if not param_info(p).pp_duplicate and (not param_info(p).tp_duplicate or tp_rank == 0))
+    n = torch.tensor(float(local))
+    for g in groups:
+        if C.size(g) > 1:
+            dist.all_reduce(n, group=g)
+    return int(n.item())
