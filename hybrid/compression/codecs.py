@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -184,6 +184,7 @@ class TwoPhaseState:
     worker: dict[int, torch.Tensor] = field(default_factory=dict)  # n·L: what encoding lost here
     server: dict[int, torch.Tensor] = field(default_factory=dict)  # L: what re-encoding our chunk lost
     scratch: dict[int, torch.Tensor] = field(default_factory=dict)  # n·L working buffer (not state)
+    stream: Optional[Any] = None  # CUDA: the codec's own stream (torch.cuda.Stream), made on first use
 
     def state_dict(self) -> dict[str, Any]:
         return {"worker": dict(self.worker), "server": dict(self.server)}
@@ -234,10 +235,29 @@ def two_phase_hook(st: TwoPhaseState, bucket: Any) -> torch.futures.Future:
 
 def two_phase_mean(st: TwoPhaseState, buf: torch.Tensor, idx: int) -> torch.futures.Future:
     """The DP mean of the flat fp32 `buf` through the two-phase exchange, written into `buf` (the future's
-    value), with `idx`'s residuals: a gradient bucket's, or (1-bit Adam) a momentum buffer's."""
+    value), with `idx`'s residuals: a gradient bucket's, or (1-bit Adam) a momentum buffer's.
+
+    On CUDA the whole exchange (encode, collectives, decode) is queued on the state's own stream, after the
+    compute stream's work so far, and the host returns at once: the codec's kernels run beside the rest of
+    the backward instead of in line with it. The future is CUDA-aware: waiting on it makes the waiter's
+    stream wait for the codec's. On CPU the gather stays in flight and is decoded by its callback."""
     n = C.size(st.group)
     if n == 1:
         return done(buf)  # nothing to exchange, so nothing to lose
+    if not buf.is_cuda:
+        return _exchange(st, buf, idx, n)
+    if st.stream is None:
+        st.stream = torch.cuda.Stream(buf.device)
+    st.stream.wait_stream(torch.cuda.current_stream(buf.device))
+    with torch.cuda.stream(st.stream):
+        _exchange(st, buf, idx, n).wait()  # NCCL's waits order the codec's stream, not the host
+        fut: torch.futures.Future = torch.futures.Future(devices=[buf.device])
+        fut.set_result(buf)  # records an event on the codec's stream
+    return fut
+
+
+def _exchange(st: TwoPhaseState, buf: torch.Tensor, idx: int, n: int) -> torch.futures.Future:
+    """`two_phase_mean`'s exchange on the current stream: all-to-all, average, re-encode, all-gather."""
     length = chunk_len(st.codec, buf.numel(), n)
     x = _padded(st, idx, buf, n * length)
     if st.error_feedback:
@@ -260,12 +280,12 @@ def two_phase_mean(st: TwoPhaseState, buf: torch.Tensor, idx: int) -> torch.futu
         st.server[idx] = mine - st.codec.decode(encoded, length)
         st.server[idx][valid:] = 0
     gathered = torch.empty_like(sent)
-    work = C.all_gather_flat(gathered, encoded, st.group, async_op=True)
+    work = C.all_gather_flat(gathered, encoded, st.group, async_op=not buf.is_cuda)
 
-    def decode_all(_: Any) -> torch.Tensor:
+    def decode_all(_: Any = None) -> torch.Tensor:
         for j, e in enumerate(gathered):  # chunk by chunk into the bucket: no full-size temporary
             part = buf[j * length: (j + 1) * length]
             part.copy_(st.codec.decode(e, length)[: part.numel()])
         return buf
 
-    return work.get_future().then(decode_all)
+    return done(decode_all()) if work is None else work.get_future().then(decode_all)

@@ -20,6 +20,7 @@ The exchanged value is a velocity, so it already holds DGC's momentum; AdamW's o
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,8 @@ def dgc_hook(st: DGCState, bucket):  # noqa: ANN001, ANN201  (DDP's hook signatu
     """Clip locally, fold into the velocity, top-k two-phase exchange at this step's density, mask the
     velocity where sent (see the module doc)."""
     buf, idx, n = bucket.buffer(), bucket.index(), C.size(st.group)
+    if st.stream is not None:  # CUDA: the last exchange (its residuals, its masking) is done before we read them
+        torch.cuda.current_stream(buf.device).wait_stream(st.stream)
     if n == 1:
         st.step += int(bucket.is_last())
         return done(buf)
@@ -71,6 +74,7 @@ def dgc_hook(st: DGCState, bucket):  # noqa: ANN001, ANN201  (DDP's hook signatu
     st.codec = TopKCodec(density(st.step, st.fraction, st.warmup_steps))
     fut = two_phase_mean(st, buf, idx)
     if st.momentum > 0 and st.error_feedback:
-        st.velocity[idx].masked_fill_(st.worker[idx][: buf.numel()] == 0, 0.0)
+        with torch.cuda.stream(st.stream) if st.stream is not None else contextlib.nullcontext():
+            st.velocity[idx].masked_fill_(st.worker[idx][: buf.numel()] == 0, 0.0)  # after the exchange wrote it
     st.step += int(bucket.is_last())
     return fut
