@@ -277,8 +277,12 @@ def test_torch_fp16_hook_matches_ours() -> None:
         assert theirs["norms"][0] == pytest.approx(exact["norms"][0], rel=1e-4)
         assert theirs["norms"][0] != exact["norms"][0]  # and it was rounded
         assert theirs["losses"][1:] != exact["losses"][1:]
-        assert theirs["mean_bytes"]["compression_error"] == pytest.approx(ours["mean_bytes"]["compression_error"],
-                                                                         rel=0.1)
+        # both errors are fp16 rounding: under its unit roundoff (no overflow here; subnormals weigh nothing in the
+        # norm) and of one size, PyTorch's a little larger where its fp16 division rounds a second time
+        e_theirs, e_ours = theirs["mean_bytes"]["compression_error"], ours["mean_bytes"]["compression_error"]
+        roundoff = torch.finfo(torch.float16).eps / 2
+        assert 0 < e_ours < roundoff and 0 < e_theirs < roundoff, (e_theirs, e_ours)
+        assert 0.75 < e_theirs / e_ours < 1.33, (e_theirs, e_ours)
 
 
 def test_torch_powersgd_hook_matches_ours() -> None:
