@@ -277,12 +277,13 @@ def test_torch_fp16_hook_matches_ours() -> None:
         assert theirs["norms"][0] == pytest.approx(exact["norms"][0], rel=1e-4)
         assert theirs["norms"][0] != exact["norms"][0]  # and it was rounded
         assert theirs["losses"][1:] != exact["losses"][1:]
-        # both errors are fp16 rounding: under its unit roundoff (no overflow here; subnormals weigh nothing in the
-        # norm) and of one size, PyTorch's a little larger where its fp16 division rounds a second time
+        # both errors are fp16 rounding (a cast and the fp16 sum: about fp16's unit roundoff u, more where the
+        # ranks' gradients cancel), far under bf16's 8u; measured on one step, where a few large elements can
+        # dominate the norm, so only their size is compared (they differed by 16 % on another machine)
         e_theirs, e_ours = theirs["mean_bytes"]["compression_error"], ours["mean_bytes"]["compression_error"]
-        roundoff = torch.finfo(torch.float16).eps / 2
-        assert 0 < e_ours < roundoff and 0 < e_theirs < roundoff, (e_theirs, e_ours)
-        assert 0.75 < e_theirs / e_ours < 1.33, (e_theirs, e_ours)
+        u = torch.finfo(torch.float16).eps / 2
+        assert 0 < e_ours < 4 * u and 0 < e_theirs < 4 * u, (e_theirs, e_ours, u)
+        assert 0.5 < e_theirs / e_ours < 2, (e_theirs, e_ours)
 
 
 def test_torch_powersgd_hook_matches_ours() -> None:
