@@ -57,6 +57,7 @@ class ParallelConfig:
     ranks_per_node: Optional[int] = None  # override of the detected node size (emulated nodes)
     allow_tp_across_nodes: bool = False  # permit a TP group spanning nodes (warns)
     bucket_mb: float = 25.0  # DP gradient bucket size in MB (fp32)
+    zero: int = 0  # 1: the distributed optimizer (ZeRO-1): gradients reduce-scattered, Adam's moments sharded over DP
     # seconds a collective may wait for a peer before the run stops naming the group (every group gets it);
     # Megatron's 10 minutes: a checkpoint save or an eval on a slow rank must fit inside it
     timeout_s: float = 600.0

@@ -29,7 +29,7 @@ from torch import nn
 
 from hybrid.checkpoint import Checkpointer
 from hybrid.checkpoint.files import scan
-from hybrid.compression.hooks import Compression
+from hybrid.compression.hooks import REDUCE_SCATTER_DTYPES, Compression
 from hybrid.compression.schedule import exact_kinds, exact_param_ids
 from hybrid.config import Config, ConfigError, ModelConfig
 from hybrid.data import Corpus
@@ -94,7 +94,8 @@ class Trainer:
         if self.comp is not None:
             self.comp.exact_params = apart
         self.grad_sync = GradSync(list(self.model.parameters()), ctx.dp_group, hook, hook_state, cfg.parallel.bucket_mb,
-                                  report, apart=apart)
+                                  report, apart=apart, sharded=cfg.parallel.zero == 1,
+                                  reduce_dtype=REDUCE_SCATTER_DTYPES.get(c.method, torch.float32))
         self.grad_sync.begin_step(self.num_microbatches)
         self.optimizer = build_optimizer(self.model, cfg.optim, t.lr, ctx, self.grad_sync)
         self.sampler = StepSampler(len(corpus.train), t.micro_batch_size, self.num_microbatches, ctx.dp_size,

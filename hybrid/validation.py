@@ -83,6 +83,7 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
         _require(cfg.data.seq_len % p.tp == 0, f"parallel.sequence_parallel=true needs "
                  f"data.seq_len={cfg.data.seq_len} divisible by parallel.tp={p.tp}")
     _validate_optim(cfg.optim)
+    _validate_zero(p, cfg.compression)
     _validate_block_size(cfg.compression, p.bucket_mb, layout.dp)
     c = cfg.compression
     _require(c.method == "none" or c.warmup_steps < t.steps, f"compression.warmup_steps={c.warmup_steps} is not "
@@ -133,6 +134,22 @@ def _validate_optim(o: OptimConfig) -> None:
     _require(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     for key in ("beta1", "beta2", "eps", "weight_decay", "min_lr_ratio", "grad_clip"):
         _require(math.isfinite(getattr(o, key)), f"optim.{key} must be finite, got {getattr(o, key)}")
+
+
+def _validate_zero(p: ParallelConfig, c: CompressionConfig) -> None:
+    """The distributed optimizer reduce-scatters each bucket: a method that needs the whole bucket (a codec,
+    PowerSGD, 1-bit Adam's momentum) or a per-step stage change cannot run there."""
+    _require(p.zero in (0, 1), f"parallel.zero must be 0 (off) or 1 (the distributed optimizer), got {p.zero}")
+    if p.zero == 0:
+        return
+    from hybrid.compression.hooks import REDUCE_SCATTER_DTYPES as ZERO_METHODS
+
+    _require(c.method in ZERO_METHODS, f"parallel.zero=1 reduce-scatters the gradients, which "
+             f"compression={c.method} cannot do (it needs each bucket whole): use compression="
+             f"{'|'.join(ZERO_METHODS)}, or parallel.zero=0")
+    _require(c.schedule == "fixed" and c.warmup_steps == 0, "parallel.zero=1 runs one reduce-scatter dtype for "
+             f"the whole run: compression.schedule={c.schedule} with warmup_steps={c.warmup_steps} needs "
+             "schedule=fixed and warmup_steps=0")
 
 
 def _validate_block_size(c: CompressionConfig, bucket_mb: float, dp: int) -> None:

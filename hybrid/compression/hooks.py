@@ -262,6 +262,11 @@ hierarchical (around one of these), PyTorch's hooks (`torch_hooks.py`) and onebi
 OPTIMIZER_SIDE: dict[str, Callable[[CompressionConfig, Group], tuple[Hook, Any]]] = {"onebit_adam": _onebit_adam}
 """Methods that compress inside the optimizer step (`optim.build_optimizer` picks the optimizer by the state)."""
 
+REDUCE_SCATTER_DTYPES: dict[str, torch.dtype] = {"none": torch.float32, "fp16": torch.float16,
+                                                 "bf16": torch.bfloat16}
+"""The methods the distributed optimizer (`parallel.zero=1`) runs, as the dtype its gradient reduce-scatter
+is in: the others need each bucket whole."""
+
 METHODS = (*REGISTRY, "hierarchical", "torch_fp16", "torch_bf16", "torch_powersgd", *OPTIMIZER_SIDE)
 
 

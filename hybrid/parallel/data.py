@@ -15,6 +15,10 @@ through that protocol, plus the optional `MeteredState` interface (`measure`, `t
 through which GradSync meters the compression error on logged steps and reports its own
 figures (`bytes_dp`, `compression_ratio`, `compression_error`).
 
+Sharded (`sharded=True`, the distributed optimizer's): each bucket is padded to dp equal shards and
+reduce-scattered instead, from the same trigger; DP rank r keeps the mean of shard r, and the optimizer
+(`hybrid.optim.distributed`) updates that shard and all-gathers the parameters.
+
 `finalize_grads` is the one place where a step's gradients become final: the DP buckets, then
 the model-parallel sums of `grads.py` (tied embedding, sequence-parallel replicated parameters).
 """
@@ -36,6 +40,9 @@ from hybrid.parallel.grads import sync_sequence_parallel_grads, sync_tied_grads
 from hybrid.parallel.params import param_info
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
+
+SHARD_ALIGN = 32
+"""ZeRO-1: elements per shard are a multiple of this (fp32: 128 bytes)."""
 
 DP_GROUPS = ("dp", "dp_intra", "dp_inter")
 """The counter names whose traffic is gradient sync (`bytes_dp`); the last two only under hierarchical."""
@@ -59,6 +66,19 @@ class SyncReport:
     error: bool = False  # compression_error: ‖ĝ − g‖/‖g‖, metered on the steps `meter(True)` names
     exact: bool = False  # the hook is the exact mean: never metered, its error reads 0
     inter_node: bool = False  # bytes_dp_inter: the between-node part of hierarchical sync
+
+
+class Launched:
+    """A launched collective as GradSync waits for it (gloo's reduce-scatter has no future): `wait()` waits
+    for the work, runs `then` (a copy back from a reduce dtype) and returns None (nothing to write back)."""
+
+    def __init__(self, work: Any, then: Optional[Callable[[], Any]] = None) -> None:
+        self.work, self.then = work, then
+
+    def wait(self) -> None:
+        self.work.wait()
+        if self.then is not None:
+            self.then()
 
 
 class GradBucket:
@@ -107,6 +127,13 @@ def assign_buckets(params: list[nn.Parameter], bucket_bytes: int,
     return [part for b in buckets for part in _by_class(b, apart)]
 
 
+def padded_numel(numel: int, dp: int) -> int:
+    """A sharded bucket's length: `numel` rounded up so that each of the dp shards holds a multiple of
+    `SHARD_ALIGN` elements (equal shards for the reduce-scatter and all-gather; 128-byte aligned)."""
+    unit = dp * SHARD_ALIGN
+    return -(-numel // unit) * unit
+
+
 def sync_class(p: nn.Parameter) -> int:
     """A bucket holds one class: TP-sharded (0), a pipeline-tied embedding copy (1), TP-replicated (2).
 
@@ -140,17 +167,21 @@ class GradSync:
 
     def __init__(self, params: list[nn.Parameter], group: Group, hook: CommHook, state: Any,
                  bucket_mb: float = 25.0, report: SyncReport = SyncReport(), in_backward: bool = True,
-                 apart: frozenset[int] = frozenset()) -> None:
+                 apart: frozenset[int] = frozenset(), sharded: bool = False,
+                 reduce_dtype: torch.dtype = torch.float32) -> None:
         self.group, self.hook, self.state, self.report = group, hook, state, report
         self.in_backward = in_backward  # False: every bucket waits for finish() (no overlap; a test switch)
         self.enabled = C.size(group) > 1
+        self.sharded = sharded  # ZeRO-1: reduce-scatter each bucket, the optimizer updates this rank's shard
+        self.reduce_dtype = reduce_dtype  # the sharded path's reduce-scatter dtype (fp16/bf16: half the bytes)
         groups = assign_buckets([p for p in params if p.requires_grad], int(bucket_mb * 2**20), apart)
         self.buckets: list[GradBucket] = []
         on_ready = _weak_hook(self)
         self._bucket_of: dict[int, int] = {}
         for i, ps in enumerate(groups):
-            device = ps[0].device
-            buf = torch.zeros(sum(p.numel() for p in ps), dtype=torch.float32, device=device)
+            numel = sum(p.numel() for p in ps)
+            buf = torch.zeros(padded_numel(numel, C.size(group)) if sharded else numel, dtype=torch.float32,
+                              device=ps[0].device)
             bucket = GradBucket(i, buf, ps, is_last=i == len(groups) - 1)
             for p, view in zip(ps, bucket.gradients()):
                 p.grad = view
@@ -167,7 +198,7 @@ class GradSync:
         self._expected = num_microbatches
         self._seen = {id(p): 0 for b in self.buckets for p in b.parameters()}
         self._pending = [len(b.parameters()) for b in self.buckets]
-        self._futures: list[Optional[torch.futures.Future]] = [None] * len(self.buckets)
+        self._futures: list[Optional[torch.futures.Future | Launched]] = [None] * len(self.buckets)
         self._next = 0
         self.launch_log = []
 
@@ -192,9 +223,23 @@ class GradSync:
         if self.enabled:
             self._futures[i] = self._start(self.buckets[i])
 
-    def _start(self, bucket: GradBucket) -> torch.futures.Future:
-        """The all-reduce path: the comm hook, whose future holds the bucket's DP mean."""
-        return self.hook(self.state, bucket)
+    def _start(self, bucket: GradBucket) -> torch.futures.Future | Launched:
+        """The all-reduce path: the comm hook, whose future holds the bucket's DP mean. The sharded path
+        (ZeRO-1): one reduce-scatter of the buffer over DP (pre-divided by dp, so the shard holds the mean),
+        its result left in place in this rank's shard; the rest of the buffer is not read afterwards."""
+        if not self.sharded:
+            return self.hook(self.state, bucket)
+        buf = bucket.buffer().div_(C.size(self.group))  # before any cast: the sum stays in fp16's range
+        low = buf if self.reduce_dtype == buf.dtype else buf.to(self.reduce_dtype)
+        work = C.reduce_scatter_flat(self.shard(bucket, low), low, self.group, async_op=True)
+        back = (lambda: self.shard(bucket).copy_(self.shard(bucket, low))) if low is not buf else None
+        return Launched(work, back)
+
+    def shard(self, bucket: GradBucket, buf: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """This DP rank's contiguous 1/dp of a sharded bucket's buffer (or of `buf`, laid out alike)."""
+        buf = bucket.buffer() if buf is None else buf
+        k = buf.numel() // C.size(self.group)
+        return buf[C.rank(self.group) * k: (C.rank(self.group) + 1) * k]
 
     def _write_back(self, bucket: GradBucket, result: Any) -> None:
         """Put the comm hook's result (a tensor, or DDP's one-tensor list) into the bucket's buffer."""

@@ -21,12 +21,13 @@ from test_dp import SEQ, synthetic_corpus
 
 from hybrid.compression.hooks import make_hook
 from hybrid.config import compose_config
-from hybrid.validation import validate
 from hybrid.model import analytic_param_count
+from hybrid.optim import DistributedOptimizer
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.parallel.params import full_state_dict, param_info
 from hybrid.trainer import Trainer, build_chunks
+from hybrid.validation import validate
 
 VOCAB = 201  # with make_vocab_size_divisible_by=1: padded to 202 at tp=2 (not divisible by tp)
 LAYERS = 8
@@ -54,12 +55,15 @@ class Case:
     v: int = 1  # virtual stages (interleaved)
     sp: bool = False
     stage_layers: Optional[tuple[int, ...]] = None  # parallel.stage_layers; None = balanced
+    zero: int = 0  # parallel.zero: 1 = the distributed optimizer
+    extra: tuple[str, ...] = ()  # more overrides
 
     def __str__(self) -> str:
         sp = "sp" if self.sp else ""
         v = f"v{self.v}" if self.v > 1 else ""
         parts = "-" + "_".join(map(str, self.stage_layers)) if self.stage_layers else ""
-        return f"{self.family}-tp{self.tp}pp{self.pp}{sp}-{self.schedule}{v}{parts}"
+        return f"{self.family}-tp{self.tp}pp{self.pp}{sp}-{self.schedule}{v}{parts}{'-zero1' if self.zero else ''}" + (
+            f"-{','.join(self.extra)}" if self.extra else "")
 
 
 def make_cfg(case: Case, world: int, bucket_mb: float = 0.05, extra: Sequence[str] = ()) -> Any:
@@ -67,7 +71,8 @@ def make_cfg(case: Case, world: int, bucket_mb: float = 0.05, extra: Sequence[st
     at 0.05, below every step's gradient norm (~2-3), so each update is scaled by the global norm."""
     dp = world // (case.tp * case.pp)
     cfg = compose_config([
-        f"model={MODEL_CONFIGS.get(case.family, 'gpt-tiny')}", f"model.family={case.family}", f"model.n_layers={LAYERS}",
+        f"model={MODEL_CONFIGS.get(case.family, 'gpt-tiny')}", f"model.family={case.family}",
+        f"model.n_layers={LAYERS}",
         "model.hidden=64", "model.n_heads=4", "model.ffn_hidden=128", "model.max_seq_len=32",
         "model.make_vocab_size_divisible_by=1", "model.dropout=0.0",
         f"data.seq_len={SEQ}", f"train.global_batch_size={GLOBAL_BATCH}", f"train.micro_batch_size={MICRO}",
@@ -76,7 +81,8 @@ def make_cfg(case: Case, world: int, bucket_mb: float = 0.05, extra: Sequence[st
         f"parallel.tp={case.tp}", f"parallel.pp={case.pp}", f"parallel.dp={dp}",
         f"parallel.schedule={case.schedule}", f"parallel.virtual_stages={case.v}",
         f"parallel.sequence_parallel={str(case.sp).lower()}", f"parallel.bucket_mb={bucket_mb}",
-        "parallel.name=test", *extra,
+        f"parallel.zero={case.zero}",
+        "parallel.name=test", *case.extra, *extra,
         *([f"parallel.stage_layers=[{','.join(map(str, case.stage_layers))}]"] if case.stage_layers else []),
     ])
     validate(cfg, world)
@@ -107,7 +113,19 @@ def train_case(ctx: ParallelContext, case: Case, world: int) -> dict[str, Any]:
             "bytes": step_bytes, "launch_logs": launch_logs, "buckets": len(trainer.grad_sync.buckets),
             "microbatches": trainer.num_microbatches, "eval": eval_loss, "tied_numel": tied,
             "n_params": trainer.n_params, "analytic_params": analytic_param_count(cfg.model, VOCAB, case.tp),
-            "state": full if c.tp == 0 and c.dp == 0 else None}
+            "state": full if c.tp == 0 and c.dp == 0 else None, "moments": moment_bytes(trainer.optimizer),
+            "bucket_numel": [(sum(p.numel() for p in b.parameters()), b.buffer().numel())
+                             for b in trainer.grad_sync.buckets]}
+
+
+def moment_bytes(optimizer: Any) -> tuple[int, int]:
+    """Bytes of Adam moments this rank updates (its parameters' or, under ZeRO-1, its fragments') and
+    allocates (under ZeRO-1 the flat shards, padding included)."""
+    inner = optimizer.optimizer
+    held = sum(t.numel() * t.element_size() for s in inner.state.values() for k, t in s.items() if k != "step")
+    if not isinstance(optimizer, DistributedOptimizer):
+        return held, held
+    return held, sum(t.numel() * t.element_size() for sb in optimizer.buckets for t in sb.moments.values())
 
 
 def layout_context(world: int, case: Case) -> ParallelContext:
@@ -130,7 +148,7 @@ def train_cases(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(family: str) -> dict[str, Any]:
     """The single-process run (tp = pp = dp = 1: the global batch as 4 microbatches of MICRO)."""
     torch.set_num_threads(1)

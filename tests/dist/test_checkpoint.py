@@ -5,8 +5,8 @@ One world-8 launch:
    uninterrupted reference, and the checkpoint;
 2. in the same layout, a fresh model and Trainer resume step 5 and train to 10: losses must equal
    steps 6..10 bit for bit (fp32 on CPU), and so must the final weights;
-3. under tp1pp2dp4, tp2pp1dp4, tp4pp2 and tp2pp4 interleaved with 2 chunks per rank (new process
-   groups each), a fresh model resumes step 5:
+3. under tp1pp2dp4, tp2pp1dp4, tp4pp2, tp2pp4 interleaved with 2 chunks per rank and tp1pp2dp4 with the
+   distributed optimizer (new process groups each), a fresh model resumes step 5:
    right after loading, the gathered weights must equal the saved run's at step 5 exactly (the real
    vocabulary rows: padding differs with tp), the data position must be step 5's, and the losses of
    steps 6..10 must match the uninterrupted run within float tolerance.
@@ -36,7 +36,8 @@ from hybrid.trainer import Trainer, build_chunks
 STEPS, SAVE_AT = 10, 5
 TIMEOUT = 300
 LOSS_TOL = {"rtol": 1e-5, "atol": 1e-5}
-RESHARDED = [Case(tp=1, pp=2), Case(tp=2, pp=1), Case(tp=4, pp=2), Case(tp=2, pp=4, schedule="interleaved", v=2)]
+RESHARDED = [Case(tp=1, pp=2), Case(tp=2, pp=1), Case(tp=4, pp=2), Case(tp=2, pp=4, schedule="interleaved", v=2),
+             Case(tp=1, pp=2, zero=1)]  # the distributed optimizer (dp4) from an unsharded optimizer's checkpoint
 
 
 def _cfg(case: Case, world: int, root: Path, run: str, *extra: str) -> Any:

@@ -151,7 +151,8 @@ def test_auto_schedule_switches_by_its_rule_and_equals_the_warm_up_it_found(tmp_
     assert auto[switch + 1]["loss"] != exact[switch + 1]
     assert [r["comm/compression_method"] for r in auto] == ["none"] * switch + ["sign"] * (STEPS - switch)
     assert [r["comm/compression_stage"] for r in auto] == [0] * switch + [1] * (STEPS - switch)
-    for name in ("auto", "fixed", "resumed", "moved", "onebit", "onebit_fixed"):  # bytes per step: the library's formulas
+    # bytes per step: the library's formulas
+    for name in ("auto", "fixed", "resumed", "moved", "onebit", "onebit_fixed"):
         got = [r["bytes_dp"] for r in records(tmp_path, name)]
         want = np.sum([r[name]["expected"] for r in results], axis=0) / len(results)
         assert got == list(want) or np.allclose(got, want, rtol=1e-12), name

@@ -112,8 +112,8 @@ def train_method(ctx: ParallelContext, case: Case, world: int, overrides: list[s
 
     trainer = Trainer(cfg, ctx, model, synthetic_corpus(vocab=VOCAB, n=SAMPLES), torch.device("cpu"), counted, state)
     buckets = trainer.grad_sync.buckets
-    out: dict[str, Any] = {"coord": (ctx.coord.pp, ctx.coord.dp, ctx.coord.tp), "buckets": len(buckets), "losses": [], "norms": [],
-                           "calls": [], "bytes": [], "expected": [], "wire": [], "expected_wire": []}
+    out: dict[str, Any] = {"coord": (ctx.coord.pp, ctx.coord.dp, ctx.coord.tp), "buckets": len(buckets), "losses": [],
+                           "norms": [], "calls": [], "bytes": [], "expected": [], "wire": [], "expected_wire": []}
     for step in range(steps):
         C.COUNTER.reset()
         calls.clear()
@@ -149,7 +149,7 @@ def train_runs(rank: int, world: int, runs: dict[str, tuple[Case, int, list[str]
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def world8() -> dict[str, list[dict[str, Any]]]:
     """label → results by rank, from the one world-8 launch (run once per session)."""
     torch.set_num_threads(1)
@@ -244,7 +244,7 @@ PAIR_RUNS: dict[str, tuple[Case, int, list[str]]] = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def world2() -> dict[str, list[dict[str, Any]]]:
     torch.set_num_threads(1)
     results = run_ranks(train_runs, 2, PAIR_RUNS, timeout=TIMEOUT)

@@ -14,7 +14,6 @@ from hybrid.compression.hooks import allreduce_hook, make_hook
 from hybrid.config import compose_config
 from hybrid.data import Corpus
 from hybrid.model import build_model
-from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.parallel.data import GradSync
 from hybrid.trainer import Trainer

@@ -25,12 +25,12 @@ from pp_helpers import LOSS_TOL, TIMEOUT, VOCAB, Case, assert_matches_reference,
 
 from hybrid.checkpoint import model_shape
 from hybrid.config import ConfigError, compose_config
-from hybrid.validation import validate
 from hybrid.model import analytic_param_count, build_model
 from hybrid.model.family import Blocks, Family, ModelConfigError, family_names, get_family, register_family
 from hybrid.model.gpt import check_learned_positions, learned_positions_shape
 from hybrid.model.hf import hf_config
 from hybrid.model.llama import llama_param_count
+from hybrid.validation import validate
 
 
 def toy_param_count(cfg: Any, vocab_size: int, tp: int = 1) -> int:

@@ -62,7 +62,8 @@ LAUNCHES: dict[str, tuple[int, list[Case]]] = {
     "pp4": (4, cases("llama", 1, 4, ALL, interleaved=True) + cases("gpt", 1, 4, ("1f1b",))
             + [Case("gpt", 1, 4, "1f1b", stage_layers=(0, 3, 5, 0))]),  # embedding-only and head-only stages
     "tp2pp2-sp": (4, cases("gpt", 2, 2, ALL, sp=True, interleaved=True) + cases("llama", 2, 2, ("1f1b",), sp=True)),
-    "tp2pp2dp2": (8, cases("gpt", 2, 2, ALL, interleaved=True)),
+    "tp2pp2dp2": (8, cases("gpt", 2, 2, ALL, interleaved=True)  # and the distributed optimizer (ZeRO-1):
+                  + [Case("gpt", 2, 2, "1f1b", zero=1), Case("gpt", 2, 2, "interleaved", 2, zero=1)]),
     "tp1pp4dp2": (8, cases("llama", 1, 4, ALL)),
     "tp2pp4": (8, cases("gpt", 2, 4, ("1f1b",)) + cases("llama", 2, 4, (), interleaved=True)),
 }
@@ -70,7 +71,7 @@ DP_LAUNCHES = ["tp2pp2dp2", "tp1pp4dp2"]
 ERRORS: dict[str, float] = {}  # max |ours − reference| seen, by quantity (printed with -s)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def launched(name: str) -> list[tuple[Case, list[dict[str, Any]]]]:
     """Every case of launch `name` with its results by rank (the launch runs once per session)."""
     torch.set_num_threads(1)
@@ -83,7 +84,8 @@ def schedule_pairs(name: str) -> list[tuple[Case, Case]]:
     """(gpipe, 1f1b) cases of launch `name` that differ only in the schedule."""
     launch_cases = LAUNCHES[name][1]
     return [(g, o) for g in launch_cases for o in launch_cases
-            if g.schedule == "gpipe" and o.schedule == "1f1b" and (g.family, g.tp, g.pp, g.sp) == (o.family, o.tp, o.pp, o.sp)]
+            if g.schedule == "gpipe" and o.schedule == "1f1b"
+            and (g.family, g.tp, g.pp, g.sp, g.zero) == (o.family, o.tp, o.pp, o.sp, o.zero)]
 
 
 @pytest.mark.parametrize("name", list(LAUNCHES))
@@ -100,7 +102,7 @@ def test_eval_through_the_pipeline_matches_single_process(name: str) -> None:
         ref = reference(case.family)["eval"]
         for r in results:  # computed on the last stage, broadcast over PP: every rank reports it
             torch.testing.assert_close(torch.tensor(r["eval"]), torch.tensor(ref), **LOSS_TOL,
-                                       msg=lambda m, c=r["coord"]: f"{case} eval at {c}: {m}")
+                                       msg=lambda m, c=r["coord"], k=case: f"{k} eval at {c}: {m}")
             track(ERRORS, "eval", [r["eval"]], [ref])
 
 

@@ -30,11 +30,11 @@ from test_dp import synthetic_corpus
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from hybrid.sampler import batch_from
 from hybrid.model import build_model
 from hybrid.parallel import collectives as C
 from hybrid.parallel.pipeline import P2P, partition_layers, run_schedule
 from hybrid.parallel.schedules import build_schedule
+from hybrid.sampler import batch_from
 
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-8}
@@ -117,7 +117,7 @@ def test_gradients_equal_torch_pipelining(family: str, pp: int, schedule: str, v
         assert r["ours"].keys() == r["theirs"].keys()
         for name, g in r["theirs"].items():
             assert g.abs().max() > 0, f"rank {rank} {name}: zero gradient"
-            torch.testing.assert_close(r["ours"][name], g, **tol, msg=lambda e, n=name: f"rank {rank} {n}: {e}")
+            torch.testing.assert_close(r["ours"][name], g, **tol, msg=lambda e, n=name, k=rank: f"rank {k} {n}: {e}")
     last = results[-1]
     assert len(last["our_losses"]) == len(last["their_losses"]) == GLOBAL_BATCH // MICRO
     torch.testing.assert_close(torch.stack(last["our_losses"]), torch.stack(last["their_losses"]), rtol=0, atol=0)

@@ -22,13 +22,13 @@ import torch
 from harness import run_ranks
 from test_dp import GLOBAL_BATCH, SEQ, synthetic_corpus, tiny_cfg
 
-from hybrid.testing.activations import saved_tally
 from hybrid.compression.hooks import make_hook
 from hybrid.model import build_model
 from hybrid.model.traffic import tp_bytes_per_microbatch, tp_bytes_per_step
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.parallel.params import full_state_dict, param_info
+from hybrid.testing.activations import saved_tally
 from hybrid.trainer import Trainer
 
 VOCAB = 201  # with make_vocab_size_divisible_by=1: padded to 202 (tp=2) and 204 (tp=4), not divisible by tp

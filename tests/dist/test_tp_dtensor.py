@@ -27,10 +27,10 @@ from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from tp_helpers import FFN, TIMEOUT, B, H, S, assert_ranks, detached, leaf, load_full, randn, tp_group
 
-from hybrid.parallel.params import param_info
 from hybrid.model.layers import Norm
 from hybrid.parallel import collectives as C
 from hybrid.parallel.grads import sync_sequence_parallel_grads
+from hybrid.parallel.params import param_info
 from hybrid.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 

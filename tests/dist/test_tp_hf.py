@@ -39,12 +39,12 @@ import pytest
 import torch
 from harness import run_ranks
 
-from hybrid.parallel.params import param_info
 from hybrid.config import ModelConfig
 from hybrid.model import build_model
 from hybrid.model.hf import export_hf_state_dict, from_hf_state_dict, hf_config, load_hf_into
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.parallel.grads import sync_sequence_parallel_grads
+from hybrid.parallel.params import param_info
 from hybrid.parallel.tensor import padded_vocab
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))

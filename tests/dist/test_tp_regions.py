@@ -50,11 +50,10 @@ from tp_helpers import (
     tp_group,
 )
 
-from hybrid.parallel.params import param_info
 from hybrid.config import ModelConfig
 from hybrid.model.layers import CausalLM
 from hybrid.parallel import collectives as C
-from hybrid.parallel.params import Init, Shard, annotate, full_state_dict, full_tensor
+from hybrid.parallel.params import Init, Shard, annotate, full_state_dict, full_tensor, param_info
 from hybrid.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 # ----------------------------------------------------------------------------------------- 1: region ops

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybrid.parallel.params import param_info
 from hybrid.parallel import collectives as C
+from hybrid.parallel.params import param_info
 
 B, S, H, FFN = 2, 8, 16, 32  # S, H and FFN divide by tp = 4
 PARTS = (16, 8, 8)  # a fused Q | K | V projection with fewer KV features (GQA), each part split on its own

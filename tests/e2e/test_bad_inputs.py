@@ -62,6 +62,11 @@ CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece o
     ("tokenizer-empty", ["data.tokenizer={empty}"], "holds no tokenizer"),
     ("tokenizer-garbled", ["data.tokenizer={garbled}"], "cannot be loaded"),
     ("timeout-zero", ["parallel.timeout_s=0"], "parallel.timeout_s must be > 0"),
+    ("zero-2", ["parallel.zero=2"], "parallel.zero must be 0 (off) or 1 (the distributed optimizer), got 2"),
+    ("zero-codec", ["parallel.zero=1", "compression=int8"], "parallel.zero=1 reduce-scatters the gradients, which "
+     "compression=int8 cannot do"),
+    ("zero-warmup", ["parallel.zero=1", "compression=bf16", "compression.warmup_steps=2"],
+     "needs schedule=fixed and warmup_steps=0"),
     ("wandb-online-no-key", ["logging.wandb.mode=online"], "logging.wandb.mode=online needs a wandb API key"),
 ]
 RANKED: list[tuple[str, list[str], str]] = [  # the same, as rank 0 and rank 1 of two torchrun ranks see them
