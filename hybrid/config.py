@@ -134,6 +134,7 @@ class TrainConfig:
     eval_batches: int = 2  # held-out global batches (of global_batch_size sequences) per eval
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
     device: str = "auto"  # auto | cpu | cuda
+    recompute: str = "none"  # activations recomputed in the backward: none | selective (attention core, MLP act) | full
 
 
 @dataclass

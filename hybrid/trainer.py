@@ -72,6 +72,7 @@ def build_chunks(cfg: Config, vocab: int, ctx: ParallelContext) -> nn.ModuleList
         chunks.append(build_model(cfg.model, vocab, ctx.tp_group, layers=parts[s], pre=s == 0,
                                   post=s == len(parts) - 1, seed=cfg.train.seed,
                                   sequence_parallel=p.sequence_parallel))
+        chunks[-1].set_recompute(cfg.train.recompute)
     return nn.ModuleList(chunks)
 
 

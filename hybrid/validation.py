@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 _CHOICES = {
     "parallel.schedule": SCHEDULES,  # the registry: its names
     "train.precision": ("auto", "fp32", "bf16"),
+    "train.recompute": ("none", "selective", "full"),
     "train.device": ("auto", "cpu", "cuda"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
 }

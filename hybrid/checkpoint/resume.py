@@ -115,12 +115,13 @@ def plan_resume(cfg: Config, vocab: int, is_writer: bool, warn: Log) -> Optional
 
 
 # What a resume may change without changing where training goes: the layout (resharded), where files go,
-# what is logged and profiled, how long it trains (extending a run), evals, the device, labels, a start
-# point a resume ignores, and a metric-only knob. Any other difference (train.lr, seed, batch sizes, precision,
-# optim.*, model.*, data.*, compression.*) is a training setting: a resume refuses it unless
-# checkpoint.allow_changes=true.
+# what is logged and profiled, how long it trains (extending a run), evals, the device, activation
+# recomputation (the same gradients), labels, a start point a resume ignores, and a metric-only knob. Any
+# other difference (train.lr, seed, batch sizes, precision, optim.*, model.*, data.*, compression.*) is a
+# training setting: a resume refuses it unless checkpoint.allow_changes=true.
 FREE_PREFIXES = ("run_name", "parallel.", "checkpoint.", "logging.", "profile.")
-FREE_KEYS = frozenset({"train.steps", "train.device", "train.eval_every", "train.eval_batches", "model.name",
+FREE_KEYS = frozenset({"train.steps", "train.device", "train.eval_every", "train.eval_batches", "train.recompute",
+                       "model.name",
                        "model.init_from", "data.name", "data.cache_dir", "optim.name", "compression.measure_error",
                        "compression.measure_every"})
 

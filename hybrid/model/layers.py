@@ -40,6 +40,7 @@ from hybrid.model.family import Blocks, family_of
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.params import Init, annotate, init_parameters, param_info
+from hybrid.parallel.recompute import recompute
 from hybrid.parallel.rng import TPRandom, derive_seed
 from hybrid.parallel.tensor import (
     ColumnParallelLinear,
@@ -95,6 +96,7 @@ class Attention(nn.Module):
         self.n_heads = cfg.n_heads // tp
         self.n_kv = (cfg.n_kv_heads or cfg.n_heads) // tp
         self.dropout, self.rng = cfg.dropout, rng
+        self.recompute_core = False  # selective recomputation: the attention core rerun in the backward
         q, kv = cfg.n_heads * self.head_dim, (cfg.n_kv_heads or cfg.n_heads) * self.head_dim
         self.qkv = ColumnParallelLinear(cfg.hidden, (q, kv, kv), group, bias=bias, std=cfg.init_std,
                                         sequence_parallel=sp)
@@ -112,11 +114,15 @@ class Attention(nn.Module):
         if rope is not None:
             cos, sin = rope[0][:s].to(q.dtype), rope[1][:s].to(q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = recompute(self.core, [self.rng], q, k, v) if self.recompute_core else self.core(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q kᵀ/√d + causal mask) v, with dropout on the probabilities from this TP rank's stream."""
         p = self.dropout if self.training else 0.0
         with self.rng.fork(q.device) if p > 0 else contextlib.nullcontext():  # this rank's heads: own masks
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p,
-                                               enable_gqa=self.n_kv != self.n_heads)
-        return self.proj(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p,
+                                                  enable_gqa=self.n_kv != self.n_heads)
 
 
 class MLP(nn.Module):
@@ -125,6 +131,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, group: Group, out_std: float, sp: bool, kind: str, bias: bool) -> None:
         super().__init__()
         self.swiglu = kind == "swiglu"
+        self.recompute_act = False  # selective recomputation: keep the activation's input, not its output
         ffn = cfg.ffn_hidden or 4 * cfg.hidden
         parts = (ffn, ffn) if self.swiglu else (ffn,)
         self.up = ColumnParallelLinear(cfg.hidden, parts, group, bias=bias, std=cfg.init_std, sequence_parallel=sp)
@@ -132,10 +139,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)
+        return self.down(h, self.act) if self.recompute_act else self.down(self.act(h))
+
+    def act(self, h: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
-            return self.down(F.silu(gate) * up)
-        return self.down(F.gelu(h, approximate="tanh"))
+            return F.silu(gate) * up
+        return F.gelu(h, approximate="tanh")
 
 
 class Block(nn.Module):
@@ -155,6 +165,12 @@ class Block(nn.Module):
         self.mlp_norm = Norm(cfg.hidden, cfg.norm_eps, rms, sp)
         self.mlp = MLP(cfg, group, out_std, sp, kind=choices.mlp, bias=choices.bias)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.recompute_full = False  # full recomputation: only the block's input is kept for the backward
+
+    def set_recompute(self, mode: str) -> None:
+        """none | selective (the attention core and the MLP activation) | full (the whole block)."""
+        self.recompute_full = mode == "full"
+        self.attn.recompute_core = self.mlp.recompute_act = mode == "selective"
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.training and self.dropout.p > 0):
@@ -163,6 +179,11 @@ class Block(nn.Module):
             return self.dropout(x)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        if self.recompute_full and torch.is_grad_enabled():
+            return recompute(lambda y, *r: self.run(y, r or None), [self.rng], x, *(rope or ()))
+        return self.run(x, rope)
+
+    def run(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         x = x + self._drop(self.attn(self.attn_norm(x), rope))
         return x + self._drop(self.mlp(self.mlp_norm(x)))
 
@@ -221,6 +242,11 @@ class CausalLM(nn.Module):
         if self.post:
             info = param_info(self.head.weight)
             info.pp_tied = info.pp_duplicate = True
+
+    def set_recompute(self, mode: str) -> None:
+        """Activation recomputation of every block here: none | selective | full (`train.recompute`)."""
+        for layer in self.layers.values():
+            layer.set_recompute(mode)
 
     def head_weight(self) -> torch.Tensor:
         return self.tok_embed.weight if hasattr(self, "tok_embed") and not hasattr(self, "head") else self.head.weight

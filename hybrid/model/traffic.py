@@ -15,7 +15,10 @@ Per microbatch, forward + backward, tp > 1:
 - with sequence parallelism, each all-reduce becomes an all-gather + a reduce-scatter of the
   same b·s·h tensor (the same ring volume), plus Megatron's backward re-gather of every
   column-parallel input: 2 per layer and 1 for the head;
-- in both, the vocab-parallel cross-entropy's three fp32 all-reduces of b·s elements.
+- in both, the vocab-parallel cross-entropy's three fp32 all-reduces of b·s elements;
+- under full recomputation (`train.recompute=full`) each layer's forward runs again in the backward, and
+  its collectives with it: 2 more all-reduces per layer, or 2 more all-gathers and 2 more reduce-scatters
+  under sequence parallelism (selective recomputation reruns none).
 
 Per step: under sequence parallelism, one all-reduce of the gradients of the replicated
 parameters applied to sequence chunks (norms, row-parallel biases, positions); and the
@@ -34,13 +37,14 @@ if TYPE_CHECKING:
 
 def tp_bytes_per_microbatch(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
                             layers: int | None = None, pre: bool = True, post: bool = True,
-                            itemsize: int = 4) -> dict[str, int]:
+                            itemsize: int = 4, recompute: str = "none") -> dict[str, int]:
     """{op: bytes} one rank's TP group moves for one microbatch, forward and backward."""
     if tp == 1:
         return {}
     n_layers = cfg.n_layers if layers is None else layers
     bsh = micro_batch * seq_len * cfg.hidden
-    inner = (4 * n_layers + int(post)) * bsh * itemsize  # layers, and the head's input (gradient)
+    per_layer = 6 if recompute == "full" else 4  # the forward's two run twice under full recomputation
+    inner = (per_layer * n_layers + int(post)) * bsh * itemsize  # layers, and the head's input (gradient)
     embed = bsh * 4 if pre else 0  # fp32: forward reduce (and, under SP, the gradient's all-gather)
     ce = 3 * micro_batch * seq_len * 4 if post else 0
     if not sequence_parallel:
@@ -64,12 +68,13 @@ def sequence_parallel_grad_elements(cfg: ModelConfig, layers: int | None = None,
 
 
 def tp_bytes_per_step(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
-                      microbatches: int, itemsize: int = 4) -> dict[str, int]:
+                      microbatches: int, itemsize: int = 4, recompute: str = "none") -> dict[str, int]:
     """{op: bytes} of one whole-model optimizer step (pp=1): every microbatch, the sequence-parallel
     gradient all-reduce (fp32) and the gradient norm's fp32 scalar all-reduce."""
     if tp == 1:
         return {}
-    per_mb = tp_bytes_per_microbatch(cfg, micro_batch, seq_len, tp, sequence_parallel, itemsize=itemsize)
+    per_mb = tp_bytes_per_microbatch(cfg, micro_batch, seq_len, tp, sequence_parallel, itemsize=itemsize,
+                                     recompute=recompute)
     out = {op: b * microbatches for op, b in per_mb.items()}
     extra = 4 + (4 * sequence_parallel_grad_elements(cfg) if sequence_parallel else 0)
     out["all_reduce"] = out.get("all_reduce", 0) + extra

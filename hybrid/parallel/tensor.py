@@ -27,7 +27,7 @@ its global shape and TP `Shard`, its `Init`, and whether it lives on sequence ch
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch
@@ -38,6 +38,7 @@ from torch import nn
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.params import Init, Shard, annotate
+from hybrid.parallel.recompute import act_linear
 
 
 def _split_parts(parts: Sequence[int], tp: int, what: str) -> int:
@@ -153,8 +154,9 @@ class RowParallelLinear(nn.Module):
             self.bias = annotate(nn.Parameter(torch.empty(out_features)), Init("zeros"),
                                  sequence_parallel=sequence_parallel and tp > 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, act: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+        """`act`: apply it to `x` first, keeping `x` rather than `act(x)` for the backward (`act_linear`)."""
+        y = F.linear(x, self.weight) if act is None else act_linear(x, self.weight, act)
         if self.sequence_parallel:
             y = C.reduce_scatter_to_sequence(y, self.group)
         else:

@@ -11,11 +11,12 @@ import torch
 
 @contextlib.contextmanager
 def saved_tally(model: torch.nn.Module) -> Iterator[dict[int, tuple[str, int]]]:
-    """{storage ptr: (region, nbytes)} of what the forward inside saves for backward.
+    """{storage ptr: (region, nbytes)} of what the forward inside saves for backward, parameters and buffers
+    (model state, e.g. rotary tables) left out.
 
     region: "layers" inside a transformer block (a module of `model.layers`), else "ends".
     """
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = {p.untyped_storage().data_ptr() for p in (*model.parameters(), *model.buffers())}
     seen: dict[int, tuple[str, int]] = {}
     region = ["ends"]
 

@@ -58,10 +58,13 @@ def cases(family: str, tp: int, pp: int, schedules: tuple[str, ...], sp: bool = 
 
 # name → (world, cases). Microbatches: 4 per step at dp=1, 2 at dp=2 (so no interleaving at pp4dp2).
 LAUNCHES: dict[str, tuple[int, list[Case]]] = {
-    "pp2": (2, cases("gpt", 1, 2, ALL, interleaved=True) + cases("llama", 1, 2, ALL)),
+    "pp2": (2, cases("gpt", 1, 2, ALL, interleaved=True) + cases("llama", 1, 2, ALL)
+            + [Case("gpt", 1, 2, "1f1b", extra=("train.recompute=full",))]),
     "pp4": (4, cases("llama", 1, 4, ALL, interleaved=True) + cases("gpt", 1, 4, ("1f1b",))
             + [Case("gpt", 1, 4, "1f1b", stage_layers=(0, 3, 5, 0))]),  # embedding-only and head-only stages
-    "tp2pp2-sp": (4, cases("gpt", 2, 2, ALL, sp=True, interleaved=True) + cases("llama", 2, 2, ("1f1b",), sp=True)),
+    "tp2pp2-sp": (4, cases("gpt", 2, 2, ALL, sp=True, interleaved=True) + cases("llama", 2, 2, ("1f1b",), sp=True)
+                  + [Case("llama", 2, 2, "interleaved", 2, sp=True, extra=("train.recompute=selective",)),
+                     Case("gpt", 2, 2, "1f1b", sp=True, extra=("train.recompute=full",))]),
     "tp2pp2dp2": (8, cases("gpt", 2, 2, ALL, interleaved=True)  # and the distributed optimizer (ZeRO-1):
                   + [Case("gpt", 2, 2, "1f1b", zero=1), Case("gpt", 2, 2, "interleaved", 2, zero=1)]),
     "tp1pp4dp2": (8, cases("llama", 1, 4, ALL)),
@@ -85,7 +88,7 @@ def schedule_pairs(name: str) -> list[tuple[Case, Case]]:
     launch_cases = LAUNCHES[name][1]
     return [(g, o) for g in launch_cases for o in launch_cases
             if g.schedule == "gpipe" and o.schedule == "1f1b"
-            and (g.family, g.tp, g.pp, g.sp, g.zero) == (o.family, o.tp, o.pp, o.sp, o.zero)]
+            and (g.family, g.tp, g.pp, g.sp, g.zero, g.extra) == (o.family, o.tp, o.pp, o.sp, o.zero, o.extra)]
 
 
 @pytest.mark.parametrize("name", list(LAUNCHES))
