@@ -96,6 +96,7 @@ class OptimConfig:
     warmup_steps: int = 10  # linear warmup from 0 to train.lr
     min_lr_ratio: float = 0.1  # cosine decays to train.lr · min_lr_ratio at train.steps
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    implementation: str = "fused"  # AdamW's kernels: fused (one per tensor, no temporaries) | foreach
 
 
 @dataclass

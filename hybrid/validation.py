@@ -32,6 +32,7 @@ _CHOICES = {
     "parallel.schedule": SCHEDULES,  # the registry: its names
     "train.precision": ("auto", "fp32", "bf16"),
     "train.recompute": ("none", "selective", "full"),
+    "optim.implementation": ("fused", "foreach"),
     "train.device": ("auto", "cpu", "cuda"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
 }

@@ -121,9 +121,8 @@ def plan_resume(cfg: Config, vocab: int, is_writer: bool, warn: Log) -> Optional
 # training setting: a resume refuses it unless checkpoint.allow_changes=true.
 FREE_PREFIXES = ("run_name", "parallel.", "checkpoint.", "logging.", "profile.")
 FREE_KEYS = frozenset({"train.steps", "train.device", "train.eval_every", "train.eval_batches", "train.recompute",
-                       "model.name",
-                       "model.init_from", "data.name", "data.cache_dir", "optim.name", "compression.measure_error",
-                       "compression.measure_every"})
+                       "optim.implementation", "model.name", "model.init_from", "data.name", "data.cache_dir",
+                       "optim.name", "compression.measure_error", "compression.measure_every"})
 
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:

