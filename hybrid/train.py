@@ -87,6 +87,8 @@ def _start(cfg: Config, log: Optional[RunLog], layout: Layout, device: torch.dev
     """`run` once rank 0 holds the run's folders: groups, model, resume plan, then (accepted) the run."""
     from hybrid.checkpoint import plan_resume
     from hybrid.compression.hooks import make_hook
+    from hybrid.memory import default_memory
+    from hybrid.memory import summary as memory_summary
     from hybrid.metrics import format_count
     from hybrid.model import analytic_param_count
     from hybrid.parallel.context import ParallelContext
@@ -116,6 +118,8 @@ def _start(cfg: Config, log: Optional[RunLog], layout: Layout, device: torch.dev
             metrics.message(pipeline_summary(trainer.schedule, cfg))
         if cfg.compression.method != "none":
             metrics.message(compression_summary(cfg.compression, layout))
+        metrics.message(memory_summary(cfg, layout, lambda c: build_chunks(cfg, vocab, c), device.type,
+                                       default_memory(device.type, layout.ranks_per_node)))
         metrics.message(f"model {cfg.model.name}: {format_count(n)} parameters (analytic {format_count(analytic)}, "
                         f"exact match: {n == analytic}), {trainer.report.flops_per_token / 1e9:.3f} GFLOP/token "
                         f"(6N + 12·L·h·s), vocab {vocab}, {trainer.num_microbatches} microbatch(es)/step, "

@@ -36,7 +36,17 @@ import torch.distributed as dist
 
 from hybrid.parallel.timing import CommTimer
 
-Group = Optional[dist.ProcessGroup]
+
+@dataclass(frozen=True)
+class ShapeGroup:
+    """A group that is only its size and this rank's place in it: enough to build a rank's tensors without
+    processes (on the meta device, for the memory estimate). No collective runs on it."""
+
+    size: int
+    rank: int
+
+
+Group = Optional[dist.ProcessGroup | ShapeGroup]
 
 
 @dataclass
@@ -104,10 +114,14 @@ def group_name(group: Group) -> str:
 
 
 def size(group: Group) -> int:
+    if isinstance(group, ShapeGroup):
+        return group.size
     return 1 if group is None else dist.get_world_size(group)
 
 
 def rank(group: Group) -> int:
+    if isinstance(group, ShapeGroup):
+        return group.rank
     return 0 if group is None else dist.get_rank(group)
 
 

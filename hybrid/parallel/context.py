@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from hybrid.parallel.collectives import name_group
+from hybrid.parallel.collectives import ShapeGroup, name_group
 from hybrid.parallel.timeouts import timeout_of
 
 GROUP_KINDS = ("tp", "dp", "pp", "dp_intra", "dp_inter", "embedding")
@@ -185,6 +185,14 @@ class ParallelContext:
     def single() -> ParallelContext:
         """A one-process context with no groups (tests, tools, single-process runs)."""
         return ParallelContext(layout=Layout(world=1), rank=0)
+
+    @staticmethod
+    def shapes(layout: Layout, rank: int) -> ParallelContext:
+        """`rank`'s context in `layout` without processes: its TP, DP and PP groups are `ShapeGroup`s (sizes
+        and places only), enough to build the rank's model chunks on the meta device."""
+        c = layout.coord(rank)
+        return ParallelContext(layout=layout, rank=rank, tp_group=ShapeGroup(layout.tp, c.tp),
+                               dp_group=ShapeGroup(layout.dp, c.dp), pp_group=ShapeGroup(layout.pp, c.pp))
 
     @staticmethod
     def build(layout: Layout, timeout_s: Optional[float] = None) -> ParallelContext:

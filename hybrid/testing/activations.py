@@ -1,10 +1,12 @@
 """What autograd saves for backward: `saved_tally(model)` counts the unique storages a forward saves, split
-into the transformer layers and the ends (used by the TP activation benchmark and its test)."""
+into the transformer layers and the ends (used by the TP activation benchmark and its test, and to check
+the memory estimate); `tracked_peak(run)` the peak of the CPU memory `run` allocates."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -36,3 +38,26 @@ def saved_tally(model: torch.nn.Module) -> Iterator[dict[int, tuple[str, int]]]:
     finally:
         for h in handles:
             h.remove()
+
+
+def tracked_peak(run: Callable[[], Any]) -> int:
+    """The most bytes of CPU tensor memory allocated by `run()` and alive at once (the profiler's allocation
+    records: every allocation and free while it runs, in order); what existed before is not counted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    sizes: list[tuple[int, int]] = []
+
+    def walk(nodes: list[Any]) -> None:
+        for n in nodes:
+            if getattr(n.tag, "name", "") == "Allocation":
+                sizes.append((n.start_time_ns, n.extra_fields.alloc_size))
+            walk(n.children)
+
+    walk(prof.profiler.kineto_results.experimental_event_tree())
+    live = peak = 0
+    for _, size in sorted(sizes):
+        live += size
+        peak = max(peak, live)
+    return peak

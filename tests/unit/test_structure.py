@@ -45,6 +45,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "hybrid.runlog": ("hybrid.config", "hybrid.metrics", "hybrid.sinks"),
     "hybrid.optim": ("hybrid.parallel", "hybrid.compression"),
     "hybrid.checkpoint": ("hybrid.config", "hybrid.parallel", "hybrid.model"),
+    "hybrid.memory": ("hybrid.config", "hybrid.parallel", "hybrid.model", "hybrid.metrics"),
     "hybrid.profiling": ("hybrid.config", "hybrid.parallel"),
     "hybrid.report": ("hybrid.config", "hybrid.parallel", "hybrid.metrics", "hybrid.diagnostics"),
     "hybrid.trainer": ("hybrid.config", "hybrid.parallel", "hybrid.compression", "hybrid.model", "hybrid.data",
@@ -54,10 +55,11 @@ RULES: dict[str, tuple[str, ...]] = {
                        "hybrid.checkpoint"),
     "hybrid.train": ("hybrid.cli", "hybrid.config", "hybrid.validation", "hybrid.parallel", "hybrid.compression",
                      "hybrid.model", "hybrid.data", "hybrid.metrics", "hybrid.checkpoint", "hybrid.trainer",
-                     "hybrid.runlog", "hybrid.startup"),
+                     "hybrid.runlog", "hybrid.startup", "hybrid.memory"),
     "hybrid.diagnostics": ("hybrid.parallel",),
     "hybrid.tools": ("hybrid.cli", "hybrid.config", "hybrid.validation", "hybrid.parallel", "hybrid.model",
-                     "hybrid.checkpoint", "hybrid.data", "hybrid.trainer", "hybrid.diagnostics"),
+                     "hybrid.checkpoint", "hybrid.data", "hybrid.trainer", "hybrid.diagnostics", "hybrid.memory",
+                     "hybrid.metrics", "hybrid.overrides"),
     "hybrid.bench": ("hybrid",),
 }
 

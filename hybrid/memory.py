@@ -1,0 +1,268 @@
+"""The memory estimate: what one rank will hold, before anything is allocated.
+
+Per rank, in bytes:
+
+- **parameters**: this rank's model chunks (TP shard, pipeline stage, the tied head's copy on the last
+  stage), fp32;
+- **gradients**: the DP buckets (fp32, padded to dp shards under `parallel.zero=1`);
+- **optimizer**: AdamW's two fp32 moments — of the whole rank's parameters, or of its 1/dp shard under
+  ZeRO-1;
+- **activations**: what autograd keeps for the backward (`layer_activation_bytes` per layer and
+  microbatch, `ends_bytes` for the embedding and the head), times the microbatches a rank holds at once
+  under its schedule (`held_bytes` replays the rank's compute order: 1F1B keeps up to pp on the first
+  stage, interleaved more, GPipe all of them);
+- **buffers**: what a step allocates beyond that, at its peak: the backward's transients (the larger of a
+  layer's gradients, about the size of its activations, with those activations again under full
+  recomputation, and the logits' gradient on the last stage),
+  plus the DP exchange's copies in flight beyond the activations freed meanwhile (a 16-bit copy of
+  each bucket for fp16/bf16; gloo's copy of each reduce-scatter's input under ZeRO-1 on CPU); plus the
+  compression state kept across steps (the two-phase codecs' working buffer and error-feedback residuals,
+  PowerSGD's residuals: 4 bytes per gradient element each).
+
+The parameter counts come from the rank's real chunks (built on the meta device by the caller), so every
+family and layout is counted as it is built. The activation terms follow the ops hybrid runs, fp32 on CPU:
+a norm keeps its input and statistics (LayerNorm: mean and rstd; RMSNorm, composite on CPU: rstd and the
+normalised copy), each linear its input, attention its q, k, v and — with a fused kernel (no dropout, or
+CUDA) — its output and log-sum-exp, or — the math kernel (dropout on CPU) — scaled q and k copies and three
+b·a·s² tensors; the MLP its up-projection's output and the activation's outputs; dropout a byte per element.
+`train.recompute=full` keeps each block's input only; `selective` drops the attention core's own tensors
+and the MLP activation's outputs (docs/memory.md).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from hybrid.metrics import format_bytes
+from hybrid.model.family import family_of, ffn_hidden, kv_heads
+from hybrid.parallel.actions import Op
+from hybrid.parallel.context import Layout, ParallelContext
+from hybrid.parallel.data import assign_buckets, padded_numel
+from hybrid.parallel.schedules import Schedule, ScheduleError, build_schedule
+
+if TYPE_CHECKING:
+    from hybrid.config import Config, ModelConfig
+
+F32 = 4
+PARTS = ("params", "grads", "optimizer", "activations", "buffers")
+Build = Callable[[ParallelContext], nn.ModuleList]
+"""Builds a rank's model chunks from its (shape-only) context: `lambda ctx: build_chunks(cfg, vocab, ctx)`."""
+
+
+@dataclass(frozen=True)
+class Micro:
+    """One microbatch as a rank sees it: b sequences of s tokens, tp ranks, sequence parallelism, dropout,
+    recomputation, and the device type (CUDA: fused attention with dropout too, byte dropout masks)."""
+
+    b: int
+    s: int
+    tp: int = 1
+    sp: bool = False
+    dropout: float = 0.0
+    recompute: str = "none"
+    device: str = "cpu"
+
+    @property
+    def fused_attention(self) -> bool:
+        """A fused attention kernel (flash / memory-efficient): always on CUDA, without dropout on CPU."""
+        return self.device == "cuda" or self.dropout == 0
+
+    @property
+    def mask_bytes(self) -> int:
+        """Bytes per element of a dropout mask: bool on CUDA, the input's float on CPU."""
+        return 1 if self.device == "cuda" else F32
+
+    @property
+    def s_local(self) -> int:
+        """The sequence length of the residual stream here (s/tp under sequence parallelism)."""
+        return self.s // self.tp if self.sp and self.tp > 1 else self.s
+
+
+def norm_bytes(rms: bool, tokens: int, h: int) -> int:
+    """A norm's input, its statistics and its output (kept by the linear that follows)."""
+    kept = 3 * tokens * h + tokens if rms else 2 * tokens * h + 2 * tokens
+    return F32 * kept
+
+
+def attention_bytes(cfg: ModelConfig, m: Micro) -> int:
+    """What attention keeps. A fused kernel: q, k, v (views of the projection's output, or the rotated q and
+    k), its output and the log-sum-exp. The math kernel (dropout on CPU): its own copies of q, k and v
+    (scaled, expanded to every head), three b·a·s² tensors (softmax, dropout mask, dropped) and a copy of its
+    output (the output projection's input). Selective recomputation: q, k, v (the recomputation's inputs)
+    and the output."""
+    heads, d, kv, full = cfg.n_heads // m.tp, cfg.hidden // cfg.n_heads, kv_heads(cfg) // m.tp, m.b * m.s
+    if not m.fused_attention and m.recompute != "selective":
+        return F32 * (4 * full * heads * d + 3 * m.b * heads * m.s * m.s)
+    rope = family_of(cfg).blocks.positions == "rope"
+    qkv = full * (heads + 2 * kv) * d + (full * (heads + kv) * d if rope else 0)
+    lse = m.b * heads * m.s if m.recompute != "selective" else 0
+    return F32 * (qkv + full * heads * d + lse)
+
+
+def layer_activation_bytes(cfg: ModelConfig, m: Micro) -> int:
+    """Bytes one transformer layer keeps for the backward of one microbatch."""
+    h, tokens, full = cfg.hidden, m.b * m.s_local, m.b * m.s
+    if m.recompute == "full":
+        return F32 * tokens * h
+    blocks = family_of(cfg).blocks
+    f, swiglu = ffn_hidden(cfg) // m.tp, blocks.mlp == "swiglu"
+    kept = 2 * norm_bytes(blocks.norm == "rms", tokens, h)
+    kept += attention_bytes(cfg, m) + F32 * full * (1 + swiglu) * f  # and the up projection's output
+    kept += F32 * full * (1 + swiglu) * f if m.recompute != "selective" else 0  # the activation's outputs
+    kept += 2 * tokens * h * m.mask_bytes if m.dropout > 0 else 0  # the residual dropout masks
+    return kept
+
+
+def ends_bytes(cfg: ModelConfig, m: Micro, vocab_local: int, first: bool, last: bool) -> int:
+    """The embedding's (ids; under TP this rank's shifted ids and their mask; positions) and the head's (final
+    norm, head input, the cross-entropy's probabilities, targets and, under TP, their mask) kept tensors for
+    one microbatch."""
+    tokens, full, tp = m.b * m.s_local, m.b * m.s, m.tp > 1
+    blocks = family_of(cfg).blocks
+    kept = 0
+    if first:
+        kept += 9 * full if tp else 8 * m.b * (m.s + 1)  # the sample's ids (inputs and labels: one tensor)
+        kept += 8 * m.s_local if blocks.positions == "learned" else 0
+    if last:
+        kept += norm_bytes(blocks.norm == "rms", tokens, cfg.hidden)
+        kept += F32 * full * vocab_local + 8 * full + (full if tp else F32)
+    return kept
+
+
+def held_bytes(schedule: Schedule, rank: int, per_chunk: Sequence[int]) -> int:
+    """The most activation bytes `rank` holds at once: its compute order replayed, each forward of chunk c
+    adding `per_chunk[c]` until that microbatch's backward."""
+    live = peak = 0
+    for action in schedule.actions[rank]:
+        if action.op in (Op.FORWARD, Op.FULL_BACKWARD):
+            live += per_chunk[action.chunk] if action.op is Op.FORWARD else -per_chunk[action.chunk]
+            peak = max(peak, live)
+    return peak
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's estimate, in bytes."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+
+def micro_of(cfg: Config, device_type: str = "cpu", micro_batch: int | None = None) -> Micro:
+    """`cfg`'s microbatch (or one of `micro_batch` sequences) on `device_type`."""
+    t, p = cfg.train, cfg.parallel
+    return Micro(micro_batch or t.micro_batch_size, cfg.data.seq_len, p.tp, p.sequence_parallel, cfg.model.dropout,
+                 t.recompute, device_type)
+
+
+def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank: int, dp: int, m: Micro
+                ) -> RankMemory:
+    """The estimate of a rank holding `chunks` (its model parts, e.g. built on the meta device) at pipeline
+    rank `pp_rank` of `schedule`, in a DP group of `dp`, with microbatches `m`."""
+    params = [p for p in chunks.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
+    buckets = assign_buckets(params, int(cfg.parallel.bucket_mb * 2**20))
+    sizes = [sum(p.numel() for p in b) for b in buckets]
+    if cfg.parallel.zero == 1:
+        sizes = [padded_numel(n, dp) for n in sizes]
+    grads = F32 * sum(sizes)
+    optimizer = 2 * F32 * (sum(sizes) // dp if cfg.parallel.zero == 1 else numel)
+    per_chunk = []
+    for chunk in chunks:
+        layers = len(chunk.layers) * layer_activation_bytes(cfg.model, m)
+        vocab_local = chunk.padded_vocab // m.tp
+        per_chunk.append(layers + ends_bytes(cfg.model, m, vocab_local, chunk.pre, chunk.post))
+    activations = held_bytes(schedule, pp_rank, per_chunk)
+    last = any(chunk.post for chunk in chunks)
+    logits_grad = F32 * m.b * m.s * chunks[-1].padded_vocab // m.tp if last else 0
+    # a layer's backward: gradients about the size of its activations and, under full recomputation, those too
+    rerun = Micro(m.b, m.s, m.tp, m.sp, m.dropout, "none", m.device)
+    transient = max(logits_grad, (1 + (m.recompute == "full")) * layer_activation_bytes(cfg.model, rerun))
+    copies, state = exchange_bytes(cfg, sizes, dp, m.device)
+    # the exchange's copies grow in the backward as the activations are freed: what exceeds them adds
+    return RankMemory(F32 * numel, grads, optimizer, activations, transient + max(0, copies - activations) + state)
+
+
+def exchange_bytes(cfg: Config, sizes: Sequence[int], dp: int, device: str) -> tuple[int, int]:
+    """(copies, state) of the DP exchange for buckets of `sizes` elements: the copies its collectives hold
+    while the buckets are in flight (a 16-bit copy of each for fp16/bf16; under ZeRO-1 on CPU, gloo's copy
+    of each reduce-scatter's input), and the compression state kept across steps (see the module doc)."""
+    c = cfg.compression
+    if dp == 1 or not sizes:
+        return 0, 0
+    if c.method in ("none", "fp16", "bf16", "torch_fp16", "torch_bf16"):
+        cast = 2 * sum(sizes) if c.method != "none" else 0
+        return max(cast, F32 * sum(sizes) if cfg.parallel.zero == 1 and device != "cuda" else 0), 0
+    residuals = int(c.error_feedback)
+    if c.method in ("powersgd", "torch_powersgd"):
+        return 0, F32 * sum(sizes) * residuals
+    return 0, F32 * sum(sizes) * (1 + 2 * residuals)  # working buffer, worker and server residuals
+
+
+def meta_stages(layout: Layout, build: Build) -> list[nn.ModuleList]:
+    """Each pipeline stage's first rank's chunks, `build(ctx)` on the meta device (no memory, no processes)."""
+    out = []
+    for pp_rank in range(layout.pp):
+        with torch.device("meta"):
+            out.append(build(ParallelContext.shapes(layout, layout.rank(pp_rank, 0, 0))))
+    return out
+
+
+def stage_estimates(cfg: Config, layout: Layout, stages: Sequence[nn.ModuleList], device_type: str,
+                    micro_batch: int | None = None) -> list[RankMemory]:
+    """The estimate of each stage's rank holding `stages[pp_rank]` (`micro_batch`: instead of
+    `train.micro_batch_size`)."""
+    m = micro_of(cfg, device_type, micro_batch)
+    microbatches = cfg.train.global_batch_size // (m.b * layout.dp)
+    name = cfg.parallel.schedule if layout.pp > 1 else "1f1b"
+    schedule = build_schedule(name, layout.pp, microbatches, cfg.parallel.virtual_stages)
+    return [rank_memory(cfg, chunks, schedule, r, layout.dp, m) for r, chunks in enumerate(stages)]
+
+
+def largest_micro_batch(cfg: Config, layout: Layout, stages: Sequence[nn.ModuleList], device_type: str,
+                        memory: int) -> int:
+    """The largest micro batch (dividing global batch / dp) whose largest stage fits `memory`; 0 if none."""
+    per_dp = cfg.train.global_batch_size // layout.dp
+    best = 0
+    for b in (b for b in range(1, per_dp + 1) if per_dp % b == 0):
+        try:
+            estimates = stage_estimates(cfg, layout, stages, device_type, b)
+        except ScheduleError:  # too few microbatches for the schedule (interleaved)
+            break
+        if max(e.total for e in estimates) > memory:
+            break
+        best = b
+    return best
+
+
+def default_memory(device_type: str, ranks_per_node: int) -> int:
+    """The GPU's memory, or this machine's MemTotal shared by the ranks of one node."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total // max(1, ranks_per_node)
+
+
+def summary(cfg: Config, layout: Layout, build: Build, device_type: str, memory: int) -> str:
+    """One line: the largest stage's estimate, its parts, the verdict against `memory`, the largest micro batch."""
+    chunks = meta_stages(layout, build)
+    stages = stage_estimates(cfg, layout, chunks, device_type)
+    worst = max(stages, key=lambda e: e.total)
+    largest = largest_micro_batch(cfg, layout, chunks, device_type, memory)
+    parts = ", ".join(f"{name} {format_bytes(getattr(worst, name))}" for name in PARTS)
+    verdict = "fits" if worst.total <= memory else "does not fit"
+    return (f"memory estimate per rank (largest of {len(stages)} stage(s)): {format_bytes(worst.total)} ({parts}); "
+            f"{verdict} in {format_bytes(memory)}; largest micro batch that fits: {largest or 'none'}")

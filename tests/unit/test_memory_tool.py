@@ -1,0 +1,53 @@
+"""`hybrid-memory`: the per-stage table, the verdict and the largest micro batch; bad input as one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid.config import compose_config
+from hybrid.memory import largest_micro_batch, meta_stages, stage_estimates
+from hybrid.metrics import format_bytes
+from hybrid.parallel.context import Layout
+from hybrid.tools.memory import main, parse_size
+from hybrid.trainer import build_chunks
+
+ARGS = ["model=gpt-tiny", "parallel.pp=2", "parallel.tp=2", "train.micro_batch_size=2", "train.global_batch_size=16"]
+
+
+def test_the_table_is_the_estimate_of_each_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*ARGS, "--world", "8", "--vocab", "1000", "--memory", "1GiB", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    cfg = compose_config(ARGS)
+    layout = Layout.create(8, tp=2, pp=2)
+    real = []  # the reference: each stage's chunks really built (CPU tensors), not on the meta device
+    for chunks in meta_stages(layout, lambda ctx: build_chunks(cfg, 1000, ctx)):
+        assert all(p.is_meta for p in chunks.parameters())
+    with torch.device("cpu"):
+        from hybrid.parallel.context import ParallelContext
+
+        real = [build_chunks(cfg, 1000, ParallelContext.shapes(layout, layout.rank(p, 0, 0))) for p in range(2)]
+    estimates = stage_estimates(cfg, layout, real, "cpu")
+    rows = [line.split() for line in out if line.split() and line.split()[0] in ("0", "1")]
+    for row, est in zip(rows, estimates, strict=True):
+        assert " ".join(row[-2:]) == format_bytes(est.total), (row, est)
+    assert f"fits; largest micro batch that fits: {largest_micro_batch(cfg, layout, real, 'cpu', 2**30)}" in out[-1]
+    assert largest_micro_batch(cfg, layout, real, "cpu", 2**30) >= 2
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--memory", "lots"], "--memory 'lots' is not a size"),
+    (["--bogus"], "unknown flag --bogus"),
+    (["--world"], "--world needs a value"),
+    (["parallel.tp=2", "--world", "3"], "does not divide"),
+    (["--device", "tpu"], "--device 'tpu' is not cpu or cuda"),
+    (["model=nope"], "nope"),
+])
+def test_bad_input_is_one_line_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("hybrid: error:") and needle in err[0], err
+
+
+def test_sizes() -> None:
+    assert parse_size("24GiB") == 24 * 2**30 and parse_size("80 GB") == 80 * 10**9 and parse_size("1000") == 1000
