@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from hybrid.bench import model_size, step_vs_hf, timing_overhead
+from hybrid.bench import model_size, recompute, step_vs_hf, timing_overhead
 
 TINY = ["--model", "gpt-tiny", "--steps", "1", "--warmup", "1", "--threads", "1", "--seq-len", "16",
         "--micro-batch", "2", "--microbatches", "2", "--repeats", "2"]
@@ -54,3 +54,13 @@ def test_model_size_counts_match_the_formula(capsys: pytest.CaptureFixture[str])
 def test_timing_overhead_runs_both_settings(capsys: pytest.CaptureFixture[str]) -> None:
     assert timing_overhead.main(["--quick"]) == 0
     assert "median paired ratio on/off" in capsys.readouterr().out
+
+
+def test_recompute_runs_every_mode_and_its_memory_matches_the_estimate(capsys: pytest.CaptureFixture[str]) -> None:
+    assert recompute.main(["--quick"]) == 0
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| gpt-tiny")]
+    assert [r[1] for r in rows] == ["none", "selective", "full"]
+    assert all(r[-2] == r[-1] for r in rows), rows  # the saved-tensor tally equals hybrid.memory's estimate
+    kept = [float(r[-2].replace(",", "")) for r in rows]
+    assert kept[2] < kept[1] < kept[0]
