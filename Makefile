@@ -1,6 +1,8 @@
 # hybrid — the commands the README names.
 PYTHON ?= python3
 NPROC ?= 2
+# pytest-xdist processes for `make test` (each takes whole test files); 0 runs the suite in one process
+TEST_WORKERS ?= 2
 export OMP_NUM_THREADS ?= 1
 
 .PHONY: setup run test lint bench clean
@@ -13,7 +15,7 @@ run:              ## the default job: gpt-tiny on the embedded corpus, data para
 
 test:             ## the whole test suite (what .ci/run calls)
 	$(PYTHON) -m ruff check hybrid tests
-	$(PYTHON) -m pytest -q --durations=25 tests
+	$(PYTHON) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile tests
 
 lint:
 	$(PYTHON) -m ruff check hybrid tests
