@@ -135,6 +135,12 @@ def ends_bytes(cfg: ModelConfig, m: Micro, vocab_local: int, first: bool, last: 
     return kept
 
 
+def loss_columns(chunk: nn.Module, tp: int) -> int:
+    """The logits' columns the loss works on here: the real vocabulary at tp=1 (the padding sliced off), this
+    rank's shard of the padded vocabulary under TP."""
+    return chunk.vocab_size if tp == 1 else chunk.padded_vocab // tp
+
+
 def held_bytes(schedule: Schedule, rank: int, per_chunk: Sequence[int]) -> int:
     """The most activation bytes `rank` holds at once: its compute order replayed, each forward of chunk c
     adding `per_chunk[c]` until that microbatch's backward."""
@@ -183,11 +189,10 @@ def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank:
     per_chunk = []
     for chunk in chunks:
         layers = len(chunk.layers) * layer_activation_bytes(cfg.model, m)
-        vocab_local = chunk.padded_vocab // m.tp
-        per_chunk.append(layers + ends_bytes(cfg.model, m, vocab_local, chunk.pre, chunk.post))
+        per_chunk.append(layers + ends_bytes(cfg.model, m, loss_columns(chunk, m.tp), chunk.pre, chunk.post))
     activations = held_bytes(schedule, pp_rank, per_chunk)
     last = any(chunk.post for chunk in chunks)
-    logits_grad = F32 * m.b * m.s * chunks[-1].padded_vocab // m.tp if last else 0
+    logits_grad = F32 * m.b * m.s * loss_columns(chunks[-1], m.tp) if last else 0
     # a layer's backward: gradients about the size of its activations and, under full recomputation, those too
     rerun = Micro(m.b, m.s, m.tp, m.sp, m.dropout, "none", m.device)
     transient = max(logits_grad, (1 + (m.recompute == "full")) * layer_activation_bytes(cfg.model, rerun))

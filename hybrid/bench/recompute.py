@@ -27,7 +27,7 @@ from hybrid.bench.common import check_models, parse_with_quick, table
 from hybrid.bench.inputs import resolve_vocab, synthetic_corpus
 from hybrid.compression.hooks import make_hook
 from hybrid.config import compose_config
-from hybrid.memory import Micro, ends_bytes, layer_activation_bytes
+from hybrid.memory import Micro, ends_bytes, layer_activation_bytes, loss_columns
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.testing.activations import saved_tally
 from hybrid.testing.ranks import launch
@@ -69,7 +69,7 @@ def kept(trainer: Trainer, mode: str) -> tuple[int, int]:
     m = Micro(ids.shape[0], ids.shape[1] - 1, trainer.ctx.tp_size, cfg.parallel.sequence_parallel, cfg.model.dropout,
               mode)
     est = len(chunk.layers) * layer_activation_bytes(cfg.model, m)
-    est += ends_bytes(cfg.model, m, chunk.padded_vocab // trainer.ctx.tp_size, chunk.pre, chunk.post)
+    est += ends_bytes(cfg.model, m, loss_columns(chunk, trainer.ctx.tp_size), chunk.pre, chunk.post)
     return sum(n for _, n in seen.values()), est
 
 

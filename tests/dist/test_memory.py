@@ -21,7 +21,15 @@ from test_dp import synthetic_corpus
 
 from hybrid.compression.hooks import make_hook
 from hybrid.config import compose_config
-from hybrid.memory import Micro, ends_bytes, held_bytes, layer_activation_bytes, micro_of, rank_memory
+from hybrid.memory import (
+    Micro,
+    ends_bytes,
+    held_bytes,
+    layer_activation_bytes,
+    loss_columns,
+    micro_of,
+    rank_memory,
+)
 from hybrid.model import build_model
 from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.schedules import build_schedule, simulate
@@ -32,9 +40,10 @@ B, S = 2, 16
 
 
 def _model_cfg(family: str, dropout: float, kv: int) -> Any:
+    """Vocabulary 100 padded to 128 (the head's padding is sliced off before the loss at tp=1)."""
     return compose_config([f"model={family}-tiny", "model.n_layers=2", "model.hidden=64", "model.n_heads=4",
                            f"model.n_kv_heads={kv}", "model.ffn_hidden=96", f"model.dropout={dropout}",
-                           "model.max_seq_len=64", "model.make_vocab_size_divisible_by=1"]).model
+                           "model.max_seq_len=64", "model.make_vocab_size_divisible_by=128"]).model
 
 
 def _tally(model: Any, ids: torch.Tensor) -> dict[str, int]:
@@ -53,7 +62,9 @@ def test_activations_equal_the_tally_in_one_process(family: str, kv: int, dropou
         model = build_model(cfg, 100, seed=1)
         model.set_recompute(mode)
         m = Micro(B, S, dropout=dropout, recompute=mode)
-        want = {"layers": cfg.n_layers * layer_activation_bytes(cfg, m), "ends": ends_bytes(cfg, m, 100, True, True)}
+        ends = ends_bytes(cfg, m, loss_columns(model, 1), True, True)
+        assert model.padded_vocab == 128 and loss_columns(model, 1) == 100
+        want = {"layers": cfg.n_layers * layer_activation_bytes(cfg, m), "ends": ends}
         assert _tally(model.train(), ids) == want, (family, kv, dropout, mode)
 
 
