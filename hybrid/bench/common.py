@@ -116,6 +116,16 @@ def run_one(section: Section, args: argparse.Namespace, command: str, module: st
     return timed(module, command, out, lambda: section(args, out))
 
 
+def models_main(module: str, p: argparse.ArgumentParser, argv: Optional[Sequence[str]], quick: dict[str, Any],
+                section: Section) -> int:
+    """The `main` of a one-section benchmark over `--models`: parse (with `--quick`), refuse an unknown
+    model, run and print; exit status 0."""
+    args = parse_with_quick(p, argv, quick)
+    check_models(p, *args.models)
+    run_one(section, args, reproduce_command(module, p, args), module)
+    return 0
+
+
 def table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     """A markdown table: columns padded to their widest cell, numbers right-aligned."""
     cells = [[str(c) for c in columns]] + [[str(c) for c in r] for r in rows]

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 
 from hybrid.bench import common
-from hybrid.bench.common import check_models, parse_with_quick, table
+from hybrid.bench.common import table
 from hybrid.bench.inputs import resolve_vocab, synthetic_corpus
 from hybrid.compression.hooks import make_hook
 from hybrid.config import compose_config
@@ -95,11 +95,7 @@ def section(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[s
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = build_parser()
-    args = parse_with_quick(p, argv, QUICK)
-    check_models(p, *args.models)
-    common.run_one(section, args, common.reproduce_command(MODULE, p, args), MODULE)
-    return 0
+    return common.models_main(MODULE, build_parser(), argv, QUICK, section)
 
 
 if __name__ == "__main__":

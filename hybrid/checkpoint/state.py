@@ -123,9 +123,10 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create AdamW's state (zero moments, step 0) for every parameter that has none yet, so that a
     load can fill it in place; AdamW itself creates exactly this on its first step."""
     for group in optimizer.param_groups:
-        for p in group["params"]:
+        for p in group["params"]:  # fused AdamW keeps the step count on the parameter's device, foreach on the CPU
             if not optimizer.state[p]:
-                optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                on = p.device if group.get("fused") else torch.device("cpu")
+                optimizer.state[p] = {"step": torch.zeros((), device=on), "exp_avg": torch.zeros_like(p),
                                       "exp_avg_sq": torch.zeros_like(p)}
 
 

@@ -118,10 +118,11 @@ class DistributedOptimizer:
         no_decay = [f.view for f in self.fragments() if f.param.ndim < 2]
         self.optimizer = adamw_over(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], cfg, lr)
-        for sb in self.buckets:
+        for sb in self.buckets:  # fused kernels take the step count on the parameter's device, foreach on the CPU
+            on = sb.params.device if cfg.implementation == "fused" else torch.device("cpu")
             for f in sb.fragments:
                 at = f.at - sb.start
-                self.optimizer.state[f.view] = {"step": torch.tensor(0.0),
+                self.optimizer.state[f.view] = {"step": torch.zeros((), device=on),
                                                 **{m: sb.moments[m][at: at + f.n] for m in MOMENTS}}
         self._groups = [{"params": [p for p in model.parameters() if p.requires_grad and (p.ndim >= 2) == d]}
                         for d in (True, False)]

@@ -275,7 +275,8 @@ class GradSync:
     def meter(self, on: bool) -> None:
         """Whether the coming step meters ‖ĝ − g‖ (one exact, uncounted all-reduce per bucket): on the
         steps whose record carries `compression_error`, never for an exact hook."""
-        self._metered = on and self.report.error and not self.report.exact and isinstance(self.state, MeteredState)
+        self._metered = (on and self.report.error and not self.report.exact and not self.sharded
+                         and isinstance(self.state, MeteredState))
         if isinstance(self.state, MeteredState):
             self.state.measure = self._metered
 
