@@ -114,7 +114,8 @@ class Attention(nn.Module):
         if rope is not None:
             cos, sin = rope[0][:s].to(q.dtype), rope[1][:s].to(q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = recompute(self.core, [self.rng], q, k, v) if self.recompute_core else self.core(q, k, v)
+        rerun = self.recompute_core and torch.is_grad_enabled()
+        y = recompute(self.core, [self.rng], q, k, v) if rerun else self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
