@@ -136,6 +136,7 @@ class TrainConfig:
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
     device: str = "auto"  # auto | cpu | cuda
     recompute: str = "none"  # activations recomputed in the backward: none | selective (attention core, MLP act) | full
+    compile: bool = False  # torch.compile each transformer block (inductor; on CPU it needs a C++ compiler)
 
 
 @dataclass

@@ -73,6 +73,7 @@ def build_chunks(cfg: Config, vocab: int, ctx: ParallelContext) -> nn.ModuleList
                                   post=s == len(parts) - 1, seed=cfg.train.seed,
                                   sequence_parallel=p.sequence_parallel))
         chunks[-1].set_recompute(cfg.train.recompute)
+        chunks[-1].set_compile(cfg.train.compile)
     return nn.ModuleList(chunks)
 
 

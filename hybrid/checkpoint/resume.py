@@ -116,13 +116,14 @@ def plan_resume(cfg: Config, vocab: int, is_writer: bool, warn: Log) -> Optional
 
 # What a resume may change without changing where training goes: the layout (resharded), where files go,
 # what is logged and profiled, how long it trains (extending a run), evals, the device, activation
-# recomputation (the same gradients), labels, a start point a resume ignores, and a metric-only knob. Any
-# other difference (train.lr, seed, batch sizes, precision, optim.*, model.*, data.*, compression.*) is a
-# training setting: a resume refuses it unless checkpoint.allow_changes=true.
+# recomputation, compilation and AdamW's kernels (the same updates), labels, a start point a resume
+# ignores, and a metric-only knob. Any other difference (train.lr, seed, batch sizes, precision, optim.*,
+# model.*, data.*, compression.*) is a training setting: a resume refuses it unless
+# checkpoint.allow_changes=true.
 FREE_PREFIXES = ("run_name", "parallel.", "checkpoint.", "logging.", "profile.")
 FREE_KEYS = frozenset({"train.steps", "train.device", "train.eval_every", "train.eval_batches", "train.recompute",
-                       "optim.implementation", "model.name", "model.init_from", "data.name", "data.cache_dir",
-                       "optim.name", "compression.measure_error", "compression.measure_every"})
+                       "train.compile", "optim.implementation", "model.name", "model.init_from", "data.name",
+                       "data.cache_dir", "optim.name", "compression.measure_error", "compression.measure_every"})
 
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:

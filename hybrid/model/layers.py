@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -167,11 +168,17 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, group, out_std, sp, kind=choices.mlp, bias=choices.bias)
         self.dropout = nn.Dropout(cfg.dropout)
         self.recompute_full = False  # full recomputation: only the block's input is kept for the backward
+        self.compiled: Optional[Callable[..., torch.Tensor]] = None  # `run` through torch.compile (train.compile)
 
     def set_recompute(self, mode: str) -> None:
         """none | selective (the attention core and the MLP activation) | full (the whole block)."""
         self.recompute_full = mode == "full"
         self.attn.recompute_core = self.mlp.recompute_act = mode == "selective"
+
+    def set_compile(self, on: bool) -> None:
+        """Run the block through `torch.compile` (compiled on its first call; inductor on CPU needs a C++
+        compiler). Recomputation composes: it reruns the compiled block."""
+        self.compiled = torch.compile(self.run) if on else None
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.training and self.dropout.p > 0):
@@ -180,9 +187,10 @@ class Block(nn.Module):
             return self.dropout(x)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        run = self.compiled or self.run
         if self.recompute_full and torch.is_grad_enabled():
-            return recompute(lambda y, *r: self.run(y, r or None), [self.rng], x, *(rope or ()))
-        return self.run(x, rope)
+            return recompute(lambda y, *r: run(y, r or None), [self.rng], x, *(rope or ()))
+        return run(x, rope)
 
     def run(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         x = x + self._drop(self.attn(self.attn_norm(x), rope))
@@ -248,6 +256,11 @@ class CausalLM(nn.Module):
         """Activation recomputation of every block here: none | selective | full (`train.recompute`)."""
         for layer in self.layers.values():
             layer.set_recompute(mode)
+
+    def set_compile(self, on: bool) -> None:
+        """`torch.compile` each block here (`train.compile`)."""
+        for layer in self.layers.values():
+            layer.set_compile(on)
 
     def head_weight(self) -> torch.Tensor:
         return self.tok_embed.weight if hasattr(self, "tok_embed") and not hasattr(self, "head") else self.head.weight
