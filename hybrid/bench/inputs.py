@@ -1,7 +1,9 @@
-"""The inputs benchmarks share: a corpus of uniform random tokens and the vocabulary rule of `--vocab`."""
+"""The inputs benchmarks share: a corpus of uniform random tokens, the vocabulary rule of `--vocab`, and for
+benchmarks that train a model per `--models` entry their options, overrides and trainer."""
 
 from __future__ import annotations
 
+import argparse
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -10,6 +12,7 @@ from hybrid.data import Corpus
 
 if TYPE_CHECKING:
     from hybrid.config import Config
+    from hybrid.trainer import Trainer
 
 
 def synthetic_corpus(vocab: int, seq_len: int, n: int, seed: int = 0) -> Corpus:
@@ -22,3 +25,40 @@ def synthetic_corpus(vocab: int, seq_len: int, n: int, seed: int = 0) -> Corpus:
 def resolve_vocab(cfg: Config, override: Optional[int]) -> int:
     """--vocab, else the model's vocab_size, else the default tokenizer's data.vocab_size (8192)."""
     return override or cfg.model.vocab_size or cfg.data.vocab_size
+
+
+def add_run_args(p: argparse.ArgumentParser, world: int, warmup: int, seq_len: int, microbatches: int) -> None:
+    """The options of a benchmark that trains one model per `--models` entry on `--world` forked ranks:
+    --models, --world, --parallel, --warmup, --seq-len, --micro-batch, --microbatches, --vocab."""
+    p.add_argument("--models", nargs="+", default=["gpt-tiny", "gpt-125m"], help="hybrid/configs/model names")
+    p.add_argument("--world", type=int, default=world, help="gloo ranks")
+    p.add_argument("--parallel", nargs="*", default=[], help="layout overrides, e.g. parallel.tp=2 (default: dp)")
+    p.add_argument("--warmup", type=int, default=warmup, help="untimed steps first")
+    p.add_argument("--seq-len", type=int, default=seq_len)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--microbatches", type=int, default=microbatches, help="microbatches per rank per step")
+    p.add_argument("--vocab", type=int, default=None, help="default: the model's, else 8192")
+
+
+def run_overrides(args: argparse.Namespace, model: str) -> list[str]:
+    """`model` trained as `add_run_args` says (dp = --world; --parallel overrides adjust it through validate)."""
+    return [f"model={model}", f"data.seq_len={args.seq_len}", f"train.micro_batch_size={args.micro_batch}",
+            f"train.global_batch_size={args.micro_batch * args.microbatches * args.world}", "train.eval_every=0",
+            "parallel.name=bench", *args.parallel]
+
+
+def bench_trainer(world: int, cfg_overrides: list[str], vocab: Optional[int]) -> Trainer:
+    """On a forked rank: the Trainer of `cfg_overrides` on `world` ranks over a synthetic corpus (CPU)."""
+    import torch
+
+    from hybrid.compression.hooks import make_hook
+    from hybrid.config import compose_config
+    from hybrid.parallel.context import Layout, ParallelContext
+    from hybrid.trainer import Trainer, build_chunks
+
+    cfg = compose_config(cfg_overrides)
+    p = cfg.parallel
+    ctx = ParallelContext.build(Layout.create(world, tp=p.tp, pp=p.pp)) if world > 1 else ParallelContext.single()
+    corpus = synthetic_corpus(resolve_vocab(cfg, vocab), cfg.data.seq_len, 256)
+    hook, state = make_hook(cfg.compression, ctx.dp_group)
+    return Trainer(cfg, ctx, build_chunks(cfg, corpus.vocab_size, ctx), corpus, torch.device("cpu"), hook, state)

@@ -24,14 +24,11 @@ import torch
 
 from hybrid.bench import common
 from hybrid.bench.common import table
-from hybrid.bench.inputs import resolve_vocab, synthetic_corpus
-from hybrid.compression.hooks import make_hook
-from hybrid.config import compose_config
+from hybrid.bench.inputs import add_run_args, bench_trainer, run_overrides
 from hybrid.memory import Micro, ends_bytes, layer_activation_bytes, loss_columns
-from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.testing.activations import saved_tally
 from hybrid.testing.ranks import launch
-from hybrid.trainer import Trainer, build_chunks
+from hybrid.trainer import Trainer
 
 MODULE = "hybrid.bench.recompute"
 MODES = ("none", "selective", "full")
@@ -41,22 +38,9 @@ QUICK = {"models": ["gpt-tiny"], "rounds": 1, "warmup": 1, "seq_len": 16, "micro
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
     common.add_quick(p, "gpt-tiny, 1 round")
-    p.add_argument("--models", nargs="+", default=["gpt-tiny", "gpt-125m"], help="hybrid/configs/model names")
-    p.add_argument("--world", type=int, default=1, help="gloo ranks")
-    p.add_argument("--parallel", nargs="*", default=[], help="layout overrides, e.g. parallel.tp=2 (default: dp)")
+    add_run_args(p, world=1, warmup=1, seq_len=256, microbatches=1)
     p.add_argument("--rounds", type=int, default=6, help="rounds of one step per mode")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--microbatches", type=int, default=1, help="microbatches per rank per step")
-    p.add_argument("--vocab", type=int, default=None, help="default: the model's, else 8192")
     return p
-
-
-def overrides(args: argparse.Namespace, model: str) -> list[str]:
-    return [f"model={model}", f"data.seq_len={args.seq_len}", f"train.micro_batch_size={args.micro_batch}",
-            f"train.global_batch_size={args.micro_batch * args.microbatches * args.world}", "train.eval_every=0",
-            "parallel.name=bench", *args.parallel]
 
 
 def kept(trainer: Trainer, mode: str) -> tuple[int, int]:
@@ -76,12 +60,7 @@ def kept(trainer: Trainer, mode: str) -> tuple[int, int]:
 def rank_steps(rank: int, world: int, cfg_overrides: list[str], vocab: Optional[int], warmup: int,
                rounds: int) -> dict[str, Any]:
     """One rank: warm-up, then `rounds` rotated rounds of one step per mode; step seconds and kept bytes."""
-    cfg = compose_config(cfg_overrides)
-    p = cfg.parallel
-    ctx = ParallelContext.build(Layout.create(world, tp=p.tp, pp=p.pp)) if world > 1 else ParallelContext.single()
-    corpus = synthetic_corpus(resolve_vocab(cfg, vocab), cfg.data.seq_len, 256)
-    hook, state = make_hook(cfg.compression, ctx.dp_group)
-    trainer = Trainer(cfg, ctx, build_chunks(cfg, corpus.vocab_size, ctx), corpus, torch.device("cpu"), hook, state)
+    trainer = bench_trainer(world, cfg_overrides, vocab)
     for _ in range(warmup):
         trainer.train_step()
     times: dict[str, list[float]] = {m: [] for m in MODES}
@@ -90,11 +69,11 @@ def rank_steps(rank: int, world: int, cfg_overrides: list[str], vocab: Optional[
             for chunk in trainer.model:
                 chunk.set_recompute(mode)
             times[mode].append(trainer.train_step().step_time_s)
-    return {"times": times, "kept": {m: kept(trainer, m) for m in MODES} if ctx.pp_size == 1 else {}}
+    return {"times": times, "kept": {m: kept(trainer, m) for m in MODES} if trainer.ctx.pp_size == 1 else {}}
 
 
 def measure(args: argparse.Namespace, model: str) -> dict[str, Any]:
-    per_rank = launch(rank_steps, args.world, overrides(args, model), args.vocab, args.warmup, args.rounds,
+    per_rank = launch(rank_steps, args.world, run_overrides(args, model), args.vocab, args.warmup, args.rounds,
                       timeout=3600)
     slowest = {m: [max(r["times"][m][k] for r in per_rank) for k in range(args.rounds)] for m in MODES}
     ratio = {m: statistics.median(a / b for a, b in zip(slowest[m], slowest["none"])) for m in MODES}

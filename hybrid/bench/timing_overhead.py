@@ -18,17 +18,11 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
-import torch
-
 from hybrid.bench import common
 from hybrid.bench.common import table
-from hybrid.bench.inputs import resolve_vocab, synthetic_corpus
-from hybrid.compression.hooks import make_hook
-from hybrid.config import compose_config
+from hybrid.bench.inputs import add_run_args, bench_trainer, run_overrides
 from hybrid.parallel import collectives as C
-from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.testing.ranks import launch
-from hybrid.trainer import Trainer, build_chunks
 
 MODULE = "hybrid.bench.timing_overhead"
 QUICK = {"models": ["gpt-tiny"], "pairs": 2, "warmup": 1, "seq_len": 16, "micro_batch": 1, "microbatches": 2}
@@ -37,34 +31,15 @@ QUICK = {"models": ["gpt-tiny"], "pairs": 2, "warmup": 1, "seq_len": 16, "micro_
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
     common.add_quick(p, "gpt-tiny, 2 pairs")
-    p.add_argument("--models", nargs="+", default=["gpt-tiny", "gpt-125m"], help="hybrid/configs/model names")
-    p.add_argument("--world", type=int, default=2, help="gloo ranks")
-    p.add_argument("--parallel", nargs="*", default=[], help="layout overrides, e.g. parallel.tp=2 (default: dp)")
+    add_run_args(p, world=2, warmup=2, seq_len=128, microbatches=2)
     p.add_argument("--pairs", type=int, default=12, help="on/off pairs of steps")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--microbatches", type=int, default=2, help="microbatches per rank per step")
-    p.add_argument("--vocab", type=int, default=None, help="default: the model's, else 8192")
     return p
-
-
-def overrides(args: argparse.Namespace, model: str) -> list[str]:
-    dp = args.world  # the default layout; --parallel overrides adjust it through validate's layout
-    return [f"model={model}", f"data.seq_len={args.seq_len}", f"train.micro_batch_size={args.micro_batch}",
-            f"train.global_batch_size={args.micro_batch * args.microbatches * dp}", "train.eval_every=0",
-            "parallel.name=bench", *args.parallel]
 
 
 def rank_steps(rank: int, world: int, cfg_overrides: list[str], vocab: Optional[int], warmup: int,
                pairs: int) -> dict[bool, list[float]]:
     """One rank: warm-up, then `pairs` on/off pairs in alternating order; step seconds by setting."""
-    cfg = compose_config(cfg_overrides)
-    p = cfg.parallel
-    ctx = ParallelContext.build(Layout.create(world, tp=p.tp, pp=p.pp))
-    corpus = synthetic_corpus(resolve_vocab(cfg, vocab), cfg.data.seq_len, 256)
-    hook, state = make_hook(cfg.compression, ctx.dp_group)
-    trainer = Trainer(cfg, ctx, build_chunks(cfg, corpus.vocab_size, ctx), corpus, torch.device("cpu"), hook, state)
+    trainer = bench_trainer(world, cfg_overrides, vocab)
     for _ in range(warmup):
         trainer.train_step()
     times: dict[bool, list[float]] = {True: [], False: []}
@@ -76,7 +51,7 @@ def rank_steps(rank: int, world: int, cfg_overrides: list[str], vocab: Optional[
 
 
 def measure(args: argparse.Namespace, model: str) -> dict[str, Any]:
-    per_rank = launch(rank_steps, args.world, overrides(args, model), args.vocab, args.warmup, args.pairs,
+    per_rank = launch(rank_steps, args.world, run_overrides(args, model), args.vocab, args.warmup, args.pairs,
                       timeout=3600)
     on = [max(r[True][k] for r in per_rank) for k in range(args.pairs)]  # the slowest rank sets the step
     off = [max(r[False][k] for r in per_rank) for k in range(args.pairs)]
