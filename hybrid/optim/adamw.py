@@ -71,15 +71,19 @@ def lr_at(step: int, peak: float, total_steps: int, warmup: int, min_ratio: floa
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def counted_here(p: nn.Parameter, tp_rank: int) -> bool:
+    """Whether this rank counts `p` in the global norm: not the pipeline duplicate of a tied embedding, and a
+    TP-replicated parameter on TP rank 0 only."""
+    info = param_info(p)
+    return not (info.pp_duplicate or (info.tp_duplicate and tp_rank != 0))
+
+
 def global_grad_norm(params: Iterable[nn.Parameter], ctx: ParallelContext) -> torch.Tensor:
     """L2 norm of the whole model's gradient, each parameter counted once across TP and PP."""
     sq = torch.zeros((), dtype=torch.float32)
     for p in params:
-        if p.grad is None or param_info(p).pp_duplicate:
-            continue
-        if param_info(p).tp_duplicate and ctx.tp_rank != 0:
-            continue
-        sq = sq.to(p.grad.device) + sum_of_squares(p.grad)
+        if p.grad is not None and counted_here(p, ctx.tp_rank):
+            sq = sq.to(p.grad.device) + sum_of_squares(p.grad)
     for group in (ctx.tp_group, ctx.pp_group):
         C.all_reduce(sq, group)
     return sq.sqrt()

@@ -31,10 +31,9 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
-from hybrid.optim.adamw import adamw_over, clip_grads, sum_of_squares
+from hybrid.optim.adamw import adamw_over, clip_grads, counted_here, sum_of_squares
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
-from hybrid.parallel.params import param_info
 
 if TYPE_CHECKING:
     from hybrid.config import OptimConfig
@@ -150,8 +149,7 @@ class DistributedOptimizer:
         device = self.buckets[0].params.device if self.buckets else torch.device("cpu")
         sq = torch.zeros((), dtype=torch.float32, device=device)
         for f in self.fragments():
-            info = param_info(f.param)
-            if not (info.pp_duplicate or (info.tp_duplicate and self.ctx.tp_rank != 0)):
+            if counted_here(f.param, self.ctx.tp_rank):
                 sq += sum_of_squares(f.view.grad)
         for group in (self.dp_group, self.ctx.tp_group, self.ctx.pp_group):
             C.all_reduce(sq, group)
