@@ -62,6 +62,8 @@ CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece o
     ("tokenizer-empty", ["data.tokenizer={empty}"], "holds no tokenizer"),
     ("tokenizer-garbled", ["data.tokenizer={garbled}"], "cannot be loaded"),
     ("timeout-zero", ["parallel.timeout_s=0"], "parallel.timeout_s must be > 0"),
+    ("recompute", ["train.recompute=some"], "train.recompute='some' is not one of none, selective, full"),
+    ("adamw-kernels", ["optim.implementation=triton"], "optim.implementation='triton' is not one of fused, foreach"),
     ("zero-2", ["parallel.zero=2"], "parallel.zero must be 0 (off) or 1 (the distributed optimizer), got 2"),
     ("zero-codec", ["parallel.zero=1", "compression=int8"], "parallel.zero=1 reduce-scatters the gradients, which "
      "compression=int8 cannot do"),
