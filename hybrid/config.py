@@ -133,7 +133,8 @@ class TrainConfig:
     lr: float = 3e-3  # peak learning rate
     eval_every: int = 25  # steps between evals; 0 disables
     eval_batches: int = 2  # held-out global batches (of global_batch_size sequences) per eval
-    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
+    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16 (autocast) | bf16_params
+    # (Megatron-style: bf16 parameters and activations, fp32 main weights and gradients in the optimizer)
     device: str = "auto"  # auto | cpu | cuda
     recompute: str = "none"  # activations recomputed in the backward: none | selective (attention core, MLP act) | full
     compile: bool = False  # torch.compile each transformer block (inductor; on CPU it needs a C++ compiler)

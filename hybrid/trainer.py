@@ -35,7 +35,7 @@ from hybrid.config import Config, ConfigError, ModelConfig
 from hybrid.data import Corpus
 from hybrid.model import build_model
 from hybrid.model.family import ModelConfigError
-from hybrid.optim import build_optimizer, lr_at
+from hybrid.optim import build_optimizer, lr_at, to_low_precision
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.data import CommHook, GradSync, SyncReport, finalize_grads
@@ -92,14 +92,17 @@ class Trainer:
         c = cfg.compression
         report = SyncReport(error=c.measure_error, exact=c.method == "none", inter_node=c.method == "hierarchical")
         self.comp = hook_state if isinstance(hook_state, Compression) else None
+        low = t.precision == "bf16_params"  # Megatron-style: bf16 parameters, fp32 main weights and gradients
+        main = to_low_precision(self.model) if low else None
         apart = exact_param_ids(self.model.named_parameters(), exact_kinds(c.exact_params, c.schedule))
         if self.comp is not None:
             self.comp.exact_params = apart
         self.grad_sync = GradSync(list(self.model.parameters()), ctx.dp_group, hook, hook_state, cfg.parallel.bucket_mb,
                                   report, apart=apart, sharded=cfg.parallel.zero == 1,
-                                  reduce_dtype=REDUCE_SCATTER_DTYPES.get(c.method, torch.float32))
+                                  reduce_dtype=REDUCE_SCATTER_DTYPES.get(c.method, torch.float32), main_grads=low)
         self.grad_sync.begin_step(self.num_microbatches)
-        self.optimizer = build_optimizer(self.model, cfg.optim, t.lr, ctx, self.grad_sync)
+        self.optimizer = build_optimizer(self.model, cfg.optim, t.lr, ctx, self.grad_sync, main)
+        self.activation_dtype = torch.bfloat16 if low else torch.float32  # the residual stream's, between stages
         self.sampler = StepSampler(len(corpus.train), t.micro_batch_size, self.num_microbatches, ctx.dp_size,
                                    ctx.dp_rank, t.seed)
         self.schedule = self._schedule(self.num_microbatches)
@@ -156,6 +159,7 @@ class Trainer:
                 self.message(f"note: model.init_from={init_from} ignored: resuming {resume[0]} wins")
         elif init_from:
             self.message(_pretrained(self.model, self.cfg.model))
+            self.optimizer.reload_main()  # bf16 parameters: the main weights start from them
         note = self.profiler.skipped(self.step)
         if note:
             self.message(note)
@@ -188,14 +192,15 @@ class Trainer:
         return build_schedule(name, self.ctx.pp_size, microbatches, p.virtual_stages, forward_only)
 
     def _p2p(self) -> Optional[P2P]:
-        """Hidden states between stages: [micro batch, seq (or seq/tp under SP), hidden], fp32."""
+        """Hidden states between stages: [micro batch, seq (or seq/tp under SP), hidden], in the residual
+        stream's dtype (fp32, also under autocast; bf16 under bf16 parameters: half the bytes)."""
         if self.ctx.pp_size == 1:
             return None
         seq = self.corpus.seq_len
         if self.cfg.parallel.sequence_parallel and self.ctx.tp_size > 1:
             seq //= self.ctx.tp_size
         shape = (self.cfg.train.micro_batch_size, seq, self.cfg.model.hidden)
-        return P2P(self.ctx.pp_group, shape, torch.float32, self.device)
+        return P2P(self.ctx.pp_group, shape, self.activation_dtype, self.device)
 
     def count_params(self) -> int:
         """Parameters of the whole model (`params.count_params`: collective over TP and PP)."""

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 _CHOICES = {
     "parallel.schedule": SCHEDULES,  # the registry: its names
-    "train.precision": ("auto", "fp32", "bf16"),
+    "train.precision": ("auto", "fp32", "bf16", "bf16_params"),
     "train.recompute": ("none", "selective", "full"),
     "optim.implementation": ("fused", "foreach"),
     "train.device": ("auto", "cpu", "cuda"),
@@ -86,6 +86,9 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
                  f"data.seq_len={cfg.data.seq_len} divisible by parallel.tp={p.tp}")
     _validate_optim(cfg.optim)
     _validate_zero(p, cfg.compression)
+    _require(t.precision != "bf16_params" or cfg.compression.method != "onebit_adam", "train.precision=bf16_params "
+             "keeps fp32 main weights that compression=onebit_adam's optimizer does not: use train.precision=bf16 "
+             "(autocast) or fp32 with it")
     _validate_block_size(cfg.compression, p.bucket_mb, layout.dp)
     c = cfg.compression
     _require(c.method == "none" or c.warmup_steps < t.steps, f"compression.warmup_steps={c.warmup_steps} is not "

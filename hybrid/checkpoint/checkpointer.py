@@ -284,6 +284,7 @@ class Checkpointer:
             state[hook_blob_key] = b""
         read_state(state, path)
         fill_copies(state, copies)
+        optimizer.loaded()  # bf16 parameters: rounded from the loaded main weights (ZeRO-1: all-gathered)
         self._restore_rest(state, manifest, rng_key if same_layout else None, hook_blob_key if same_hook else None)
         self.protected.add(path)
         if self.writer:

@@ -29,7 +29,7 @@ import io
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -56,6 +56,19 @@ OPTIM_TENSORS = ("exp_avg", "exp_avg_sq")
 
 class StateMismatch(ValueError):
     """The checkpoint's tensors do not fit this model (a key missing, a shape that differs)."""
+
+
+class Optimizer(Protocol):
+    """What a checkpoint reads of the trainer's optimizer (`hybrid.optim`'s classes): AdamW's parameter groups
+    and per-parameter state keyed by the model's parameters, the weight saved under a parameter's key
+    (`main_weight`: fp32, the main copy under bf16 parameters) and `loaded()`, called once a load wrote them."""
+
+    param_groups: list[dict[str, Any]]
+    state: Any
+
+    def main_weight(self, p: nn.Parameter) -> torch.Tensor: ...
+
+    def loaded(self) -> None: ...
 
 
 @dataclass
@@ -99,12 +112,14 @@ def named_parameters(model: nn.ModuleList, duplicates: bool) -> Iterator[tuple[s
             yield name, p
 
 
-def model_pieces(model: nn.ModuleList, optimizer: Optional[torch.optim.Optimizer], duplicates: bool) -> list[Piece]:
+def model_pieces(model: nn.ModuleList, optimizer: Optional[Optimizer], duplicates: bool) -> list[Piece]:
     """Every parameter and (with `optimizer`, whose state must exist) Adam moment of this rank as
-    checkpoint pieces."""
+    checkpoint pieces. A parameter's piece is the optimizer's `main_weight(p)`: `p` itself, or its fp32 main
+    weight under bf16 parameters, so the files are an fp32 run's."""
     out: list[Piece] = []
     for name, p in named_parameters(model, duplicates):
-        out += [Piece(f"model.{k}", v, d, s) for k, v, d, s in pieces(name, p.detach(), p)]
+        weight = p.detach() if optimizer is None else optimizer.main_weight(p)
+        out += [Piece(f"model.{k}", v, d, s) for k, v, d, s in pieces(name, weight, p)]
         if optimizer is None:
             continue
         state = optimizer.state[p]
@@ -119,7 +134,7 @@ def first_nonfinite(found: list[Piece]) -> Optional[str]:
     return next((p.key for p in found if not bool(torch.isfinite(p.local).all())), None)
 
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+def init_optimizer_state(optimizer: Optimizer) -> None:
     """Create AdamW's state (zero moments, step 0) for every parameter that has none yet, so that a
     load can fill it in place; AdamW itself creates exactly this on its first step."""
     for group in optimizer.param_groups:

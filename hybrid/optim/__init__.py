@@ -1,19 +1,23 @@
 """Optimizers behind one seam: `ModelOptimizer.step(lr)` is the whole update after `finalize_grads`.
 
-`adamw.py` holds AdamW with clip-by-global-norm (and the LR schedule); `distributed.py` the distributed
-optimizer (ZeRO-1: the same AdamW over this DP rank's shard); `onebit_adam.py` 1-bit Adam's frozen-variance
-optimizer, whose momentum `compression=onebit_adam` exchanges. `build_optimizer` picks one.
+`adamw.py` holds AdamW with clip-by-global-norm (and the LR schedule); `mixed.py` the same over fp32 main
+weights of bf16 parameters (`train.precision=bf16_params`); `distributed.py` the distributed optimizer
+(ZeRO-1: the same AdamW over this DP rank's shard, with or without bf16 parameters); `onebit_adam.py` 1-bit
+Adam's frozen-variance optimizer, whose momentum `compression=onebit_adam` exchanges. `build_optimizer` picks
+one.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
+import torch
 from torch import nn
 
 from hybrid.compression.onebit_adam import MomentumExchange
 from hybrid.optim.adamw import ModelOptimizer, adamw, clip_grads, global_grad_norm, lr_at, param_groups
 from hybrid.optim.distributed import DistributedOptimizer
+from hybrid.optim.mixed import MainWeightsOptimizer, to_low_precision
 from hybrid.optim.onebit_adam import OneBitAdam
 from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.data import GradSync
@@ -21,18 +25,21 @@ from hybrid.parallel.data import GradSync
 if TYPE_CHECKING:
     from hybrid.config import OptimConfig
 
-__all__ = ["DistributedOptimizer", "ModelOptimizer",
+__all__ = ["DistributedOptimizer", "MainWeightsOptimizer", "ModelOptimizer", "to_low_precision",
            "OneBitAdam", "adamw", "build_optimizer", "clip_grads", "global_grad_norm", "lr_at",
            "param_groups"]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float, ctx: ParallelContext,
-                    grad_sync: GradSync) -> ModelOptimizer | DistributedOptimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float, ctx: ParallelContext, grad_sync: GradSync,
+                    main: Optional[dict[nn.Parameter, torch.Tensor]] = None) -> ModelOptimizer | DistributedOptimizer:
     """The optimizer of `model`, whose gradients `grad_sync` owns: AdamW with clipping at `cfg.grad_clip`;
-    the distributed optimizer (ZeRO-1) when `grad_sync` reduce-scatters (`parallel.zero=1`); 1-bit Adam's
-    (`compression=onebit_adam`) when the DP hook's state is its momentum exchange."""
+    the distributed optimizer (ZeRO-1) when `grad_sync` reduce-scatters (`parallel.zero=1`); AdamW over the fp32
+    `main` weights of bf16 parameters (`to_low_precision`'s answer) when given; 1-bit Adam's
+    (`compression=onebit_adam`, fp32 parameters only) when the DP hook's state is its momentum exchange."""
     if grad_sync.sharded:
-        return DistributedOptimizer(model, cfg, lr, ctx, grad_sync)
+        return DistributedOptimizer(model, cfg, lr, ctx, grad_sync, main)
+    if main is not None:
+        return MainWeightsOptimizer(grad_sync.parameters(), main, cfg, lr, ctx)
     if isinstance(getattr(grad_sync.state, "state", None), MomentumExchange):
         return OneBitAdam(adamw(model, cfg, lr), grad_sync.buckets, ctx, cfg.grad_clip, grad_sync.state)
     return ModelOptimizer(adamw(model, cfg, lr), grad_sync.parameters(), ctx, cfg.grad_clip)

@@ -25,6 +25,7 @@ from torch import nn
 
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
+from hybrid.parallel.grads import grad_of
 from hybrid.parallel.params import param_info
 
 if TYPE_CHECKING:
@@ -39,7 +40,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 
 def adamw(model: nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.AdamW:
-    """AdamW over fp32 parameters (the master weights; bf16 exists only inside autocast)."""
+    """AdamW over the model's fp32 parameters (the main weights themselves, unless `train.precision=bf16_params`:
+    then `mixed.MainWeightsOptimizer`)."""
     return adamw_over(param_groups(model, cfg.weight_decay), cfg, lr)
 
 
@@ -47,6 +49,13 @@ def adamw_over(groups: list[dict[str, Any]], cfg: OptimConfig, lr: float) -> tor
     """AdamW over `groups` with `cfg`'s hyperparameters and kernels (`optim.implementation`): fused (one
     kernel per tensor, no temporaries: 5–6× faster than foreach at gpt-125m on CPU) or foreach."""
     return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **{cfg.implementation: True})
+
+
+def fresh_state(p: torch.Tensor, fused: bool) -> dict[str, torch.Tensor]:
+    """AdamW's state before its first step: step 0 (on `p`'s device for the fused kernel, on the CPU for
+    foreach), zero moments shaped as `p`."""
+    on = p.device if fused else torch.device("cpu")
+    return {"step": torch.zeros((), device=on), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
 def sum_of_squares(g: torch.Tensor, row: int = 1024) -> torch.Tensor:
@@ -82,8 +91,9 @@ def global_grad_norm(params: Iterable[nn.Parameter], ctx: ParallelContext) -> to
     """L2 norm of the whole model's gradient, each parameter counted once across TP and PP."""
     sq = torch.zeros((), dtype=torch.float32)
     for p in params:
-        if p.grad is not None and counted_here(p, ctx.tp_rank):
-            sq = sq.to(p.grad.device) + sum_of_squares(p.grad)
+        g = grad_of(p)
+        if g is not None and counted_here(p, ctx.tp_rank):
+            sq = sq.to(g.device) + sum_of_squares(g)
     for group in (ctx.tp_group, ctx.pp_group):
         C.all_reduce(sq, group)
     return sq.sqrt()
@@ -95,7 +105,7 @@ def clip_grads(params: Iterable[nn.Parameter], max_norm: float, norm: torch.Tens
     if max_norm <= 0:
         return
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [g for g in map(grad_of, params) if g is not None]
     if grads:
         torch._foreach_mul_(grads, scale.to(grads[0].device))
 
@@ -120,6 +130,16 @@ class ModelOptimizer:
         clip_grads(self.params, self.grad_clip, norm)
         self.optimizer.step()
         return norm
+
+    def main_weight(self, p: nn.Parameter) -> torch.Tensor:
+        """What a checkpoint holds as `p`'s weight: `p` itself (fp32; `MainWeightsOptimizer` keeps copies)."""
+        return p.detach()
+
+    def loaded(self) -> None:
+        """After a checkpoint load: nothing to do (the load wrote the parameters themselves)."""
+
+    def reload_main(self) -> None:
+        """After `model.init_from` wrote the parameters: nothing to do (they are the main weights)."""
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

@@ -16,6 +16,10 @@ parameter's *fragment* is the part of it that falls in the shard: a 1-D view of 
 Bytes: the reduce-scatter and the all-gather together put on the wire what one ring all-reduce does,
 (dp−1)/dp · 4N each; the moments take 8N/dp bytes per rank instead of 8N.
 
+Under bf16 parameters (`train.precision=bf16_params`, `hybrid.optim.mixed`) the parameter buffer is bf16 and each
+bucket keeps its shard's fp32 main weights beside it (4N/dp bytes): AdamW updates those, they are rounded
+into the shard, and the all-gather moves bf16, (dp−1)/dp · 2N.
+
 Checkpoints read Adam's state per parameter, in its full (TP-local) shape, through `state[p]`; reading
 `state` after a step all-gathers each bucket's moment shards over DP (collective: every rank's checkpoint
 code reads it at the same point) into a view that a save writes and a load fills; the next `step` copies
@@ -57,18 +61,24 @@ class Fragment:
 
 @dataclass
 class ShardedBucket:
-    """One gradient bucket's parameter buffer, this rank's shard `[start, start + k)` of it, the fragments
-    in it, and the shard's Adam moments (flat, `k` elements each)."""
+    """One gradient bucket's parameter buffer (the parameters' dtype), this rank's shard `[start, start + k)`
+    of it, the fragments in it, the shard's fp32 main weights (`main`: a view of the parameter buffer when
+    that is fp32, its own k elements under bf16 parameters) and Adam moments (flat, `k` elements each)."""
 
     bucket: GradBucket
     params: torch.Tensor
     start: int
     k: int
+    main: torch.Tensor
     fragments: list[Fragment] = field(default_factory=list)
     moments: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def shard(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.start: self.start + self.k]
+
+    def separate_main(self) -> bool:
+        """Whether the main weights are a copy (bf16 parameters) rather than the parameter buffer itself."""
+        return self.main.data_ptr() != self.shard(self.params).data_ptr()
 
     def spans(self) -> list[tuple[nn.Parameter, int, int, int]]:
         """Every parameter of the bucket with its offset in the bucket and the flat range `[lo, hi)` of it
@@ -82,19 +92,26 @@ class ShardedBucket:
         return out
 
 
-def shard_bucket(bucket: GradBucket, dp: int, dp_rank: int) -> ShardedBucket:
-    """Move `bucket`'s parameters into one flat buffer (each `p.data` a view of it) and cut out this rank's
-    fragments. Padding stays zero: its gradient is zero, so AdamW leaves it there."""
+def shard_bucket(bucket: GradBucket, dp: int, dp_rank: int,
+                 main: Optional[dict[nn.Parameter, torch.Tensor]] = None) -> ShardedBucket:
+    """Move `bucket`'s parameters into one flat buffer of their dtype (each `p.data` a view of it) and cut out
+    this rank's fragments; `main` holds the fp32 values of bf16 parameters (their shard becomes the bucket's
+    main weights). Padding stays zero: its gradient is zero, so AdamW leaves it there."""
     grads = bucket.buffer()
-    params = torch.zeros_like(grads)
+    dtype = bucket.parameters()[0].dtype
+    params = torch.zeros(grads.numel(), dtype=dtype, device=grads.device)
     k = grads.numel() // dp
-    sb = ShardedBucket(bucket, params, dp_rank * k, k)
+    shard = params[dp_rank * k: (dp_rank + 1) * k]
+    sb = ShardedBucket(bucket, params, dp_rank * k, k, shard if main is None else torch.zeros_like(grads[:k]))
     sb.moments = {m: torch.zeros(k, dtype=torch.float32, device=grads.device) for m in MOMENTS}
     for p, offset, lo, hi in sb.spans():
         params[offset: offset + p.numel()].copy_(p.detach().reshape(-1))
         p.data = params[offset: offset + p.numel()].view_as(p)
         if lo < hi:
-            view = nn.Parameter(params[offset + lo: offset + hi])
+            at = offset + lo - sb.start
+            if main is not None:
+                sb.main[at: at + hi - lo].copy_(main[p].reshape(-1)[lo:hi])
+            view = nn.Parameter(sb.main[at: at + hi - lo])
             view.grad = grads[offset + lo: offset + hi]
             sb.fragments.append(Fragment(p, lo, offset + lo, hi - lo, view))
     return sb
@@ -107,11 +124,12 @@ class DistributedOptimizer:
     the decay and no-decay groups) and `state` (per parameter, full shape) for the checkpoint."""
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, lr: float, ctx: ParallelContext,
-                 grad_sync: GradSync) -> None:
+                 grad_sync: GradSync, main: Optional[dict[nn.Parameter, torch.Tensor]] = None) -> None:
         if not grad_sync.sharded:
             raise ValueError("DistributedOptimizer needs GradSync(sharded=True)")
         self.ctx, self.grad_clip, self.dp_group = ctx, cfg.grad_clip, grad_sync.group
-        self.buckets = [shard_bucket(b, C.size(self.dp_group), C.rank(self.dp_group)) for b in grad_sync.buckets]
+        dp, dp_rank = C.size(self.dp_group), C.rank(self.dp_group)
+        self.buckets = [shard_bucket(b, dp, dp_rank, main) for b in grad_sync.buckets]
         self.steps = 0  # AdamW's step count (also in every fragment's state; a rank may own no fragment)
         decay = [f.view for f in self.fragments() if f.param.ndim >= 2]
         no_decay = [f.view for f in self.fragments() if f.param.ndim < 2]
@@ -140,8 +158,16 @@ class DistributedOptimizer:
         clip_grads([f.view for f in self.fragments()], self.grad_clip, norm)
         self.optimizer.step()
         self.steps += 1
+        self._round_shards()
         self.gather_params()
         return norm
+
+    @torch.no_grad()
+    def _round_shards(self) -> None:
+        """Under bf16 parameters: this rank's updated fp32 main weights rounded into its parameter shards."""
+        for sb in self.buckets:
+            if sb.separate_main():
+                sb.shard(sb.params).copy_(sb.main)
 
     def grad_norm(self) -> torch.Tensor:
         """The global gradient norm from this rank's fragments: the squares all-reduced over DP (each
@@ -179,16 +205,23 @@ class DistributedOptimizer:
             self._view = self._gather_view()
         return self._view
 
+    def main_weight(self, p: nn.Parameter) -> torch.Tensor:
+        """What a checkpoint holds as `p`'s weight: `p` itself (fp32), or under bf16 parameters its fp32 main
+        weights gathered into the per-parameter view (a collective on first access after a step)."""
+        return self.state[p].get("main", p.detach())
+
     @torch.no_grad()
     def _gather_view(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
         view: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
         for sb in self.buckets:
-            full = {m: torch.empty_like(sb.params) for m in MOMENTS}
-            for m in MOMENTS:
-                C.all_gather_flat(full[m], sb.moments[m], self.dp_group)
+            names = MOMENTS + (("main",) if sb.separate_main() else ())
+            shards = {**sb.moments, "main": sb.main}
+            full = {m: torch.empty_like(sb.bucket.buffer()) for m in names}
+            for m in names:
+                C.all_gather_flat(full[m], shards[m], self.dp_group)
             for p, offset, _, _ in sb.spans():
                 view[p] = {"step": torch.tensor(float(self.steps)),
-                           **{m: full[m][offset: offset + p.numel()].view_as(p) for m in MOMENTS}}
+                           **{m: full[m][offset: offset + p.numel()].view_as(p) for m in names}}
         return view
 
     @torch.no_grad()
@@ -202,11 +235,28 @@ class DistributedOptimizer:
                 state = self._view[p]
                 self.steps = int(state["step"])
                 at = offset + lo - sb.start
-                for m in MOMENTS:
-                    sb.moments[m][at: at + hi - lo].copy_(state[m].reshape(-1)[lo:hi])
+                shards = {**sb.moments, "main": sb.main}
+                for m in MOMENTS + (("main",) if "main" in state else ()):
+                    shards[m][at: at + hi - lo].copy_(state[m].reshape(-1)[lo:hi])
         for state in self.optimizer.state.values():
             state["step"].fill_(self.steps)
         self._view = None
+
+    def loaded(self) -> None:
+        """After a checkpoint load: under bf16 parameters the loaded main weights are this rank's shards, then
+        every parameter (rounding and an all-gather over DP: collective, as the load). In fp32 the load wrote
+        the parameters themselves; the moments are taken from the view at the next step either way."""
+        if any(sb.separate_main() for sb in self.buckets):
+            self._take_view()
+            self._round_shards()
+            self.gather_params()
+
+    def reload_main(self) -> None:
+        """After `model.init_from` wrote the (bf16) parameters: this rank's main weights take their values."""
+        with torch.no_grad():
+            for sb in self.buckets:
+                if sb.separate_main():
+                    sb.main.copy_(sb.shard(sb.params))
 
     def state_dict(self) -> dict[str, Any]:
         """The per-parameter view (a collective on first access after a step)."""

@@ -15,6 +15,11 @@ through that protocol, plus the optional `MeteredState` interface (`measure`, `t
 through which GradSync meters the compression error on logged steps and reports its own
 figures (`bytes_dp`, `compression_ratio`, `compression_error`).
 
+Main gradients (`main_grads=True`, under `train.precision=bf16_params`): the parameters are bf16, so their
+`.grad` cannot be a view of an fp32 buffer. As Megatron's `main_grad`, each parameter's `main_grad` is then
+the buffer view; the post-accumulate hook adds the bf16 `.grad` autograd produced into it and drops `.grad`,
+so the microbatches accumulate in fp32. `grads.grad_of(p)` is the gradient everything after the backward reads.
+
 Sharded (`sharded=True`, the distributed optimizer's): each bucket is padded to dp equal shards and
 reduce-scattered instead, from the same trigger; DP rank r keeps the mean of shard r, and the optimizer
 (`hybrid.optim.distributed`) updates that shard and all-gathers the parameters.
@@ -168,8 +173,9 @@ class GradSync:
     def __init__(self, params: list[nn.Parameter], group: Group, hook: CommHook, state: Any,
                  bucket_mb: float = 25.0, report: SyncReport = SyncReport(), in_backward: bool = True,
                  apart: frozenset[int] = frozenset(), sharded: bool = False,
-                 reduce_dtype: torch.dtype = torch.float32) -> None:
+                 reduce_dtype: torch.dtype = torch.float32, main_grads: bool = False) -> None:
         self.group, self.hook, self.state, self.report = group, hook, state, report
+        self.main_grads = main_grads  # fp32 `p.main_grad` views, the low-precision `.grad` folded in by the hook
         self.in_backward = in_backward  # False: every bucket waits for finish() (no overlap; a test switch)
         self.enabled = C.size(group) > 1
         self.sharded = sharded  # ZeRO-1: reduce-scatter each bucket, the optimizer updates this rank's shard
@@ -184,7 +190,10 @@ class GradSync:
                               device=ps[0].device)
             bucket = GradBucket(i, buf, ps, is_last=i == len(groups) - 1)
             for p, view in zip(ps, bucket.gradients()):
-                p.grad = view
+                if main_grads:
+                    p.main_grad = view
+                else:
+                    p.grad = view
                 self._bucket_of[id(p)] = i
                 p.register_post_accumulate_grad_hook(on_ready)
             self.buckets.append(bucket)
@@ -204,7 +213,10 @@ class GradSync:
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         b = self._bucket_of[id(p)]
-        if p.grad is None or not _is_view_of(p.grad, self.buckets[b].buffer()):
+        if self.main_grads:
+            p.main_grad.add_(p.grad)  # fp32 accumulation of the microbatches' low-precision gradients
+            p.grad = None
+        elif p.grad is None or not _is_view_of(p.grad, self.buckets[b].buffer()):
             raise RuntimeError("a parameter's .grad was replaced; use GradSync.zero_grad(), not set_to_none")
         self._seen[id(p)] += 1
         if self._seen[id(p)] == self._expected:

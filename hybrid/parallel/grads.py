@@ -10,6 +10,7 @@ rank applied to its own sequence chunk only. Each is summed here over its group,
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 from torch import nn
@@ -19,14 +20,21 @@ from hybrid.parallel.collectives import Group
 from hybrid.parallel.params import param_info
 
 
+def grad_of(p: nn.Parameter) -> Optional[torch.Tensor]:
+    """The gradient of `p` as the step reads it after the backward: its fp32 `main_grad` (the gradient buffer's
+    view, under `train.precision=bf16_params`) when it has one, else `.grad`."""
+    main = getattr(p, "main_grad", None)
+    return main if main is not None else p.grad
+
+
 def sync_tied_grads(params: Sequence[nn.Parameter], group: Group) -> None:
     """Sum the gradient of the tied embedding between the first stage (token embedding) and the
     last (output head, its `pp_duplicate` copy) over the embedding group, as Megatron does: both
     copies then take the same optimizer step and stay identical. One all-reduce per step."""
-    tied = [p for p in params if param_info(p).pp_tied and p.grad is not None]
+    tied = [grad_of(p) for p in params if param_info(p).pp_tied and grad_of(p) is not None]
     if C.size(group) > 1:
-        for p in tied:
-            C.all_reduce(p.grad, group)
+        for g in tied:
+            C.all_reduce(g, group)
 
 
 @torch.no_grad()
@@ -39,9 +47,10 @@ def sync_sequence_parallel_grads(params: Sequence[nn.Parameter], group: Group) -
     if not params or C.size(group) == 1:
         return
     for p in params:
-        if p.grad is None:
+        if grad_of(p) is None:
             p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    grads = [grad_of(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
     C.all_reduce(flat, group)
-    for p, part in zip(params, flat.split([p.numel() for p in params])):
-        p.grad.copy_(part.view_as(p.grad))
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
