@@ -67,6 +67,7 @@ class Micro:
     dropout: float = 0.0
     recompute: str = "none"
     device: str = "cpu"
+    act: int = F32  # bytes per activation element: 2 under bf16 parameters (`train.precision=bf16_params`)
 
     @property
     def fused_attention(self) -> bool:
@@ -76,7 +77,7 @@ class Micro:
     @property
     def mask_bytes(self) -> int:
         """Bytes per element of a dropout mask: bool on CUDA, the input's float on CPU."""
-        return 1 if self.device == "cuda" else F32
+        return 1 if self.device == "cuda" else self.act
 
     @property
     def s_local(self) -> int:
@@ -84,10 +85,13 @@ class Micro:
         return self.s // self.tp if self.sp and self.tp > 1 else self.s
 
 
-def norm_bytes(rms: bool, tokens: int, h: int) -> int:
-    """A norm's input, its statistics and its output (kept by the linear that follows)."""
-    kept = 3 * tokens * h + tokens if rms else 2 * tokens * h + 2 * tokens
-    return F32 * kept
+def norm_bytes(rms: bool, tokens: int, h: int, act: int = F32) -> int:
+    """A norm's input, its statistics and its output (kept by the linear that follows), activations of `act`
+    bytes. RMSNorm (composite on CPU) computes in fp32: an fp32 copy of its input, rstd and the normalised
+    tensor, then its output in the activations' dtype; LayerNorm keeps all in the activations' dtype."""
+    if rms:
+        return F32 * (2 * tokens * h + tokens) + act * tokens * h
+    return act * (2 * tokens * h + 2 * tokens)
 
 
 def attention_bytes(cfg: ModelConfig, m: Micro) -> int:
@@ -97,24 +101,28 @@ def attention_bytes(cfg: ModelConfig, m: Micro) -> int:
     output (the output projection's input). Selective recomputation: q, k, v (the recomputation's inputs)
     and the output."""
     heads, d, kv, full = cfg.n_heads // m.tp, cfg.hidden // cfg.n_heads, kv_heads(cfg) // m.tp, m.b * m.s
-    if not m.fused_attention and m.recompute != "selective":
-        return F32 * (4 * full * heads * d + 3 * m.b * heads * m.s * m.s)
     rope = family_of(cfg).blocks.positions == "rope"
+    tables = 2 * m.s * d * m.act if rope and m.act != F32 else 0  # RoPE's fp32 tables cast to bf16, per layer
+    if not m.fused_attention and m.recompute != "selective":
+        if m.act == F32:
+            return F32 * (4 * full * heads * d + 3 * m.b * heads * m.s * m.s)
+        # bf16 on CPU: the math kernel upcasts (fp32 q, k, v and output, two fp32 s² tensors), output cast back
+        return F32 * (4 * full * heads * d + 2 * m.b * heads * m.s * m.s) + m.act * full * heads * d + tables
     qkv = full * (heads + 2 * kv) * d + (full * (heads + kv) * d if rope else 0)
-    lse = m.b * heads * m.s if m.recompute != "selective" else 0
-    return F32 * (qkv + full * heads * d + lse)
+    lse = F32 * m.b * heads * m.s if m.recompute != "selective" else 0  # the log-sum-exp is fp32
+    return m.act * (qkv + full * heads * d) + lse + tables
 
 
 def layer_activation_bytes(cfg: ModelConfig, m: Micro) -> int:
     """Bytes one transformer layer keeps for the backward of one microbatch."""
     h, tokens, full = cfg.hidden, m.b * m.s_local, m.b * m.s
     if m.recompute == "full":
-        return F32 * tokens * h
+        return m.act * tokens * h
     blocks = family_of(cfg).blocks
     f, swiglu = ffn_hidden(cfg) // m.tp, blocks.mlp == "swiglu"
-    kept = 2 * norm_bytes(blocks.norm == "rms", tokens, h)
-    kept += attention_bytes(cfg, m) + F32 * full * (1 + swiglu) * f  # and the up projection's output
-    kept += F32 * full * (1 + swiglu) * f if m.recompute != "selective" else 0  # the activation's outputs
+    kept = 2 * norm_bytes(blocks.norm == "rms", tokens, h, m.act)
+    kept += attention_bytes(cfg, m) + m.act * full * (1 + swiglu) * f  # and the up projection's output
+    kept += m.act * full * (1 + swiglu) * f if m.recompute != "selective" else 0  # the activation's outputs
     kept += 2 * tokens * h * m.mask_bytes if m.dropout > 0 else 0  # the residual dropout masks
     return kept
 
@@ -130,7 +138,7 @@ def ends_bytes(cfg: ModelConfig, m: Micro, vocab_local: int, first: bool, last: 
         kept += 9 * full if tp else 8 * m.b * (m.s + 1)  # the sample's ids (inputs and labels: one tensor)
         kept += 8 * m.s_local if blocks.positions == "learned" else 0
     if last:
-        kept += norm_bytes(blocks.norm == "rms", tokens, cfg.hidden)
+        kept += norm_bytes(blocks.norm == "rms", tokens, cfg.hidden, m.act)
         kept += F32 * full * vocab_local + 8 * full + (full if tp else F32)
     return kept
 
@@ -171,7 +179,7 @@ def micro_of(cfg: Config, device_type: str = "cpu", micro_batch: int | None = No
     """`cfg`'s microbatch (or one of `micro_batch` sequences) on `device_type`."""
     t, p = cfg.train, cfg.parallel
     return Micro(micro_batch or t.micro_batch_size, cfg.data.seq_len, p.tp, p.sequence_parallel, cfg.model.dropout,
-                 t.recompute, device_type)
+                 t.recompute, device_type, 2 if t.precision == "bf16_params" else F32)
 
 
 def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank: int, dp: int, m: Micro
@@ -184,8 +192,10 @@ def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank:
     sizes = [sum(p.numel() for p in b) for b in buckets]
     if cfg.parallel.zero == 1:
         sizes = [padded_numel(n, dp) for n in sizes]
+    low = cfg.train.precision == "bf16_params"  # bf16 parameters; fp32 main weights beside the moments
     grads = F32 * sum(sizes)
-    optimizer = 2 * F32 * (sum(sizes) // dp if cfg.parallel.zero == 1 else numel)
+    held = sum(sizes) // dp if cfg.parallel.zero == 1 else numel  # elements whose optimizer state is here
+    optimizer = (3 if low else 2) * F32 * held
     per_chunk = []
     for chunk in chunks:
         layers = len(chunk.layers) * layer_activation_bytes(cfg.model, m)
@@ -194,11 +204,12 @@ def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank:
     last = any(chunk.post for chunk in chunks)
     logits_grad = F32 * m.b * m.s * loss_columns(chunks[-1], m.tp) if last else 0
     # a layer's backward: gradients about the size of its activations and, under full recomputation, those too
-    rerun = Micro(m.b, m.s, m.tp, m.sp, m.dropout, "none", m.device)
+    rerun = Micro(m.b, m.s, m.tp, m.sp, m.dropout, "none", m.device, m.act)
     transient = max(logits_grad, (1 + (m.recompute == "full")) * layer_activation_bytes(cfg.model, rerun))
     copies, state = exchange_bytes(cfg, sizes, dp, m.device)
     # the exchange's copies grow in the backward as the activations are freed: what exceeds them adds
-    return RankMemory(F32 * numel, grads, optimizer, activations, transient + max(0, copies - activations) + state)
+    buffers = transient + max(0, copies - activations) + state
+    return RankMemory((2 if low else F32) * numel, grads, optimizer, activations, buffers)
 
 
 def exchange_bytes(cfg: Config, sizes: Sequence[int], dp: int, device: str) -> tuple[int, int]:

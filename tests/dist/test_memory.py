@@ -1,9 +1,10 @@
 """The memory estimate (`hybrid.memory`, `hybrid-memory`) against what ranks really hold.
 
 - One process: the activations a forward keeps (the saved-tensor tally), per layer and at the ends, equal
-  the estimate exactly for GPT and Llama (GQA and not), dropout 0 and 0.1, every recomputation mode.
+  the estimate exactly for GPT and Llama (GQA and not), dropout 0 and 0.1, every recomputation mode, fp32 and
+  bf16 parameters.
 - Schedules: the microbatches the estimate replays a rank holding equal the simulator's peak in flight.
-- Six (model, layout, compression, ZeRO, recomputation, dropout) combinations on 4 gloo ranks, each rank
+- Eight (model, layout, precision, compression, ZeRO, recomputation, dropout) combinations on 4 gloo ranks, each rank
   estimated from its own chunks built on the meta device: parameters, gradients and optimizer state equal
   the trainer's tensors exactly; at tp=1 or 2 without a pipeline, the activations equal the tally; the
   total is within 10 % of the states plus the peak the profiler tracks over a training step.
@@ -31,6 +32,7 @@ from hybrid.memory import (
     rank_memory,
 )
 from hybrid.model import build_model
+from hybrid.optim import MainWeightsOptimizer, to_low_precision
 from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.schedules import build_schedule, simulate
 from hybrid.testing.activations import saved_tally, tracked_peak
@@ -54,14 +56,17 @@ def _tally(model: Any, ids: torch.Tensor) -> dict[str, int]:
 
 @pytest.mark.parametrize("family,kv", [("gpt", 4), ("llama", 4), ("llama", 2)])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_activations_equal_the_tally_in_one_process(family: str, kv: int, dropout: float) -> None:
+@pytest.mark.parametrize("act", [4, 2], ids=["fp32", "bf16_params"])
+def test_activations_equal_the_tally_in_one_process(family: str, kv: int, dropout: float, act: int) -> None:
     torch.set_num_threads(1)
     cfg = _model_cfg(family, dropout, kv)
     ids = torch.randint(0, 100, (B, S + 1), generator=torch.Generator().manual_seed(0))
     for mode in ("none", "selective", "full"):
         model = build_model(cfg, 100, seed=1)
         model.set_recompute(mode)
-        m = Micro(B, S, dropout=dropout, recompute=mode)
+        if act == 2:
+            to_low_precision(model)
+        m = Micro(B, S, dropout=dropout, recompute=mode, act=act)
         ends = ends_bytes(cfg, m, loss_columns(model, 1), True, True)
         assert model.padded_vocab == 128 and loss_columns(model, 1) == 100
         want = {"layers": cfg.n_layers * layer_activation_bytes(cfg, m), "ends": ends}
@@ -83,13 +88,21 @@ COMBOS = [
     Case("gpt", pp=2),
     Case("llama", tp=2, pp=2, schedule="interleaved", v=2),
     Case("gpt", tp=2, extra=("model.dropout=0.1", "compression=bf16")),
+    Case("llama", tp=2, extra=("train.precision=bf16_params", "model.dropout=0.1")),
+    Case("gpt", pp=2, zero=1, extra=("train.precision=bf16_params", "train.recompute=selective")),
 ]
 
 
 def _states(trainer: Trainer) -> tuple[int, int, int]:
-    params = sum(4 * p.numel() for p in trainer.model.parameters())
+    """Bytes of the parameters, the gradient buckets and the optimizer's state (moments; fp32 main weights)."""
+    params = sum(p.element_size() * p.numel() for p in trainer.model.parameters())
     grads = sum(4 * b.buffer().numel() for b in trainer.grad_sync.buckets)
-    return params, grads, moment_bytes(trainer.optimizer)[1]
+    opt = trainer.optimizer
+    if isinstance(opt, MainWeightsOptimizer):
+        main = sum(4 * m.numel() for m in opt.mains.values())
+    else:
+        main = sum(4 * sb.main.numel() for sb in getattr(opt, "buckets", []) if sb.separate_main())
+    return params, grads, moment_bytes(opt)[1] + main
 
 
 def measure(rank: int, world: int) -> list[dict[str, Any]]:

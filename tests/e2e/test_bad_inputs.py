@@ -63,6 +63,8 @@ CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece o
     ("tokenizer-garbled", ["data.tokenizer={garbled}"], "cannot be loaded"),
     ("timeout-zero", ["parallel.timeout_s=0"], "parallel.timeout_s must be > 0"),
     ("recompute", ["train.recompute=some"], "train.recompute='some' is not one of none, selective, full"),
+    ("bf16-params-onebit", ["train.precision=bf16_params", "compression=onebit_adam"],
+     "train.precision=bf16_params keeps fp32 main weights that compression=onebit_adam's optimizer does not"),
     ("adamw-kernels", ["optim.implementation=triton"], "optim.implementation='triton' is not one of fused, foreach"),
     ("zero-2", ["parallel.zero=2"], "parallel.zero must be 0 (off) or 1 (the distributed optimizer), got 2"),
     ("zero-codec", ["parallel.zero=1", "compression=int8"], "parallel.zero=1 reduce-scatters the gradients, which "
