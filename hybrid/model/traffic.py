@@ -3,9 +3,10 @@
 Bytes are the whole tensor each collective works on (see `hybrid.parallel.collectives`);
 b = micro batch, s = sequence length, h = hidden. `itemsize` is the element size of the
 activations exchanged inside and around the TP regions: 4 in fp32, 2 under bf16 autocast
-(column-parallel inputs are cast before their exchange; row-parallel outputs are bf16). The
-embedding's output and its gradient stay fp32 (the residual stream's dtype) and the
-cross-entropy's reductions are fp32, whatever `itemsize` is.
+(column-parallel inputs are cast before their exchange; row-parallel outputs are bf16) and under bf16
+parameters. `residual` is the residual stream's: the embedding's output and its gradient, and the
+pipeline's hidden states — fp32 (4) also under autocast, 2 under bf16 parameters
+(`train.precision=bf16_params`). The cross-entropy's reductions are fp32 whatever they are.
 
 Per microbatch, forward + backward, tp > 1:
 
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 def tp_bytes_per_microbatch(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
                             layers: int | None = None, pre: bool = True, post: bool = True,
-                            itemsize: int = 4, recompute: str = "none") -> dict[str, int]:
+                            itemsize: int = 4, recompute: str = "none", residual: int = 4) -> dict[str, int]:
     """{op: bytes} one rank's TP group moves for one microbatch, forward and backward."""
     if tp == 1:
         return {}
@@ -45,7 +46,7 @@ def tp_bytes_per_microbatch(cfg: ModelConfig, micro_batch: int, seq_len: int, tp
     bsh = micro_batch * seq_len * cfg.hidden
     per_layer = 6 if recompute == "full" else 4  # the forward's two run twice under full recomputation
     inner = (per_layer * n_layers + int(post)) * bsh * itemsize  # layers, and the head's input (gradient)
-    embed = bsh * 4 if pre else 0  # fp32: forward reduce (and, under SP, the gradient's all-gather)
+    embed = bsh * residual if pre else 0  # forward reduce (and, under SP, the gradient's all-gather)
     ce = 3 * micro_batch * seq_len * 4 if post else 0
     if not sequence_parallel:
         out = {"all_reduce": inner + embed + ce}
@@ -68,13 +69,14 @@ def sequence_parallel_grad_elements(cfg: ModelConfig, layers: int | None = None,
 
 
 def tp_bytes_per_step(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
-                      microbatches: int, itemsize: int = 4, recompute: str = "none") -> dict[str, int]:
+                      microbatches: int, itemsize: int = 4, recompute: str = "none", residual: int = 4
+                      ) -> dict[str, int]:
     """{op: bytes} of one whole-model optimizer step (pp=1): every microbatch, the sequence-parallel
     gradient all-reduce (fp32) and the gradient norm's fp32 scalar all-reduce."""
     if tp == 1:
         return {}
     per_mb = tp_bytes_per_microbatch(cfg, micro_batch, seq_len, tp, sequence_parallel, itemsize=itemsize,
-                                     recompute=recompute)
+                                     recompute=recompute, residual=residual)
     out = {op: b * microbatches for op, b in per_mb.items()}
     extra = 4 + (4 * sequence_parallel_grad_elements(cfg) if sequence_parallel else 0)
     out["all_reduce"] = out.get("all_reduce", 0) + extra
@@ -82,19 +84,21 @@ def tp_bytes_per_step(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int,
 
 
 def pp_bytes_per_step(micro_batch: int, seq_len: int, hidden: int, tp: int, sequence_parallel: bool,
-                      microbatches: int, pp: int, virtual_stages: int, pp_rank: int) -> dict[str, int]:
+                      microbatches: int, pp: int, virtual_stages: int, pp_rank: int, itemsize: int = 4
+                      ) -> dict[str, int]:
     """{op: bytes} one rank sends over its PP group in one optimizer step.
 
     Every microbatch crosses each boundary between model parts once forward (its hidden states)
-    and once backward (their gradient): b·s·h fp32 elements (the residual stream's dtype, also
-    under bf16 autocast), or the b·(s/tp)·h sequence chunk under sequence parallelism. Rank r holds
+    and once backward (their gradient): b·s·h elements of `itemsize` bytes (the residual stream's dtype: fp32,
+    also under bf16 autocast; bf16 under bf16 parameters), or the b·(s/tp)·h sequence chunk under sequence
+    parallelism. Rank r holds
     parts r, r+pp, …: it sends forward from each part but the last and backward from each part but
     the first. Plus the gradient norm's fp32 scalar all-reduce over PP.
     """
     if pp == 1:
         return {}
     seq = seq_len // tp if sequence_parallel and tp > 1 else seq_len
-    per_message = micro_batch * seq * hidden * 4
+    per_message = micro_batch * seq * hidden * itemsize
     last = pp * virtual_stages - 1
     parts = [c * pp + pp_rank for c in range(virtual_stages)]
     out = {"send_fwd": sum(s < last for s in parts) * microbatches * per_message,

@@ -4,9 +4,10 @@ One world-4 launch trains bf16 parameters at dp4 (plain optimizer and ZeRO-1), t
 states between stages), tp2dp2 with sequence parallelism and ZeRO-1, interleaved pp2dp2 with ZeRO-1, and
 the fp32 tp2 pp2 run beside them. References: the single-process bf16-parameter run (every layout reaches
 the same losses and weights within bf16's rounding of a weight: the fp32 main weights differ by fp32
-round-off between layouts, and one rounding of a bf16 weight more or less is 2⁻⁸ relative); the fp32 run's
-own byte counts (the pipeline's bytes halve, DP gradient traffic stays fp32, ZeRO-1's all-gather halves);
-ZeRO-1 against the plain optimizer at the same layout.
+round-off between layouts, and one rounding of a bf16 weight more or less is 2⁻⁸ relative); the traffic
+formulas at 2-byte activations and residual stream, and the fp32 run's own byte counts (the pipeline's bytes
+halve, DP gradient traffic stays fp32, ZeRO-1's all-gather halves); ZeRO-1 against the plain optimizer.
+In one process: 50 steps track fp32 training; the main gradients accumulate in fp32.
 
 A second launch checkpoints a ZeRO-1 bf16-parameter run at dp4 and resumes it at dp4 (bit for bit), at tp2
 dp2 with and without ZeRO-1; the files hold the fp32 main weights (more than bf16's information), which an
@@ -22,10 +23,12 @@ from typing import Any
 import pytest
 import torch
 from harness import run_ranks
-from pp_helpers import TIMEOUT, VOCAB, Case, make_cfg, stage_states, train_case, train_cases
+from pp_helpers import MICRO, TIMEOUT, VOCAB, Case, make_cfg, stage_states, train_case, train_cases
 from test_checkpoint import SAVE_AT, STEPS, _cfg, _resume, _saved, _train, _weights, resume_runs
+from test_dp import SEQ
 
 from hybrid.checkpoint import load_weights, step_path
+from hybrid.model.traffic import pp_bytes_per_step, tp_bytes_per_step
 from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.data import GradSync
 from hybrid.trainer import build_chunks
@@ -97,9 +100,14 @@ def test_bf16_params_match_the_single_process_run(case: Case) -> None:
 
 
 def test_bf16_params_halve_the_pipelines_bytes_and_keep_dp_sync_in_fp32() -> None:
-    """tp2 pp2: every pipeline transfer is bf16 (half the fp32 run's bytes, counted; the norm's fp32 scalar
-    over PP stays); the DP traffic (gradients, fp32 main-grad buckets) is the fp32 run's."""
+    """tp2 pp2: every pipeline transfer is bf16 (the formula at 2 bytes, and half the fp32 run's counted bytes;
+    the norm's fp32 scalar over PP stays); the DP traffic (gradients, fp32 main-grad buckets) is the fp32 run's."""
     low, full = launched()[str(CASES[2])], launched()[str(CASES[-1])]
+    case = CASES[2]
+    for r in low:
+        want = pp_bytes_per_step(MICRO, SEQ, make_cfg(case, WORLD).model.hidden, case.tp, case.sp,
+                                 r["microbatches"], case.pp, case.v, r["coord"][0], itemsize=2)
+        assert all({op: b for (g, op), b in step.items() if g == "pp"} == want for step in r["bytes"]), r["coord"]
     for a, b in zip(low, full):
         for step_a, step_b in zip(a["bytes"], b["bytes"]):
             pp_a = {k: v for k, v in step_a.items() if k[0] == "pp" and k[1].startswith(("send", "recv"))}
@@ -107,6 +115,17 @@ def test_bf16_params_halve_the_pipelines_bytes_and_keep_dp_sync_in_fp32() -> Non
             assert pp_a and {k: 2 * v for k, v in pp_a.items()} == pp_b, (a["coord"], pp_a, pp_b)
             dp = lambda s: {k: v for k, v in s.items() if k[0] == "dp"}  # noqa: E731
             assert dp(step_a) == dp(step_b)
+
+
+def test_tp_bytes_are_the_formulas_at_bf16_activations_and_residual_stream() -> None:
+    """tp2 with sequence parallelism: the layers' exchanges and the embedding's are bf16 (unlike autocast,
+    whose residual stream stays fp32); the cross-entropy's, the replicated gradients' and the norm's stay fp32."""
+    case = CASES[3]
+    cfg = make_cfg(case, WORLD)
+    for r in launched()[str(case)]:
+        want = tp_bytes_per_step(cfg.model, MICRO, SEQ, case.tp, case.sp, r["microbatches"], itemsize=2, residual=2)
+        for step in r["bytes"]:
+            assert {op: b for (g, op), b in step.items() if g == "tp"} == want, (r["coord"], step, want)
 
 
 def test_zero1_all_gathers_bf16_parameters() -> None:
