@@ -215,13 +215,16 @@ def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank:
 def exchange_bytes(cfg: Config, sizes: Sequence[int], dp: int, device: str) -> tuple[int, int]:
     """(copies, state) of the DP exchange for buckets of `sizes` elements: the copies its collectives hold
     while the buckets are in flight (a 16-bit copy of each for fp16/bf16; under ZeRO-1 on CPU, gloo's copy
-    of each reduce-scatter's input), and the compression state kept across steps (see the module doc)."""
+    of each reduce-scatter's input, or int8's encoded shards sent and received), and the compression state
+    kept across steps (see the module doc)."""
     c = cfg.compression
     if dp == 1 or not sizes:
         return 0, 0
     if c.method in ("none", "fp16", "bf16", "torch_fp16", "torch_bf16"):
         cast = 2 * sum(sizes) if c.method != "none" else 0
         return max(cast, F32 * sum(sizes) if cfg.parallel.zero == 1 and device != "cuda" else 0), 0
+    if cfg.parallel.zero == 1:  # int8's encoded reduce-scatter: the sent and the received shards, then gone
+        return 2 * sum(n + 4 * n // c.block_size for n in sizes), 0
     residuals = int(c.error_feedback)
     if c.method in ("powersgd", "torch_powersgd"):
         return 0, F32 * sum(sizes) * residuals

@@ -17,6 +17,7 @@ has loaded what the run resumes from, its metrics logger.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,9 +30,10 @@ from torch import nn
 
 from hybrid.checkpoint import Checkpointer
 from hybrid.checkpoint.files import scan
-from hybrid.compression.hooks import REDUCE_SCATTER_DTYPES, Compression
+from hybrid.compression.codecs import CODECS, reduce_scatter_encoded
+from hybrid.compression.hooks import REDUCE_SCATTER_CODECS, REDUCE_SCATTER_DTYPES, Compression
 from hybrid.compression.schedule import exact_kinds, exact_param_ids
-from hybrid.config import Config, ConfigError, ModelConfig
+from hybrid.config import CompressionConfig, Config, ConfigError, ModelConfig
 from hybrid.data import Corpus
 from hybrid.model import build_model
 from hybrid.model.family import ModelConfigError
@@ -99,7 +101,8 @@ class Trainer:
             self.comp.exact_params = apart
         self.grad_sync = GradSync(list(self.model.parameters()), ctx.dp_group, hook, hook_state, cfg.parallel.bucket_mb,
                                   report, apart=apart, sharded=cfg.parallel.zero == 1,
-                                  reduce_dtype=REDUCE_SCATTER_DTYPES.get(c.method, torch.float32), main_grads=low)
+                                  reduce_dtype=REDUCE_SCATTER_DTYPES.get(c.method, torch.float32), main_grads=low,
+                                  encoded_reduce_scatter=_encoded_reduce_scatter(c))
         self.grad_sync.begin_step(self.num_microbatches)
         self.optimizer = build_optimizer(self.model, cfg.optim, t.lr, ctx, self.grad_sync, main)
         self.activation_dtype = torch.bfloat16 if low else torch.float32  # the residual stream's, between stages
@@ -342,6 +345,13 @@ class Trainer:
             if self.checkpointer.save_on_signal(self.step):
                 break
         return last
+
+
+def _encoded_reduce_scatter(c: CompressionConfig) -> Optional[Callable[[torch.Tensor, Any], Any]]:
+    """ZeRO-1's reduce-scatter through `compression`'s codec (int8), or None (a plain one in a dtype)."""
+    if c.method not in REDUCE_SCATTER_CODECS:
+        return None
+    return functools.partial(reduce_scatter_encoded, CODECS[c.method].build(c))
 
 
 def _pretrained(model: nn.ModuleList, model_cfg: ModelConfig) -> str:

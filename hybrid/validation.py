@@ -147,7 +147,7 @@ def _validate_zero(p: ParallelConfig, c: CompressionConfig) -> None:
     _require(p.zero in (0, 1), f"parallel.zero must be 0 (off) or 1 (the distributed optimizer), got {p.zero}")
     if p.zero == 0:
         return
-    from hybrid.compression.hooks import REDUCE_SCATTER_DTYPES as ZERO_METHODS
+    from hybrid.compression.hooks import ZERO_METHODS
 
     _require(c.method in ZERO_METHODS, f"parallel.zero=1 reduce-scatters the gradients, which "
              f"compression={c.method} cannot do (it needs each bucket whole): use compression="

@@ -45,6 +45,9 @@ from hybrid.parallel.grads import sync_sequence_parallel_grads, sync_tied_grads
 from hybrid.parallel.params import param_info
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
+EncodedReduceScatter = Callable[[torch.Tensor, Group], Any]
+"""ZeRO-1's compressed reduce-scatter: (flat buffer pre-divided by dp, DP group) → this rank's shard of the sum
+written in place (`compression.codecs.reduce_scatter_encoded` with a codec)."""
 
 SHARD_ALIGN = 32
 """ZeRO-1: elements per shard are a multiple of this (fp32: 128 bytes)."""
@@ -75,13 +78,15 @@ class SyncReport:
 
 class Launched:
     """A launched collective as GradSync waits for it (gloo's reduce-scatter has no future): `wait()` waits
-    for the work, runs `then` (a copy back from a reduce dtype) and returns None (nothing to write back)."""
+    for the work (None: it completed when launched), runs `then` (a copy back from a reduce dtype) and returns
+    None (nothing to write back)."""
 
     def __init__(self, work: Any, then: Optional[Callable[[], Any]] = None) -> None:
         self.work, self.then = work, then
 
     def wait(self) -> None:
-        self.work.wait()
+        if self.work is not None:
+            self.work.wait()
         if self.then is not None:
             self.then()
 
@@ -173,13 +178,15 @@ class GradSync:
     def __init__(self, params: list[nn.Parameter], group: Group, hook: CommHook, state: Any,
                  bucket_mb: float = 25.0, report: SyncReport = SyncReport(), in_backward: bool = True,
                  apart: frozenset[int] = frozenset(), sharded: bool = False,
-                 reduce_dtype: torch.dtype = torch.float32, main_grads: bool = False) -> None:
+                 reduce_dtype: torch.dtype = torch.float32, main_grads: bool = False,
+                 encoded_reduce_scatter: Optional[EncodedReduceScatter] = None) -> None:
         self.group, self.hook, self.state, self.report = group, hook, state, report
         self.main_grads = main_grads  # fp32 `p.main_grad` views, the low-precision `.grad` folded in by the hook
         self.in_backward = in_backward  # False: every bucket waits for finish() (no overlap; a test switch)
         self.enabled = C.size(group) > 1
         self.sharded = sharded  # ZeRO-1: reduce-scatter each bucket, the optimizer updates this rank's shard
         self.reduce_dtype = reduce_dtype  # the sharded path's reduce-scatter dtype (fp16/bf16: half the bytes)
+        self.encoded = encoded_reduce_scatter  # or an encoded one (int8: an all-to-all of about a quarter)
         groups = assign_buckets([p for p in params if p.requires_grad], int(bucket_mb * 2**20), apart)
         self.buckets: list[GradBucket] = []
         on_ready = _weak_hook(self)
@@ -237,11 +244,15 @@ class GradSync:
 
     def _start(self, bucket: GradBucket) -> torch.futures.Future | Launched:
         """The all-reduce path: the comm hook, whose future holds the bucket's DP mean. The sharded path
-        (ZeRO-1): one reduce-scatter of the buffer over DP (pre-divided by dp, so the shard holds the mean),
-        its result left in place in this rank's shard; the rest of the buffer is not read afterwards."""
+        (ZeRO-1): one reduce-scatter of the buffer over DP (pre-divided by dp, so the shard holds the mean) —
+        or, with a codec, its encoded all-to-all —, its result left in place in this rank's shard; the rest
+        of the buffer is not read afterwards."""
         if not self.sharded:
             return self.hook(self.state, bucket)
         buf = bucket.buffer().div_(C.size(self.group))  # before any cast: the sum stays in fp16's range
+        if self.encoded is not None:
+            self.encoded(buf, self.group)  # blocking (gloo's all-to-all): complete when launched
+            return Launched(None)
         low = buf if self.reduce_dtype == buf.dtype else buf.to(self.reduce_dtype)
         work = C.reduce_scatter_flat(self.shard(bucket, low), low, self.group, async_op=True)
         back = (lambda: self.shard(bucket).copy_(self.shard(bucket, low))) if low is not buf else None

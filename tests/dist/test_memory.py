@@ -4,7 +4,7 @@
   the estimate exactly for GPT and Llama (GQA and not), dropout 0 and 0.1, every recomputation mode, fp32 and
   bf16 parameters.
 - Schedules: the microbatches the estimate replays a rank holding equal the simulator's peak in flight.
-- Eight (model, layout, precision, compression, ZeRO, recomputation, dropout) combinations on 4 gloo ranks, each rank
+- Nine (model, layout, precision, compression, ZeRO, recomputation, dropout) combinations on 4 gloo ranks, each rank
   estimated from its own chunks built on the meta device: parameters, gradients and optimizer state equal
   the trainer's tensors exactly; at tp=1 or 2 without a pipeline, the activations equal the tally; the
   total is within 10 % of the states plus the peak the profiler tracks over a training step.
@@ -90,6 +90,7 @@ COMBOS = [
     Case("gpt", tp=2, extra=("model.dropout=0.1", "compression=bf16")),
     Case("llama", tp=2, extra=("train.precision=bf16_params", "model.dropout=0.1")),
     Case("gpt", pp=2, zero=1, extra=("train.precision=bf16_params", "train.recompute=selective")),
+    Case("gpt", zero=1, extra=("compression=int8", "compression.block_size=32")),
 ]
 
 

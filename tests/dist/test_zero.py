@@ -2,12 +2,13 @@
 
 One world-4 launch trains the distributed optimizer at dp4, tp2dp2 (GPT and Llama), tp2dp2 with sequence
 parallelism, pp2dp2 interleaved and, with the gradients reduce-scattered in bf16, dp4; beside them the same
-layouts with the plain optimizer. Each must match the single-process run (losses, gradient norms, weights:
-the pipeline tests' tolerances); the bf16 one tracks the exact run as closely as the plain bf16 all-reduce
-does. Under ZeRO-1 each DP rank holds the Adam moments of its shard only: summed over DP ranks they are the
-plain optimizer's moments exactly; DP traffic is one reduce-scatter and one all-gather of every (padded)
-bucket per step. (tp2pp2dp2 and interleaved tp2pp2dp2 run in test_pp.py's world-8 launch; the checkpoint
-of an unsharded run resumed with ZeRO-1 at another DP size in test_checkpoint.py's.)
+layouts with the plain optimizer. Each must match the single-process run (losses, gradient norms, weights: the
+pipeline tests' tolerances); the bf16 and the int8 (encoded all-to-all) reduce-scatters track the exact run as
+closely as the plain bf16 and two-phase int8 all-reduces do. Under ZeRO-1 each DP rank holds the Adam moments
+of its shard only: summed over DP ranks they are the plain optimizer's moments exactly; DP traffic is one
+reduce-scatter and one all-gather of every (padded) bucket per step. (tp2pp2dp2 and interleaved tp2pp2dp2 run
+in test_pp.py's world-8 launch; the checkpoint of an unsharded run resumed with ZeRO-1 at another DP size in
+test_checkpoint.py's.)
 
 A second launch saves a ZeRO-1 checkpoint at dp4 and resumes it at dp4 (bit for bit), at dp2 with ZeRO-1,
 at dp2 without it, and in a single process: the same loss curve.
@@ -26,13 +27,16 @@ from pp_helpers import TIMEOUT, Case, assert_matches_reference, reference, train
 from test_checkpoint import SAVE_AT, STEPS, _cfg, _check_resharded, _resume, _saved, _train, _weights, resume_runs
 
 from hybrid.checkpoint import step_path
+from hybrid.compression.codecs import Int8Codec
 from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.data import SHARD_ALIGN
 
 ZERO = [Case(zero=1), Case(tp=2, zero=1), Case("llama", tp=2, zero=1), Case(tp=2, sp=True, zero=1),
         Case(pp=2, schedule="interleaved", v=2, zero=1)]
 BF16 = ("compression=bf16",)
-PLAIN = [Case(tp=2), Case(), Case(extra=BF16), Case(zero=1, extra=BF16)]  # the plain optimizer; bf16 both ways
+INT8 = ("compression=int8", "compression.block_size=32")
+PLAIN = [Case(tp=2), Case(), Case(extra=BF16), Case(zero=1, extra=BF16),  # the plain optimizer; bf16 both ways
+         Case(extra=INT8), Case(zero=1, extra=INT8)]  # int8: two-phase all-reduce; encoded reduce-scatter
 WORLD = 4
 
 
@@ -50,9 +54,12 @@ def test_zero1_matches_single_process(case: Case) -> None:
     assert_matches_reference(results, reference(case.family))
 
 
-def test_zero1_bf16_reduce_scatter_tracks_exact_training_as_the_bf16_all_reduce_does() -> None:
+@pytest.mark.parametrize("method", ["bf16", "int8"])
+def test_zero1_compressed_reduce_scatter_tracks_exact_training_as_the_all_reduce_does(method: str) -> None:
+    """fp16/bf16: the reduce-scatter in 16 bits; int8: each shard encoded, one all-to-all, the shard's owner
+    sums the decoded copies (the two-phase all-reduce's first half; its re-encoded second half is not run)."""
     exact = reference("gpt")["losses"]
-    plain, zero = (launched()[str(c)][0]["losses"] for c in PLAIN[2:])
+    plain, zero = (launched()[str(c)][0]["losses"] for c in PLAIN if c.extra and method in c.extra[0])
     gap = lambda losses: max(abs(a - b) / b for a, b in zip(losses, exact))  # noqa: E731
     assert 0 < gap(zero) < 2e-2 and gap(zero) < 4 * gap(plain) + 1e-4, (zero, plain, exact)
 
@@ -74,14 +81,19 @@ def test_zero1_moments_are_the_plain_optimizers_split_over_dp(case: Case) -> Non
             assert padding < len(r["bucket_numel"]) * dp * SHARD_ALIGN
 
 
-@pytest.mark.parametrize("case", ZERO + PLAIN[3:], ids=str)
+@pytest.mark.parametrize("case", ZERO + PLAIN[3:4] + PLAIN[5:], ids=str)
 def test_zero1_dp_bytes_are_one_reduce_scatter_and_one_all_gather_per_bucket(case: Case) -> None:
-    """Per step and rank: the reduce-scatter counts its input (every padded bucket, in the reduce dtype),
-    the all-gather its output (every padded bucket in fp32), and the norm's one fp32 scalar is all-reduced."""
+    """Per step and rank: the reduce-scatter counts its input (every padded bucket, in the reduce dtype; int8:
+    the all-to-all's input, each of the dp shards encoded), the all-gather its output (every padded bucket in
+    fp32), and the norm's one fp32 scalar is all-reduced."""
     rs_bytes = 2 if BF16[0] in case.extra else 4
+    codec = Int8Codec(32)
     for r in launched()[str(case)]:
         padded = sum(p for _, p in r["bucket_numel"])
         want = {("dp", "reduce_scatter"): rs_bytes * padded, ("dp", "all_gather"): 4 * padded, ("dp", "all_reduce"): 4}
+        if INT8[0] in case.extra:
+            encoded = sum(WORLD * codec.encoded_bytes(codec.chunk_len(p // WORLD)) for _, p in r["bucket_numel"])
+            want = {("dp", "all_to_all"): encoded} | {k: v for k, v in want.items() if k[1] != "reduce_scatter"}
         for step in r["bytes"]:
             assert {k: b for k, b in step.items() if k[0] == "dp"} == want, (str(case), r["coord"], step)
 
