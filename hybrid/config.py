@@ -58,6 +58,9 @@ class ParallelConfig:
     allow_tp_across_nodes: bool = False  # permit a TP group spanning nodes (warns)
     bucket_mb: float = 25.0  # DP gradient bucket size in MB (fp32)
     zero: int = 0  # 1: the distributed optimizer (ZeRO-1): gradients reduce-scattered, Adam's moments sharded over DP
+    # ZeRO-1: leave the parameter all-gather in flight after the step; each block waits for its own parameters
+    # when its next forward starts (Megatron's --overlap-param-gather)
+    overlap_param_gather: bool = False
     # seconds a collective may wait for a peer before the run stops naming the group (every group gets it);
     # Megatron's 10 minutes: a checkpoint save or an eval on a slow rank must fit inside it
     timeout_s: float = 600.0

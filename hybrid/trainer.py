@@ -104,7 +104,8 @@ class Trainer:
                                   reduce_dtype=REDUCE_SCATTER_DTYPES.get(c.method, torch.float32), main_grads=low,
                                   encoded_reduce_scatter=_encoded_reduce_scatter(c))
         self.grad_sync.begin_step(self.num_microbatches)
-        self.optimizer = build_optimizer(self.model, cfg.optim, t.lr, ctx, self.grad_sync, main)
+        self.optimizer = build_optimizer(self.model, cfg.optim, t.lr, ctx, self.grad_sync, main,
+                                         cfg.parallel.overlap_param_gather)
         self.activation_dtype = torch.bfloat16 if low else torch.float32  # the residual stream's, between stages
         self.sampler = StepSampler(len(corpus.train), t.micro_batch_size, self.num_microbatches, ctx.dp_size,
                                    ctx.dp_rank, t.seed)

@@ -145,6 +145,8 @@ def _validate_zero(p: ParallelConfig, c: CompressionConfig) -> None:
     """The distributed optimizer reduce-scatters each bucket: a method that needs the whole bucket (a codec,
     PowerSGD, 1-bit Adam's momentum) or a per-step stage change cannot run there."""
     _require(p.zero in (0, 1), f"parallel.zero must be 0 (off) or 1 (the distributed optimizer), got {p.zero}")
+    _require(p.zero == 1 or not p.overlap_param_gather, "parallel.overlap_param_gather=true overlaps the "
+             "distributed optimizer's parameter all-gather: it needs parallel.zero=1")
     if p.zero == 0:
         return
     from hybrid.compression.hooks import ZERO_METHODS

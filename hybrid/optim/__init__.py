@@ -31,13 +31,15 @@ __all__ = ["DistributedOptimizer", "MainWeightsOptimizer", "ModelOptimizer", "to
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float, ctx: ParallelContext, grad_sync: GradSync,
-                    main: Optional[dict[nn.Parameter, torch.Tensor]] = None) -> ModelOptimizer | DistributedOptimizer:
+                    main: Optional[dict[nn.Parameter, torch.Tensor]] = None, overlap_param_gather: bool = False
+                    ) -> ModelOptimizer | DistributedOptimizer:
     """The optimizer of `model`, whose gradients `grad_sync` owns: AdamW with clipping at `cfg.grad_clip`;
     the distributed optimizer (ZeRO-1) when `grad_sync` reduce-scatters (`parallel.zero=1`); AdamW over the fp32
-    `main` weights of bf16 parameters (`to_low_precision`'s answer) when given; 1-bit Adam's
+    `main` weights of bf16 parameters (`to_low_precision`'s answer) when given (ZeRO-1 too; it leaves its
+    parameter all-gather in flight for the next forward with `overlap_param_gather`); 1-bit Adam's
     (`compression=onebit_adam`, fp32 parameters only) when the DP hook's state is its momentum exchange."""
     if grad_sync.sharded:
-        return DistributedOptimizer(model, cfg, lr, ctx, grad_sync, main)
+        return DistributedOptimizer(model, cfg, lr, ctx, grad_sync, main, overlap_param_gather)
     if main is not None:
         return MainWeightsOptimizer(grad_sync.parameters(), main, cfg, lr, ctx)
     if isinstance(getattr(grad_sync.state, "state", None), MomentumExchange):

@@ -10,8 +10,13 @@ parameter's *fragment* is the part of it that falls in the shard: a 1-D view of 
 1. the global norm: squares summed over this rank's fragments (a TP-replicated parameter's on TP rank 0
    only, the pipeline duplicate of a tied embedding never), **all-reduced over DP**, then TP, then PP;
 2. clip the fragments' gradients by it, AdamW over the fragments (decay / no-decay groups as AdamW's);
-3. **all-gather** every bucket's parameter shard over DP (launched bucket by bucket, then waited), so every
-   replica holds the whole updated model again.
+3. **all-gather** every bucket's parameter shard over DP (launched bucket by bucket, the first layers'
+   first), so every replica holds the whole updated model again. By default the step waits for them; with
+   `parallel.overlap_param_gather=true` they stay in flight, and a forward pre-hook on each transformer
+   block (and on each chunk, for the embedding and the head) waits for the buckets of its own parameters
+   only, so the all-gather of later layers overlaps the forward of earlier ones (Megatron's
+   `--overlap-param-gather`). Whatever reads the parameters otherwise (the next step, a checkpoint) waits
+   for all of them first (`wait_params`).
 
 Bytes: the reduce-scatter and the all-gather together put on the wire what one ring all-reduce does,
 (dp−1)/dp · 4N each; the moments take 8N/dp bytes per rank instead of 8N.
@@ -29,6 +34,7 @@ resume under any DP size, with or without it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -124,7 +130,8 @@ class DistributedOptimizer:
     the decay and no-decay groups) and `state` (per parameter, full shape) for the checkpoint."""
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, lr: float, ctx: ParallelContext,
-                 grad_sync: GradSync, main: Optional[dict[nn.Parameter, torch.Tensor]] = None) -> None:
+                 grad_sync: GradSync, main: Optional[dict[nn.Parameter, torch.Tensor]] = None,
+                 overlap: bool = False) -> None:
         if not grad_sync.sharded:
             raise ValueError("DistributedOptimizer needs GradSync(sharded=True)")
         self.ctx, self.grad_clip, self.dp_group = ctx, cfg.grad_clip, grad_sync.group
@@ -144,13 +151,19 @@ class DistributedOptimizer:
         self._groups = [{"params": [p for p in model.parameters() if p.requires_grad and (p.ndim >= 2) == d]}
                         for d in (True, False)]
         self._view: Optional[dict[nn.Parameter, dict[str, torch.Tensor]]] = None
+        self._inflight: dict[int, Any] = {}  # bucket index → its parameter all-gather's work, not yet waited
+        self.overlap = overlap
+        if overlap:
+            self._wait_in_forward(model)
 
     def fragments(self) -> list[Fragment]:
         return [f for sb in self.buckets for f in sb.fragments]
 
     def step(self, lr: float) -> torch.Tensor:
         """Set `lr`, clip this rank's shard of the final gradients by the global norm, AdamW over the shard,
-        all-gather the updated parameter shards over DP; return the norm before clipping."""
+        all-gather the updated parameter shards over DP (left in flight under `overlap`); return the norm
+        before clipping."""
+        self.wait_params()  # a parameter no forward used may still be gathering
         self._take_view()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -159,7 +172,7 @@ class DistributedOptimizer:
         self.optimizer.step()
         self.steps += 1
         self._round_shards()
-        self.gather_params()
+        self.gather_params(wait=not self.overlap)
         return norm
 
     @torch.no_grad()
@@ -182,14 +195,38 @@ class DistributedOptimizer:
         return sq.sqrt()
 
     @torch.no_grad()
-    def gather_params(self) -> None:
+    def gather_params(self, wait: bool = True) -> None:
         """All-gather every bucket's updated shard over DP, in place into its parameter buffer: launched
-        bucket by bucket, then waited for."""
-        works = [C.all_gather_flat(sb.params, sb.shard(sb.params), self.dp_group, async_op=True)
-                 for sb in self.buckets]
-        for work in works:
+        bucket by bucket, the last bucket (the first layers' parameters) first, then waited for unless not
+        `wait` (`wait_params` or the forward's hooks wait then)."""
+        for i in reversed(range(len(self.buckets))):
+            sb = self.buckets[i]
+            work = C.all_gather_flat(sb.params, sb.shard(sb.params), self.dp_group, async_op=True)
             if work is not None:
-                work.wait()
+                self._inflight[i] = work
+        if wait:
+            self.wait_params()
+
+    def wait_params(self, buckets: Optional[Iterable[int]] = None) -> None:
+        """Wait for the parameter all-gathers of `buckets` (default: all) still in flight."""
+        for i in list(self._inflight) if buckets is None else buckets:
+            work = self._inflight.pop(i, None)
+            if work is not None:
+                with C.TIMER.waiting(C.group_name(self.dp_group)):
+                    work.wait()
+
+    def _wait_in_forward(self, model: nn.Module) -> None:
+        """Forward pre-hooks: each transformer block waits for the buckets of its parameters, each chunk for
+        those of the rest (embedding, head). Blocks, not their inner layers: a compiled block's inside is
+        traced, and a wait cannot be."""
+        where = {id(p): i for i, sb in enumerate(self.buckets) for p in sb.bucket.parameters()}
+        for chunk in model:
+            blocks = list(chunk.layers.values()) if hasattr(chunk, "layers") else []
+            inside = {id(p) for b in blocks for p in b.parameters()}
+            outside = [p for p in chunk.parameters() if id(p) not in inside]
+            for module, params in ((chunk, outside), *((b, list(b.parameters())) for b in blocks)):
+                ids = sorted({where[id(p)] for p in params if id(p) in where})
+                module.register_forward_pre_hook(lambda _m, _a, ids=ids: self.wait_params(ids))
 
     # ---- the checkpoint's per-parameter view ------------------------------------------------
 
@@ -202,12 +239,14 @@ class DistributedOptimizer:
         """Adam's state per model parameter, full shape: built on first access after a step by all-gathering
         every bucket's moment shards over DP (a collective); copied back into the shards by the next step."""
         if self._view is None:
+            self.wait_params()
             self._view = self._gather_view()
         return self._view
 
     def main_weight(self, p: nn.Parameter) -> torch.Tensor:
         """What a checkpoint holds as `p`'s weight: `p` itself (fp32), or under bf16 parameters its fp32 main
         weights gathered into the per-parameter view (a collective on first access after a step)."""
+        self.wait_params()
         return self.state[p].get("main", p.detach())
 
     @torch.no_grad()

@@ -99,6 +99,7 @@ def train_case(ctx: ParallelContext, case: Case, world: int) -> dict[str, Any]:
     for _ in range(cfg.train.steps):
         C.COUNTER.reset()
         r = trainer.train_step()
+        inflight = len(getattr(trainer.optimizer, "_inflight", {}))  # ZeRO-1's all-gathers left to the forward
         losses.append(r.loss)
         norms.append(r.grad_norm)
         step_bytes.append({key: b for key, b in C.COUNTER.bytes.items() if b})
@@ -111,7 +112,7 @@ def train_case(ctx: ParallelContext, case: Case, world: int) -> dict[str, Any]:
     tied = sum(p.numel() for p in model.parameters() if param_info(p).pp_tied)  # this rank's shard
     return {"case": str(case), "coord": (c.pp, c.dp, c.tp), "losses": losses, "norms": norms,
             "bytes": step_bytes, "launch_logs": launch_logs, "buckets": len(trainer.grad_sync.buckets),
-            "microbatches": trainer.num_microbatches, "eval": eval_loss, "tied_numel": tied,
+            "microbatches": trainer.num_microbatches, "eval": eval_loss, "tied_numel": tied, "inflight": inflight,
             "n_params": trainer.n_params, "analytic_params": analytic_param_count(cfg.model, VOCAB, case.tp),
             "state": full if c.tp == 0 and c.dp == 0 else None, "moments": moment_bytes(trainer.optimizer),
             "bucket_numel": [(sum(p.numel() for p in b.parameters()), b.buffer().numel())

@@ -66,6 +66,8 @@ CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece o
     ("bf16-params-onebit", ["train.precision=bf16_params", "compression=onebit_adam"],
      "train.precision=bf16_params keeps fp32 main weights that compression=onebit_adam's optimizer does not"),
     ("adamw-kernels", ["optim.implementation=triton"], "optim.implementation='triton' is not one of fused, foreach"),
+    ("overlap-without-zero", ["parallel.overlap_param_gather=true"], "parallel.overlap_param_gather=true overlaps "
+     "the distributed optimizer's parameter all-gather: it needs parallel.zero=1"),
     ("zero-2", ["parallel.zero=2"], "parallel.zero must be 0 (off) or 1 (the distributed optimizer), got 2"),
     ("zero-codec", ["parallel.zero=1", "compression=powersgd"], "parallel.zero=1 reduce-scatters the gradients, "
      "which compression=powersgd cannot do (it needs each bucket whole): use compression=none|fp16|bf16|int8"),
