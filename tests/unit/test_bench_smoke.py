@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from hybrid.bench import model_size, recompute, step_vs_hf, timing_overhead
+from hybrid.bench import model_size, precision, recompute, step_vs_hf, timing_overhead
 
 TINY = ["--model", "gpt-tiny", "--steps", "1", "--warmup", "1", "--threads", "1", "--seq-len", "16",
         "--micro-batch", "2", "--microbatches", "2", "--repeats", "2"]
@@ -64,3 +64,12 @@ def test_recompute_runs_every_mode_and_its_memory_matches_the_estimate(capsys: p
     assert all(r[-2] == r[-1] for r in rows), rows  # the saved-tensor tally equals hybrid.memory's estimate
     kept = [float(r[-2].replace(",", "")) for r in rows]
     assert kept[2] < kept[1] < kept[0]
+
+
+def test_precision_bench_trains_the_same_model_in_each_precision() -> None:
+    """Same weights and data: every precision's last loss is fp32's within bf16's rounding (2 %), and the first
+    precision is the ratios' yardstick."""
+    args = precision.parse_args(["--seq-len", "16", "--rounds", "2"])
+    rows = precision.run(args)
+    assert [r["precision"] for r in rows] == ["fp32", "bf16", "bf16_params"] and rows[0]["ratio"] == 1.0
+    assert all(r["step_s"] > 0 and abs(r["loss"] - rows[0]["loss"]) < 2e-2 * rows[0]["loss"] for r in rows)
