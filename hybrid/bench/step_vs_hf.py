@@ -62,6 +62,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=10, help="interleaved rounds (hybrid, reference) per thread count")
     p.add_argument("--seed", type=int, default=1234, help="weights, data and sample order")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the config's train.lr)")
+    p.add_argument("--compile", action="store_true", help="hybrid with train.compile=true (the reference eager)")
     args = p.parse_args(argv)
     for name in ("steps", "seq_len", "micro_batch", "microbatches", "repeats"):
         if getattr(args, name) < 1:
@@ -80,7 +81,8 @@ def reproduce_command(args: argparse.Namespace) -> str:
             f"--steps {args.steps} --warmup {args.warmup} --threads {threads} --seq-len {args.seq_len} "
             f"--micro-batch {args.micro_batch} --microbatches {args.microbatches} --repeats {args.repeats}"
             + (f" --seed {args.seed}" if args.seed != 1234 else "")
-            + (f" --lr {args.lr}" if args.lr is not None else ""))
+            + (f" --lr {args.lr}" if args.lr is not None else "")
+            + (" --compile" if args.compile else ""))
 
 
 def bench_config(args: argparse.Namespace) -> Config:
@@ -91,6 +93,7 @@ def bench_config(args: argparse.Namespace) -> Config:
         f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.micro_batch * args.microbatches}",
         f"train.steps={total}", "train.eval_every=0", "train.precision=fp32", "train.device=cpu",
         f"train.seed={args.seed}", *([f"train.lr={args.lr}"] if args.lr is not None else []),
+        f"train.compile={str(args.compile).lower()}",
     ])
     if cfg.model.family != "gpt":
         raise ConfigError(f"model={args.model} is {cfg.model.family}; this benchmark compares the gpt family "
