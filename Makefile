@@ -5,7 +5,7 @@ NPROC ?= 2
 TEST_WORKERS ?= 2
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test lint bench gpu-check gpu-check-dry clean
 
 setup:            ## install torch (CPU or CUDA build) and hybrid with test extras, into $(PYTHON)
 	PYTHON="$(PYTHON)" bash scripts/setup.sh
@@ -22,6 +22,12 @@ lint:
 
 bench:            ## hybrid's step vs a plain PyTorch loop on transformers' GPT2LMHeadModel
 	$(PYTHON) -m hybrid.bench.step_vs_hf
+
+gpu-check:        ## on a CUDA GPU: tests, CUDA vs CPU, tokens/s and MFU of gpt-125m/gpt-1b in bf16 (with/without compile), vs transformers
+	$(PYTHON) -m hybrid.bench.gpucheck
+
+gpu-check-dry:    ## the GPU check's code paths on CPU, tiny (what CI runs through tests/unit/test_gpucheck.py)
+	$(PYTHON) -m hybrid.bench.gpucheck --dry-run
 
 clean:
 	rm -rf runs outputs .pytest_cache

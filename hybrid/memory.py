@@ -42,8 +42,8 @@ from torch import nn
 from hybrid.metrics import format_bytes
 from hybrid.model.family import family_of, ffn_hidden, kv_heads
 from hybrid.parallel.actions import Op
+from hybrid.parallel.buckets import assign_buckets, padded_numel
 from hybrid.parallel.context import Layout, ParallelContext
-from hybrid.parallel.data import assign_buckets, padded_numel
 from hybrid.parallel.schedules import Schedule, ScheduleError, build_schedule
 
 if TYPE_CHECKING:

@@ -17,8 +17,10 @@ __all__ = [
     "model_flops_per_token", "peak_flops", "progress_postfix",
 ]
 
-# Dense bf16 tensor-core peak per GPU (FLOP/s), matched as a substring of the device name.
-_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12}
+# Dense bf16 tensor-core peak per GPU (FLOP/s, NVIDIA's data sheets without sparsity), matched in this order as a
+# substring of the device name: the PCIe and NVL H100s before the SXM one ("NVIDIA H100 80GB HBM3").
+_PEAK_BF16 = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "GH200": 989e12, "H200": 989e12, "H100": 989e12,
+              "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L4": 121e12}
 
 
 def model_flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int) -> float:
@@ -27,7 +29,7 @@ def model_flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: in
 
 
 def peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 peak FLOP/s of one `device` (A100 312e12, H100/H200 989e12); None for CPU or unknown."""
+    """Dense bf16 peak FLOP/s of one `device` (A100 312e12, H100 SXM/H200 989e12, …); None for CPU or unknown."""
     device = torch.device(device)
     if device.type != "cuda":
         return None

@@ -17,7 +17,6 @@ has loaded what the run resumes from, its metrics logger.
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,10 +29,10 @@ from torch import nn
 
 from hybrid.checkpoint import Checkpointer
 from hybrid.checkpoint.files import scan
-from hybrid.compression.codecs import CODECS, reduce_scatter_encoded
-from hybrid.compression.hooks import REDUCE_SCATTER_CODECS, REDUCE_SCATTER_DTYPES, Compression
+from hybrid.compression.hooks import Compression
 from hybrid.compression.schedule import exact_kinds, exact_param_ids
-from hybrid.config import CompressionConfig, Config, ConfigError, ModelConfig
+from hybrid.compression.zero import REDUCE_SCATTER_DTYPES, encoded_reduce_scatter
+from hybrid.config import Config, ConfigError, ModelConfig
 from hybrid.data import Corpus
 from hybrid.model import build_model
 from hybrid.model.family import ModelConfigError
@@ -102,7 +101,7 @@ class Trainer:
         self.grad_sync = GradSync(list(self.model.parameters()), ctx.dp_group, hook, hook_state, cfg.parallel.bucket_mb,
                                   report, apart=apart, sharded=cfg.parallel.zero == 1,
                                   reduce_dtype=REDUCE_SCATTER_DTYPES.get(c.method, torch.float32), main_grads=low,
-                                  encoded_reduce_scatter=_encoded_reduce_scatter(c))
+                                  encoded_reduce_scatter=encoded_reduce_scatter(c))
         self.grad_sync.begin_step(self.num_microbatches)
         self.optimizer = build_optimizer(self.model, cfg.optim, t.lr, ctx, self.grad_sync, main,
                                          cfg.parallel.overlap_param_gather)
@@ -120,7 +119,7 @@ class Trainer:
         bf16 = t.precision == "bf16" or (t.precision == "auto" and device.type == "cuda")
         self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
         self._microbatches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.n_params = self.count_params()  # collective over TP and PP: every rank computes it here, once
+        self.n_params = count_params(self.model.parameters(), ctx.tp_rank, (ctx.tp_group, ctx.pp_group))  # TP, PP
         self.report = StepReport(cfg, ctx, self.grad_sync, device, self.n_params, corpus.seq_len, self.message)
         self.profiler = StepProfiler(cfg.profile, ctx.rank, device, self.message)
         self.checkpointer = Checkpointer(cfg, ctx, device, self.checkpoint_states(),
@@ -206,10 +205,6 @@ class Trainer:
         shape = (self.cfg.train.micro_batch_size, seq, self.cfg.model.hidden)
         return P2P(self.ctx.pp_group, shape, self.activation_dtype, self.device)
 
-    def count_params(self) -> int:
-        """Parameters of the whole model (`params.count_params`: collective over TP and PP)."""
-        return count_params(self.model.parameters(), self.ctx.tp_rank, (self.ctx.tp_group, self.ctx.pp_group))
-
     def _batch(self, samples: np.ndarray, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch_from(samples, idx)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -288,10 +283,6 @@ class Trainer:
         self.model.train()
         return self._dp_mean(self._from_last_stage(total))
 
-    def mean_bytes(self) -> dict[str, float]:
-        """The last step's bytes and DP figures, averaged over the world (`StepReport.mean_bytes`; collective)."""
-        return self.report.mean_bytes()
-
     def step_metrics(self, r: StepResult) -> dict[str, Any]:
         """The metrics.jsonl record of a step (`StepReport.record`; collective), with the compression stage
         the step ran (`Compression.record`)."""
@@ -346,13 +337,6 @@ class Trainer:
             if self.checkpointer.save_on_signal(self.step):
                 break
         return last
-
-
-def _encoded_reduce_scatter(c: CompressionConfig) -> Optional[Callable[[torch.Tensor, Any], Any]]:
-    """ZeRO-1's reduce-scatter through `compression`'s codec (int8), or None (a plain one in a dtype)."""
-    if c.method not in REDUCE_SCATTER_CODECS:
-        return None
-    return functools.partial(reduce_scatter_encoded, CODECS[c.method].build(c))
 
 
 def _pretrained(model: nn.ModuleList, model_cfg: ModelConfig) -> str:

@@ -149,7 +149,7 @@ def _validate_zero(p: ParallelConfig, c: CompressionConfig) -> None:
              "distributed optimizer's parameter all-gather: it needs parallel.zero=1")
     if p.zero == 0:
         return
-    from hybrid.compression.hooks import ZERO_METHODS
+    from hybrid.compression.zero import ZERO_METHODS
 
     _require(c.method in ZERO_METHODS, f"parallel.zero=1 reduce-scatters the gradients, which "
              f"compression={c.method} cannot do (it needs each bucket whole): use compression="

@@ -47,6 +47,7 @@ from hybrid.trainer import Trainer
 from hybrid.validation import validate
 
 ATTN_IMPL = "sdpa"
+CPU = torch.device("cpu")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -110,14 +111,18 @@ def synthetic_corpus(vocab: int, seq_len: int, n: int, seed: int) -> Corpus:
 
 
 class ReferenceLoop:
-    """A plain PyTorch training loop on transformers' GPT2LMHeadModel, hyperparameters as `cfg`."""
+    """A plain PyTorch training loop on transformers' GPT2LMHeadModel, hyperparameters as `cfg`; on CUDA with
+    bf16 autocast (`autocast`) and AdamW's fused kernel, as a PyTorch user would write it there."""
 
-    def __init__(self, cfg: Config, model: torch.nn.Module, corpus: Corpus) -> None:
-        self.cfg, self.model, self.corpus = cfg, model, corpus
+    def __init__(self, cfg: Config, model: torch.nn.Module, corpus: Corpus, device: torch.device = CPU,
+                 autocast: bool = False) -> None:
+        self.cfg, self.model, self.corpus, self.device = cfg, model.to(device), corpus, device
         t, o = cfg.train, cfg.optim
         self.num_microbatches = t.global_batch_size // t.micro_batch_size
+        kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
         self.optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=t.lr, betas=(o.beta1, o.beta2),
-                                           eps=o.eps, foreach=True)
+                                           eps=o.eps, **kernel)
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)
         self.sampler = StepSampler(len(corpus.train), t.micro_batch_size, self.num_microbatches, 1, 0, t.seed)
         self.step = 0
 
@@ -128,10 +133,11 @@ class ReferenceLoop:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
-        total = torch.zeros(())
+        total = torch.zeros((), device=self.device)
         for idx in self.sampler.next_step():
-            x, y = batch_from(self.corpus.train, idx)
-            loss = self.model(input_ids=x, labels=y, shift_labels=y, use_cache=False).loss / self.num_microbatches
+            x, y = (t.to(self.device) for t in batch_from(self.corpus.train, idx))
+            with self.autocast:
+                loss = self.model(input_ids=x, labels=y, shift_labels=y, use_cache=False).loss / self.num_microbatches
             loss.backward()
             total += loss.detach()
         if o.grad_clip > 0:
@@ -142,19 +148,20 @@ class ReferenceLoop:
         return float(total)
 
 
-def build_sides(cfg: Config, corpus: Corpus) -> tuple[Trainer, ReferenceLoop]:
-    """hybrid's single-rank Trainer and the reference loop, starting from the same weights."""
+def build_sides(cfg: Config, corpus: Corpus, device: torch.device = CPU) -> tuple[Trainer, ReferenceLoop]:
+    """hybrid's single-rank Trainer and the reference loop on `device`, starting from the same weights; the
+    reference runs under bf16 autocast when hybrid computes in bf16 (`train.precision` bf16 or bf16_params)."""
     from transformers import GPT2LMHeadModel
 
     ctx = ParallelContext.single()
     model = build_model(cfg.model, corpus.vocab_size, ctx.tp_group, seed=cfg.train.seed)
-    hook, state = make_hook(cfg.compression, ctx.dp_group)
-    trainer = Trainer(cfg, ctx, model, corpus, torch.device("cpu"), hook, state)
     hf = GPT2LMHeadModel(hf_config(cfg.model, corpus.vocab_size, attn_implementation=ATTN_IMPL))
     hf.load_state_dict(to_hf_state_dict(model.state_dict(), cfg.model, corpus.vocab_size), strict=True)
     if hf.config._attn_implementation != ATTN_IMPL:
         raise RuntimeError(f"transformers chose attention {hf.config._attn_implementation!r}, not {ATTN_IMPL!r}")
-    return trainer, ReferenceLoop(cfg, hf, corpus)
+    hook, state = make_hook(cfg.compression, ctx.dp_group)
+    trainer = Trainer(cfg, ctx, model.to(device), corpus, device, hook, state)
+    return trainer, ReferenceLoop(cfg, hf, corpus, device, autocast=cfg.train.precision.startswith("bf16"))
 
 
 @dataclass
@@ -224,7 +231,7 @@ def header(cfg: Config, trainer: Trainer, args: argparse.Namespace, tokens: int)
     import transformers
 
     m, vocab = cfg.model, trainer.corpus.vocab_size
-    n, analytic = trainer.count_params(), analytic_param_count(m, vocab)
+    n, analytic = trainer.n_params, analytic_param_count(m, vocab)
     flops = model_flops_per_token(analytic, m.n_layers, m.hidden, args.seq_len)
     return "\n".join([
         f"model {m.name}: {format_count(n)} parameters ({n}; analytic {analytic}, match: {n == analytic}), "

@@ -262,17 +262,6 @@ hierarchical (around one of these), PyTorch's hooks (`torch_hooks.py`) and onebi
 OPTIMIZER_SIDE: dict[str, Callable[[CompressionConfig, Group], tuple[Hook, Any]]] = {"onebit_adam": _onebit_adam}
 """Methods that compress inside the optimizer step (`optim.build_optimizer` picks the optimizer by the state)."""
 
-REDUCE_SCATTER_DTYPES: dict[str, torch.dtype] = {"none": torch.float32, "fp16": torch.float16,
-                                                 "bf16": torch.bfloat16}
-"""The methods the distributed optimizer (`parallel.zero=1`) runs as a reduce-scatter in a dtype."""
-
-REDUCE_SCATTER_CODECS = ("int8",)
-"""The codecs the distributed optimizer runs as an encoded reduce-scatter (`codecs.reduce_scatter_encoded`):
-without error feedback, so no residual must survive from one step to the next."""
-
-ZERO_METHODS = (*REDUCE_SCATTER_DTYPES, *REDUCE_SCATTER_CODECS)
-"""Every method `parallel.zero=1` runs; the others need each bucket whole."""
-
 METHODS = (*REGISTRY, "hierarchical", "torch_fp16", "torch_bf16", "torch_powersgd", *OPTIMIZER_SIDE)
 
 

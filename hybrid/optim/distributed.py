@@ -47,7 +47,8 @@ from hybrid.parallel.context import ParallelContext
 
 if TYPE_CHECKING:
     from hybrid.config import OptimConfig
-    from hybrid.parallel.data import GradBucket, GradSync
+    from hybrid.parallel.buckets import GradBucket
+    from hybrid.parallel.data import GradSync
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

@@ -26,8 +26,8 @@ from hybrid.optim.adamw import ModelOptimizer, clip_grads, global_grad_norm
 
 if TYPE_CHECKING:
     from hybrid.compression.hooks import Compression
+    from hybrid.parallel.buckets import GradBucket
     from hybrid.parallel.context import ParallelContext
-    from hybrid.parallel.data import GradBucket
 
 
 class OneBitAdam(ModelOptimizer):

@@ -40,17 +40,14 @@ import torch
 from torch import nn
 
 from hybrid.parallel import collectives as C
+from hybrid.parallel.buckets import GradBucket, assign_buckets, padded_numel
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.grads import sync_sequence_parallel_grads, sync_tied_grads
-from hybrid.parallel.params import param_info
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 EncodedReduceScatter = Callable[[torch.Tensor, Group], Any]
 """ZeRO-1's compressed reduce-scatter: (flat buffer pre-divided by dp, DP group) → this rank's shard of the sum
 written in place (`compression.codecs.reduce_scatter_encoded` with a codec)."""
-
-SHARD_ALIGN = 32
-"""ZeRO-1: elements per shard are a multiple of this (fp32: 128 bytes)."""
 
 DP_GROUPS = ("dp", "dp_intra", "dp_inter")
 """The counter names whose traffic is gradient sync (`bytes_dp`); the last two only under hierarchical."""
@@ -89,79 +86,6 @@ class Launched:
             self.work.wait()
         if self.then is not None:
             self.then()
-
-
-class GradBucket:
-    """What `torch.distributed.GradBucket` offers a comm hook, over one flat fp32 buffer."""
-
-    def __init__(self, index: int, buffer: torch.Tensor, params: list[nn.Parameter], is_last: bool) -> None:
-        self._index, self._buffer, self._params, self._is_last = index, buffer, params, is_last
-        self._views: list[torch.Tensor] = []
-        offset = 0
-        for p in params:
-            self._views.append(buffer[offset: offset + p.numel()].view_as(p))
-            offset += p.numel()
-
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def is_last(self) -> bool:
-        return self._is_last
-
-    def parameters(self) -> list[torch.Tensor]:
-        return list(self._params)
-
-    def gradients(self) -> list[torch.Tensor]:
-        return list(self._views)
-
-    def set_buffer(self, tensor: torch.Tensor) -> None:
-        self._buffer.copy_(tensor)
-
-
-def assign_buckets(params: list[nn.Parameter], bucket_bytes: int,
-                   apart: frozenset[int] = frozenset()) -> list[list[nn.Parameter]]:
-    """Split parameters, in reverse registration order, into buckets of about `bucket_bytes` (fp32), each
-    split again by `sync_class` and by membership in `apart` (ids: parameters the hook keeps exact), the
-    parts in the order they start."""
-    buckets: list[list[nn.Parameter]] = [[]]
-    filled = 0
-    for p in reversed(params):
-        if buckets[-1] and filled + 4 * p.numel() > bucket_bytes:
-            buckets.append([])
-            filled = 0
-        buckets[-1].append(p)
-        filled += 4 * p.numel()
-    return [part for b in buckets for part in _by_class(b, apart)]
-
-
-def padded_numel(numel: int, dp: int) -> int:
-    """A sharded bucket's length: `numel` rounded up so that each of the dp shards holds a multiple of
-    `SHARD_ALIGN` elements (equal shards for the reduce-scatter and all-gather; 128-byte aligned)."""
-    unit = dp * SHARD_ALIGN
-    return -(-numel // unit) * unit
-
-
-def sync_class(p: nn.Parameter) -> int:
-    """A bucket holds one class: TP-sharded (0), a pipeline-tied embedding copy (1), TP-replicated (2).
-
-    Lossy compression is a deterministic function of a bucket's values, so a bucket whose every element is
-    the same on the ranks that must stay equal (the TP ranks for replicated parameters, the first and last
-    stage for a tied embedding under 1-bit Adam) is compressed the same there and they stay equal; mixed
-    with TP shards, each TP rank's copy of a norm would take another rounding and drift apart."""
-    info = param_info(p)
-    if info.pp_tied or info.pp_duplicate:
-        return 1
-    return 0 if info.shard is not None else 2
-
-
-def _by_class(bucket: list[nn.Parameter], apart: frozenset[int]) -> list[list[nn.Parameter]]:
-    parts: dict[tuple[int, bool], list[nn.Parameter]] = {}
-    for p in bucket:
-        parts.setdefault((sync_class(p), id(p) in apart), []).append(p)
-    return list(parts.values())
 
 
 class GradSync:

@@ -6,7 +6,7 @@ tp2dp4 where both the intra-node and the inter-node part of the DP group have tw
 every step of every method it records how often the hook ran per bucket, the bytes counted per DP
 group, and what the library's own payload formulas say those bytes must be (`codecs.payload_bytes`,
 `powersgd.payload_bytes`, `hierarchical.row_ranges`): they must agree exactly. The loss must fall
-under every method, and `Trainer.mean_bytes()` must report the ratio those counted bytes imply.
+under every method, and `StepReport.mean_bytes()` must report the ratio those counted bytes imply.
 
 A world-2 launch (dp=2) checks the warm-up against an uncompressed run (bit for bit, then not) and
 PyTorch's own DDP hooks against ours: `torch_fp16` vs `fp16`, `torch_powersgd` vs `powersgd`.
@@ -129,7 +129,7 @@ def train_method(ctx: ParallelContext, case: Case, world: int, overrides: list[s
         out["expected_wire"].append(wire)
     n = ctx.dp_size
     out["plain_wire"] = 4 * sum(b.buffer().numel() for b in buckets) * 2 * (n - 1) / n
-    out["mean_bytes"] = trainer.mean_bytes()  # collective over the world: the last step's figures
+    out["mean_bytes"] = trainer.report.mean_bytes()  # collective over the world: the last step's figures
     out["iteration"] = state.iteration
     out["torch_iter"] = getattr(state.state, "iter", None)  # PyTorch's PowerSGDState counts steps too
     return out

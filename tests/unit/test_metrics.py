@@ -76,6 +76,7 @@ def test_peak_flops_and_mfu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Known GPUs map to their dense bf16 peak; CPU and unknown devices give None."""
     assert peak_flops(torch.device("cpu")) is None
     names = {"NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12,
+             "NVIDIA H100 PCIe": 756e12, "NVIDIA L4": 121e12,
              "Tesla T4": None}
     for name, expected in names.items():
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_a, n=name: n)

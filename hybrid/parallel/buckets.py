@@ -1,0 +1,90 @@
+"""DP gradient buckets: which parameters share a flat fp32 buffer, and the view a comm hook gets of one.
+
+`assign_buckets` groups the parameters in reverse registration order (the order their gradients become
+final in the backward) into buckets of about `parallel.bucket_mb`, each holding one sync class
+(`sync_class`) and, apart, the parameters a compression keeps exact. `GradBucket` is what
+`torch.distributed.GradBucket` offers a DDP comm hook, over one such buffer. Under ZeRO-1 a bucket's
+buffer is `padded_numel` long: dp equal shards of a multiple of `SHARD_ALIGN` elements.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybrid.parallel.params import param_info
+
+SHARD_ALIGN = 32
+"""ZeRO-1: elements per shard are a multiple of this (fp32: 128 bytes)."""
+
+class GradBucket:
+    """What `torch.distributed.GradBucket` offers a comm hook, over one flat fp32 buffer."""
+
+    def __init__(self, index: int, buffer: torch.Tensor, params: list[nn.Parameter], is_last: bool) -> None:
+        self._index, self._buffer, self._params, self._is_last = index, buffer, params, is_last
+        self._views: list[torch.Tensor] = []
+        offset = 0
+        for p in params:
+            self._views.append(buffer[offset: offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._params)
+
+    def gradients(self) -> list[torch.Tensor]:
+        return list(self._views)
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._buffer.copy_(tensor)
+
+
+def assign_buckets(params: list[nn.Parameter], bucket_bytes: int,
+                   apart: frozenset[int] = frozenset()) -> list[list[nn.Parameter]]:
+    """Split parameters, in reverse registration order, into buckets of about `bucket_bytes` (fp32), each
+    split again by `sync_class` and by membership in `apart` (ids: parameters the hook keeps exact), the
+    parts in the order they start."""
+    buckets: list[list[nn.Parameter]] = [[]]
+    filled = 0
+    for p in reversed(params):
+        if buckets[-1] and filled + 4 * p.numel() > bucket_bytes:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(p)
+        filled += 4 * p.numel()
+    return [part for b in buckets for part in _by_class(b, apart)]
+
+
+def padded_numel(numel: int, dp: int) -> int:
+    """A sharded bucket's length: `numel` rounded up so that each of the dp shards holds a multiple of
+    `SHARD_ALIGN` elements (equal shards for the reduce-scatter and all-gather; 128-byte aligned)."""
+    unit = dp * SHARD_ALIGN
+    return -(-numel // unit) * unit
+
+
+def sync_class(p: nn.Parameter) -> int:
+    """A bucket holds one class: TP-sharded (0), a pipeline-tied embedding copy (1), TP-replicated (2).
+
+    Lossy compression is a deterministic function of a bucket's values, so a bucket whose every element is
+    the same on the ranks that must stay equal (the TP ranks for replicated parameters, the first and last
+    stage for a tied embedding under 1-bit Adam) is compressed the same there and they stay equal; mixed
+    with TP shards, each TP rank's copy of a norm would take another rounding and drift apart."""
+    info = param_info(p)
+    if info.pp_tied or info.pp_duplicate:
+        return 1
+    return 0 if info.shard is not None else 2
+
+
+def _by_class(bucket: list[nn.Parameter], apart: frozenset[int]) -> list[list[nn.Parameter]]:
+    parts: dict[tuple[int, bool], list[nn.Parameter]] = {}
+    for p in bucket:
+        parts.setdefault((sync_class(p), id(p) in apart), []).append(p)
+    return list(parts.values())
