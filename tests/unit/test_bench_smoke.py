@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from hybrid.bench import model_size, precision, recompute, step_vs_hf, timing_overhead
+from hybrid.bench import memory_at_scale, model_size, precision, recompute, step_vs_hf, timing_overhead
 
 TINY = ["--model", "gpt-tiny", "--steps", "1", "--warmup", "1", "--threads", "1", "--seq-len", "16",
         "--micro-batch", "2", "--microbatches", "2", "--repeats", "2"]
@@ -73,3 +73,20 @@ def test_precision_bench_trains_the_same_model_in_each_precision() -> None:
     rows = precision.run(args)
     assert [r["precision"] for r in rows] == ["fp32", "bf16", "bf16_params"] and rows[0]["ratio"] == 1.0
     assert all(r["step_s"] > 0 and abs(r["loss"] - rows[0]["loss"]) < 2e-2 * rows[0]["loss"] for r in rows)
+
+
+def test_memory_at_scale_reads_its_run_specs_and_never_launches_what_the_estimate_says_will_not_fit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spec becomes the layout, ZeRO and recomputation it names (dp = 8 / (tp·pp)); with MemAvailable too
+    small for the estimate plus the margin, the run is skipped before any rank is forked."""
+    from hybrid.config import compose_config
+
+    args = memory_at_scale.parse_args(["--seq-len", "32"])
+    cfg = compose_config(memory_at_scale.overrides("gpt-tiny tp1pp2 full zero", args))
+    p = cfg.parallel
+    assert (p.tp, p.pp, p.dp, p.zero, cfg.train.recompute, cfg.data.seq_len) == (1, 2, 4, 1, "full", 32)
+    total, stages = memory_at_scale.machine_estimate(cfg)
+    assert len(stages) == 2 and total == sum(stages) * 4
+    monkeypatch.setattr(memory_at_scale, "launch", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr(memory_at_scale, "proc_status_kb", lambda *_: (total + 2**30) // 1024)
+    assert "skipped" in memory_at_scale.measure("gpt-tiny tp1pp2 full zero", args)
