@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
          "gb": 10**9}
 FLAGS = ("--world", "--vocab", "--device", "--memory")
+PRECISIONS = {"fp32": "fp32 weights and activations",
+              "bf16_params": "bf16 weights and activations, fp32 main weights and gradients"}
+"""How the estimate counts `train.precision` (autocast's bf16 is counted as fp32: an upper bound)."""
 
 
 def parse_size(text: str) -> int:
@@ -68,9 +71,10 @@ def report(cfg: Config, vocab: int, layout: Layout, device_type: str, memory: in
     t, p = cfg.train, cfg.parallel
     chunks = meta_stages(layout, lambda ctx: build_chunks(cfg, vocab, ctx))
     stages = stage_estimates(cfg, layout, chunks, device_type)
+    counted = PRECISIONS.get(t.precision, PRECISIONS["fp32"])
     lines = [f"memory per rank: {cfg.model.name}, tp{layout.tp} pp{layout.pp} dp{layout.dp}, micro batch "
              f"{t.micro_batch_size} × seq {cfg.data.seq_len}, {p.schedule if layout.pp > 1 else 'one stage'}, "
-             f"zero {p.zero}, recompute {t.recompute}, {device_type} (fp32 weights and activations)",
+             f"zero {p.zero}, recompute {t.recompute}, {device_type} ({counted})",
              f"{'stage':>5} {'params':>11} {'grads':>11} {'optimizer':>11} {'activations':>12} {'buffers':>11} "
              f"{'total':>11}"]
     for i, e in enumerate(stages):
