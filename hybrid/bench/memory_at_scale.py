@@ -3,14 +3,15 @@
     OMP_NUM_THREADS=1 PYTHONPATH=. python -m hybrid.bench.memory_at_scale --runs "gpt-350m tp2pp4 none" \\
         "gpt-350m pp2dp4 full zero" [--seq-len 256] [--micro-batch 1] [--global-batch 8] [--largest]
 
-A run is "MODEL LAYOUT RECOMPUTE [zero]" (layout tpXppY, dp = 8 / (tp·pp)). Each is launched on 8 forked
+A run is "MODEL LAYOUT RECOMPUTE [zero] [layers=N]" (layout tpXppY, dp = 8 / (tp·pp); N overrides the
+model's layer count). Each is launched on 8 forked
 gloo ranks only when the estimate of the whole machine (every rank's estimate plus 0.4 GiB of process per
 rank) leaves 3 GiB of MemAvailable; a watch kills the ranks if MemAvailable falls below 1 GiB. Each rank
 reads its resident set before building anything (the forked process: Python, torch, the parent's pages)
 and its peak (VmHWM) after one training step; **measured** = peak − that baseline, against the rank's
 estimate (`hybrid.memory.rank_memory`, this rank's real chunks, CPU kernels).
 
-`--largest`: at gpt-1b's width (hidden 2048, 16 heads, ffn 8192), the most layers whose 8 ranks the
+`--largest`: at gpt-350m's and gpt-1b's widths, the most layers (multiples of 8) whose 8 ranks the
 estimate fits in this machine's MemTotal less 2 GiB (with the measured per-rank baseline), at tp2pp4 and
 at pp2dp4, with and without ZeRO-1 and full recomputation; estimates only (launch one with --runs to check).
 """
@@ -35,13 +36,14 @@ from hybrid.parallel.context import Layout
 from hybrid.testing.ranks import launch
 
 WORLD = 8
-PROCESS_GIB = 0.4  # a rank's own resident set before its model: Python, torch, gloo (measured 0.3–0.4)
+PROCESS_GIB = 0.3  # a rank's own resident set before its model: Python, torch, gloo (measured 0.24)
 GIB = 2**30
 
 
 def overrides(spec: str, args: argparse.Namespace, layers: Optional[int] = None) -> list[str]:
-    """The config overrides of a run spec "MODEL tpXppY RECOMPUTE [zero]"."""
+    """The config overrides of a run spec "MODEL tpXppY RECOMPUTE [zero] [layers=N]"."""
     model, layout, recompute, *rest = spec.split()
+    layers = layers or next((int(w.split("=")[1]) for w in rest if w.startswith("layers=")), None)
     tp, pp = (int(x) for x in layout.removeprefix("tp").split("pp"))
     return [f"model={model}", f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={WORLD // (tp * pp)}",
             f"parallel.zero={int('zero' in rest)}", f"train.recompute={recompute}", f"data.seq_len={args.seq_len}",
@@ -81,8 +83,8 @@ def measure(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     total, _ = machine_estimate(cfg)
     available = proc_status_kb(Path("/proc/meminfo").read_text(), "MemAvailable") * 1024
     need = total + WORLD * PROCESS_GIB * GIB
-    if need > available - 3 * GIB:
-        return {"spec": spec, "skipped": f"estimate {need / GIB:.1f} GiB > MemAvailable {available / GIB:.1f} GiB − 3"}
+    if need > available - 2 * GIB:
+        return {"spec": spec, "skipped": f"estimate {need / GIB:.1f} GiB > MemAvailable {available / GIB:.1f} GiB − 2"}
     with MemoryWatch() as watch:
         ranks = launch(rank_run, WORLD, overrides(spec, args), timeout=3600)
     ratios = [r["estimate"] / r["measured"] for r in ranks]
@@ -91,20 +93,22 @@ def measure(spec: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def largest(args: argparse.Namespace, base_gib: float) -> list[list[Any]]:
-    """Per layout and feature set: the most layers at gpt-1b's width whose 8 ranks fit MemTotal − 2 GiB."""
+    """Per layout, feature set and width (gpt-350m's, gpt-1b's): the most layers (a multiple of 8, so that
+    every stage split stays even) whose 8 ranks the estimate fits in MemTotal − 2 GiB."""
     memtotal = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     budget = memtotal - 2 * GIB - WORLD * base_gib * GIB
     rows = []
     for layout in ("tp2pp4", "tp1pp2"):
         for features in ("none", "full zero"):
-            best = None
-            for layers in range(4, 97, 4):
-                cfg = compose_config(overrides(f"gpt-1b {layout} {features}", args, layers))
-                if machine_estimate(cfg)[0] > budget:
-                    break
-                best = (layers, analytic_param_count(cfg.model, cfg.model.vocab_size))
-            rows.append([layout + ("" if layout == "tp2pp4" else "dp4"), features, best[0] if best else "none",
-                         f"{best[1] / 1e9:.2f}B" if best else "-"])
+            for width in ("gpt-350m", "gpt-1b"):
+                best = None
+                for layers in range(8, 129, 8):
+                    cfg = compose_config(overrides(f"{width} {layout} {features}", args, layers))
+                    if machine_estimate(cfg)[0] > budget:
+                        break
+                    best = (layers, analytic_param_count(cfg.model, cfg.model.vocab_size))
+                rows.append([layout + ("" if layout == "tp2pp4" else "dp4"), features, f"{width}'s",
+                             best[0] if best else "none", f"{best[1] / 1e9:.2f}B" if best else "-"])
     return rows
 
 
@@ -136,8 +140,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            "estimate/measured per rank", "machine"], rows)))
     if args.largest:
         base = statistics.median(bases) / GIB if bases else PROCESS_GIB
-        print(f"largest gpt-1b-wide model on 8 ranks (per-rank process {base:.2f} GiB):")
-        print("\n".join(table(["layout", "features", "layers", "parameters"], largest(args, base))))
+        print(f"largest model on 8 ranks by the estimate (per-rank process {base:.2f} GiB):")
+        print("\n".join(table(["layout", "features", "width", "layers", "parameters"], largest(args, base))))
     return 0
 
 
