@@ -12,7 +12,7 @@ and its peak (VmHWM) after one training step; **measured** = peak − that basel
 estimate (`hybrid.memory.rank_memory`, this rank's real chunks, CPU kernels).
 
 `--largest`: at gpt-350m's and gpt-1b's widths, the most layers (multiples of 8) whose 8 ranks the
-estimate fits in this machine's MemTotal less 2 GiB (with the measured per-rank baseline), at tp2pp4 and
+estimate fits in MemAvailable less 2 GiB (with the measured per-rank baseline), at tp2pp4 and
 at pp2dp4, with and without ZeRO-1 and full recomputation; estimates only (launch one with --runs to check).
 """
 
@@ -94,9 +94,10 @@ def measure(spec: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def largest(args: argparse.Namespace, base_gib: float) -> list[list[Any]]:
     """Per layout, feature set and width (gpt-350m's, gpt-1b's): the most layers (a multiple of 8, so that
-    every stage split stays even) whose 8 ranks the estimate fits in MemTotal − 2 GiB."""
-    memtotal = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    budget = memtotal - 2 * GIB - WORLD * base_gib * GIB
+    every stage split stays even) whose 8 ranks the estimate fits in MemAvailable − 2 GiB (what `measure`
+    would launch)."""
+    available = proc_status_kb(Path("/proc/meminfo").read_text(), "MemAvailable") * 1024
+    budget = available - 2 * GIB - WORLD * base_gib * GIB  # the launch guard's own rule (`measure`)
     rows = []
     for layout in ("tp2pp4", "tp1pp2"):
         for features in ("none", "full zero"):
