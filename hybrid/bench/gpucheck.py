@@ -39,6 +39,7 @@ from hybrid.bench.gpucheck_steps import Setting, cuda_matches_cpu, measure, side
 from hybrid.cli import EXIT_BAD_INPUT, UsageError
 
 ROOT = Path(__file__).resolve().parents[2]
+TESTS_TIMEOUT_S = 300  # the unit tests' share of the check's 10 minutes
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,10 @@ def unit_tests(plan: Plan, skip: bool) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/unit"]
     if importlib.util.find_spec("xdist") is not None:  # a GPU machine has cores: 4 workers, whole files each
         cmd += ["-n", "4", "--dist", "loadfile"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TESTS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"ran": True, "ok": False, "summary": f"timed out after {TESTS_TIMEOUT_S} s"}
     last = (done.stdout.strip().splitlines() or [""])[-1]
     return {"ran": True, "ok": done.returncode == 0, "summary": last}
 
