@@ -53,7 +53,9 @@ class StepReport:
             self.timing = None
             return
         m = schedule.microbatches
-        idle = schedule_idle_s(schedule, self.ctx.pp_rank, sum(stats.forward_s) / m, sum(stats.backward_s) / m)
+        weight = sum(stats.weight_s) / m
+        idle = schedule_idle_s(schedule, self.ctx.pp_rank, sum(stats.forward_s) / m, sum(stats.backward_s) / m + weight,
+                               weight if stats.weight_s else None)
         self.timing = comm_report.local_vector(t, C.COUNTER, idle)
 
     def mean_bytes(self) -> dict[str, float]:

@@ -216,7 +216,7 @@ def compression_summary(c: CompressionConfig, layout: Layout) -> str:
 def pipeline_summary(schedule: Schedule, cfg: Config) -> str:
     """One start-up line: schedule, layers per part, and the simulator's bubble at unit costs."""
     from hybrid.parallel.pipeline import partition_layers
-    from hybrid.parallel.schedules import simulate
+    from hybrid.parallel.simulator import simulate
 
     parts = partition_layers(cfg.model.n_layers, schedule.num_parts, cfg.parallel.stage_layers)
     sim = simulate(schedule)

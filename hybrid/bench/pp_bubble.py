@@ -31,7 +31,8 @@ from hybrid.bench.pp_common import (
     pp_context,
 )
 from hybrid.parallel.pipeline import P2P, PipelineStats, run_schedule
-from hybrid.parallel.schedules import SCHEDULES, build_schedule, simulate
+from hybrid.parallel.schedules import SCHEDULES, build_schedule
+from hybrid.parallel.simulator import simulate
 from hybrid.testing.ranks import launch
 from hybrid.trainer import build_chunks
 

@@ -44,7 +44,7 @@ def local_vector(t: StepTiming, counter: CommCounter, idle_s: float) -> list[flo
         out += [t.group_s.get(g, 0.0), t.exposed_s.get(g, 0.0), t.exposed_op_s.get((g, METER), 0.0)]
     out += [*_share(t, DP_GROUPS), *_share(t, ("pp",))]
     pp_wait = t.exposed_s.get("pp", 0.0)
-    compute = t.phase_s.get("forward", 0.0) + t.phase_s.get("backward", 0.0)
+    compute = sum(t.phase_s.get(k, 0.0) for k in ("forward", "backward", "weight"))
     optimizer = t.phase_s.get("finalize", 0.0) + t.phase_s.get("optimizer", 0.0)
     return out + [t.step_s, t.phase_s.get("data", 0.0), compute, optimizer, min(idle_s, pp_wait)]
 

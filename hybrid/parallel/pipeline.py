@@ -7,9 +7,10 @@ same TP rank of the neighbouring stage over the PP group: its whole [b, s, h] hi
 its [b, s/tp, h] sequence chunk under sequence parallelism.
 
 `run_schedule` walks this rank's action list. A compute action calls the `forward_step` it is
-handed (the trainer owns the data, the model call and autocast) or runs a backward; a batch of
-consecutive comm actions becomes one `batch_isend_irecv` that is waited on before going on (the
-rendezvous model the simulator proves deadlock-free). The loss exists only on the last part;
+handed (the trainer owns the data, the model call and autocast) or runs a backward — whole (B), or split
+into the input pass (I) and the weight pass (W) of `split_backward.py`; a batch of consecutive comm actions
+becomes one `batch_isend_irecv` whose receives are waited on before going on, its sends completing in the
+background (the stream model the simulator proves deadlock-free). The loss exists only on the last part;
 its backward is scaled by 1/microbatches so gradients sum to the global-batch mean. After an
 activation is sent its storage is freed at once (Megatron's trick: the tensor keeps its autograd
 node, its data becomes one element) and its backward is run through the autograd engine directly,
@@ -29,7 +30,8 @@ import torch.distributed as dist
 from hybrid.parallel import collectives as C
 from hybrid.parallel.actions import Action, Op, Schedule, steps
 from hybrid.parallel.collectives import Group
-from hybrid.parallel.schedules import simulate
+from hybrid.parallel.simulator import simulate
+from hybrid.parallel.split_backward import WeightGrads, backward_input, run_backward
 from hybrid.parallel.timing import Clock, HostClock, Mark, Span
 
 ForwardStep = Callable[[int, int, Optional[torch.Tensor]], torch.Tensor]
@@ -65,7 +67,8 @@ class P2P:
     Sent bytes are counted as ops `send_fwd` / `send_bwd` of the group. A batch waits for its receives
     only: where the backend hands back one work per op (gloo), the sends complete in the background
     while the rank computes on and `drain()` waits for them at the end of the schedule; where it
-    coalesces the batch into one work (NCCL), that work is waited on (the host does not block there).
+    coalesces the batch into one work (NCCL), that work is waited on if the batch receives anything
+    (the host does not block there) and drained with the sends otherwise.
     Under `C.TIMER`, posting plus the receives' wait is a blocking `send_recv` span, each background
     send an async `send_recv` span, and `drain()`'s wait exposed time of the group.
     """
@@ -73,7 +76,7 @@ class P2P:
     def __init__(self, group: Group, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         self.group, self.shape, self.dtype, self.device = group, shape, dtype, device
         self.name = C.group_name(group)
-        self.sending: list[tuple[dist.Work, torch.Tensor, Span, bool]] = []  # in flight (tensor kept alive)
+        self.sending: list[tuple[dist.Work, object, Span, bool]] = []  # in flight (tensors kept alive)
 
     def exchange(self, schedule: Schedule, rank: int, batch: list[Action],
                  tensors: dict[Action, torch.Tensor]) -> dict[Action, torch.Tensor]:
@@ -99,8 +102,12 @@ class P2P:
                 ops.append(dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer))
         start = C.TIMER.mark()
         works = dist.batch_isend_irecv(ops)
-        if len(works) != len(ops):  # one coalesced work for the batch (NCCL): wait on it
-            works[0].wait()
+        if len(works) != len(ops):  # one coalesced work for the batch (NCCL): wait on it if it receives
+            if received:
+                works[0].wait()
+            else:
+                self.sending.append((works[0], [op.tensor for op in ops], *C.TIMER.launched(
+                    self.name, "send_recv", works[0], start)))
             return received
         for op, work in zip(ops, works):
             if op.op is dist.isend:
@@ -120,8 +127,9 @@ class P2P:
 
 @dataclass
 class PipelineStats:
-    """This rank's compute per action kind, as (kind, start, end) marks of `clock` (CUDA events on CUDA,
-    so the times are the device's), read as seconds after the step."""
+    """This rank's compute per action kind — `forward`, `backward` (B, or a split backward's input pass I),
+    `weight` (its weight pass W) — as (kind, start, end) marks of `clock` (CUDA events on CUDA, so the
+    times are the device's), read as seconds after the step."""
 
     clock: Clock = field(default_factory=HostClock)
     marks: list[tuple[str, Mark, Mark]] = field(default_factory=list)
@@ -138,16 +146,22 @@ class PipelineStats:
         return self.seconds("backward")
 
     @property
+    def weight_s(self) -> list[float]:
+        return self.seconds("weight")
+
+    @property
     def busy_s(self) -> float:
-        return sum(self.forward_s) + sum(self.backward_s)
+        return sum(self.forward_s) + sum(self.backward_s) + sum(self.weight_s)
 
 
-def schedule_idle_s(schedule: Schedule, rank: int, forward_s: float, backward_s: float) -> float:
+def schedule_idle_s(schedule: Schedule, rank: int, forward_s: float, backward_s: float,
+                    weight_s: Optional[float] = None) -> float:
     """The seconds pipeline rank `rank` idles because of the schedule itself: the simulator's replay with
-    `forward_s` / `backward_s` per microbatch through a rank (this rank's measured means) and free p2p."""
+    `forward_s` / `backward_s` (the whole backward; `weight_s` of it in the weight pass under a split
+    backward) per microbatch through a rank (this rank's measured means) and free p2p."""
     if schedule.pp == 1 or forward_s + backward_s <= 0:
         return 0.0
-    sim = simulate(schedule, forward=forward_s, backward=backward_s)
+    sim = simulate(schedule, forward=forward_s, backward=backward_s, weight=weight_s)
     return sim.makespan - sim.busy[rank]
 
 
@@ -160,6 +174,7 @@ class _Run:
         self.inputs: dict[tuple[int, int], Optional[torch.Tensor]] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.received: dict[Action, torch.Tensor] = {}
+        self.weights: dict[tuple[int, int], WeightGrads] = {}  # split backward: input pass done, weight pass due
         self.losses: list[torch.Tensor] = []
         self.last_part = schedule.num_parts - 1
 
@@ -177,15 +192,23 @@ class _Run:
         self.outputs[(a.chunk, a.mb)] = out
 
     def backward(self, a: Action) -> None:
+        """B, or I: from the loss scaled by 1/m on the last part, from the received gradient elsewhere."""
         out = self.outputs.pop((a.chunk, a.mb))
         start = self.stats.clock.mark()
         if self.schedule.part(self.rank, a.chunk) == self.last_part:
-            torch.autograd.backward(out / self.schedule.microbatches)
+            root, grad = out / self.schedule.microbatches, None
         else:
-            grad = self.received.pop(Action(Op.RECV_B, a.chunk, a.mb))
-            # `out` may have been freed after its send: skip autograd's shape check (Megatron does the same)
-            torch.autograd.Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
+            root, grad = out, self.received.pop(Action(Op.RECV_B, a.chunk, a.mb))
+        if a.op is Op.BACKWARD_INPUT:
+            self.weights[(a.chunk, a.mb)] = backward_input(root, grad, self.inputs.get((a.chunk, a.mb)))
+        else:  # `out` may have been freed after its send: no shape check (Megatron does the same)
+            run_backward((root,), (grad if grad is not None else torch.ones_like(root),))
         self.stats.marks.append(("backward", start, self.stats.clock.mark()))
+
+    def backward_weight(self, a: Action) -> None:
+        start = self.stats.clock.mark()
+        self.weights.pop((a.chunk, a.mb)).run()
+        self.stats.marks.append(("weight", start, self.stats.clock.mark()))
 
     def exchange(self, batch: list[Action]) -> None:
         tensors = {}
@@ -213,26 +236,19 @@ def run_schedule(schedule: Schedule, rank: int, forward_step: ForwardStep, p2p: 
     """Run pipeline rank `rank`'s actions of `schedule`; return the last part's per-microbatch
     losses in microbatch order (an empty list on other ranks). A schedule with no backward
     actions (`forward_only`) runs evaluation; call it under `torch.no_grad()`."""
-    _check_runnable(schedule, rank)
     run = _Run(schedule, rank, forward_step, p2p, stats if stats is not None else PipelineStats())
     for item in steps(schedule.actions[rank]):
         if isinstance(item, list):
             run.exchange(item)
         elif item.op is Op.FORWARD:
             run.forward(item)
+        elif item.op is Op.BACKWARD_WEIGHT:
+            run.backward_weight(item)
         else:
             run.backward(item)
     if p2p is not None:
         p2p.drain()
-    if run.received or any(o.grad_fn is not None for o in run.outputs.values()):
+    if run.received or run.weights or any(o.grad_fn is not None for o in run.outputs.values()):
         raise RuntimeError(f"pipeline rank {rank}: schedule {schedule.name} left tensors unused")
     return run.losses
-
-
-def _check_runnable(schedule: Schedule, rank: int) -> None:
-    """Raise NotImplementedError if `rank`'s list has compute ops the executor does not run (I, W)."""
-    unrun = sorted({a.op for a in schedule.actions[rank] if a.op.is_compute} - {Op.FORWARD, Op.FULL_BACKWARD})
-    if unrun:
-        raise NotImplementedError(f"pipeline rank {rank}: schedule {schedule.name} has {'/'.join(map(str, unrun))} "
-                                  "actions (split backward), which the executor does not run yet")
 

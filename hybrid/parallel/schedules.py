@@ -1,21 +1,18 @@
-"""Pipeline schedules as data, and a virtual-clock simulator that replays them.
-
-A schedule is a pure function `(pp, microbatches, virtual_stages) → one action list per pipeline
-rank`. Nothing here touches a tensor or a process group: the executor in `pipeline.py` runs the
-lists with p2p ops, and `simulate` replays the same lists on a virtual clock.
+"""Pipeline schedules as data: a schedule is a pure function `(pp, microbatches, virtual_stages) → one
+action list per pipeline rank`. Nothing here touches a tensor or a process group: the executor in
+`pipeline.py` runs the lists with p2p ops, and `simulator.py` checks them and replays them on a virtual clock.
 
 Stages. With `v` virtual stages (model chunks) per rank, the model is cut into S = pp·v parts;
 chunk `c` of rank `r` holds part `s = c·pp + r`, so activations go round the ranks v times
 (rank pp−1's chunk c feeds rank 0's chunk c+1). Without interleaving v = 1 and s = r.
 
-Actions (`actions.py`): `F`/`B` run a chunk's forward/backward for one microbatch, `SEND_*`/`RECV_*`
-move activations and gradients between neighbouring parts. `with_comm` derives the comm actions
-from the compute order (receive right before the compute that needs it, send right after the
-compute that made it). Consecutive comm actions form one *batch* that the executor posts together
-(`batch_isend_irecv`) and waits on before going on — e.g. 1F1B's "send this activation, receive
-that gradient". The simulator treats every op as a rendezvous (a batch completes only once every
-partner op is posted, in the FIFO order of its (src → dst) channel, which is how NCCL matches p2p
-ops); an order that cannot deadlock under that rule cannot deadlock on gloo or NCCL.
+Actions (`actions.py`): `F`/`B` run a chunk's forward/backward for one microbatch; zero-bubble schedules
+split the backward into `I` (input gradient: what the previous part waits for) and `W` (weight gradient:
+what nobody waits for, so it can fill the bubble; `split_backward.py`). `SEND_*`/`RECV_*` move activations
+and gradients between neighbouring parts. `with_comm` derives the comm actions from the compute order
+(receive right before the compute that needs it, send right after the compute that made it). Consecutive
+comm actions form one *batch* that the executor posts together (`batch_isend_irecv`) and waits on before
+going on — e.g. 1F1B's "send this activation, receive that gradient".
 
 The schedules (each rank's compute order; every chunk runs backward in microbatch order, so
 gradients accumulate in the same order and losses are bit-identical across schedules):
@@ -24,6 +21,9 @@ gradients accumulate in the same order and losses are bit-identical across sched
                backwards: at most p−r in flight, the same bubble.
   interleaved  Megatron's interleaved 1F1B over v chunks: warm-up 2(p−r−1) + (v−1)p chunk-forwards,
                then 1F1B over chunk-microbatches; bubble (p−1)/(v·m+p−1). Needs m divisible by p.
+  zb1p         ZB-H1 (Qi et al. 2023): 1F1B with the backward split; rank r defers its first r weight
+               passes, which then fill the cool-down's waits. Idle time (p−1)(F + I − W) instead of
+               1F1B's (p−1)(F + I + W); at most p microbatches in flight on any rank, as 1F1B's rank 0.
 
 `SCHEDULES` is the registry: name → `ScheduleSpec` (the order function and what it needs of the
 sizes). A new schedule is one order function `(pp, m, v, rank) → slots` and one entry there.
@@ -31,17 +31,20 @@ sizes). A new schedule is one order function `(pp, m, v, rank) → slots` and on
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hybrid.parallel.actions import Action, Op, Schedule, ScheduleError, steps
+
+__all__ = ["SCHEDULES", "Action", "Op", "Schedule", "ScheduleError", "ScheduleSpec", "build_schedule",
+           "check_sizes", "steps", "with_comm"]
 
 Order = Callable[[int, int, int, int], list[list[Action]]]
 """(pp, microbatches, virtual_stages, rank) → that rank's compute actions, in slots (see `with_comm`)."""
 
 
-F, B = Op.FORWARD, Op.FULL_BACKWARD  # the two compute ops every schedule here is written in
+F, B = Op.FORWARD, Op.FULL_BACKWARD
+IN, WT = Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT  # the split backward's input and weight passes
 
 
 def gpipe_order(pp: int, m: int, v: int, rank: int) -> list[list[Action]]:
@@ -78,6 +81,18 @@ def interleaved_order(pp: int, m: int, v: int, rank: int) -> list[list[Action]]:
     return order + [[bwd(k)] for k in range(total - warmup, total)]
 
 
+def zb1p_order(pp: int, m: int, v: int, rank: int) -> list[list[Action]]:
+    """ZB-H1: 1F1B's warm-up, then per microbatch i a forward (while any are left), its input pass, and from
+    i = rank on the weight pass of the oldest waiting microbatch; the rank's last `rank` weight passes end it."""
+    warmup = min(pp - rank - 1, m)
+    order = [[Action(F, 0, i)] for i in range(warmup)]
+    weights = iter(range(m))
+    for i in range(m):
+        order += [[Action(F, 0, warmup + i)]] if warmup + i < m else []
+        order += [[Action(IN, 0, i)]] + ([[Action(WT, 0, next(weights))]] if i >= rank else [])
+    return order + [[Action(WT, 0, j)] for j in weights]
+
+
 def _interleaved_sizes(pp: int, m: int, v: int) -> None:
     if pp < 2:
         raise ScheduleError("interleaved schedule needs pp >= 2 (its chunks go round the pipeline ranks)")
@@ -106,6 +121,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "interleaved": ScheduleSpec(interleaved_order, virtual=True, check=_interleaved_sizes, min_virtual_stages=2,
                                 fewer_virtual="with 1 it is 1f1b with a deeper warm-up: the same bubble, "
                                               "more activation memory"),
+    "zb1p": ScheduleSpec(zb1p_order),
 }
 """The registry: `parallel.schedule` name → spec; its order is the order of the choices shown."""
 
@@ -136,7 +152,7 @@ def with_comm(slots: list[list[Action]], pp: int, v: int, rank: int) -> list[Act
             part = a.chunk * pp + rank
             if a.op is F and part > 0:
                 recvs.append(Action(Op.RECV_F, a.chunk, a.mb))
-            elif a.op is B and part < last:
+            elif a.op in (B, IN) and part < last:
                 recvs.append(Action(Op.RECV_B, a.chunk, a.mb))
         out += pending + recvs + slot
         pending = []
@@ -144,7 +160,7 @@ def with_comm(slots: list[list[Action]], pp: int, v: int, rank: int) -> list[Act
             part = a.chunk * pp + rank
             if a.op is F and part < last:
                 pending.append(Action(Op.SEND_F, a.chunk, a.mb))
-            elif a.op is B and part > 0:
+            elif a.op in (B, IN) and part > 0:
                 pending.append(Action(Op.SEND_B, a.chunk, a.mb))
     return out + pending
 
@@ -162,140 +178,3 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 
             slots = [s for s in slots if s]
         lists.append(tuple(with_comm(slots, pp, v, r)))
     return Schedule(name, pp, microbatches, v, tuple(lists))
-
-
-def validate(schedule: Schedule) -> None:
-    """Raise ScheduleError unless every rank runs each (chunk, microbatch) forward once (and its
-    backward once, after it), receives before computing, sends after, and every (src → dst)
-    channel's sends match its receives one for one, in order."""
-    forward_only = not any(a.op is B for acts in schedule.actions for a in acts)
-    for r, acts in enumerate(schedule.actions):
-        _check_rank(schedule, r, list(acts), forward_only)
-    sends: dict[tuple[int, int], list[tuple[int, Action]]] = defaultdict(list)
-    recvs: dict[tuple[int, int], list[tuple[int, Action]]] = defaultdict(list)
-    for r, acts in enumerate(schedule.actions):
-        for a in acts:
-            if a.op.is_send:
-                sends[(r, schedule.peer(r, a))].append((r, a))
-            elif a.op.is_recv:
-                recvs[(schedule.peer(r, a), r)].append((r, a))
-    for channel in set(sends) | set(recvs):
-        out, inc = sends.get(channel, []), recvs.get(channel, [])
-        if len(out) != len(inc):
-            raise ScheduleError(f"channel rank {channel[0]} → rank {channel[1]}: {len(out)} sends but "
-                                f"{len(inc)} receives")
-        for k, ((sr, s), (rr, rv)) in enumerate(zip(out, inc)):
-            step = 1 if s.op.to_next else -1
-            want_part = schedule.part(sr, s.chunk) + step
-            if rv.op is not s.op.partner or rv.mb != s.mb or schedule.part(rr, rv.chunk) != want_part:
-                raise ScheduleError(f"channel rank {sr} → rank {rr}, message {k}: rank {sr} sends {s} but "
-                                    f"rank {rr} receives it as {rv}")
-
-
-def _check_rank(schedule: Schedule, r: int, acts: list[Action], forward_only: bool) -> None:
-    p, v, last = schedule.pp, schedule.virtual_stages, schedule.num_parts - 1
-    done: set[tuple[Op, int, int]] = set()
-    for a in acts:
-        key = (a.op, a.chunk, a.mb)
-        if key in done or not (0 <= a.chunk < v and 0 <= a.mb < schedule.microbatches):
-            raise ScheduleError(f"rank {r}: action {a} is repeated or out of range")
-        if a.op.is_compute and a.op not in (F, B):
-            raise ScheduleError(f"rank {r}: action {a}: split backward ({Op.BACKWARD_INPUT}/{Op.BACKWARD_WEIGHT}) "
-                                "is not validated or simulated yet")
-        part = a.chunk * p + r
-        needs = {F: Op.RECV_F if part > 0 else None, B: F, Op.SEND_F: F, Op.SEND_B: B}.get(a.op)
-        if a.op is B and part < last and (Op.RECV_B, a.chunk, a.mb) not in done:
-            raise ScheduleError(f"rank {r}: {a} runs before its gradient is received")
-        if needs and (needs, a.chunk, a.mb) not in done:
-            raise ScheduleError(f"rank {r}: {a} comes before {Action(needs, a.chunk, a.mb)}")
-        done.add(key)
-    want = {(F, c, i) for c in range(v) for i in range(schedule.microbatches)}
-    if not forward_only:
-        want |= {(B, c, i) for c in range(v) for i in range(schedule.microbatches)}
-    missing = sorted(want - done)
-    if missing:
-        raise ScheduleError(f"rank {r}: missing {', '.join(str(Action(*k)) for k in missing[:4])}")
-
-
-@dataclass
-class Simulation:
-    """The replay of a schedule: when each compute action ran, and what that means."""
-
-    schedule: Schedule
-    makespan: float
-    busy: list[float]  # compute time per rank
-    peak_in_flight: list[int]  # most (chunk, microbatch) activations held at once, per rank
-    intervals: list[tuple[int, float, float, Action]] = field(default_factory=list)  # (rank, start, end, F/B)
-
-    @property
-    def bubble_per_rank(self) -> list[float]:
-        return [1.0 - b / self.makespan if self.makespan else 0.0 for b in self.busy]
-
-    @property
-    def bubble(self) -> float:
-        """Idle share of the step, averaged over ranks."""
-        per = self.bubble_per_rank
-        return sum(per) / len(per)
-
-
-def simulate(schedule: Schedule, forward: float = 1.0, backward: float = 2.0, comm: float = 0.0) -> Simulation:
-    """Replay `schedule` on a virtual clock; raise ScheduleError if it is invalid or deadlocks.
-
-    `forward`/`backward` are the costs of one microbatch through a whole rank's layers (a chunk
-    costs 1/v of that); `comm` is added to each comm batch. Every p2p op is a rendezvous: a batch
-    completes when every op in it has met its partner (see the module docstring).
-    """
-    validate(schedule)
-    p, v = schedule.pp, schedule.virtual_stages
-    items = [steps(acts) for acts in schedule.actions]
-    keys = [_channel_keys(schedule, r, rank_items) for r, rank_items in enumerate(items)]
-    pos, clock, busy = [0] * p, [0.0] * p, [0.0] * p
-    live, peak = [0] * p, [0] * p
-    posted: dict[tuple[str, int, int, int], float] = {}  # (SEND|RECV, src, dst, k) → post time
-    sim = Simulation(schedule, 0.0, busy, peak)
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while pos[r] < len(items[r]):
-                it = items[r][pos[r]]
-                if isinstance(it, Action):
-                    cost = (forward if it.op is F else backward) / v
-                    sim.intervals.append((r, clock[r], clock[r] + cost, it))
-                    clock[r] += cost
-                    busy[r] += cost
-                    live[r] += 1 if it.op is F else -1
-                    peak[r] = max(peak[r], live[r])
-                else:
-                    mine = keys[r][pos[r]]
-                    for k in mine:
-                        posted.setdefault(k, clock[r])
-                    partners = [(("RECV" if k[0] == "SEND" else "SEND"),) + k[1:] for k in mine]
-                    if any(q not in posted for q in partners):
-                        break
-                    clock[r] = max([clock[r]] + [posted[q] for q in partners]) + comm
-                pos[r] += 1
-                progress = True
-    stuck = [r for r in range(p) if pos[r] < len(items[r])]
-    if stuck:
-        waits = "; ".join(f"rank {r} waits at [{', '.join(map(str, items[r][pos[r]]))}]" for r in stuck)
-        raise ScheduleError(f"deadlock: {waits}")
-    sim.makespan = max(clock)
-    return sim
-
-
-def _channel_keys(schedule: Schedule, r: int, items: list) -> list[list[tuple[str, int, int, int]]]:
-    """Per item of rank r, the keys (SEND|RECV, src, dst, k) of its comm ops: the k-th op on the
-    src → dst channel, counted along the rank's list (empty for compute actions)."""
-    counts: dict[tuple[str, int, int], int] = defaultdict(int)
-    out = []
-    for it in items:
-        batch_keys = []
-        for a in it if isinstance(it, list) else []:
-            kind = "SEND" if a.op.is_send else "RECV"
-            peer = schedule.peer(r, a)
-            ch = (kind, r, peer) if kind == "SEND" else (kind, peer, r)
-            batch_keys.append(ch + (counts[ch],))
-            counts[ch] += 1
-        out.append(batch_keys)
-    return out

@@ -16,7 +16,8 @@ import sys
 from dataclasses import dataclass
 
 from hybrid.cli import EXIT_BAD_INPUT, UsageError, run_tool
-from hybrid.parallel.schedules import Action, Op, ScheduleError, Simulation, build_schedule, simulate, steps
+from hybrid.parallel.schedules import Action, Op, ScheduleError, build_schedule, steps
+from hybrid.parallel.simulator import Simulation, simulate
 
 ALIASES = {"m": "microbatches", "v": "virtual_stages"}
 INTS = ("pp", "microbatches", "virtual_stages")

@@ -21,10 +21,9 @@ from hybrid.parallel.schedules import (
     ScheduleSpec,
     build_schedule,
     gpipe_order,
-    simulate,
     steps,
-    validate,
 )
+from hybrid.parallel.simulator import simulate, validate
 from hybrid.tools import schedule as tool
 
 COSTS = [(1.0, 2.0), (1.0, 1.0), (1.5, 4.0), (2.0, 1.0)]
@@ -114,14 +113,17 @@ def test_grid_validates_and_simulates(forward_only):
 
 
 def test_backward_runs_in_microbatch_order_for_every_chunk():
-    """What makes losses bit-identical across schedules: each chunk accumulates gradients in mb order."""
-    F, B = Op.FORWARD, Op.FULL_BACKWARD
+    """What makes losses bit-identical across schedules: each chunk accumulates gradients in mb order (a split
+    backward accumulates in both of its passes, so both run in mb order)."""
+    split = (Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
     for name, p, m, v in valid_sizes(max_p=6, max_m=12, max_v=3):
         sched = build_schedule(name, p, m, v)
         for r, acts in enumerate(sched.actions):
             for c in range(v):
-                assert [a.mb for a in acts if a.op is B and a.chunk == c] == list(range(m)), (name, p, m, v, r, c)
-                assert [a.mb for a in acts if a.op is F and a.chunk == c] == list(range(m)), (name, p, m, v, r, c)
+                mbs = {op: [a.mb for a in acts if a.op is op and a.chunk == c] for op in Op if op.is_compute}
+                assert mbs[Op.FORWARD] == list(range(m)), (name, p, m, v, r, c)
+                assert [mbs[Op.FULL_BACKWARD]] + [mbs[op] for op in split] in (
+                    [list(range(m)), [], []], [[], list(range(m)), list(range(m))]), (name, p, m, v, r, c)
 
 
 def test_interleaved_matches_torch_pipelining_order():
@@ -251,25 +253,14 @@ def test_registered_schedule_is_built_checked_and_accepted_by_the_config(monkeyp
 
     monkeypatch.setitem(SCHEDULES, "late", ScheduleSpec(late_order))
     assert build_schedule("late", 3, 4).actions == build_schedule("gpipe", 3, 4).actions
-    with pytest.raises(ScheduleError, match="unknown schedule 'x'; choose one of gpipe, 1f1b, interleaved, late"):
+    with pytest.raises(ScheduleError, match="unknown schedule 'x'; choose one of gpipe, 1f1b, interleaved, zb1p, late"):
         build_schedule("x", 2, 2)
     with pytest.raises(ScheduleError, match=r"virtual_stages=2 needs schedule=interleaved \(got late\)"):
         build_schedule("late", 2, 4, 2)
     cfg = compose_config(["parallel=pp2", "parallel.schedule=late"])
     assert validate(cfg, 2).pp == 2
-    with pytest.raises(ConfigError, match="is not one of gpipe, 1f1b, interleaved, late"):
+    with pytest.raises(ConfigError, match="is not one of gpipe, 1f1b, interleaved, zb1p, late"):
         validate(compose_config(["parallel.schedule=x"]), 1)
-
-
-def test_executor_and_simulator_refuse_split_backward():
-    from hybrid.parallel.pipeline import run_schedule
-
-    sched = build_schedule("1f1b", 1, 2)
-    broken = with_rank(sched, 0, [*sched.actions[0], Action(Op.BACKWARD_WEIGHT, 0, 0), Action(Op.BACKWARD_INPUT, 0, 1)])
-    with pytest.raises(NotImplementedError, match="schedule 1f1b has I/W actions"):
-        run_schedule(broken, 0, lambda *a: pytest.fail("ran an action"))
-    with pytest.raises(ScheduleError, match=r"rank 0: action W0: split backward \(I/W\)"):
-        simulate(broken)
 
 
 # ---- the tool ---------------------------------------------------------------------------------------------------

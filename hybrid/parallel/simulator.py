@@ -1,0 +1,249 @@
+"""Checking and replaying schedules: `validate` proves an action list well formed, `simulate` runs it on a
+virtual clock (makespan, idle share per rank, activations in flight) and proves it deadlock-free.
+
+The simulator treats every p2p op as a rendezvous: a batch of comm actions completes only once every
+partner op is posted, in the FIFO order of its (src → dst) channel, which is how NCCL matches p2p ops;
+an order that cannot deadlock under that rule cannot deadlock on gloo or NCCL.
+
+Costs: `forward` and `backward` are one microbatch through a whole rank's layers (a chunk costs 1/v of
+that). A split backward costs the same in total: `I` (input gradient) `backward − weight`, `W` (weight
+gradient) `weight`, half of the backward by default (the zero-bubble paper's T_B = T_W). A microbatch's
+activations are in flight from its F to its B, or to its W under a split backward (the input pass keeps
+the graph for the weight pass).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hybrid.parallel.actions import Action, Op, Schedule, ScheduleError, steps
+
+F, B = Op.FORWARD, Op.FULL_BACKWARD
+IN, WT = Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT  # the split backward's input and weight passes
+RELEASES = (B, WT)  # the compute ops after which a microbatch's activations are freed
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ScheduleError unless every rank runs each (chunk, microbatch) forward once and its backward
+    once after it (B, or I then W), receives before computing, sends after, and every (src → dst)
+    channel's sends match its receives one for one, in order."""
+    forward_only = not any(a.op is not F for acts in schedule.actions for a in acts if a.op.is_compute)
+    for r, acts in enumerate(schedule.actions):
+        _check_rank(schedule, r, list(acts), forward_only)
+    sends: dict[tuple[int, int], list[tuple[int, Action]]] = defaultdict(list)
+    recvs: dict[tuple[int, int], list[tuple[int, Action]]] = defaultdict(list)
+    for r, acts in enumerate(schedule.actions):
+        for a in acts:
+            if a.op.is_send:
+                sends[(r, schedule.peer(r, a))].append((r, a))
+            elif a.op.is_recv:
+                recvs[(schedule.peer(r, a), r)].append((r, a))
+    for channel in set(sends) | set(recvs):
+        _check_channel(schedule, channel, sends.get(channel, []), recvs.get(channel, []))
+
+
+def _check_channel(schedule: Schedule, channel: tuple[int, int], out: list, inc: list) -> None:
+    if len(out) != len(inc):
+        raise ScheduleError(f"channel rank {channel[0]} → rank {channel[1]}: {len(out)} sends but "
+                            f"{len(inc)} receives")
+    for k, ((sr, s), (rr, rv)) in enumerate(zip(out, inc)):
+        step = 1 if s.op.to_next else -1
+        want_part = schedule.part(sr, s.chunk) + step
+        if rv.op is not s.op.partner or rv.mb != s.mb or schedule.part(rr, rv.chunk) != want_part:
+            raise ScheduleError(f"channel rank {sr} → rank {rr}, message {k}: rank {sr} sends {s} but "
+                                f"rank {rr} receives it as {rv}")
+
+
+def _needs(schedule: Schedule, r: int, a: Action) -> list[tuple[Op, ...]]:
+    """What must have run on rank r before `a`: per entry, one of those ops on the same (chunk, mb)."""
+    part, last = schedule.part(r, a.chunk), schedule.num_parts - 1
+    if a.op is F:
+        return [(Op.RECV_F,)] if part > 0 else []
+    if a.op in (B, IN):
+        return [(F,)] + ([(Op.RECV_B,)] if part < last else [])
+    return {WT: [(IN,)], Op.SEND_F: [(F,)], Op.SEND_B: [(B, IN)]}.get(a.op, [])
+
+
+def _check_rank(schedule: Schedule, r: int, acts: list[Action], forward_only: bool) -> None:
+    done: set[tuple[Op, int, int]] = set()
+    for a in acts:
+        key = (a.op, a.chunk, a.mb)
+        if key in done or not (0 <= a.chunk < schedule.virtual_stages and 0 <= a.mb < schedule.microbatches):
+            raise ScheduleError(f"rank {r}: action {a} is repeated or out of range")
+        if a.op in (B, IN) and ({(B, a.chunk, a.mb), (IN, a.chunk, a.mb)} & done):
+            raise ScheduleError(f"rank {r}: {a}: microbatch {a.mb} of chunk {a.chunk} already ran its backward")
+        for options in _needs(schedule, r, a):
+            if not any((op, a.chunk, a.mb) in done for op in options):
+                late = "its gradient is received" if options[0] is Op.RECV_B else Action(options[0], a.chunk, a.mb)
+                raise ScheduleError(f"rank {r}: {a} runs before {late}")
+        done.add(key)
+    missing = [Action(op, c, i) for c in range(schedule.virtual_stages) for i in range(schedule.microbatches)
+               for op in _wanted(done, c, i, forward_only) if (op, c, i) not in done]
+    if missing:
+        raise ScheduleError(f"rank {r}: missing {', '.join(map(str, missing[:4]))}")
+
+
+def _wanted(done: set[tuple[Op, int, int]], c: int, i: int, forward_only: bool) -> tuple[Op, ...]:
+    """The compute ops (chunk c, microbatch i) must have: F, and B or the split pair I, W."""
+    if forward_only:
+        return (F,)
+    return (F, IN, WT) if {(IN, c, i), (WT, c, i)} & done else (F, B)
+
+
+@dataclass
+class Simulation:
+    """The replay of a schedule: when each compute action ran, and what that means."""
+
+    schedule: Schedule
+    makespan: float
+    busy: list[float]  # compute time per rank
+    peak_in_flight: list[int]  # most (chunk, microbatch) activations held at once, per rank
+    intervals: list[tuple[int, float, float, Action]] = field(default_factory=list)  # (rank, start, end, compute)
+
+    @property
+    def bubble_per_rank(self) -> list[float]:
+        return [1.0 - b / self.makespan if self.makespan else 0.0 for b in self.busy]
+
+    @property
+    def bubble(self) -> float:
+        """Idle share of the step, averaged over ranks."""
+        per = self.bubble_per_rank
+        return sum(per) / len(per)
+
+
+def costs(schedule: Schedule, forward: float, backward: float, weight: Optional[float]) -> dict[Op, float]:
+    """Seconds of one chunk-microbatch per compute op (see the module docstring)."""
+    v, w = schedule.virtual_stages, backward / 2 if weight is None else weight
+    if not 0 <= w <= backward:
+        raise ScheduleError(f"weight-gradient cost {w} must lie in [0, backward={backward}]")
+    return {F: forward / v, B: backward / v, IN: (backward - w) / v, WT: w / v}
+
+
+def simulate(schedule: Schedule, forward: float = 1.0, backward: float = 2.0, comm: float = 0.0,
+             weight: Optional[float] = None) -> Simulation:
+    """Replay `schedule` on a virtual clock; raise ScheduleError if it is invalid or deadlocks.
+
+    Costs as in the module docstring; `comm` is the time of one comm batch once its ops are matched.
+    """
+    validate(schedule)
+    cost = costs(schedule, forward, backward, weight)
+    items = [steps(acts) for acts in schedule.actions]
+    comms = _Comms(schedule, items, comm)
+    p = schedule.pp
+    pos, clock, busy, live, peak = [0] * p, [0.0] * p, [0.0] * p, [0] * p, [0] * p
+    sim = Simulation(schedule, 0.0, busy, peak)
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pos[r] < len(items[r]):
+                it = items[r][pos[r]]
+                if isinstance(it, Action):
+                    sim.intervals.append((r, clock[r], clock[r] + cost[it.op], it))
+                    clock[r] += cost[it.op]
+                    busy[r] += cost[it.op]
+                    live[r] += 1 if it.op is F else -(it.op in RELEASES)
+                    peak[r] = max(peak[r], live[r])
+                elif not comms.reach(r, clock):
+                    break
+                pos[r] += 1
+                progress = True
+    _raise_if_stuck(items, pos, comms)
+    sim.makespan = max(clock + [comms.done(r, k) or 0.0 for r in range(p) for k in range(comms.posted_count(r))])
+    return sim
+
+
+def _raise_if_stuck(items: list[list], pos: list[int], comms: _Comms) -> None:
+    stuck = [r for r in range(len(items)) if pos[r] < len(items[r])]
+    if stuck:
+        waits = "; ".join(f"rank {r} waits at [{', '.join(map(str, items[r][pos[r]]))}]" for r in stuck)
+        raise ScheduleError(f"deadlock: {waits}")
+    unmatched = [(r, k) for r in range(len(items)) for k in range(comms.posted_count(r)) if comms.done(r, k) is None]
+    if unmatched:
+        raise ScheduleError(f"deadlock: rank {unmatched[0][0]}'s comm batch {unmatched[0][1]} never completes")
+
+
+class _Comms:
+    """The comm batches of every rank as the executor runs them on a stream: rank r's batch k is posted when
+    the rank reaches it, starts once posted and once batch k−1 has completed (NCCL runs a communicator's
+    groups in order), and completes `comm` after every op in it has met its partner op (the k-th op of the
+    same src → dst channel) started on the partner's stream. The rank waits for a batch only if it receives
+    something; sends complete in the background (the executor drains them at the end)."""
+
+    def __init__(self, schedule: Schedule, items: list[list], comm: float) -> None:
+        self.comm = comm
+        self.batches = [[it for it in rank_items if isinstance(it, list)] for rank_items in items]
+        self.posted: list[list[float]] = [[] for _ in items]
+        self.partners = self._match(schedule)
+        self._done: dict[tuple[int, int], float] = {}
+        self._busy: set[tuple[int, int]] = set()
+        self.reached = [0] * len(items)  # batches each rank has gone past
+
+    def _match(self, schedule: Schedule) -> dict[tuple[int, int], list[tuple[int, int]]]:
+        """(rank, batch) → the (rank, batch) of each of its ops' partner op."""
+        keys_of = {(r, k): keys for r, batches in enumerate(self.batches)
+                   for k, keys in enumerate(_channel_keys(schedule, r, batches))}
+        where = {key: rk for rk, keys in keys_of.items() for key in keys}
+        return {rk: [where[_partner_key(key)] for key in keys] for rk, keys in keys_of.items()}
+
+    def posted_count(self, r: int) -> int:
+        return len(self.posted[r])
+
+    def reach(self, r: int, clock: list[float]) -> bool:
+        """Rank r reaches its next batch: post it at its clock (once); True when the rank may go on (the
+        batch's receives, if any, have completed: the clock then moves to that completion)."""
+        k = self.reached[r]
+        if len(self.posted[r]) == k:
+            self.posted[r].append(clock[r])
+        if any(a.op.is_recv for a in self.batches[r][k]):
+            done = self.done(r, k)
+            if done is None:
+                return False
+            clock[r] = max(clock[r], done)
+        self.reached[r] += 1
+        return True
+
+    def start(self, r: int, k: int) -> Optional[float]:
+        if k >= len(self.posted[r]):
+            return None
+        before = self.done(r, k - 1) if k else 0.0
+        return None if before is None else max(self.posted[r][k], before)
+
+    def done(self, r: int, k: int) -> Optional[float]:
+        """When rank r's batch k completes, or None while that is not determined yet (a partner not posted)."""
+        if (r, k) in self._done:
+            return self._done[(r, k)]
+        if (r, k) in self._busy:
+            return None  # a cycle of waits: not (yet) resolvable
+        self._busy.add((r, k))
+        try:
+            times = [self.start(r, k)] + [self.start(q, j) for q, j in self.partners[(r, k)]]
+        finally:
+            self._busy.discard((r, k))
+        if any(t is None for t in times):
+            return None
+        self._done[(r, k)] = max(times) + self.comm
+        return self._done[(r, k)]
+
+
+def _partner_key(key: tuple[str, int, int, int]) -> tuple[str, int, int, int]:
+    return ("RECV" if key[0] == "SEND" else "SEND",) + key[1:]
+
+
+def _channel_keys(schedule: Schedule, r: int, items: list) -> list[list[tuple[str, int, int, int]]]:
+    """Per item of rank r, the keys (SEND|RECV, src, dst, k) of its comm ops: the k-th op on the
+    src → dst channel, counted along the rank's list (empty for compute actions)."""
+    counts: dict[tuple[str, int, int], int] = defaultdict(int)
+    out = []
+    for it in items:
+        batch_keys = []
+        for a in it if isinstance(it, list) else []:
+            kind = "SEND" if a.op.is_send else "RECV"
+            peer = schedule.peer(r, a)
+            ch = (kind, r, peer) if kind == "SEND" else (kind, peer, r)
+            batch_keys.append(ch + (counts[ch],))
+            counts[ch] += 1
+        out.append(batch_keys)
+    return out

@@ -1,0 +1,137 @@
+"""The split backward of zero-bubble schedules: input gradients now (I), weight gradients later (W).
+
+A model part's backward is one autograd graph from its output to its input `x` (the received hidden
+states) and its parameters. `backward_input` walks that graph once and sorts every parameter:
+
+  deferred  reached from the input's side of the graph through exactly one node — its *frontier*
+            node, e.g. a linear's matmul, whose backward yields both the input's gradient and the
+            weight's. The input pass runs the frontier node for the input's gradient only (autograd
+            computes an output of a node only when a requested input lies behind it) and keeps the
+            gradient that flowed into it; `WeightGrads.run` later runs the same node once more, from
+            that kept gradient, for the weight's gradient only.
+  eager     anything else (a parameter the part uses twice, or one not on the input's side): its
+            gradient is computed in the input pass, which costs little and keeps W free of double counts.
+
+Both passes accumulate through autograd (AccumulateGrad), so `.grad` buckets, `main_grad` and the DP
+sync's post-accumulate hooks see each parameter once per microbatch, as under a full backward; no
+collective runs here (TP's region ops sit on the input's side and run in the input pass). The first part
+has no input to differentiate: its input pass does nothing and its W is the whole backward, as in
+`torch.distributed.pipelining`. The graph is kept (`retain_graph`) between the passes, so a microbatch's
+activations live until its W: the schedules count it in flight until then.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Iterable
+from typing import Optional
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+
+def run_backward(roots: tuple, grads: tuple, inputs: tuple = (), retain: bool = False) -> None:
+    """The autograd engine without `torch.autograd.backward`'s shape check: a sent activation's storage
+    has been freed (see `pipeline._Run._free`), its autograd node is intact."""
+    torch.autograd.Variable._execution_engine.run_backward(roots, grads, retain, False, inputs, True, True)
+
+
+class WeightGrads:
+    """What a part's input pass leaves for its weight pass: per frontier node, the gradient that flowed into
+    it and the parameters behind it (or, on the first part, the whole deferred backward)."""
+
+    def __init__(self) -> None:
+        self.frontier: dict[Node, list[torch.Tensor]] = {}  # node → its deferred parameters
+        self.grads: dict[Node, tuple[Optional[torch.Tensor], ...]] = {}  # node → gradient into it
+        self.full: Optional[tuple[tuple, tuple]] = None  # (roots, grads): the first part's whole backward
+
+    def run(self) -> None:
+        """The weight pass: accumulate every deferred parameter's gradient (one engine call per frontier node,
+        each computing only that node's weight outputs and the nodes between it and its parameters)."""
+        if self.full is not None:
+            run_backward(*self.full)
+        for node, params in self.frontier.items():
+            grads = self.grads.get(node, ())
+            edges = [(GradientEdge(node, i), g) for i, g in enumerate(grads) if g is not None]
+            if edges:
+                run_backward(tuple(e for e, _ in edges), tuple(g for _, g in edges), tuple(params))
+        self.frontier, self.grads, self.full = {}, {}, None
+
+
+def backward_input(out: torch.Tensor, grad: Optional[torch.Tensor], x: Optional[torch.Tensor]) -> WeightGrads:
+    """The input pass of a part whose output is `out` (the loss on the last part, `grad` None) and input `x`
+    (None on the first part): accumulate `x.grad` and the eager parameters' gradients; return the W work."""
+    work = WeightGrads()
+    roots, grads = (out,), (grad if grad is not None else torch.ones_like(out),)
+    if x is None or not x.requires_grad:
+        work.full = (roots, grads)
+        return work
+    x_node = get_gradient_edge(x).node
+    work.frontier, eager = _sort_parameters(out.grad_fn, x_node)
+    handles = [node.register_prehook(_keeper(work, node)) for node in work.frontier]
+    try:
+        run_backward(roots, grads, (x, *eager), retain=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return work
+
+
+def _keeper(work: WeightGrads, node: Node):
+    def keep(grad_outputs: tuple) -> None:
+        work.grads[node] = tuple(grad_outputs)
+    return keep
+
+
+def _sort_parameters(root: Node, x_node: Node) -> tuple[dict[Node, list[torch.Tensor]], list[torch.Tensor]]:
+    """(frontier node → deferred parameters, eager parameters) of the graph under `root` (see module doc)."""
+    parents = _parents(root)
+    input_side = _reach(x_node, parents, stop=set())
+    frontier: dict[Node, list[torch.Tensor]] = defaultdict(list)
+    eager: list[torch.Tensor] = []
+    for node in list(parents):
+        leaf = getattr(node, "variable", None)
+        if leaf is None or node is x_node:
+            continue
+        fronts = {n for n in _reach(node, parents, stop=input_side) if n in input_side}
+        if len(fronts) == 1:
+            frontier[fronts.pop()].append(leaf)
+        else:
+            eager.append(leaf)
+    return dict(frontier), eager
+
+
+def _parents(root: Node) -> dict[Node, list[Node]]:
+    """Every node under `root` → the nodes that feed gradient into it (the reverse of `next_functions`)."""
+    parents: dict[Node, list[Node]] = {root: []}
+    todo = deque([root])
+    while todo:
+        node = todo.popleft()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child not in parents:
+                parents[child] = []
+                todo.append(child)
+            parents[child].append(node)
+    return parents
+
+
+def _reach(start: Node, parents: dict[Node, list[Node]], stop: set[Node]) -> set[Node]:
+    """The nodes from which gradient reaches `start`: `start`, its parents, theirs, …, not going past `stop`
+    (nodes of `stop` that are met are included, their parents are not)."""
+    seen, todo = {start}, deque([start])
+    while todo:
+        node = todo.popleft()
+        if node in stop and node is not start:
+            continue
+        for p in _unseen(parents.get(node, ()), seen):
+            todo.append(p)
+    return seen
+
+
+def _unseen(nodes: Iterable[Node], seen: set[Node]) -> Iterable[Node]:
+    for n in nodes:
+        if n not in seen:
+            seen.add(n)
+            yield n
