@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Union
+from typing import Optional, Union
 
 
 class ScheduleError(ValueError):
@@ -81,6 +81,26 @@ class Action:
         return f"{self.op}{self.mb}" + (f".c{self.chunk}" if self.chunk else "")
 
 
+PLACEMENTS = ("loop", "v")
+"""How the pp·v model parts sit on the ranks. loop: chunk c of rank r holds part c·pp + r (activations go round
+the ranks v times). v (two chunks): chunk 0 of rank r holds part r, chunk 1 part 2·pp − 1 − r, so the model goes
+down the ranks and back up, and rank 0 holds both the first part and the last."""
+
+
+def part_of(placement: str, pp: int, rank: int, chunk: int) -> int:
+    """The model part chunk `chunk` of pipeline rank `rank` holds (see PLACEMENTS)."""
+    if placement == "v":
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+    return chunk * pp + rank
+
+
+def place_of(placement: str, pp: int, part: int) -> tuple[int, int]:
+    """(rank, chunk) holding model part `part`: the inverse of `part_of`."""
+    if placement == "v":
+        return (part, 0) if part < pp else (2 * pp - 1 - part, 1)
+    return part % pp, part // pp
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Every pipeline rank's action list, with the sizes that produced it."""
@@ -90,19 +110,51 @@ class Schedule:
     microbatches: int
     virtual_stages: int
     actions: tuple[tuple[Action, ...], ...]
+    placement: str = "loop"  # see PLACEMENTS
 
     @property
     def num_parts(self) -> int:
         return self.pp * self.virtual_stages
 
+    @property
+    def last_rank(self) -> int:
+        """The pipeline rank holding the last part (the head and the loss)."""
+        return place_of(self.placement, self.pp, self.num_parts - 1)[0]
+
     def part(self, rank: int, chunk: int) -> int:
         """The model part (global virtual stage) chunk `chunk` of `rank` holds."""
-        return chunk * self.pp + rank
+        return part_of(self.placement, self.pp, rank, chunk)
+
+    def neighbour(self, rank: int, chunk: int, step: int) -> Optional[tuple[int, int]]:
+        """(rank, chunk) holding the part `step` (±1) away from this chunk's, None past either end."""
+        part = self.part(rank, chunk) + step
+        return place_of(self.placement, self.pp, part) if 0 <= part < self.num_parts else None
+
+    def is_local(self, rank: int, chunk: int, step: int) -> bool:
+        """Whether the neighbouring part `step` (±1) away is on this rank too (the V's turn): handed over in
+        memory, with no comm action."""
+        other = self.neighbour(rank, chunk, step)
+        return other is not None and other[0] == rank
+
+    @property
+    def streams(self) -> list[str]:
+        """Every comm stream some rank's actions use (`stream`)."""
+        return sorted({self.stream(r, a) for r, acts in enumerate(self.actions) for a in acts if a.op.is_comm})
+
+    def stream(self, rank: int, a: Action) -> str:
+        """The comm stream comm action `a` travels on: activations or gradients (F, B), flowing down the ranks or
+        up (+, −). Each stream is its own process group (NCCL runs a group's ops in order, and a V placement
+        would otherwise queue the way back up behind the way down): loop placements use F+ and B−."""
+        down = self.placement != "v" or a.chunk == 0
+        kind = "F" if a.op in (Op.SEND_F, Op.RECV_F) else "B"
+        return kind + ("+" if down == (kind == "F") else "-")
 
     def peer(self, rank: int, a: Action) -> int:
         """The rank on the other end of comm action `a` of `rank`."""
-        step = 1 if a.op.to_next else -1
-        return (rank + step) % self.pp
+        other = self.neighbour(rank, a.chunk, 1 if a.op.to_next else -1)
+        if other is None:
+            raise ScheduleError(f"rank {rank}: {a} has no peer (part {self.part(rank, a.chunk)} is at an end)")
+        return other[0]
 
 
 def steps(actions: tuple[Action, ...] | list[Action]) -> list[Union[Action, list[Action]]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Optional
 
 import torch.distributed as dist
@@ -161,6 +162,7 @@ class ParallelContext:
     dp_intra_group: Optional[dist.ProcessGroup] = None
     dp_inter_group: Optional[dist.ProcessGroup] = None
     embedding_group: Optional[dist.ProcessGroup] = None
+    timeout_s: Optional[float] = None  # every group's (`parallel.timeout_s`)
 
     @property
     def coord(self) -> Coord:
@@ -206,7 +208,7 @@ class ParallelContext:
         rank = dist.get_rank()
         if dist.get_world_size() != layout.world:
             raise LayoutError(f"layout is for {layout.world} ranks, world size is {dist.get_world_size()}")
-        ctx = ParallelContext(layout=layout, rank=rank)
+        ctx = ParallelContext(layout=layout, rank=rank, timeout_s=timeout_s)
         ctx.tp_group = _mine(layout.tp_groups(), rank, "tp", timeout_s)
         ctx.dp_group = _mine(layout.dp_groups(), rank, "dp", timeout_s)
         ctx.pp_group = _mine(layout.pp_groups(), rank, "pp", timeout_s)
@@ -216,6 +218,18 @@ class ParallelContext:
         for kind in GROUP_KINDS:
             name_group(getattr(ctx, f"{kind}_group"), kind)
         return ctx
+
+
+def pp_streams(ctx: ParallelContext, streams: Sequence[str]) -> dict[str, dist.ProcessGroup]:
+    """One more group over this rank's pipeline ranks per pipeline comm stream (`pipeline.P2P`), each counted
+    as "pp"; {} without a pipeline. Collective: every rank must call it with the same streams."""
+    if ctx.layout.pp == 1 or not dist.is_initialized():
+        return {}
+    out = {}
+    for stream in streams:
+        out[stream] = _mine(ctx.layout.pp_groups(), ctx.rank, "pp", ctx.timeout_s)
+        name_group(out[stream], "pp")
+    return out
 
 
 def _mine(groups: list[list[int]], rank: int, kind: str, timeout_s: Optional[float]) -> Optional[dist.ProcessGroup]:

@@ -30,9 +30,14 @@ def grad_of(p: nn.Parameter) -> Optional[torch.Tensor]:
 def sync_tied_grads(params: Sequence[nn.Parameter], group: Group) -> None:
     """Sum the gradient of the tied embedding between the first stage (token embedding) and the
     last (output head, its `pp_duplicate` copy) over the embedding group, as Megatron does: both
-    copies then take the same optimizer step and stay identical. One all-reduce per step."""
+    copies then take the same optimizer step and stay identical. One all-reduce per step — or none
+    where one rank holds both copies (a V placement puts the first and the last part on pipeline
+    rank 0, and the last pipeline rank then holds neither): the sum is then local."""
     tied = [grad_of(p) for p in params if param_info(p).pp_tied and grad_of(p) is not None]
-    if C.size(group) > 1:
+    if len(tied) == 2:
+        tied[0].add_(tied[1])
+        tied[1].copy_(tied[0])
+    elif C.size(group) > 1:
         for g in tied:
             C.all_reduce(g, group)
 

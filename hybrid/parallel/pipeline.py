@@ -64,17 +64,22 @@ class P2P:
     """Batched sends and receives with the neighbouring pipeline ranks (over `group`).
 
     Received hidden states and gradients all have `shape` and `dtype` (the residual stream's).
-    Sent bytes are counted as ops `send_fwd` / `send_bwd` of the group. A batch waits for its receives
-    only: where the backend hands back one work per op (gloo), the sends complete in the background
-    while the rank computes on and `drain()` waits for them at the end of the schedule; where it
-    coalesces the batch into one work (NCCL), that work is waited on if the batch receives anything
-    (the host does not block there) and drained with the sends otherwise.
+    Sent bytes are counted as ops `send_fwd` / `send_bwd` of the group. Each comm stream of the schedule
+    (`Schedule.stream`: activations or gradients, down or up) goes over its own group of `streams` (the
+    same ranks; `group` for a stream not given), so that NCCL, which runs one group's ops in order, runs
+    them in the order the simulator proved deadlock-free; a batch posts one `batch_isend_irecv` per stream.
+    A batch waits for its receives only: where the backend hands back one work per op (gloo), the sends
+    complete in the background while the rank computes on and `drain()` waits for them at the end of the
+    schedule; where it coalesces a stream's ops into one work (NCCL), that work is waited on if it
+    receives anything (the host does not block there) and drained with the sends otherwise.
     Under `C.TIMER`, posting plus the receives' wait is a blocking `send_recv` span, each background
     send an async `send_recv` span, and `drain()`'s wait exposed time of the group.
     """
 
-    def __init__(self, group: Group, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, group: Group, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 streams: Optional[dict[str, Group]] = None) -> None:
         self.group, self.shape, self.dtype, self.device = group, shape, dtype, device
+        self.streams = streams or {}
         self.name = C.group_name(group)
         self.sending: list[tuple[dist.Work, object, Span, bool]] = []  # in flight (tensors kept alive)
 
@@ -82,10 +87,14 @@ class P2P:
                  tensors: dict[Action, torch.Tensor]) -> dict[Action, torch.Tensor]:
         """Post every op of `batch` at once, wait for the receives; return the received tensors."""
         with C.TIMER.collective(self.name, "send_recv"):
-            return self._exchange(schedule, rank, batch, tensors)
+            received: dict[Action, torch.Tensor] = {}
+            for stream in sorted({schedule.stream(rank, a) for a in batch}):
+                ops = [a for a in batch if schedule.stream(rank, a) == stream]
+                received |= self._exchange(schedule, rank, ops, tensors, self.streams.get(stream, self.group))
+            return received
 
-    def _exchange(self, schedule: Schedule, rank: int, batch: list[Action],
-                  tensors: dict[Action, torch.Tensor]) -> dict[Action, torch.Tensor]:
+    def _exchange(self, schedule: Schedule, rank: int, batch: list[Action], tensors: dict[Action, torch.Tensor],
+                  group: Group) -> dict[Action, torch.Tensor]:
         ops, received = [], {}
         for a in batch:
             peer = schedule.peer(rank, a)
@@ -95,11 +104,11 @@ class P2P:
                     raise RuntimeError(f"pipeline {a}: sending {tuple(t.shape)} {t.dtype}, but every stage "
                                        f"receives {self.shape} {self.dtype}")
                 C.COUNTER.record(self.name, "send_fwd" if a.op is Op.SEND_F else "send_bwd", t, schedule.pp)
-                ops.append(dist.P2POp(dist.isend, t, group=self.group, group_peer=peer))
+                ops.append(dist.P2POp(dist.isend, t, group=group, group_peer=peer))
             else:
                 buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                 received[a] = buf
-                ops.append(dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer))
+                ops.append(dist.P2POp(dist.irecv, buf, group=group, group_peer=peer))
         start = C.TIMER.mark()
         works = dist.batch_isend_irecv(ops)
         if len(works) != len(ops):  # one coalesced work for the batch (NCCL): wait on it if it receives
@@ -180,6 +189,8 @@ class _Run:
 
     def forward(self, a: Action) -> None:
         x = self.received.pop(Action(Op.RECV_F, a.chunk, a.mb), None)
+        if x is None and self.schedule.is_local(self.rank, a.chunk, -1):  # the V's turn: in memory
+            x = self.outputs[(self.schedule.neighbour(self.rank, a.chunk, -1)[1], a.mb)].detach()
         if x is not None and torch.is_grad_enabled():
             x.requires_grad_(True)
         start = self.stats.clock.mark()
@@ -197,6 +208,8 @@ class _Run:
         start = self.stats.clock.mark()
         if self.schedule.part(self.rank, a.chunk) == self.last_part:
             root, grad = out / self.schedule.microbatches, None
+        elif self.schedule.is_local(self.rank, a.chunk, 1):  # the V's turn: the next chunk's input gradient
+            root, grad = out, self.inputs.pop((self.schedule.neighbour(self.rank, a.chunk, 1)[1], a.mb)).grad
         else:
             root, grad = out, self.received.pop(Action(Op.RECV_B, a.chunk, a.mb))
         if a.op is Op.BACKWARD_INPUT:

@@ -31,6 +31,7 @@ sizes). A new schedule is one order function `(pp, m, v, rank) → slots` and on
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -93,6 +94,43 @@ def zb1p_order(pp: int, m: int, v: int, rank: int) -> list[list[Action]]:
     return order + [[Action(WT, 0, j)] for j in weights]
 
 
+def zbv_order(pp: int, m: int, v: int, rank: int) -> list[list[Action]]:
+    """ZB-V on the V placement (chunk 0 = part r going down, chunk 1 = part 2p−1−r coming back up): chunk-0
+    forwards fill the way down, chunk-1 forwards the way up, each chunk-1 input pass is followed at once by
+    its weight pass, then a steady state of F I W on both chunks, and a cool-down whose weight passes fill
+    the waits. Built for at least 2p−1 microbatches; actions of the microbatches beyond m are dropped."""
+    n, done = max(2 * pp - 1, m), {F: [0, 0], IN: [0, 0], WT: [0, 0]}
+    seq: list[Action] = []
+
+    def add(*pairs: tuple[Op, int]) -> None:
+        for op, c in pairs:
+            seq.append(Action(op, c, done[op][c]))
+            done[op][c] += 1
+
+    for _ in range(2 * (pp - rank) - 1):
+        add((F, 0))
+    for _ in range(rank):
+        add((F, 1), (F, 0))
+    for _ in range(pp - rank):
+        add((F, 1), (IN, 1), (WT, 1))
+    while done[F][1] < done[F][0] or done[F][0] < n:
+        add(*([(F, 0)] if done[F][0] < n else []), (IN, 0), (WT, 0), (F, 1), (IN, 1), (WT, 1))
+    for _ in range(rank):
+        add((IN, 0), (IN, 1))
+    for _ in range(pp - rank):
+        add((IN, 0), (WT, 0))
+    add(*[(WT, 1)] * (done[IN][1] - done[WT][1]), *[(WT, 0)] * (done[IN][0] - done[WT][0]))
+    return [[a] for a in seq if a.mb < m]
+
+
+def _zbv_sizes(pp: int, m: int, v: int) -> None:
+    if pp < 2:
+        raise ScheduleError("zbv schedule needs pp >= 2 (its two chunks go down the pipeline ranks and back up)")
+    if v != 2:
+        raise ScheduleError(f"zbv schedule runs exactly 2 model chunks per rank: set parallel.virtual_stages=2 "
+                            f"(got {v})")
+
+
 def _interleaved_sizes(pp: int, m: int, v: int) -> None:
     if pp < 2:
         raise ScheduleError("interleaved schedule needs pp >= 2 (its chunks go round the pipeline ranks)")
@@ -113,6 +151,7 @@ class ScheduleSpec:
     check: Callable[[int, int, int], None] = _any_sizes  # (pp, m, v) → raises ScheduleError if it cannot run
     min_virtual_stages: int = 1  # the fewest chunks a training run accepts (the simulator takes any >= 1) …
     fewer_virtual: str = ""  # … and what fewer would amount to, for the config's error line
+    placement: str = "loop"  # how the chunks' parts sit on the ranks (`actions.PLACEMENTS`)
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
@@ -122,6 +161,8 @@ SCHEDULES: dict[str, ScheduleSpec] = {
                                 fewer_virtual="with 1 it is 1f1b with a deeper warm-up: the same bubble, "
                                               "more activation memory"),
     "zb1p": ScheduleSpec(zb1p_order),
+    "zbv": ScheduleSpec(zbv_order, virtual=True, check=_zbv_sizes, min_virtual_stages=2,
+                        fewer_virtual="its V runs two chunks per rank", placement="v"),
 }
 """The registry: `parallel.schedule` name → spec; its order is the order of the choices shown."""
 
@@ -140,41 +181,47 @@ def check_sizes(name: str, pp: int, microbatches: int, virtual_stages: int = 1) 
     spec.check(pp, microbatches, virtual_stages)
 
 
-def with_comm(slots: list[list[Action]], pp: int, v: int, rank: int) -> list[Action]:
-    """Insert the p2p actions a compute order needs. Computes are grouped in slots; between two
-    slots one exchange sends what the previous slot produced and receives what the next needs."""
-    last = pp * v - 1
+def with_comm(slots: list[list[Action]], skeleton: Schedule, rank: int) -> list[Action]:
+    """Insert the p2p actions a compute order needs (`skeleton`: the schedule's sizes and placement). Computes
+    are grouped in slots; between two slots one exchange sends what the previous slot produced and receives
+    what the next needs. A neighbouring part on the same rank (the V's turn) needs no comm action."""
     out: list[Action] = []
     pending: list[Action] = []  # the previous slot's sends
     for slot in slots:
-        recvs = []
-        for a in slot:
-            part = a.chunk * pp + rank
-            if a.op is F and part > 0:
-                recvs.append(Action(Op.RECV_F, a.chunk, a.mb))
-            elif a.op in (B, IN) and part < last:
-                recvs.append(Action(Op.RECV_B, a.chunk, a.mb))
+        recvs = [Action(op, a.chunk, a.mb) for a in slot for op, step in _comm(a, Op.RECV_F, Op.RECV_B)
+                 if _remote(skeleton, rank, a.chunk, step)]
         out += pending + recvs + slot
-        pending = []
-        for a in slot:
-            part = a.chunk * pp + rank
-            if a.op is F and part < last:
-                pending.append(Action(Op.SEND_F, a.chunk, a.mb))
-            elif a.op in (B, IN) and part > 0:
-                pending.append(Action(Op.SEND_B, a.chunk, a.mb))
+        pending = [Action(op, a.chunk, a.mb) for a in slot for op, step in _comm(a, Op.SEND_F, Op.SEND_B)
+                   if _remote(skeleton, rank, a.chunk, step)]
     return out + pending
+
+
+def _comm(a: Action, forward_op: Op, backward_op: Op) -> list[tuple[Op, int]]:
+    """The comm op of kind receive (RECV_F, RECV_B) or send (SEND_F, SEND_B) compute action `a` needs, with the
+    direction (±1) of the part it talks to; [] for W, which exchanges nothing."""
+    receive = forward_op is Op.RECV_F
+    if a.op is F:
+        return [(forward_op, -1 if receive else 1)]
+    if a.op in (B, IN):
+        return [(backward_op, 1 if receive else -1)]
+    return []
+
+
+def _remote(skeleton: Schedule, rank: int, chunk: int, step: int) -> bool:
+    return skeleton.neighbour(rank, chunk, step) is not None and not skeleton.is_local(rank, chunk, step)
 
 
 def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1,
                    forward_only: bool = False) -> Schedule:
     """The action lists of schedule `name`; `forward_only` keeps just the forwards (evaluation)."""
     check_sizes(name, pp, microbatches, virtual_stages)
-    v, order = virtual_stages, SCHEDULES[name].order
+    spec, v = SCHEDULES[name], virtual_stages
+    skeleton = Schedule(name, pp, microbatches, v, (), spec.placement)
     lists = []
     for r in range(pp):
-        slots = order(pp, microbatches, v, r)
+        slots = spec.order(pp, microbatches, v, r)
         if forward_only:
             slots = [[a for a in s if a.op is F] for s in slots]
             slots = [s for s in slots if s]
-        lists.append(tuple(with_comm(slots, pp, v, r)))
-    return Schedule(name, pp, microbatches, v, tuple(lists))
+        lists.append(tuple(with_comm(slots, skeleton, r)))
+    return dataclasses.replace(skeleton, actions=tuple(lists))

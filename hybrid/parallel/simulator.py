@@ -27,24 +27,24 @@ RELEASES = (B, WT)  # the compute ops after which a microbatch's activations are
 
 def validate(schedule: Schedule) -> None:
     """Raise ScheduleError unless every rank runs each (chunk, microbatch) forward once and its backward
-    once after it (B, or I then W), receives before computing, sends after, and every (src → dst)
-    channel's sends match its receives one for one, in order."""
+    once after it (B, or I then W), receives before computing, sends after, and every (src → dst) channel
+    of each comm stream (activations, gradients) has its sends match its receives one for one, in order."""
     forward_only = not any(a.op is not F for acts in schedule.actions for a in acts if a.op.is_compute)
     for r, acts in enumerate(schedule.actions):
         _check_rank(schedule, r, list(acts), forward_only)
-    sends: dict[tuple[int, int], list[tuple[int, Action]]] = defaultdict(list)
-    recvs: dict[tuple[int, int], list[tuple[int, Action]]] = defaultdict(list)
+    sends: dict[tuple[int, int, str], list[tuple[int, Action]]] = defaultdict(list)
+    recvs: dict[tuple[int, int, str], list[tuple[int, Action]]] = defaultdict(list)
     for r, acts in enumerate(schedule.actions):
         for a in acts:
             if a.op.is_send:
-                sends[(r, schedule.peer(r, a))].append((r, a))
+                sends[(r, schedule.peer(r, a), schedule.stream(r, a))].append((r, a))
             elif a.op.is_recv:
-                recvs[(schedule.peer(r, a), r)].append((r, a))
+                recvs[(schedule.peer(r, a), r, schedule.stream(r, a))].append((r, a))
     for channel in set(sends) | set(recvs):
         _check_channel(schedule, channel, sends.get(channel, []), recvs.get(channel, []))
 
 
-def _check_channel(schedule: Schedule, channel: tuple[int, int], out: list, inc: list) -> None:
+def _check_channel(schedule: Schedule, channel: tuple[int, int, str], out: list, inc: list) -> None:
     if len(out) != len(inc):
         raise ScheduleError(f"channel rank {channel[0]} → rank {channel[1]}: {len(out)} sends but "
                             f"{len(inc)} receives")
@@ -56,14 +56,22 @@ def _check_channel(schedule: Schedule, channel: tuple[int, int], out: list, inc:
                                 f"rank {rr} receives it as {rv}")
 
 
-def _needs(schedule: Schedule, r: int, a: Action) -> list[tuple[Op, ...]]:
-    """What must have run on rank r before `a`: per entry, one of those ops on the same (chunk, mb)."""
-    part, last = schedule.part(r, a.chunk), schedule.num_parts - 1
+def _needs(schedule: Schedule, r: int, a: Action) -> list[tuple[Op, int, tuple[Op, ...]]]:
+    """What must have run on rank r before `a`: per entry (label, chunk, ops), one of `ops` on that chunk and
+    the same microbatch. A neighbouring part on this rank hands over in memory: its compute instead of a receive."""
     if a.op is F:
-        return [(Op.RECV_F,)] if part > 0 else []
+        return _from(schedule, r, a.chunk, -1, Op.RECV_F, (F,))
     if a.op in (B, IN):
-        return [(F,)] + ([(Op.RECV_B,)] if part < last else [])
-    return {WT: [(IN,)], Op.SEND_F: [(F,)], Op.SEND_B: [(B, IN)]}.get(a.op, [])
+        return [(F, a.chunk, (F,))] + _from(schedule, r, a.chunk, 1, Op.RECV_B, (B, IN))
+    return {WT: [(IN, a.chunk, (IN,))], Op.SEND_F: [(F, a.chunk, (F,))],
+            Op.SEND_B: [(B, a.chunk, (B, IN))]}.get(a.op, [])
+
+
+def _from(schedule: Schedule, r: int, chunk: int, step: int, recv: Op, local_ops: tuple[Op, ...]) -> list:
+    other = schedule.neighbour(r, chunk, step)
+    if other is None:
+        return []
+    return [(local_ops[0], other[1], local_ops)] if other[0] == r else [(recv, chunk, (recv,))]
 
 
 def _check_rank(schedule: Schedule, r: int, acts: list[Action], forward_only: bool) -> None:
@@ -74,9 +82,9 @@ def _check_rank(schedule: Schedule, r: int, acts: list[Action], forward_only: bo
             raise ScheduleError(f"rank {r}: action {a} is repeated or out of range")
         if a.op in (B, IN) and ({(B, a.chunk, a.mb), (IN, a.chunk, a.mb)} & done):
             raise ScheduleError(f"rank {r}: {a}: microbatch {a.mb} of chunk {a.chunk} already ran its backward")
-        for options in _needs(schedule, r, a):
-            if not any((op, a.chunk, a.mb) in done for op in options):
-                late = "its gradient is received" if options[0] is Op.RECV_B else Action(options[0], a.chunk, a.mb)
+        for label, chunk, options in _needs(schedule, r, a):
+            if not any((op, chunk, a.mb) in done for op in options):
+                late = "its gradient is received" if label is Op.RECV_B else Action(label, chunk, a.mb)
                 raise ScheduleError(f"rank {r}: {a} runs before {late}")
         done.add(key)
     missing = [Action(op, c, i) for c in range(schedule.virtual_stages) for i in range(schedule.microbatches)
@@ -151,7 +159,7 @@ def simulate(schedule: Schedule, forward: float = 1.0, backward: float = 2.0, co
                 pos[r] += 1
                 progress = True
     _raise_if_stuck(items, pos, comms)
-    sim.makespan = max(clock + [comms.done(r, k) or 0.0 for r in range(p) for k in range(comms.posted_count(r))])
+    sim.makespan = max(clock + [t or 0.0 for t in comms.all_done()])
     return sim
 
 
@@ -160,89 +168,104 @@ def _raise_if_stuck(items: list[list], pos: list[int], comms: _Comms) -> None:
     if stuck:
         waits = "; ".join(f"rank {r} waits at [{', '.join(map(str, items[r][pos[r]]))}]" for r in stuck)
         raise ScheduleError(f"deadlock: {waits}")
-    unmatched = [(r, k) for r in range(len(items)) for k in range(comms.posted_count(r)) if comms.done(r, k) is None]
+    unmatched = [ref for ref, t in zip(comms.posted, comms.all_done()) if t is None]
     if unmatched:
-        raise ScheduleError(f"deadlock: rank {unmatched[0][0]}'s comm batch {unmatched[0][1]} never completes")
+        r, stream, j = unmatched[0]
+        raise ScheduleError(f"deadlock: rank {r}'s comm batch {j} on stream {stream} never completes")
 
 
 class _Comms:
-    """The comm batches of every rank as the executor runs them on a stream: rank r's batch k is posted when
-    the rank reaches it, starts once posted and once batch k−1 has completed (NCCL runs a communicator's
-    groups in order), and completes `comm` after every op in it has met its partner op (the k-th op of the
-    same src → dst channel) started on the partner's stream. The rank waits for a batch only if it receives
-    something; sends complete in the background (the executor drains them at the end)."""
+    """The comm batches of every rank as the executor runs them. A batch is one sub-batch per comm stream it
+    uses (activations F, gradients B: each its own process group, so its own NCCL stream). Rank r's k-th
+    sub-batch on a stream is posted when the rank reaches the batch, starts once posted and once its
+    (k−1)-th has completed (NCCL runs a communicator's groups in order), and completes `comm` after every op
+    in it has met its partner op (the j-th op of the same src → dst channel and stream) started on the
+    partner's stream. The rank waits for a batch only if it receives something; sends complete in the
+    background (the executor drains them at the end)."""
 
     def __init__(self, schedule: Schedule, items: list[list], comm: float) -> None:
         self.comm = comm
         self.batches = [[it for it in rank_items if isinstance(it, list)] for rank_items in items]
-        self.posted: list[list[float]] = [[] for _ in items]
+        self.subs: dict[tuple[int, str], list[list[Action]]] = defaultdict(list)  # (rank, stream) → sub-batches
+        self.refs: list[list[list[tuple[str, int]]]] = []  # rank → batch → its sub-batches (stream, index)
+        for r, batches in enumerate(self.batches):
+            self.refs.append([self._split(schedule, r, batch) for batch in batches])
         self.partners = self._match(schedule)
-        self._done: dict[tuple[int, int], float] = {}
-        self._busy: set[tuple[int, int]] = set()
+        self.posted: dict[tuple[int, str, int], float] = {}
+        self._done: dict[tuple[int, str, int], float] = {}
+        self._busy: set[tuple[int, str, int]] = set()
         self.reached = [0] * len(items)  # batches each rank has gone past
 
-    def _match(self, schedule: Schedule) -> dict[tuple[int, int], list[tuple[int, int]]]:
-        """(rank, batch) → the (rank, batch) of each of its ops' partner op."""
-        keys_of = {(r, k): keys for r, batches in enumerate(self.batches)
-                   for k, keys in enumerate(_channel_keys(schedule, r, batches))}
-        where = {key: rk for rk, keys in keys_of.items() for key in keys}
-        return {rk: [where[_partner_key(key)] for key in keys] for rk, keys in keys_of.items()}
+    def _split(self, schedule: Schedule, r: int, batch: list[Action]) -> list[tuple[str, int]]:
+        refs = []
+        for stream in sorted({schedule.stream(r, a) for a in batch}):
+            refs.append((stream, len(self.subs[(r, stream)])))
+            self.subs[(r, stream)].append([a for a in batch if schedule.stream(r, a) == stream])
+        return refs
 
-    def posted_count(self, r: int) -> int:
-        return len(self.posted[r])
+    def _match(self, schedule: Schedule) -> dict[tuple[int, str, int], list[tuple[int, str, int]]]:
+        """(rank, stream, sub-batch) → the (rank, stream, sub-batch) of each of its ops' partner op."""
+        keys_of = {(r, stream, j): keys for (r, stream), subs in self.subs.items()
+                   for j, keys in enumerate(_channel_keys(schedule, r, subs))}
+        where = {key: ref for ref, keys in keys_of.items() for key in keys}
+        return {ref: [where[_partner_key(key)] for key in keys] for ref, keys in keys_of.items()}
+
+    def all_done(self) -> list[Optional[float]]:
+        return [self.done(*ref) for ref in self.posted]
 
     def reach(self, r: int, clock: list[float]) -> bool:
-        """Rank r reaches its next batch: post it at its clock (once); True when the rank may go on (the
-        batch's receives, if any, have completed: the clock then moves to that completion)."""
-        k = self.reached[r]
-        if len(self.posted[r]) == k:
-            self.posted[r].append(clock[r])
-        if any(a.op.is_recv for a in self.batches[r][k]):
-            done = self.done(r, k)
-            if done is None:
-                return False
-            clock[r] = max(clock[r], done)
+        """Rank r reaches its next batch: post its sub-batches at its clock (once); True when the rank may go on
+        (the batch's receives, if any, have completed: the clock then moves to that completion)."""
+        refs = [(r, stream, j) for stream, j in self.refs[r][self.reached[r]]]
+        for ref in refs:
+            self.posted.setdefault(ref, clock[r])
+        waits = [self.done(*ref) for ref in refs if any(a.op.is_recv for a in self.subs[ref[:2]][ref[2]])]
+        if any(t is None for t in waits):
+            return False
+        clock[r] = max([clock[r], *waits])
         self.reached[r] += 1
         return True
 
-    def start(self, r: int, k: int) -> Optional[float]:
-        if k >= len(self.posted[r]):
+    def start(self, r: int, stream: str, j: int) -> Optional[float]:
+        if (r, stream, j) not in self.posted:
             return None
-        before = self.done(r, k - 1) if k else 0.0
-        return None if before is None else max(self.posted[r][k], before)
+        before = self.done(r, stream, j - 1) if j else 0.0
+        return None if before is None else max(self.posted[(r, stream, j)], before)
 
-    def done(self, r: int, k: int) -> Optional[float]:
-        """When rank r's batch k completes, or None while that is not determined yet (a partner not posted)."""
-        if (r, k) in self._done:
-            return self._done[(r, k)]
-        if (r, k) in self._busy:
+    def done(self, r: int, stream: str, j: int) -> Optional[float]:
+        """When rank r's j-th sub-batch on `stream` completes, or None while that is not determined yet."""
+        ref = (r, stream, j)
+        if ref in self._done:
+            return self._done[ref]
+        if ref in self._busy:
             return None  # a cycle of waits: not (yet) resolvable
-        self._busy.add((r, k))
+        self._busy.add(ref)
         try:
-            times = [self.start(r, k)] + [self.start(q, j) for q, j in self.partners[(r, k)]]
+            times = [self.start(*ref)] + [self.start(*q) for q in self.partners[ref]]
         finally:
-            self._busy.discard((r, k))
+            self._busy.discard(ref)
         if any(t is None for t in times):
             return None
-        self._done[(r, k)] = max(times) + self.comm
-        return self._done[(r, k)]
+        self._done[ref] = max(times) + self.comm
+        return self._done[ref]
 
 
-def _partner_key(key: tuple[str, int, int, int]) -> tuple[str, int, int, int]:
+def _partner_key(key: tuple[str, str, int, int, int]) -> tuple[str, str, int, int, int]:
     return ("RECV" if key[0] == "SEND" else "SEND",) + key[1:]
 
 
-def _channel_keys(schedule: Schedule, r: int, items: list) -> list[list[tuple[str, int, int, int]]]:
-    """Per item of rank r, the keys (SEND|RECV, src, dst, k) of its comm ops: the k-th op on the
-    src → dst channel, counted along the rank's list (empty for compute actions)."""
-    counts: dict[tuple[str, int, int], int] = defaultdict(int)
+def _channel_keys(schedule: Schedule, r: int, items: list) -> list[list[tuple[str, str, int, int, int]]]:
+    """Per item of rank r, the keys (SEND|RECV, stream, src, dst, k) of its comm ops: the k-th op on the
+    src → dst channel of that stream, counted along the rank's list (empty for compute actions)."""
+    counts: dict[tuple[str, str, int, int], int] = defaultdict(int)
     out = []
     for it in items:
         batch_keys = []
         for a in it if isinstance(it, list) else []:
             kind = "SEND" if a.op.is_send else "RECV"
             peer = schedule.peer(r, a)
-            ch = (kind, r, peer) if kind == "SEND" else (kind, peer, r)
+            stream = schedule.stream(r, a)
+            ch = (kind, stream, r, peer) if kind == "SEND" else (kind, stream, peer, r)
             batch_keys.append(ch + (counts[ch],))
             counts[ch] += 1
         out.append(batch_keys)

@@ -186,8 +186,9 @@ def assert_matches_reference(results: list[dict[str, Any]], ref: dict[str, Any],
         merged.update(s)
     tied = len(stages) > 1 and "head.weight" not in ref["state"]
     if tied:
-        head, embed = stages[-1]["head.weight"], stages[0]["tok_embed.weight"]
-        assert torch.equal(head, embed), f"{where}: the last stage's tied head drifted from the first's embedding"
+        head = next(s["head.weight"] for s in stages if "head.weight" in s)  # the last part's stage (V: the first)
+        embed = next(s["tok_embed.weight"] for s in stages if "tok_embed.weight" in s)
+        assert torch.equal(head, embed), f"{where}: the last part's tied head drifted from the first's embedding"
         merged.pop("head.weight")
     assert sorted(merged) == sorted(ref["state"]), f"{where}: {sorted(set(merged) ^ set(ref['state']))}"
     for name, w in ref["state"].items():
