@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hybrid.model.family import family_of
+from hybrid.parallel.actions import part_of, place_of
 
 if TYPE_CHECKING:
     from hybrid.config import ModelConfig
@@ -84,24 +85,26 @@ def tp_bytes_per_step(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int,
 
 
 def pp_bytes_per_step(micro_batch: int, seq_len: int, hidden: int, tp: int, sequence_parallel: bool,
-                      microbatches: int, pp: int, virtual_stages: int, pp_rank: int, itemsize: int = 4
-                      ) -> dict[str, int]:
+                      microbatches: int, pp: int, virtual_stages: int, pp_rank: int, itemsize: int = 4,
+                      placement: str = "loop") -> dict[str, int]:
     """{op: bytes} one rank sends over its PP group in one optimizer step.
 
     Every microbatch crosses each boundary between model parts once forward (its hidden states)
     and once backward (their gradient): b·s·h elements of `itemsize` bytes (the residual stream's dtype: fp32,
     also under bf16 autocast; bf16 under bf16 parameters), or the b·(s/tp)·h sequence chunk under sequence
     parallelism. Rank r holds
-    parts r, r+pp, …: it sends forward from each part but the last and backward from each part but
-    the first. Plus the gradient norm's fp32 scalar all-reduce over PP.
+    parts r, r+pp, … (or, under the V `placement`, parts r and 2·pp−1−r): it sends forward from each part
+    but the last and backward from each part but the first, except to a neighbouring part on the same rank
+    (the V's turn, handed over in memory). Plus the gradient norm's fp32 scalar all-reduce over PP.
     """
     if pp == 1:
         return {}
     seq = seq_len // tp if sequence_parallel and tp > 1 else seq_len
     per_message = micro_batch * seq * hidden * itemsize
     last = pp * virtual_stages - 1
-    parts = [c * pp + pp_rank for c in range(virtual_stages)]
-    out = {"send_fwd": sum(s < last for s in parts) * microbatches * per_message,
-           "send_bwd": sum(s > 0 for s in parts) * microbatches * per_message,
+    parts = [part_of(placement, pp, pp_rank, c) for c in range(virtual_stages)]
+    away = [t for t in range(pp * virtual_stages) if place_of(placement, pp, t)[0] != pp_rank]
+    out = {"send_fwd": sum(s < last and s + 1 in away for s in parts) * microbatches * per_message,
+           "send_bwd": sum(s > 0 and s - 1 in away for s in parts) * microbatches * per_message,
            "all_reduce": 4}
     return {op: b for op, b in out.items() if b}

@@ -2,11 +2,13 @@
 
     python -m hybrid.tools.schedule pp=4 microbatches=8 schedule=interleaved virtual_stages=2
     python -m hybrid.tools.schedule pp=4 m=8 schedule=1f1b backward=2 comm=0.1 png=1f1b.png
+    python -m hybrid.tools.schedule pp=4 m=8 schedule=zbv v=2 weight=1
 
-Keys (key=value, like Hydra overrides): schedule (gpipe | 1f1b | interleaved), pp, microbatches (alias m),
-virtual_stages (alias v), forward, backward, comm (virtual-clock costs: forward/backward of one microbatch
-through a whole rank, comm per p2p batch), forward_only (true | false), png (write a Gantt chart there;
-needs matplotlib). Bad input is one `hybrid: error: ...` line on stderr and exit status 2.
+Keys (key=value, like Hydra overrides): schedule (gpipe | 1f1b | interleaved | zb1p | zbv), pp, microbatches
+(alias m), virtual_stages (alias v), forward, backward, weight, comm (virtual-clock costs: forward/backward of one
+microbatch through a whole rank, the weight-gradient share of that backward under a split backward (default
+half), comm per p2p batch), forward_only (true | false), png (write a Gantt chart there; needs matplotlib).
+Bad input is one `hybrid: error: ...` line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from hybrid.parallel.simulator import Simulation, simulate
 
 ALIASES = {"m": "microbatches", "v": "virtual_stages"}
 INTS = ("pp", "microbatches", "virtual_stages")
-FLOATS = ("forward", "backward", "comm")
+FLOATS = ("forward", "backward", "weight", "comm")
 KEYS = ("schedule", *INTS, *FLOATS, "forward_only", "png")
 BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
@@ -36,6 +38,7 @@ class Options:
     virtual_stages: int = 1
     forward: float = 1.0
     backward: float = 2.0
+    weight: float | None = None  # the split backward's W share of `backward`; None: half
     comm: float = 0.0
     forward_only: bool = False
     png: str | None = None
@@ -57,6 +60,8 @@ def parse_args(argv: list[str]) -> Options:
         setattr(opts, key, _convert(key, value))
     if opts.forward <= 0 or opts.backward <= 0 or opts.comm < 0:
         raise UsageError(f"need forward > 0, backward > 0, comm >= 0, got {opts.forward}, {opts.backward}, {opts.comm}")
+    if opts.weight is not None and not 0 <= opts.weight <= opts.backward:
+        raise UsageError(f"need 0 <= weight <= backward, got weight={opts.weight:g}, backward={opts.backward:g}")
     return opts
 
 
@@ -105,7 +110,8 @@ def render_timeline(sim: Simulation) -> str:
     pad = len(f"rank {sim.schedule.pp - 1}")
     lines = [f"{f'rank {r}':<{pad}} | " + " ".join(c.ljust(width) for c in row).rstrip() for r, row in enumerate(rows)]
     chunks = "; the letter after the microbatch is the chunk (a = chunk 0, b = chunk 1, …)" if v > 1 else ""
-    legend = (f"legend: one cell = {cell:.4g} time units; F<mb> forward, B<mb> backward{chunks}; "
+    legend = (f"legend: one cell = {cell:.4g} time units; F<mb> forward, B<mb> backward (split: I<mb> input "
+              f"gradient, W<mb> weight gradient){chunks}; "
               f"'-' continues the action to its left; '.' idle")
     return "\n".join([legend, *lines])
 
@@ -121,6 +127,22 @@ def analytic_bubble(sim: Simulation) -> float:
     return (s.pp - 1) / (s.virtual_stages * s.microbatches + s.pp - 1)
 
 
+def analytic_line(sim: Simulation, opts: Options) -> str:
+    """The closed form next to the simulated bubble: (p−1)/(v·m+p−1), or for zb1p the zero-bubble paper's
+    idle (p−1)(F+I−W) per rank over m(F+I+W) of work (exact while W ≤ F and W ≤ I); zbv has none."""
+    s = sim.schedule
+    p, m, v = s.pp, s.microbatches, s.virtual_stages
+    if s.name == "zbv":
+        return "analytic: none in closed form (see the simulated figure)"
+    if s.name != "zb1p":
+        return f"analytic (p-1)/(v*m+p-1) = {p - 1}/{v * m + p - 1} = {analytic_bubble(sim):.4f}"
+    w = opts.backward / 2 if opts.weight is None else opts.weight
+    f, i = opts.forward, opts.backward - w
+    idle = (p - 1) * (f + i - w)
+    return (f"analytic (p-1)(F+I-W) / (m(F+I+W) + (p-1)(F+I-W)) = {idle / (m * (f + i + w) + idle):.4f}"
+            + ("" if w <= min(f, i) else " (holds for W <= F and W <= I only)"))
+
+
 def render_report(sim: Simulation, opts: Options) -> str:
     """The header, the timeline, the bubble, the peak in-flight activations and the deadlock check."""
     s = sim.schedule
@@ -131,16 +153,17 @@ def render_report(sim: Simulation, opts: Options) -> str:
               + (f"; a chunk costs 1/{v} of that)" if v > 1 else ")"))
     per_rank = "  ".join(f"r{r} {b:.4f}" for r, b in enumerate(sim.bubble_per_rank))
     note = "; analytic ignores comm" if opts.comm else ""
-    bubble = (f"bubble: {sim.bubble:.4f} simulated (mean over ranks), analytic (p-1)/(v*m+p-1) = "
-              f"{p - 1}/{v * m + p - 1} = {analytic_bubble(sim):.4f}{note}\n  per rank: {per_rank}")
+    bubble = (f"bubble: {sim.bubble:.4f} simulated (mean over ranks), {analytic_line(sim, opts)}{note}\n"
+              f"  per rank: {per_rank}")
     peaks = "  ".join(f"r{r} {n}" + (f" ({n / v:.3g} stages)" if v > 1 else "")
                       for r, n in enumerate(sim.peak_in_flight))
     unit = "chunk-microbatch activations; ÷v = stage-equivalents" if v > 1 else "microbatch activations"
     freed = " (forward_only: nothing is freed by a backward)" if opts.forward_only else ""
     n_ops = sum(a.op.is_comm for acts in s.actions for a in acts)
     n_batches = sum(isinstance(it, list) for acts in s.actions for it in steps(acts))
-    check = (f"deadlock check: order validated and replayed without deadlock under the rendezvous model "
-             f"({n_ops} p2p ops in {n_batches} batches, every op matched in FIFO order per src→dst channel)")
+    check = (f"deadlock check: order validated and replayed without deadlock under the stream model "
+             f"({n_ops} p2p ops in {n_batches} batches on {len(s.streams)} streams, every op matched in FIFO order "
+             f"per src→dst channel and stream, each stream's batches completing in order)")
     return "\n".join([header, render_timeline(sim), bubble, f"peak in flight ({unit}){freed}: {peaks}", check])
 
 
@@ -154,7 +177,8 @@ def write_png(sim: Simulation, path: str) -> None:
     s = sim.schedule
     fig = Figure(figsize=(min(40.0, max(6.0, 0.25 * len(sim.intervals) / s.pp)), 0.6 * s.pp + 1.2))
     ax = fig.subplots()
-    cmaps = {Op.FORWARD: colormaps["Blues"], Op.FULL_BACKWARD: colormaps["Oranges"]}
+    cmaps = {Op.FORWARD: colormaps["Blues"], Op.FULL_BACKWARD: colormaps["Oranges"],
+             Op.BACKWARD_INPUT: colormaps["Oranges"], Op.BACKWARD_WEIGHT: colormaps["Greens"]}
     for r, start, end, a in sim.intervals:
         shade = 0.6 if s.virtual_stages == 1 else 0.35 + 0.45 * a.chunk / (s.virtual_stages - 1)
         ax.broken_barh([(start, end - start)], (r - 0.4, 0.8), facecolors=cmaps[a.op](shade), edgecolor="white")
@@ -162,7 +186,8 @@ def write_png(sim: Simulation, path: str) -> None:
     ax.set_yticks(range(s.pp), [f"rank {r}" for r in range(s.pp)])
     ax.invert_yaxis()
     ax.set_xlim(0, sim.makespan)
-    ax.set_xlabel("time (blue forward, orange backward; darker = later chunk; text = microbatch)")
+    ax.set_xlabel("time (blue forward, orange backward or input gradient, green weight gradient; darker = later "
+                  "chunk; text = microbatch)")
     ax.set_title(f"{s.name} pp={s.pp} m={s.microbatches} v={s.virtual_stages}: bubble {sim.bubble:.3f}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -171,7 +196,7 @@ def write_png(sim: Simulation, path: str) -> None:
 def run(opts: Options) -> str:
     """Build, validate and simulate the schedule; write the png if asked; return the report."""
     sched = build_schedule(opts.schedule, opts.pp, opts.microbatches, opts.virtual_stages, opts.forward_only)
-    sim = simulate(sched, opts.forward, opts.backward, opts.comm)
+    sim = simulate(sched, opts.forward, opts.backward, opts.comm, opts.weight)
     report = render_report(sim, opts)
     if opts.png:
         try:

@@ -1,0 +1,173 @@
+"""Zero-bubble schedules (zb1p, zbv) and the split backward, without a process group.
+
+References: torch.distributed.pipelining's ScheduleInterleavedZeroBubble (one stage per rank) and
+ScheduleZBVZeroBubble compute the same per-rank compute orders; the simulator's makespan of zb1p equals the
+zero-bubble paper's cost model, m(F+B+W) + (p−1)(F+B−W), where 1F1B's is m(F+B+W) + (p−1)(F+B+W); and the
+split backward (input pass, then weight pass) leaves every gradient bit-identical to one full backward.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hybrid.config import compose_config
+from hybrid.model import build_model
+from hybrid.parallel.actions import Op, place_of
+from hybrid.parallel.schedules import build_schedule
+from hybrid.parallel.simulator import simulate
+from hybrid.parallel.split_backward import backward_input
+
+IN, WT = Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
+GRID = [(p, m) for p in (2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 7, 8, 16, 24)]
+
+
+def torch_stages(p: int, parts: list[int], placement: str):
+    """Stand-ins for torch's pipeline stages: only what the schedules' constructors read."""
+    pipelining = pytest.importorskip("torch.distributed.pipelining.schedules")
+    base = getattr(pipelining, "_PipelineStageBase", None)
+    if base is None:
+        pytest.skip("torch.distributed.pipelining internals changed")
+    v = 2 if placement == "v" else 1
+    owner = {s: place_of(placement, p, s)[0] for s in range(p * v)}
+
+    class Stage(base):
+        def __init__(self, index: int):
+            self.stage_index, self.num_stages, self.group_size = index, p * v, p
+            self.group_rank, self.stage_index_to_group_rank = owner[index], owner
+            self.submod = torch.nn.Identity()
+
+        _create_grad_recv_info = _prepare_backward_infra = _prepare_forward_infra = lambda *a, **k: None
+        is_first = property(lambda self: self.stage_index == 0)
+        is_last = property(lambda self: self.stage_index == self.num_stages - 1)
+
+    return pipelining, [Stage(s) for s in parts]
+
+
+@pytest.mark.parametrize("name,cls,placement", [("zb1p", "ScheduleInterleavedZeroBubble", "loop"),
+                                                ("zbv", "ScheduleZBVZeroBubble", "v")])
+def test_orders_match_torch_pipelining(name, cls, placement):
+    for p, m in [(2, 2), (2, 3), (2, 4), (3, 6), (4, 2), (4, 4), (4, 6), (4, 7), (4, 8), (4, 12), (8, 24)]:
+        v = 2 if placement == "v" else 1
+        ours = build_schedule(name, p, m, v)
+        for r in range(p):
+            pipelining, stages = torch_stages(p, [ours.part(r, c) for c in range(v)], placement)
+            try:
+                theirs = getattr(pipelining, cls)(stages, m)
+            except (TypeError, AttributeError) as e:
+                pytest.skip(f"torch.distributed.pipelining internals changed: {e}")
+            want = [(Op(a.computation_type.value), a.stage_index, a.microbatch_index)
+                    for a in theirs.pipeline_order[r] if a is not None]
+            got = [(a.op, ours.part(r, a.chunk), a.mb) for a in ours.actions[r] if a.op.is_compute]
+            assert got == want, (name, p, m, r)
+
+
+@pytest.mark.parametrize("f,i,w", [(1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (2.0, 1.0, 1.0), (1.0, 2.0, 1.0), (1.5, 1.0, 0.25)])
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 7), (4, 4), (4, 8), (8, 24)])
+def test_zb1p_makespan_is_the_papers_cost_model(p, m, f, i, w):
+    """ZB-H1 (W ≤ F and W ≤ B, as in the paper's setting): idle (p−1)(F+B−W) per rank where 1F1B idles (p−1)(F+B+W)."""
+    zb = simulate(build_schedule("zb1p", p, m), forward=f, backward=i + w, weight=w)
+    plain = simulate(build_schedule("1f1b", p, m), forward=f, backward=i + w, weight=w)
+    assert zb.makespan == pytest.approx(m * (f + i + w) + (p - 1) * (f + i - w))
+    assert plain.makespan == pytest.approx(m * (f + i + w) + (p - 1) * (f + i + w))
+    assert zb.busy == pytest.approx(plain.busy)
+
+
+def test_zb1p_bubble_at_p4_m8_against_the_analytic_figure():
+    """The unit-cost case (T_F = T_B = T_W): bubble (p−1)/(3m + p−1) = 3/27 against 1F1B's 9/33."""
+    zb, plain = simulate(build_schedule("zb1p", 4, 8), 1.0, 2.0, weight=1.0), simulate(build_schedule("1f1b", 4, 8))
+    assert zb.bubble == pytest.approx(3 / 27) and plain.bubble == pytest.approx(9 / 33)
+    assert zb.bubble <= plain.bubble / 2
+
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_zero_bubble_grid_runs_without_deadlock_below_1f1b(p, m):
+    plain = simulate(build_schedule("1f1b", p, m), 1.0, 2.0, weight=1.0)
+    for name, v in (("zb1p", 1), ("zbv", 2)):
+        sim = simulate(build_schedule(name, p, m, v), 1.0, 2.0, weight=1.0)  # raises on a deadlock
+        assert sim.busy == pytest.approx([3.0 * m] * p), (name, p, m)
+        assert sim.makespan <= plain.makespan + 1e-9, (name, p, m)
+        forward_only = simulate(build_schedule(name, p, m, v, forward_only=True))
+        assert forward_only.busy == pytest.approx([1.0 * m] * p)
+
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_peak_activations_equal_1f1bs(p, m):
+    """A microbatch is held from its F to its W. zb1p holds at most p on any rank (1F1B's rank 0); zbv at most
+    2p half-size chunk-activations: the same bytes."""
+    plain = max(simulate(build_schedule("1f1b", p, m)).peak_in_flight)
+    assert max(simulate(build_schedule("zb1p", p, m)).peak_in_flight) == plain
+    assert max(simulate(build_schedule("zbv", p, m, 2)).peak_in_flight) == 2 * plain
+
+
+def test_zbv_beats_zb1p_when_microbatches_fill_the_v():
+    for p in (2, 4, 8):
+        for m in (2 * p, 3 * p):
+            zbv, zb1p = (simulate(build_schedule(n, p, m, v), 1.0, 2.0, weight=1.0) for n, v in (("zbv", 2), ("zb1p", 1)))
+            assert zbv.bubble < zb1p.bubble, (p, m)
+
+
+def test_zbv_turn_is_local_and_streams_are_separate():
+    s = build_schedule("zbv", 4, 8, 2)
+    comm = [a for a in s.actions[3] if a.op.is_comm]  # rank 3 holds parts 3 and 4: the turn is in memory
+    assert not [a for a in comm if a.op is Op.SEND_F and a.chunk == 0]
+    assert not [a for a in comm if a.op is Op.RECV_F and a.chunk == 1]
+    assert s.streams == ["B+", "B-", "F+", "F-"] and build_schedule("zb1p", 4, 8).streams == ["B-", "F+"]
+    assert s.last_rank == 0 and build_schedule("zb1p", 4, 8).last_rank == 3
+
+
+# ---- the split backward --------------------------------------------------------------------------------------
+
+
+def chunk(family: str, pre: bool, post: bool) -> torch.nn.Module:
+    cfg = compose_config([f"model={family}", "model.n_layers=4", "model.dropout=0.0", "data.seq_len=16",
+                          "model.max_seq_len=32", "model.hidden=32", "model.n_heads=4", "model.ffn_hidden=64"])
+    layers = range(0, 2) if pre else range(2, 4)
+    return build_model(cfg.model, 101, None, layers=layers, pre=pre, post=post, seed=3)
+
+
+@pytest.mark.parametrize("family", ["gpt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("pre,post", [(False, True), (False, False), (True, False)])
+def test_split_backward_is_bit_identical_to_the_full_backward(family, pre, post):
+    torch.manual_seed(0)
+    full, split = chunk(family, pre, post), None
+    split = copy.deepcopy(full)
+    ids, labels = torch.randint(0, 101, (2, 16)), torch.randint(0, 101, (2, 16))
+    x = ids if pre else torch.randn(2, 16, 32)
+    grad = None if post else torch.randn(2, 16, 32)
+    counts = {n: 0 for n, _ in split.named_parameters()}
+    for n, p in split.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _, n=n: counts.__setitem__(n, counts[n] + 1))
+
+    def run(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        inp = x if pre else x.clone().requires_grad_(True)
+        return model(inp, labels if post else None), (None if pre else inp)
+
+    out, inp = run(full)
+    out.backward(grad)
+    out2, inp2 = run(split)
+    work = backward_input(out2, grad, inp2)
+    if not pre:
+        assert torch.equal(inp.grad, inp2.grad)
+        assert sum(counts.values()) == 0  # the input pass computed no parameter's gradient
+        assert work.frontier
+    work.run()
+    assert counts == {n: 1 for n in counts}  # each accumulated once, as under a full backward (DP hooks)
+    for (n, p), q in zip(full.named_parameters(), split.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+
+
+def test_a_parameter_used_twice_gets_its_gradient_in_the_input_pass():
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    out = lin(torch.tanh(lin(x)))  # the same weight on both sides of a nonlinearity
+    work = backward_input(out, torch.ones(4, 8), x)
+    assert lin.weight.grad is not None and not work.frontier
+    ref = torch.nn.Linear(8, 8)
+    ref.load_state_dict(lin.state_dict())
+    x2 = x.detach().clone().requires_grad_(True)
+    ref(torch.tanh(ref(x2))).backward(torch.ones(4, 8))
+    work.run()
+    assert torch.equal(lin.weight.grad, ref.weight.grad) and torch.equal(x.grad, x2.grad)
