@@ -28,7 +28,14 @@ from harness import run_ranks
 from pp_helpers import GLOBAL_BATCH, LAYERS, MICRO, SEQ, TIMEOUT, VOCAB, Case, make_cfg
 from test_dp import synthetic_corpus
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 
 from hybrid.model import build_model
 from hybrid.parallel import collectives as C
@@ -36,7 +43,9 @@ from hybrid.parallel.pipeline import P2P, partition_layers, run_schedule
 from hybrid.parallel.schedules import build_schedule
 from hybrid.sampler import batch_from
 
-TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+                   "zb1p": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
+MULTI_STAGE = ("interleaved", "zb1p", "zbv")  # torch takes these a list of stages
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-8}
 
 
@@ -63,8 +72,9 @@ def grads_vs_torch(rank: int, world: int, family: str, schedule: str, v: int) ->
     m = GLOBAL_BATCH // MICRO
     parts = partition_layers(LAYERS, pp * v)
     ours, theirs = [], []
+    sched = build_schedule(schedule, pp, m, v)
     for c in range(v):
-        s = c * pp + rank
+        s = sched.part(rank, c)
         chunk = build_model(cfg.model, VOCAB, None, layers=parts[s], pre=s == 0, post=s == pp * v - 1,
                             seed=cfg.train.seed)
         ours.append(chunk)
@@ -80,23 +90,23 @@ def grads_vs_torch(rank: int, world: int, family: str, schedule: str, v: int) ->
         x_ids, y = microbatches[mb]
         return module(x_ids if module.pre else x, y if module.post else None)
 
-    p2p = P2P(group, (MICRO, SEQ, cfg.model.hidden), torch.float32, torch.device("cpu"))
-    our_losses = run_schedule(build_schedule(schedule, pp, m, v), rank, forward_step, p2p)
+    streams = {s: dist.new_group(list(range(world))) for s in sched.streams}  # as `context.pp_streams` makes
+    p2p = P2P(group, (MICRO, SEQ, cfg.model.hidden), torch.float32, torch.device("cpu"), streams)
+    our_losses = run_schedule(sched, rank, forward_step, p2p)
 
     # No input_args/output_args: torch (2.13) infers the stages' shapes at runtime on the first step.
     # `step` takes the whole batch on the first stage and the whole target on the last, and splits
     # both along dim 0 into m microbatches (= `microbatches` above).
-    stages = [PipelineStage(TorchStage(t), c * pp + rank, pp * v, torch.device("cpu"), group=group)
+    stages = [PipelineStage(TorchStage(t), sched.part(rank, c), pp * v, torch.device("cpu"), group=group)
               for c, t in enumerate(theirs)]
     cls = TORCH_SCHEDULES[schedule]
-    sched = cls(stages if schedule == "interleaved" else stages[0], m, loss_fn=mean_cross_entropy)
+    runner = cls(stages if schedule in MULTI_STAGE else stages[0], m, loss_fn=mean_cross_entropy)
     their_losses: list[torch.Tensor] = []
-    if rank == 0:
-        sched.step(ids)
-    elif rank == pp - 1:
-        sched.step(target=labels, losses=their_losses)
+    first, last = rank == 0, rank == sched.last_rank  # the V puts the first part and the last on rank 0
+    if first or last:
+        runner.step(*([ids] if first else []), **({"target": labels, "losses": their_losses} if last else {}))
     else:
-        sched.step()
+        runner.step()
 
     def grads(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
         return {n: p.grad.clone() for ch in chunks for n, p in ch.named_parameters()}
@@ -108,6 +118,7 @@ def grads_vs_torch(rank: int, world: int, family: str, schedule: str, v: int) ->
 @pytest.mark.parametrize("family,pp,schedule,v", [
     ("gpt", 2, "1f1b", 1), ("llama", 4, "1f1b", 1), ("gpt", 4, "1f1b", 1), ("llama", 2, "1f1b", 1),
     ("gpt", 2, "gpipe", 1), ("llama", 2, "interleaved", 2), ("gpt", 4, "interleaved", 2),
+    ("gpt", 2, "zb1p", 1), ("llama", 4, "zb1p", 1), ("llama", 2, "zbv", 2), ("gpt", 4, "zbv", 2),
 ])
 def test_gradients_equal_torch_pipelining(family: str, pp: int, schedule: str, v: int) -> None:
     results = run_ranks(grads_vs_torch, pp, family, schedule, v, timeout=TIMEOUT)
@@ -118,6 +129,6 @@ def test_gradients_equal_torch_pipelining(family: str, pp: int, schedule: str, v
         for name, g in r["theirs"].items():
             assert g.abs().max() > 0, f"rank {rank} {name}: zero gradient"
             torch.testing.assert_close(r["ours"][name], g, **tol, msg=lambda e, n=name, k=rank: f"rank {k} {n}: {e}")
-    last = results[-1]
+    last = results[build_schedule(schedule, pp, m, v).last_rank]
     assert len(last["our_losses"]) == len(last["their_losses"]) == GLOBAL_BATCH // MICRO
     torch.testing.assert_close(torch.stack(last["our_losses"]), torch.stack(last["their_losses"]), rtol=0, atol=0)
