@@ -141,6 +141,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     recompute: str = "none"  # activations recomputed in the backward: none | selective (attention core, MLP act) | full
     compile: bool = False  # torch.compile each transformer block (inductor; on CPU it needs a C++ compiler)
+    # a step whose gradient is not finite (NaN/inf) never updates the weights; then the run (hybrid.nonfinite):
+    on_nonfinite: str = "stop"  # stop (exit 1, one line) | skip (the step, warned) | rewind (to the last checkpoint)
+    max_skipped_steps: int = 5  # skip: steps skipped in a row, rewind: rewinds of one process, before it stops
 
 
 @dataclass

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from hybrid.checkpoint import NonFiniteState
 from hybrid.cli import EXIT_BAD_INPUT, EXIT_FAILED, App, env_int, exit_on_error, precheck, warn
 from hybrid.config import CONFIG_DIR, CompressionConfig, Config, ConfigError, register_configs
+from hybrid.nonfinite import NonFiniteStop
 from hybrid.parallel.timeouts import CollectiveFault, collective_fault, timeout_of
 from hybrid.runlog import RunLog, command_line, save_hydra_files
 from hybrid.startup import WriteFault, hold_run_folders, write_fault
@@ -32,9 +33,10 @@ if TYPE_CHECKING:
 
 
 RUN_ERRORS = ((ConfigError, EXIT_BAD_INPUT), (WriteFault, EXIT_FAILED), (NonFiniteState, EXIT_FAILED),
-              (CollectiveFault, EXIT_FAILED))
-"""Bad input (config, data, checkpoint, the run's folders) exits 2; a write that failed while training, or a
-diverged (non-finite) state due to be checkpointed, or a collective that timed out or lost a peer, 1."""
+              (NonFiniteStop, EXIT_FAILED), (CollectiveFault, EXIT_FAILED))
+"""Bad input (config, data, checkpoint, the run's folders) exits 2; a write that failed while training, a
+diverged (non-finite) state due to be checkpointed, a non-finite gradient the run stops on
+(`train.on_nonfinite`), or a collective that timed out or lost a peer, 1."""
 
 
 def _device(cfg: Config) -> torch.device:

@@ -29,13 +29,14 @@ from torch import nn
 
 from hybrid.checkpoint import Checkpointer
 from hybrid.checkpoint.files import scan
+from hybrid.checkpoint.resume import pretrained
 from hybrid.compression.hooks import Compression
 from hybrid.compression.schedule import exact_kinds, exact_param_ids
 from hybrid.compression.zero import REDUCE_SCATTER_DTYPES, encoded_reduce_scatter
-from hybrid.config import Config, ConfigError, ModelConfig
+from hybrid.config import Config
 from hybrid.data import Corpus
 from hybrid.model import build_model
-from hybrid.model.family import ModelConfigError
+from hybrid.nonfinite import Guard
 from hybrid.optim import build_optimizer, lr_at, to_low_precision
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
@@ -124,6 +125,7 @@ class Trainer:
         self.profiler = StepProfiler(cfg.profile, ctx.rank, device, self.message)
         self.checkpointer = Checkpointer(cfg, ctx, device, self.checkpoint_states(),
                                          tokenizer=getattr(corpus, "tokenizer", None), log=self.message)
+        self.guard = Guard(t, ctx, self.checkpointer, self.message)  # train.on_nonfinite
 
     def checkpoint_states(self) -> dict[str, Any]:
         """What a checkpoint of this trainer holds (the `Checkpointer`'s states)."""
@@ -133,7 +135,8 @@ class Trainer:
         """The run's position, the same on every rank: steps done, samples consumed, the data order's seed,
         and under `compression.schedule=auto` the schedule's decisions (layout-independent)."""
         sampler = self.sampler.state_dict()
-        out = {"step": self.step, "consumed_samples": sampler["consumed_samples"], "data_seed": sampler["seed"]}
+        out = {"step": self.step, "consumed_samples": sampler["consumed_samples"], "data_seed": sampler["seed"],
+               **self.guard.state_dict()}
         if self.comp is not None and self.comp.schedule is not None:
             out["compression_schedule"] = self.comp.schedule.state_dict()
         return out
@@ -141,6 +144,7 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.sampler.load_state_dict({"consumed_samples": state["consumed_samples"], "seed": state["data_seed"]})
+        self.guard.load_state_dict(state)
         if "compression_schedule" in state and self.comp is not None and self.comp.schedule is not None:
             self.comp.schedule.load_state_dict(state["compression_schedule"])
 
@@ -161,7 +165,7 @@ class Trainer:
             if init_from:
                 self.message(f"note: model.init_from={init_from} ignored: resuming {resume[0]} wins")
         elif init_from:
-            self.message(_pretrained(self.model, self.cfg.model))
+            self.message(pretrained(self.model, self.cfg.model))
             self.optimizer.reload_main()  # bf16 parameters: the main weights start from them
         note = self.profiler.skipped(self.step)
         if note:
@@ -238,7 +242,7 @@ class Trainer:
         time went (`C.TIMER`, kept by `self.report`)."""
         start = time.perf_counter()
         C.TIMER.begin_step(timed)
-        lr = lr_at(self.step, self.cfg.train.lr, self.cfg.train.steps, self.cfg.optim.warmup_steps,
+        lr = lr_at(self.guard.lr_step(self.step), self.cfg.train.lr, self.cfg.train.steps, self.cfg.optim.warmup_steps,
                    self.cfg.optim.min_lr_ratio)
         self.model.train()
         with C.TIMER.timed_phase("data"):
@@ -247,7 +251,8 @@ class Trainer:
         with C.TIMER.timed_phase("finalize"):
             finalize_grads(self.grad_sync, self.ctx.embedding_group, self.ctx.tp_group)
         with C.TIMER.timed_phase("optimizer"):
-            norm = self.optimizer.step(lr)
+            norm = self.optimizer.step(lr)  # updates nothing when the norm is not finite
+            self.guard.inspect(norm, self.model)
             self.grad_sync.zero_grad()
         self.step += 1
         loss_value = self._dp_mean(self._from_last_stage(total))
@@ -285,8 +290,8 @@ class Trainer:
 
     def step_metrics(self, r: StepResult) -> dict[str, Any]:
         """The metrics.jsonl record of a step (`StepReport.record`; collective), with the compression stage
-        the step ran (`Compression.record`)."""
-        stage = self.comp.record(self.step - 1) if self.comp is not None else {}
+        the step ran (`Compression.record`) and the steps skipped so far (`Guard.record`)."""
+        stage = (self.comp.record(self.step - 1) if self.comp is not None else {}) | self.guard.record()
         return {**self.report.record(self.step, r.loss, r.grad_norm, r.lr, r.step_time_s), **stage}
 
     def _logs(self, step: int) -> bool:
@@ -317,6 +322,8 @@ class Trainer:
             self.grad_sync.meter(logs and self._meters(self.step + 1))  # ‖ĝ − g‖ on a sample of them
             self.profiler.before_step(self.step + 1)
             last = self.train_step(timed=logs and self.cfg.logging.timing)
+            if self.guard.settle(self, last.loss):  # a non-finite step: stopped, skipped or rewound
+                continue
             switch = self.comp.observe(self.step, last.loss) if self.comp is not None else None
             if switch:
                 self.message(switch)  # the auto schedule's decision, the same on every rank
@@ -338,13 +345,3 @@ class Trainer:
                 break
         return last
 
-
-def _pretrained(model: nn.ModuleList, model_cfg: ModelConfig) -> str:
-    """Fill the chunks from the transformers folder `model.init_from` (no collective); a folder that
-    does not fit the model is bad input (the model package's ModelConfigError becomes a ConfigError)."""
-    from hybrid.model.hf import load_pretrained
-
-    try:
-        return load_pretrained(model, model_cfg.init_from, model_cfg, model[0].vocab_size)
-    except ModelConfigError as e:
-        raise ConfigError(str(e)) from None

@@ -32,6 +32,7 @@ _CHOICES = {
     "parallel.schedule": SCHEDULES,  # the registry: its names
     "train.precision": ("auto", "fp32", "bf16", "bf16_params"),
     "train.recompute": ("none", "selective", "full"),
+    "train.on_nonfinite": ("stop", "skip", "rewind"),
     "optim.implementation": ("fused", "foreach"),
     "train.device": ("auto", "cpu", "cuda"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
@@ -79,6 +80,9 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
     _validate_pipeline(p, m, t.global_batch_size // per_step)
     _require(math.isfinite(t.lr) and t.lr > 0, f"train.lr must be a finite number > 0, got {t.lr}")
     _require(t.steps >= 1, f"train.steps must be >= 1 (optimizer steps to train), got {t.steps}")
+    _require(t.max_skipped_steps >= 1, f"train.max_skipped_steps must be >= 1 (non-finite steps skipped in a row, "
+             f"or rewinds, before the run stops), got {t.max_skipped_steps}")
+    _validate_warmup(cfg.optim, t.steps)
     _require(t.eval_every >= 0 and t.eval_batches >= 1, "train.eval_every must be >= 0 and eval_batches >= 1")
     _validate_data(cfg.data, m)
     if p.sequence_parallel:
@@ -139,6 +143,14 @@ def _validate_optim(o: OptimConfig) -> None:
     _require(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     for key in ("beta1", "beta2", "eps", "weight_decay", "min_lr_ratio", "grad_clip"):
         _require(math.isfinite(getattr(o, key)), f"optim.{key} must be finite, got {getattr(o, key)}")
+
+
+def _validate_warmup(o: OptimConfig, steps: int) -> None:
+    """A warmup longer than the run never reaches train.lr. The default warmup is not checked: a short trial
+    run (train.steps=3) keeps it rather than refusing to start."""
+    _require(o.warmup_steps <= steps or o.warmup_steps == OptimConfig.warmup_steps,
+             f"optim.warmup_steps={o.warmup_steps} is longer than the run (train.steps={steps}): the LR would "
+             "never reach train.lr; shorten the warmup or raise train.steps")
 
 
 def _validate_zero(p: ParallelConfig, c: CompressionConfig) -> None:

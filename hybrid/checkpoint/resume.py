@@ -2,7 +2,7 @@
 one checkpoint, the model shape it must share with this run, the training settings it must share
 unless `checkpoint.allow_changes` (`refuse_changes`), whether anything is left to train
 (`finished_line`), the layout and DP-hook keys that decide whether per-rank state (RNG streams, hook
-state) carries over, and what a resume logs.
+state) carries over, and what a resume logs; without a checkpoint, the start from `model.init_from` (`pretrained`).
 
 Collective: `plan_resume` is one broadcast from rank 0 over the world; the rest is local.
 """
@@ -27,9 +27,12 @@ from hybrid.checkpoint.files import (
     read_manifest,
     run_root,
 )
-from hybrid.model.family import family_of
+from hybrid.config import ConfigError
+from hybrid.model.family import ModelConfigError, family_of
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from hybrid.config import Config, ModelConfig
     from hybrid.parallel.context import Layout
 
@@ -117,11 +120,12 @@ def plan_resume(cfg: Config, vocab: int, is_writer: bool, warn: Log) -> Optional
 # What a resume may change without changing where training goes: the layout (resharded), where files go,
 # what is logged and profiled, how long it trains (extending a run), evals, the device, activation
 # recomputation, compilation and AdamW's kernels (the same updates), labels, a start point a resume
-# ignores, and a metric-only knob. Any other difference (train.lr, seed, batch sizes, precision, optim.*,
-# model.*, data.*, compression.*) is a training setting: a resume refuses it unless
-# checkpoint.allow_changes=true.
+# ignores, a metric-only knob, and what a non-finite step makes the run do. Any other difference (train.lr,
+# seed, batch sizes, precision, optim.*, model.*, data.*, compression.*) is a training setting: a resume
+# refuses it unless checkpoint.allow_changes=true.
 FREE_PREFIXES = ("run_name", "parallel.", "checkpoint.", "logging.", "profile.")
 FREE_KEYS = frozenset({"train.steps", "train.device", "train.eval_every", "train.eval_batches", "train.recompute",
+                       "train.on_nonfinite", "train.max_skipped_steps",
                        "train.compile", "optim.implementation", "model.name", "model.init_from", "data.name",
                        "data.cache_dir", "optim.name", "compression.measure_error", "compression.measure_every"})
 
@@ -200,3 +204,14 @@ def _resume_line(path: Path, manifest: dict[str, Any], here: dict[str, Any], sam
     if not same_hook and saved_method != "none":
         line += "; warning: compression state (error-feedback residuals, PowerSGD factors) dropped"
     return line
+
+
+def pretrained(model: nn.ModuleList, model_cfg: ModelConfig) -> str:
+    """Fill the chunks from the transformers folder `model.init_from` (no collective); a folder that
+    does not fit the model is bad input (the model package's ModelConfigError becomes a ConfigError)."""
+    from hybrid.model.hf import load_pretrained
+
+    try:
+        return load_pretrained(model, model_cfg.init_from, model_cfg, model[0].vocab_size)
+    except ModelConfigError as e:
+        raise ConfigError(str(e)) from None

@@ -12,6 +12,11 @@ row-parallel layers) only on TP rank 0, and a pipeline duplicate (the last stage
 a tied embedding, marked `pp_duplicate`) not at all. The partial sums of squares are
 all-reduced over the TP group, then the PP group. DP ranks hold identical (synced)
 gradients, so DP takes no part.
+
+A NaN or an inf in any rank's gradient makes that sum, and so the norm, non-finite on every rank of the
+TP and PP groups (and of DP, whose replicas hold the same synced gradient): every optimizer then returns
+the norm without updating anything (`finite`), the same decision on every rank without another
+collective; `hybrid.nonfinite` decides what the run does next.
 """
 
 from __future__ import annotations
@@ -99,6 +104,12 @@ def global_grad_norm(params: Iterable[nn.Parameter], ctx: ParallelContext) -> to
     return sq.sqrt()
 
 
+def finite(norm: torch.Tensor) -> bool:
+    """Whether the global gradient norm is finite: the optimizer steps only then. No collective: the norm
+    is already the same on every rank (all-reduced), so every rank answers alike (a host sync on CUDA)."""
+    return bool(torch.isfinite(norm))
+
+
 @torch.no_grad()
 def clip_grads(params: Iterable[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
     """Scale every gradient by max_norm / norm when the norm exceeds max_norm."""
@@ -123,10 +134,12 @@ class ModelOptimizer:
 
     def step(self, lr: float) -> torch.Tensor:
         """Set `lr`, clip the final gradients by their global norm (all-reduced over TP, then PP),
-        take the AdamW step; return the norm before clipping."""
+        take the AdamW step; return the norm before clipping. A non-finite norm updates nothing."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         norm = global_grad_norm(self.params, self.ctx)
+        if not finite(norm):
+            return norm
         clip_grads(self.params, self.grad_clip, norm)
         self.optimizer.step()
         return norm

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
-from hybrid.optim.adamw import adamw_over, clip_grads, counted_here, sum_of_squares
+from hybrid.optim.adamw import adamw_over, clip_grads, counted_here, finite, sum_of_squares
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
 
@@ -163,12 +163,14 @@ class DistributedOptimizer:
     def step(self, lr: float) -> torch.Tensor:
         """Set `lr`, clip this rank's shard of the final gradients by the global norm, AdamW over the shard,
         all-gather the updated parameter shards over DP (left in flight under `overlap`); return the norm
-        before clipping."""
+        before clipping. A non-finite norm updates nothing (no step, no all-gather: the parameters stand)."""
         self.wait_params()  # a parameter no forward used may still be gathering
         self._take_view()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         norm = self.grad_norm()
+        if not finite(norm):  # the same answer on every rank (the norm is all-reduced over DP, TP, PP)
+            return norm
         clip_grads([f.view for f in self.fragments()], self.grad_clip, norm)
         self.optimizer.step()
         self.steps += 1

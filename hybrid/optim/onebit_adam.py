@@ -20,9 +20,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from hybrid.compression.onebit_adam import MomentumExchange, average_momentum
-from hybrid.optim.adamw import ModelOptimizer, clip_grads, global_grad_norm
+from hybrid.optim.adamw import ModelOptimizer, clip_grads, finite, global_grad_norm
+from hybrid.parallel import collectives as C
 
 if TYPE_CHECKING:
     from hybrid.compression.hooks import Compression
@@ -52,17 +54,32 @@ class OneBitAdam(ModelOptimizer):
 
     def step(self, lr: float) -> torch.Tensor:
         """Set `lr`, clip by the global norm (TP then PP: this replica's own gradient after the warm-up), then
-        AdamW's step or the compressed-momentum step; return the norm before clipping."""
+        AdamW's step or the compressed-momentum step; return the norm before clipping. A norm that is not
+        finite on any replica updates nothing on every replica (and is what they all return)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         norm = global_grad_norm(self.params, self.ctx)
+        stage = self.comp.stage_at(self.steps_taken())
+        seen = self._over_dp(norm) if stage else norm  # after the warm-up each replica has its own gradient
+        if not finite(seen):
+            return seen
         clip_grads(self.params, self.grad_clip, norm)
-        if self.comp.stage_at(self.steps_taken()) == 0:
+        if stage == 0:
             self.optimizer.step()
         else:
             self._average_momentum()
             self._frozen_step(lr)
         return norm
+
+    def _over_dp(self, norm: torch.Tensor) -> torch.Tensor:
+        """The replicas' norms summed over DP: non-finite on every replica when one replica's is. One 4-byte
+        all-reduce (uncounted: a decision, not training traffic), needed only after the warm-up, when the
+        replicas' gradients differ; before it they are synced, so their norms are already equal."""
+        probe = norm.clone()
+        if C.size(self.ctx.dp_group) > 1:
+            with C.TIMER.collective(C.group_name(self.ctx.dp_group), "nonfinite"):
+                dist.all_reduce(probe, group=self.ctx.dp_group)
+        return probe
 
     def _average_momentum(self) -> None:
         """m ← β₁·m + (1 − β₁)·g per bucket (g: this rank's clipped gradient), then the DP mean of every

@@ -7,12 +7,17 @@ environment, sends its stdout/stderr (the Python objects and file descriptors 1 
 exception; 0 when it returns). Hydra's global state and the process group live only in the child, so
 every command line starts from the same clean state. Use it only where the parent holds no threads that
 a fork would break (a test process with OMP_NUM_THREADS=1 and no process group).
+
+`run_forked_ranks` starts `world` such children at once, each with the environment torchrun gives its
+ranks (RANK, WORLD_SIZE, LOCAL_*, MASTER_ADDR/MASTER_PORT on a free local port): one multi-rank run of
+the real entry point, each rank's exit status and output apart, without torchrun's seconds of start-up.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -51,6 +56,29 @@ def run_forked(main: Callable[[], None], argv: Sequence[str], cwd: Path, env: Op
         if pid == 0:
             _child(main, [prog, *argv], cwd, env or {}, out, err)
         return CliRun(_wait(pid, timeout_s), out.read_text(errors="replace"), err.read_text(errors="replace"))
+
+
+def run_forked_ranks(main: Callable[[], None], argv: Sequence[str], cwd: Path, world: int,
+                     env: Optional[Mapping[str, str]] = None, timeout_s: float = 120.0) -> list[CliRun]:
+    """`main()` as the `world` ranks of one run (see the module docstring), their results by rank; every
+    child still running after `timeout_s` (all ranks share the deadline) is killed and reported with -9."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        files, pids = [(Path(tmp) / f"out{r}", Path(tmp) / f"err{r}") for r in range(world)], []
+        for rank, (out, err) in enumerate(files):
+            ranked = {**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                      "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            sys.stdout.flush(), sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                _child(main, ["hybrid", *argv], cwd, ranked, out, err)
+            pids.append(pid)
+        deadline = time.monotonic() + timeout_s
+        codes = [_wait(pid, max(0.0, deadline - time.monotonic())) for pid in pids]
+        return [CliRun(code, out.read_text(errors="replace"), err.read_text(errors="replace"))
+                for code, (out, err) in zip(codes, files)]
 
 
 def _child(main: Callable[[], None], argv: list[str], cwd: Path, env: Mapping[str, str], out: Path,

@@ -104,7 +104,8 @@ def test_run_name_cannot_leave_its_folder(name: str) -> None:
 
 
 def test_a_diverged_run_keeps_its_finite_checkpoint_and_says_so(tmp_path: Path) -> None:
-    """The real command line: lr 1e3 diverges within a few steps; the symlinked step 1 points outside."""
+    """The real command line: lr 1e3 diverges within a few steps and the first non-finite gradient stops it
+    (train.on_nonfinite=stop) before any update; the symlinked step 1 points outside."""
     outside = tmp_path / "precious"
     outside.mkdir()
     (outside / METADATA).write_text("keep me")
@@ -119,7 +120,7 @@ def test_a_diverged_run_keeps_its_finite_checkpoint_and_says_so(tmp_path: Path) 
     errors = [line for line in p.stderr.splitlines() if "error" in line]
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
     assert len(errors) == 1 and errors[0].startswith("hybrid: error: step ") and "is kept" in errors[0]
-    assert "warning: the loss is nan" in p.stderr or "warning: the loss is inf" in p.stderr
+    assert "the gradient is not finite" in errors[0] and "(train.on_nonfinite=stop)" in errors[0]  # stopped before
     kept = [s for s, _, done in scan(root) if done]
     assert kept and all(problem(step_path(root, s)) is None for s in kept)  # finite, complete: resumable
     assert f"({step_path(root, kept[-1]).resolve()})" in errors[0]

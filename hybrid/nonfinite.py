@@ -1,0 +1,184 @@
+"""A step whose gradient is not finite never trains the model: `train.on_nonfinite` says what the run does.
+
+Every optimizer returns the global gradient norm without updating anything when the norm is NaN or inf
+(`optim.adamw.finite`). That norm is all-reduced over TP and PP (and over DP under ZeRO-1; the DP
+replicas of the other optimizers hold the same synced gradient, and 1-bit Adam adds a 4-byte DP
+all-reduce after its warm-up, when they do not), so every rank of the world sees the same verdict
+without a collective of its own: as Megatron's `found_inf`, agreed over the model-parallel group.
+On a bad step only, `Guard.inspect` finds the first parameter whose gradient is not finite (two small
+collectives, reached by every rank alike) and `Guard.settle` acts:
+
+- `stop` (default): `NonFiniteStop`, one line on every rank naming the step, the loss, the norm and
+  that parameter; exit status 1 (`hybrid.train`).
+- `skip`: the step is counted (the data moves on) but nothing is updated, one warning line; the LR
+  schedule does not advance on a skipped step (Megatron: its scheduler steps only on a successful
+  update), so the LR of step s is the schedule's at s − skipped, and the skipped count is part of the run's
+  state (checkpointed, in every metrics record as `skipped_steps`). `train.max_skipped_steps` in a row stop.
+- `rewind`: the newest complete checkpoint of the run is loaded in place (`Checkpointer.load`, the resume
+  path) and the run goes on from its step with the data position of the step that blew up kept, so the
+  batches from the checkpoint up to that one are skipped (as large runs do after a loss spike). No
+  checkpoint is a stop; so is a rewind more than `train.max_skipped_steps` times in one process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from hybrid.checkpoint.files import list_steps, problem, read_manifest
+from hybrid.checkpoint.state import named_parameters
+from hybrid.parallel.grads import grad_of
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from hybrid.checkpoint import Checkpointer
+    from hybrid.config import TrainConfig
+    from hybrid.parallel.context import ParallelContext
+
+
+class NonFiniteStop(RuntimeError):
+    """A step's gradient was not finite and the run stops (nothing was updated): one line, exit status 1."""
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def first_nonfinite_grad(model: nn.ModuleList) -> Optional[str]:
+    """The global name of this rank's first parameter whose gradient holds a NaN or an inf, else None."""
+    for name, p in named_parameters(model, True):
+        g = grad_of(p)
+        if g is not None and not bool(torch.isfinite(g).all()):
+            return name
+    return None
+
+
+def agree_on_first(name: Optional[str], rank: int, device: torch.device) -> tuple[Optional[str], int]:
+    """(name, rank) of the lowest rank that found a non-finite gradient, the same on every rank; (None, -1)
+    when none did (the squares overflowed in the norm). Collectives over the world: an all_reduce (MIN) of
+    the rank, then a broadcast of its name from that rank."""
+    world = _world()
+    first = torch.tensor([rank if name is not None else world], device=device)
+    if world > 1:
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        box = [name]
+        if int(first) < world:
+            dist.broadcast_object_list(box, src=int(first))
+        name = box[0]
+    return (name, int(first)) if int(first) < world else (None, -1)
+
+
+def newest_before(root: Path, step: int) -> Optional[tuple[Path, dict[str, Any]]]:
+    """The newest complete checkpoint of `root` older than `step`, with its manifest; None when there is none."""
+    for s, path in reversed(list_steps(root)):
+        if s < step and problem(path) is None:
+            return path, read_manifest(path)
+    return None
+
+
+def rank0_answer(find: Callable[[], Any]) -> Any:
+    """`find()` on rank 0, the same answer on every rank. Collective: one broadcast_object_list over the world."""
+    box = [find() if not dist.is_initialized() or dist.get_rank() == 0 else None]
+    if _world() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class Guard:
+    """`train.on_nonfinite` for one rank's trainer: `inspect` after the optimizer's step (before the
+    gradients are zeroed), `settle` after the step; `lr_step` is where the LR schedule stands."""
+
+    def __init__(self, cfg: TrainConfig, ctx: ParallelContext, checkpointer: Checkpointer,
+                 say: Callable[[str], None]) -> None:
+        self.mode, self.limit = cfg.on_nonfinite, cfg.max_skipped_steps
+        self.ctx, self.checkpointer, self.say = ctx, checkpointer, say
+        self.skipped = 0  # steps skipped in the whole run (checkpointed: the LR schedule's position)
+        self.in_a_row = 0
+        self.rewinds = 0  # in this process
+        self.found: Optional[tuple[float, Optional[str], int]] = None  # the bad step's norm, parameter, rank
+
+    def lr_step(self, step: int) -> int:
+        """The LR schedule's step for optimizer step `step`: skipped steps do not advance it."""
+        return step - self.skipped
+
+    def state_dict(self) -> dict[str, int]:
+        return {"skipped_steps": self.skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's count (0 in a checkpoint from before the key existed)."""
+        self.skipped = int(state.get("skipped_steps", 0))
+
+    def record(self) -> dict[str, int]:
+        """The metrics record's `skipped_steps`: steps skipped so far in the run."""
+        return {"skipped_steps": self.skipped}
+
+    def inspect(self, norm: torch.Tensor, model: nn.ModuleList) -> None:
+        """After `optimizer.step` (which updated nothing when `norm` is not finite): on such a step, find the
+        first parameter with a non-finite gradient (collectives of `agree_on_first`, on a bad step only:
+        `norm` is the same on every rank, so every rank takes this branch alike)."""
+        value = float(norm)
+        self.found = None
+        if not math.isfinite(value):
+            name, rank = agree_on_first(first_nonfinite_grad(model), self.ctx.rank, norm.device)
+            self.found = (value, name, rank)
+
+    def settle(self, trainer: Any, loss: float) -> bool:
+        """After step `trainer.step`: nothing on a finite step; else stop, skip or rewind (True: rewound, the
+        trainer is back at a checkpoint's step and this step is not logged)."""
+        if self.found is None:
+            self.in_a_row = 0
+            return False
+        what = self.describe(trainer.step, loss)
+        if self.mode == "stop":
+            self.stop(f"{what}; stopped (train.on_nonfinite=stop)")
+        if self.mode == "skip":
+            return self.skip(what)
+        return self.rewind(trainer, what)
+
+    def describe(self, step: int, loss: float) -> str:
+        """The bad step in words: its number, loss, norm and the first parameter whose gradient is not finite."""
+        norm, name, rank = self.found or (math.nan, None, -1)
+        where = (f"first non-finite gradient: {name} (rank {rank})" if name is not None
+                 else "every gradient is finite but their squares overflow the norm")
+        return f"step {step}: the gradient is not finite (loss {loss:.6g}, grad norm {norm}; {where}); not applied"
+
+    def stop(self, line: str) -> None:
+        """Raise NonFiniteStop with `line` and where the run can resume from (any async save completed first)."""
+        self.checkpointer.wait()
+        latest = self.checkpointer.root / "latest"
+        kept = f"the last checkpoint ({latest.resolve()}) is kept" if latest.exists() else "no checkpoint was saved"
+        raise NonFiniteStop(f"{line}; {kept}")
+
+    def skip(self, what: str) -> bool:
+        """Skip the step (nothing was updated), or stop when it would be one too many in a row."""
+        self.in_a_row += 1
+        if self.in_a_row > self.limit:
+            self.stop(f"{what}; {self.in_a_row} such steps in a row (train.max_skipped_steps={self.limit}): stopped")
+        self.skipped += 1
+        self.say(f"warning: {what}: skipped ({self.in_a_row} in a row, at most {self.limit}; "
+                 f"{self.skipped} in the run)")
+        return False
+
+    def rewind(self, trainer: Any, what: str) -> bool:
+        """Load the newest checkpoint before this step and keep the data position past the bad batch.
+        Collectives: rank 0's choice broadcast, then the load's (DCP's plan exchange)."""
+        if self.rewinds >= self.limit:
+            self.stop(f"{what}; rewound {self.rewinds} times already (train.max_skipped_steps={self.limit}): stopped")
+        self.checkpointer.wait()
+        found = rank0_answer(lambda: newest_before(self.checkpointer.root, trainer.step))  # (path, manifest)
+        if found is None:
+            self.stop(f"{what}; train.on_nonfinite=rewind has no checkpoint of this run to rewind to "
+                      f"(in {self.checkpointer.root}; save some with checkpoint.every=N)")
+        bad, position = trainer.step, trainer.sampler.state_dict()  # the data position after the bad batch
+        self.checkpointer.load(Path(found[0]), found[1])
+        trainer.sampler.load_state_dict(position)
+        self.rewinds += 1
+        self.say(f"warning: {what}: rewound to step {trainer.step} ({found[0]}), the batches of steps "
+                 f"{trainer.step + 1}-{bad} skipped (rewind {self.rewinds} of at most {self.limit})")
+        return True

@@ -1,0 +1,171 @@
+"""`train.on_nonfinite`: a gradient that is not finite never trains the model, and every rank does the same.
+
+Each run is the real entry point `hybrid.train.main` as 2 ranks forked from the test process
+(`hybrid.testing.cli_runs.run_forked_ranks`: torchrun's environment, gloo over a local port, each rank's
+exit status and output apart). The fault: on ONE rank, at the start of step k, a hook on that rank's first
+parameter adds inf to its gradient for that step (`inject`; once per process, so a rewound run does
+not meet it again). The references:
+
+- stop (pp2, the parameter on stage 1 only): every rank exits 1 with the same one line naming step k,
+  the loss and the parameter the injection recorded; no traceback; metrics.jsonl ends at step k − 1.
+- skip (dp2, injected before the DP sync as a real overflow would be): the checkpoint of step k holds
+  exactly the tensors of step k − 1 (weights and Adam moments, read back with DCP's own reader), step k + 1
+  moves them again; the losses before k are the uninterrupted run's, the LRs are the uninterrupted run's
+  with the schedule held back one step from k + 1 on (Megatron's skipped iteration), `skipped_steps` counts.
+- rewind (dp2): the run reloads step c < k, keeps the data position past step k and finishes; its losses
+  after the rewind equal, bit for bit, a fresh run resumed from a copy of checkpoint c whose manifest holds
+  that data position (the resume path as the reference of the in-place rewind); before k, the
+  uninterrupted run's. Without a checkpoint, rewind stops with one line saying so.
+Bit-for-bit: the same layout, seed and data give identical floats (tests/dist/test_checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import hybrid.train
+from hybrid.checkpoint import MANIFEST, step_path
+from hybrid.checkpoint.state import named_parameters
+from hybrid.testing.cli_runs import CliRun, run_forked_ranks
+
+B = ["model=gpt-tiny", "data.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=4",
+     "logging.wandb.mode=disabled", "logging.progress=false", "train.eval_every=0", "optim.warmup_steps=2",
+     "logging.traffic_map=false", "run_name=nf"]
+ENV = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm() -> None:
+    """Load here, once, what every run would load (transformers' tokenizer classes, AdamW's kernels): the
+    forked ranks inherit them instead of importing them again (seconds per run)."""
+    from transformers import AutoTokenizer  # noqa: F401
+
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], fused=True)
+
+
+def inject(step: int, rank: int, record: Path) -> Callable[[], None]:
+    """`hybrid.train.main` with an inf added to the gradient of rank `rank`'s first parameter during step
+    `step` (the first time that step runs); the parameter's global name is written to `record`."""
+    def main() -> None:
+        from hybrid.trainer import Trainer
+
+        original, fired = Trainer.train_step, []
+
+        def train_step(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+            if self.step != step - 1 or self.ctx.rank != rank or fired:
+                return original(self, *args, **kwargs)
+            fired.append(True)
+            name, p = next(iter(named_parameters(self.model, False)))
+            record.write_text(name)
+            handle = p.register_hook(lambda g: g + math.inf)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                handle.remove()
+
+        Trainer.train_step = train_step  # type: ignore[method-assign]
+        hybrid.train.main()
+    return main
+
+
+def run(tmp: Path, name: str, extra: list[str], main: Callable[[], None] = hybrid.train.main) -> list[CliRun]:
+    """One 2-rank run in `tmp/name` (its own run and checkpoint folders)."""
+    folder = tmp / name
+    folder.mkdir()
+    argv = [*B, f"logging.dir={folder / 'run'}", f"checkpoint.dir={folder / 'ck'}", *extra]
+    return run_forked_ranks(main, argv, folder, 2, ENV, timeout_s=TIMEOUT_S)
+
+
+def records(tmp: Path, name: str) -> list[dict[str, Any]]:
+    lines = (tmp / name / "run" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def tensors(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint (weights, Adam moments), read with DCP's own reader."""
+    out = tmp / f"{ckpt.name}.pt"
+    dcp_to_torch_save(ckpt, out)
+    return {k: v for k, v in torch.load(out, weights_only=False).items() if isinstance(v, torch.Tensor)}
+
+
+def assert_ok(runs: list[CliRun]) -> None:
+    for r in runs:
+        assert r.code == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The uninterrupted dp2 run of 6 steps: its metrics records."""
+    tmp = tmp_path_factory.mktemp("reference")
+    assert_ok(run(tmp, "ref", ["parallel=dp", "train.steps=6"]))
+    return records(tmp, "ref")
+
+
+def test_stop_names_the_step_on_every_rank(tmp_path: Path) -> None:
+    record = tmp_path / "injected"
+    runs = run(tmp_path, "stop", ["parallel=pp2", "train.steps=6"], inject(3, 1, record))
+    for rank, r in enumerate(runs):
+        assert r.code == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert len(r.error_lines()) == 1, r.stderr[-3000:]
+        line = r.error_lines()[0]
+        assert line.startswith(f"[rank{rank}] hybrid: error: step 3: ") and "(train.on_nonfinite=stop)" in line
+        assert f"first non-finite gradient: {record.read_text()} (rank 1)" in line and "loss " in line
+    assert runs[0].error_lines()[0].partition("]")[2] == runs[1].error_lines()[0].partition("]")[2]
+    assert [r["step"] for r in records(tmp_path, "stop")] == [1, 2]
+
+
+def test_skip_leaves_weights_and_moments_unchanged(tmp_path: Path, reference: list[dict[str, Any]]) -> None:
+    runs = run(tmp_path, "skip", ["parallel=dp", "train.steps=6", "train.on_nonfinite=skip", "checkpoint.every=1",
+                                  "checkpoint.keep=0"], inject(3, 1, tmp_path / "injected"))
+    assert_ok(runs)
+    assert "warning: step 3: the gradient is not finite" in runs[0].stderr and "skipped (1 in a row" in runs[0].stderr
+    got = records(tmp_path, "skip")
+    assert [r["loss"] for r in got[:2]] == [r["loss"] for r in reference[:2]]
+    assert [r["lr"] for r in got] == [r["lr"] for r in reference[:3]] + [r["lr"] for r in reference[2:5]]
+    assert [r["skipped_steps"] for r in got] == [0, 0, 1, 1, 1, 1]
+    root = tmp_path / "skip" / "ck" / "nf"
+    before, at, after = (tensors(step_path(root, s), tmp_path) for s in (2, 3, 4))
+    assert before.keys() == at.keys() and len(before) > 0
+    for key in before:
+        assert torch.equal(before[key], at[key]), key  # step 3 updated nothing
+    assert any(not torch.equal(at[k], after[k]) for k in at)  # step 4 trained again
+
+
+def test_rewind_reloads_the_checkpoint_and_skips_the_bad_batch(tmp_path: Path,
+                                                               reference: list[dict[str, Any]]) -> None:
+    args = ["parallel=dp", "train.steps=6", "train.on_nonfinite=rewind", "checkpoint.every=2", "checkpoint.keep=0"]
+    runs = run(tmp_path, "rewind", args, inject(5, 0, tmp_path / "injected"))
+    assert_ok(runs)
+    root = tmp_path / "rewind" / "ck" / "nf"
+    assert f"rewound to step 4 ({step_path(root, 4)}), the batches of steps 5-5 skipped" in runs[0].stderr
+    got = records(tmp_path, "rewind")
+    assert [r["loss"] for r in got[:4]] == [r["loss"] for r in reference[:4]]
+    # the reference of the rewind: checkpoint 4 resumed by a fresh run, its data position past step 5's batch
+    copy = tmp_path / "copy" / "step_0000004"
+    shutil.copytree(step_path(root, 4), copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest["consumed_samples"] += manifest["consumed_samples"] // manifest["step"]  # one global batch more
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    assert_ok(run(tmp_path, "resumed", [*args[:2], f"checkpoint.resume={copy}"]))
+    resumed = records(tmp_path, "resumed")
+    assert [r["step"] for r in resumed] == [5, 6]
+    assert [r["loss"] for r in got[-2:]] == [r["loss"] for r in resumed]
+    assert [r["step"] for r in got[-2:]] == [5, 6]
+
+
+def test_rewind_without_a_checkpoint_stops_with_one_line(tmp_path: Path) -> None:
+    runs = run(tmp_path, "none", ["parallel=dp", "train.steps=4", "train.on_nonfinite=rewind"],
+               inject(2, 1, tmp_path / "injected"))
+    for r in runs:
+        assert r.code == 1 and "Traceback" not in r.stderr and len(r.error_lines()) == 1, r.stderr[-3000:]
+        assert "step 2: " in r.error_lines()[0] and "has no checkpoint of this run to rewind to" in r.error_lines()[0]
