@@ -21,7 +21,7 @@ import os
 import re
 import typing
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -215,12 +215,16 @@ def check_keys(cfg: DictConfig, overrides: list[str]) -> None:
         raise ConfigError(f"unknown key '{key}' in {given}: the schema has no such key{suggestion(key)}")
 
 
-def check(argv: list[str], app: App) -> None:
-    """Compose what `argv` would run (each job of a sweep, see sweep_jobs) and check its keys; raises
-    Hydra's composition error or ConfigError. Flags that only print (PRINT_AND_EXIT) check nothing."""
+def check(argv: list[str], app: App, each: Optional[Callable[[DictConfig], None]] = None) -> None:
+    """Compose what `argv` would run (each job of a sweep, see sweep_jobs) and check its keys, then hand each
+    job's config to `each` (`hybrid-check` validates it there); raises Hydra's composition error or ConfigError.
+    Flags that only print (PRINT_AND_EXIT) check nothing."""
     args = hydra_args(argv)
     if args is None or not wants_check(args):
         return
     with hydra_for(args, app):
         for overrides in sweep_jobs(args.overrides) if is_multirun(args) else [args.overrides]:
-            check_keys(compose_job(args, overrides), overrides)
+            cfg = compose_job(args, overrides)
+            check_keys(cfg, overrides)
+            if each is not None:
+                each(cfg)

@@ -31,6 +31,8 @@ Environment:
                    when PYTHON is set or no torchrun is on PATH)
   PYTHON           the Python whose torch runs the job (default: python3 when torchrun is absent)
   HYBRID_MODULE    module to run instead of hybrid.train (smoke tests); gets the same arguments
+  HYBRID_CHECK     0: skip the configuration check before launch (python -m hybrid.tools.check, one
+                   process: bad input is one line and exit 2 before any rank starts)
 
 Examples:
   launch/local.sh                                   # all GPUs (or 2 CPU ranks), default config
@@ -88,6 +90,11 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( THREADS > 0 ? THREADS : 1 ))}"
 # Make `-m hybrid.train` importable from any working directory without installing the package.
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+# Bad input is one line here, once, before any rank starts (launch/precheck.sh).
+# shellcheck source=launch/precheck.sh
+source "$REPO_ROOT/launch/precheck.sh"
+precheck_config local.sh "$NPROC" "$NPROC" ${RESUME[@]+"${RESUME[@]}"} "$@"
 
 # The launcher: $TORCHRUN if given; else the torchrun of $PYTHON when PYTHON is given (`make run PYTHON=…`)
 # or no torchrun is on PATH (a venv not activated); else torchrun.

@@ -21,10 +21,12 @@ Options (each falls back to the environment variable in brackets):
   --local-addr ADDR   address this node advertises to the others      [LOCAL_ADDR]    default: hostname
   -h, --help          this text
 The first argument that is not one of these options (or everything after `--`)
-is passed to hybrid.train unchanged. Extra torchrun flags: TORCHRUN_ARGS="...";
-TORCHRUN="cmd" replaces the torchrun command; HYBRID_MODULE=pkg.mod runs another
-module instead of hybrid.train with the same arguments (smoke tests); PYTHON (default
-python3) runs the filter that shortens a join timeout's traceback to one line.
+is passed to hybrid.train unchanged, once one process has checked it (python -m
+hybrid.tools.check: bad input is one line and exit 2; HYBRID_CHECK=0 skips it).
+Extra torchrun flags: TORCHRUN_ARGS="..."; TORCHRUN="cmd" replaces the torchrun
+command; HYBRID_MODULE=pkg.mod runs another module instead of hybrid.train with the
+same arguments (smoke tests); PYTHON (default python3) runs the check and the filter
+that shortens a join timeout's traceback to one line.
 
 Fault tolerance: when a rank on any node fails, every agent stops and restarts its
 ranks (at most --max-restarts times, 0 = fail at once) and, with checkpoint.resume=auto,
@@ -120,6 +122,14 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( THREADS > 0 ? THREADS : 1 ))}"
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+# Bad input is one line here, once per node, before any rank starts (launch/precheck.sh); an elastic job's
+# world is not known yet: then everything but the world size is checked.
+# shellcheck source=launch/precheck.sh
+source "$REPO_ROOT/launch/precheck.sh"
+WORLD=""
+[[ "$NNODES" == *:* ]] || WORLD=$(( NNODES * NPROC ))
+precheck_config multinode.sh "$WORLD" "$NPROC" ${RESUME[@]+"${RESUME[@]}"} "$@"
 
 ARGS=(
   --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC"

@@ -3,6 +3,11 @@ written: a table of command lines, each run through the real entry point `hybrid
 child (hybrid.testing.cli_runs: a real process, without seconds of imports each) working in an empty folder
 that must stay empty. One case also runs as a fresh `python -m hybrid.train`, the reference the fork must
 match. To cover a new bad input, add a row to CASES.
+
+Before launch: `python -m hybrid.tools.check` (what launch/local.sh, multinode.sh and slurm.sbatch run in one
+process before torchrun) gives the same one line, once and without a `[rankN]` prefix, for every RANKED case
+and the CASES in CHECKED; each launch script, with a stand-in torchrun on PATH, stops there with that line
+and exit 2, and never starts torchrun. A good command line passes the check and reaches torchrun.
 """
 
 from __future__ import annotations
@@ -14,8 +19,11 @@ from pathlib import Path
 
 import pytest
 
+import hybrid.tools.check
 import hybrid.train
 from hybrid.testing.cli_runs import CliRun, run_forked
+
+ROOT = Path(__file__).resolve().parents[2]
 
 B = ["model=gpt-tiny", "data.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=4",
      "logging.wandb.mode=disabled", "logging.progress=false"]
@@ -99,6 +107,11 @@ RANK/WORLD_SIZE (no MASTER_ADDR: nothing to wait for) and must print its own `[r
 (tests/e2e/test_torchrun.py runs the real torchrun for a bad layout and a bad override.)"""
 
 
+CHECKED = ["steps-0", "warmup-longer-than-run", "on-nonfinite", "max-skipped-steps", "llama-seq-len",
+           "tokenizer-garbled", "unknown-key"]
+"""CASES also run through the check before launch (RANKED all are: the world matters there)."""
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Prepared inputs outside the runs' working folders: an empty and a garbled tokenizer folder."""
@@ -145,3 +158,61 @@ def test_the_fork_runs_as_a_fresh_process_does(tmp_path: Path) -> None:
     assert (forked.code, forked.error_lines()) == (fresh.returncode, [ln for ln in fresh.stderr.splitlines()
                                                                       if "hybrid: error:" in ln])
     assert_refused(forked, "optim.eps must be > 0", tmp_path / "fork")
+
+
+LAUNCH_CASES = [(c[0], ["--world", "2", *c[1]], c[2]) for c in RANKED] + [c for c in CASES if c[0] in CHECKED]
+
+
+@pytest.mark.parametrize(("argv", "needle"), [c[1:] for c in LAUNCH_CASES], ids=[c[0] for c in LAUNCH_CASES])
+def test_the_check_before_launch_says_it_once(argv: list[str], needle: str, folders: dict[str, str],
+                                              tmp_path: Path) -> None:
+    args = [a.format(**folders) for a in argv]
+    split = 2 if args[0] == "--world" else 0
+    argv = [*args[:split], *B, *args[split:]]
+    r = run_forked(lambda: sys.exit(hybrid.tools.check.main()), argv, tmp_path, {"OMP_NUM_THREADS": "1"})
+    assert_refused(r, needle, tmp_path)
+    assert r.error_lines()[0].startswith("hybrid: error: "), r.error_lines()  # one process: no rank prefix
+
+
+def test_the_check_before_launch_reads_every_job_of_a_sweep(tmp_path: Path) -> None:
+    """A `-m` sweep: the second value of a key is composed and validated too (hybrid.overrides.sweep_jobs)."""
+    check = lambda argv: run_forked(lambda: sys.exit(hybrid.tools.check.main()), argv, tmp_path)  # noqa: E731
+    assert_refused(check(["--world", "2", "-m", *B, "train.steps=4,0"]), "train.steps must be >= 1", tmp_path)
+    assert_refused(check(["--world", "2", *B, "-m", "train.steps=4,0"]), "is not a command line hybrid.train parses",
+                   tmp_path)  # Hydra's parser takes its flags before the overrides only
+
+
+def stand_in_torchrun(tmp: Path) -> tuple[dict[str, str], Path]:
+    """PATH with a `torchrun` that only records that it ran (and a Slurm host list); the marker file."""
+    bin_dir, marker = tmp / "bin", tmp / "torchrun-ran"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(f'#!/bin/sh\necho "$@" > {marker}\n')
+    (bin_dir / "srun").write_text('#!/bin/sh\nshift\nshift\nexec "$@"\n')  # drop --kill-on-bad-exit, --cpus
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node-a\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "7",
+           "SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "2", "SLURM_JOB_NODELIST": "node-a", "SLURM_CPUS_PER_TASK": "2",
+           "SLURM_SUBMIT_DIR": str(ROOT), "MAX_RESTARTS": "0"}
+    env.pop("HYBRID_MODULE", None)
+    return env, marker
+
+
+SCRIPTS = {"local.sh": ["2"], "multinode.sh": ["--nnodes", "1", "--nproc", "2", "--endpoint", "127.0.0.1:1"],
+           "slurm.sbatch": []}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_launch_script_stops_bad_input_before_torchrun(script: str, tmp_path: Path) -> None:
+    name, overrides, needle = RANKED[0]
+    env, marker = stand_in_torchrun(tmp_path)
+    (tmp_path / "work").mkdir()
+    p = subprocess.run(["bash", str(ROOT / "launch" / script), *SCRIPTS[script], *B, *overrides], text=True,
+                       capture_output=True, timeout=120, env=env, cwd=tmp_path / "work")
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("hybrid: error: ") and needle in lines[0], p.stderr[-3000:]
+    assert not marker.exists() and list((tmp_path / "work").iterdir()) == []  # no rank started, nothing written
+    good = subprocess.run(["bash", str(ROOT / "launch" / script), *SCRIPTS[script], *B], text=True,
+                          capture_output=True, timeout=120, env=env, cwd=tmp_path / "work")
+    assert good.returncode == 0 and marker.exists(), good.stderr[-3000:]  # a good command line reaches torchrun

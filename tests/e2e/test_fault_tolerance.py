@@ -137,7 +137,8 @@ def launch(script: str, args: list[str], tmp: Path, **extra: str) -> list[str]:
     (fake / "scontrol").write_text("#!/bin/sh\necho node-a\necho node-b\n")
     for f in fake.iterdir():
         f.chmod(0o755)
-    e = {"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_NNODES": "2",
+    # 2 nodes x 2 ranks under each script: a world the arguments fit (each script checks them before torchrun)
+    e = {"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "2",
          "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_SUBMIT_DIR": str(ROOT), **extra}
     pre = {"local.sh": ["2"], "multinode.sh": ["--nnodes", "2", "--endpoint", "h:1"], "slurm.sbatch": []}[script]
     r = subprocess.run(["bash", str(ROOT / "launch" / script), *pre, *args], capture_output=True, text=True,
