@@ -136,7 +136,7 @@ class Guard:
             return False
         what = self.describe(trainer.step, loss)
         if self.mode == "stop":
-            self.stop(f"{what}; stopped (train.on_nonfinite=stop)")
+            self.stop(f"{what}; stopped (train.on_nonfinite=stop; skip or rewind go on past such a step)")
         if self.mode == "skip":
             return self.skip(what)
         return self.rewind(trainer, what)

@@ -12,6 +12,7 @@ not meet it again). The references:
   exactly the tensors of step k − 1 (weights and Adam moments, read back with DCP's own reader), step k + 1
   moves them again; the losses before k are the uninterrupted run's, the LRs are the uninterrupted run's
   with the schedule held back one step from k + 1 on (Megatron's skipped iteration), `skipped_steps` counts.
+- 1-bit Adam after its warm-up (dp2, replicas on their own gradients): both ranks skip rank 1's bad step.
 - rewind (dp2): the run reloads step c < k, keeps the data position past step k and finishes; its losses
   after the rewind equal, bit for bit, a fresh run resumed from a copy of checkpoint c whose manifest holds
   that data position (the resume path as the reference of the in-place rewind); before k, the
@@ -118,7 +119,7 @@ def test_stop_names_the_step_on_every_rank(tmp_path: Path) -> None:
         assert r.code == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
         assert len(r.error_lines()) == 1, r.stderr[-3000:]
         line = r.error_lines()[0]
-        assert line.startswith(f"[rank{rank}] hybrid: error: step 3: ") and "(train.on_nonfinite=stop)" in line
+        assert line.startswith(f"[rank{rank}] hybrid: error: step 3: ") and "(train.on_nonfinite=stop;" in line
         assert f"first non-finite gradient: {record.read_text()} (rank 1)" in line and "loss " in line
     assert runs[0].error_lines()[0].partition("]")[2] == runs[1].error_lines()[0].partition("]")[2]
     assert [r["step"] for r in records(tmp_path, "stop")] == [1, 2]
@@ -139,6 +140,17 @@ def test_skip_leaves_weights_and_moments_unchanged(tmp_path: Path, reference: li
     for key in before:
         assert torch.equal(before[key], at[key]), key  # step 3 updated nothing
     assert any(not torch.equal(at[k], after[k]) for k in at)  # step 4 trained again
+
+
+def test_replicas_with_their_own_gradients_agree(tmp_path: Path) -> None:
+    """1-bit Adam after its warm-up: each DP replica steps on its own gradient, so only rank 1's is not finite;
+    both must skip the step (without the 4-byte DP agreement rank 0 would step and the ranks would hang)."""
+    args = ["parallel=dp", "train.steps=5", "train.on_nonfinite=skip", "compression=onebit_adam",
+            "compression.warmup_steps=2"]
+    runs = run(tmp_path, "onebit", args, inject(4, 1, tmp_path / "injected"))
+    assert_ok(runs)
+    assert f"first non-finite gradient: {(tmp_path / 'injected').read_text()} (rank 1)" in runs[0].stderr
+    assert [r["skipped_steps"] for r in records(tmp_path, "onebit")] == [0, 0, 0, 1, 1]
 
 
 def test_rewind_reloads_the_checkpoint_and_skips_the_bad_batch(tmp_path: Path,

@@ -120,7 +120,7 @@ def test_a_diverged_run_keeps_its_finite_checkpoint_and_says_so(tmp_path: Path) 
     errors = [line for line in p.stderr.splitlines() if "error" in line]
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
     assert len(errors) == 1 and errors[0].startswith("hybrid: error: step ") and "is kept" in errors[0]
-    assert "the gradient is not finite" in errors[0] and "(train.on_nonfinite=stop)" in errors[0]  # stopped before
+    assert "the gradient is not finite" in errors[0] and "(train.on_nonfinite=stop;" in errors[0]  # stopped before
     kept = [s for s, _, done in scan(root) if done]
     assert kept and all(problem(step_path(root, s)) is None for s in kept)  # finite, complete: resumable
     assert f"({step_path(root, kept[-1]).resolve()})" in errors[0]
