@@ -130,7 +130,8 @@ class Guard:
 
     def settle(self, trainer: Any, loss: float) -> bool:
         """After step `trainer.step`: nothing on a finite step; else stop, skip or rewind (True: rewound, the
-        trainer is back at a checkpoint's step and this step is not logged)."""
+        trainer is back at a checkpoint's step and this step is not logged). Every rank takes the same branch
+        (`inspect`'s verdict is the world's); only a rewind runs collectives (its broadcast and the load)."""
         if self.found is None:
             self.in_a_row = 0
             return False
