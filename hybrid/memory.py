@@ -151,10 +151,11 @@ def loss_columns(chunk: nn.Module, tp: int) -> int:
 
 def held_bytes(schedule: Schedule, rank: int, per_chunk: Sequence[int]) -> int:
     """The most activation bytes `rank` holds at once: its compute order replayed, each forward of chunk c
-    adding `per_chunk[c]` until that microbatch's backward."""
+    adding `per_chunk[c]` until that microbatch's backward (B, or a split backward's weight pass W: its input
+    pass keeps the graph for it)."""
     live = peak = 0
     for action in schedule.actions[rank]:
-        if action.op in (Op.FORWARD, Op.FULL_BACKWARD):
+        if action.op in (Op.FORWARD, Op.FULL_BACKWARD, Op.BACKWARD_WEIGHT):
             live += per_chunk[action.chunk] if action.op is Op.FORWARD else -per_chunk[action.chunk]
             peak = max(peak, live)
     return peak

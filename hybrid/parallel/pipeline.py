@@ -85,45 +85,47 @@ class P2P:
 
     def exchange(self, schedule: Schedule, rank: int, batch: list[Action],
                  tensors: dict[Action, torch.Tensor]) -> dict[Action, torch.Tensor]:
-        """Post every op of `batch` at once, wait for the receives; return the received tensors."""
+        """Post every op of `batch` at once (one `batch_isend_irecv` per stream), then wait for the receives;
+        return the received tensors."""
         with C.TIMER.collective(self.name, "send_recv"):
             received: dict[Action, torch.Tensor] = {}
+            waits = []
             for stream in sorted({schedule.stream(rank, a) for a in batch}):
                 ops = [a for a in batch if schedule.stream(rank, a) == stream]
-                received |= self._exchange(schedule, rank, ops, tensors, self.streams.get(stream, self.group))
+                waits += self._post(schedule, rank, ops, tensors, self.streams.get(stream, self.group), received)
+            for work in waits:
+                work.wait()
             return received
 
-    def _exchange(self, schedule: Schedule, rank: int, batch: list[Action], tensors: dict[Action, torch.Tensor],
-                  group: Group) -> dict[Action, torch.Tensor]:
-        ops, received = [], {}
-        for a in batch:
-            peer = schedule.peer(rank, a)
-            if a.op.is_send:
-                t = tensors[a].detach().contiguous()
-                if t.shape != self.shape or t.dtype != self.dtype:
-                    raise RuntimeError(f"pipeline {a}: sending {tuple(t.shape)} {t.dtype}, but every stage "
-                                       f"receives {self.shape} {self.dtype}")
-                C.COUNTER.record(self.name, "send_fwd" if a.op is Op.SEND_F else "send_bwd", t, schedule.pp)
-                ops.append(dist.P2POp(dist.isend, t, group=group, group_peer=peer))
-            else:
-                buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                received[a] = buf
-                ops.append(dist.P2POp(dist.irecv, buf, group=group, group_peer=peer))
+    def _post(self, schedule: Schedule, rank: int, batch: list[Action], tensors: dict[Action, torch.Tensor],
+              group: Group, received: dict[Action, torch.Tensor]) -> list[dist.Work]:
+        """Post one stream's ops; keep its sends in flight; return the works to wait for (its receives)."""
+        ops = [self._op(schedule, rank, a, tensors, group, received) for a in batch]
         start = C.TIMER.mark()
         works = dist.batch_isend_irecv(ops)
-        if len(works) != len(ops):  # one coalesced work for the batch (NCCL): wait on it if it receives
-            if received:
-                works[0].wait()
-            else:
-                self.sending.append((works[0], [op.tensor for op in ops], *C.TIMER.launched(
-                    self.name, "send_recv", works[0], start)))
-            return received
+        if len(works) != len(ops):  # one coalesced work (NCCL): waited on if it receives, else drained
+            if any(op.op is dist.irecv for op in ops):
+                return works[:1]
+            self.sending.append((works[0], [op.tensor for op in ops], *C.TIMER.launched(
+                self.name, "send_recv", works[0], start)))
+            return []
         for op, work in zip(ops, works):
             if op.op is dist.isend:
                 self.sending.append((work, op.tensor, *C.TIMER.launched(self.name, "send_recv", work, start)))
-            else:
-                work.wait()
-        return received
+        return [w for op, w in zip(ops, works) if op.op is dist.irecv]
+
+    def _op(self, schedule: Schedule, rank: int, a: Action, tensors: dict[Action, torch.Tensor], group: Group,
+            received: dict[Action, torch.Tensor]) -> dist.P2POp:
+        peer = schedule.peer(rank, a)
+        if a.op.is_send:
+            t = tensors[a].detach().contiguous()
+            if t.shape != self.shape or t.dtype != self.dtype:
+                raise RuntimeError(f"pipeline {a}: sending {tuple(t.shape)} {t.dtype}, but every stage "
+                                   f"receives {self.shape} {self.dtype}")
+            C.COUNTER.record(self.name, "send_fwd" if a.op is Op.SEND_F else "send_bwd", t, schedule.pp)
+            return dist.P2POp(dist.isend, t, group=group, group_peer=peer)
+        received[a] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return dist.P2POp(dist.irecv, received[a], group=group, group_peer=peer)
 
     def drain(self) -> None:
         """Wait for the sends still in flight (the end of a schedule)."""

@@ -74,7 +74,7 @@ def test_activations_equal_the_tally_in_one_process(family: str, kv: int, dropou
         assert _tally(model.train(), ids) == want, (family, kv, dropout, mode)
 
 
-@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1p", 1), ("zbv", 2)])
 def test_held_microbatches_equal_the_simulators_peak(name: str, v: int) -> None:
     for pp, microbatches in ((2, 4), (4, 8), (4, 4)):
         schedule = build_schedule(name, pp, microbatches, v)

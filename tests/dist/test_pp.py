@@ -124,6 +124,8 @@ def test_pipeline_matches_single_process(name: str) -> None:
 @pytest.mark.parametrize("name", list(LAUNCHES))
 def test_eval_through_the_pipeline_matches_single_process(name: str) -> None:
     for case, results in launched(name):
+        if COMPRESSED in case.extra:
+            continue
         ref = reference(case.family)["eval"]
         for r in results:  # computed on the last stage, broadcast over PP: every rank reports it
             torch.testing.assert_close(torch.tensor(r["eval"]), torch.tensor(ref), **LOSS_TOL,

@@ -20,15 +20,18 @@ TINY_BYTES = [*RUN, "--layers", "8"]
 def test_analytic_and_measured_bubble() -> None:
     assert pp_bubble.analytic_bubble(2, 4) == pytest.approx(1 / 5)
     assert pp_bubble.analytic_bubble(4, 8, 2) == pytest.approx(3 / 19)
+    assert pp_bubble.analytic_bubble(4, 8, 1, "zb1p") == pytest.approx(3 / 27)  # (p−1)/(3m+p−1) at F = I = W
     # two ranks, two steps: each step lasts as long as its slowest rank
     walls, busy = [[1.0, 2.0], [0.5, 4.0]], [[0.5, 2.0], [0.25, 3.0]]
     assert pp_bubble.measured_bubble(walls, busy) == pytest.approx([(0.5 + 0.5) / 2, (0.75 + 0.25) / 2])
 
 
 def test_bottleneck_bubble_matches_the_simulator_for_equal_stages() -> None:
-    equal = pp_bubble.bottleneck_bubble("1f1b", 2, 4, 1, [1.0, 1.0], [2.0, 2.0])
+    equal = pp_bubble.bottleneck_bubble("1f1b", 2, 4, 1, [1.0, 1.0], [2.0, 2.0], [0.0, 0.0])
     assert equal == pytest.approx([pp_bubble.analytic_bubble(2, 4)] * 2)
-    slow_last = pp_bubble.bottleneck_bubble("1f1b", 2, 4, 1, [1.0, 2.0], [2.0, 4.0])
+    split = pp_bubble.bottleneck_bubble("zb1p", 4, 8, 1, [1.0] * 4, [2.0] * 4, [1.0] * 4)
+    assert split == pytest.approx([pp_bubble.analytic_bubble(4, 8, 1, "zb1p")] * 4)
+    slow_last = pp_bubble.bottleneck_bubble("1f1b", 2, 4, 1, [1.0, 2.0], [2.0, 4.0], [0.0, 0.0])
     assert slow_last[0] > slow_last[1]  # the faster first stage waits for the last
 
 
@@ -76,7 +79,8 @@ def test_benchmarks_run_bytes_agree_and_torch_grads_match(capsys: pytest.Capture
                    "ratio ours/torch", "reproduce:"):
         assert needle in out
     bubble = {(r["schedule"], r["m"]): r for r in result["bubble"]}
-    assert set(bubble) == {("gpipe", 2), ("1f1b", 2), ("interleaved", 2)}
+    assert set(bubble) == {("gpipe", 2), ("1f1b", 2), ("interleaved", 2), ("zb1p", 2), ("zbv", 2)}
+    assert bubble["zb1p", 2]["w"] > 0 and bubble["1f1b", 2]["w"] == 0  # the weight passes, measured apart
     for r in bubble.values():
         assert len(r["measured"]) == 2 and all(b < 1 for b in r["measured"])
         assert 0 < r["simulated"] < 1
