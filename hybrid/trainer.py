@@ -39,11 +39,12 @@ from hybrid.model import build_model
 from hybrid.nonfinite import Guard
 from hybrid.optim import build_optimizer, lr_at, to_low_precision
 from hybrid.parallel import collectives as C
-from hybrid.parallel.context import ParallelContext
+from hybrid.parallel.actions import part_of
+from hybrid.parallel.context import ParallelContext, pp_streams
 from hybrid.parallel.data import CommHook, GradSync, SyncReport, finalize_grads
 from hybrid.parallel.params import count_params
 from hybrid.parallel.pipeline import P2P, PipelineStats, partition_layers, run_schedule
-from hybrid.parallel.schedules import Schedule, build_schedule
+from hybrid.parallel.schedules import SCHEDULES, Schedule, build_schedule
 from hybrid.parallel.timing import clock_for
 from hybrid.profiling import StepProfiler
 from hybrid.report import StepReport
@@ -64,13 +65,14 @@ class StepResult:
 
 
 def build_chunks(cfg: Config, vocab: int, ctx: ParallelContext) -> nn.ModuleList:
-    """This rank's model chunks: part c·pp + pp_rank of the pp·v parts for each chunk c (one chunk
-    without interleaving; the whole model at pp=1). Only these parameters are ever built."""
+    """This rank's model chunks: for each chunk c the part of the pp·v parts the schedule places there
+    (c·pp + pp_rank, or the V's; one chunk without interleaving; the whole model at pp=1). Only these
+    parameters are ever built."""
     p = cfg.parallel
     parts = partition_layers(cfg.model.n_layers, ctx.pp_size * p.virtual_stages, p.stage_layers)
     chunks = []
     for c in range(p.virtual_stages):
-        s = c * ctx.pp_size + ctx.pp_rank
+        s = part_of(SCHEDULES[p.schedule].placement, ctx.pp_size, ctx.pp_rank, c)
         chunks.append(build_model(cfg.model, vocab, ctx.tp_group, layers=parts[s], pre=s == 0,
                                   post=s == len(parts) - 1, seed=cfg.train.seed,
                                   sequence_parallel=p.sequence_parallel))
@@ -207,7 +209,8 @@ class Trainer:
         if self.cfg.parallel.sequence_parallel and self.ctx.tp_size > 1:
             seq //= self.ctx.tp_size
         shape = (self.cfg.train.micro_batch_size, seq, self.cfg.model.hidden)
-        return P2P(self.ctx.pp_group, shape, self.activation_dtype, self.device)
+        streams = pp_streams(self.ctx, self.schedule.streams)
+        return P2P(self.ctx.pp_group, shape, self.activation_dtype, self.device, streams)
 
     def _batch(self, samples: np.ndarray, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch_from(samples, idx)
@@ -262,10 +265,10 @@ class Trainer:
         return StepResult(loss_value, float(norm), lr, time.perf_counter() - start)
 
     def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
-        """The last stage's value on every stage (metrics only: uncounted, not training traffic)."""
+        """The value of the stage holding the loss on every stage (metrics only: uncounted, not training traffic)."""
         if self.ctx.pp_size > 1:
             with C.TIMER.collective(C.group_name(self.ctx.pp_group), "loss"):
-                dist.broadcast(t, group=self.ctx.pp_group, group_src=self.ctx.pp_size - 1)
+                dist.broadcast(t, group=self.ctx.pp_group, group_src=self.schedule.last_rank)
         return t
 
     def _dp_mean(self, t: torch.Tensor) -> float:

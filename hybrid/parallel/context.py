@@ -14,8 +14,8 @@ real groups with `torch.distributed.new_group` (every rank takes part in every
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Optional
 
 import torch.distributed as dist

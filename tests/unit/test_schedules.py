@@ -251,7 +251,8 @@ def test_registered_schedule_is_built_checked_and_accepted_by_the_config(monkeyp
 
     monkeypatch.setitem(SCHEDULES, "late", ScheduleSpec(late_order))
     assert build_schedule("late", 3, 4).actions == build_schedule("gpipe", 3, 4).actions
-    with pytest.raises(ScheduleError, match="unknown schedule 'x'; choose one of gpipe, 1f1b, interleaved, zb1p, zbv, late"):
+    with pytest.raises(ScheduleError, match="unknown schedule 'x'; choose one of gpipe, 1f1b, interleaved, zb1p, zbv, "
+                                            "late"):
         build_schedule("x", 2, 2)
     with pytest.raises(ScheduleError, match=r"virtual_stages=2 needs schedule=interleaved \| zbv \(got late\)"):
         build_schedule("late", 2, 4, 2)

@@ -29,7 +29,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "hybrid.parallel": (),
     "hybrid.compression": ("hybrid.parallel.collectives",),
     "hybrid.model": ("hybrid.parallel.collectives", "hybrid.parallel.params", "hybrid.parallel.tensor",
-                     "hybrid.parallel.rng", "hybrid.parallel.recompute"),
+                     "hybrid.parallel.rng", "hybrid.parallel.recompute", "hybrid.parallel.actions"),
     "hybrid.testing": (),
     "hybrid.config": (),
     "hybrid.lifeline": (),

@@ -64,7 +64,8 @@ def test_orders_match_torch_pipelining(name, cls, placement):
             assert got == want, (name, p, m, r)
 
 
-@pytest.mark.parametrize("f,i,w", [(1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (2.0, 1.0, 1.0), (1.0, 2.0, 1.0), (1.5, 1.0, 0.25)])
+@pytest.mark.parametrize("f,i,w", [(1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (2.0, 1.0, 1.0), (1.0, 2.0, 1.0),
+                                   (1.5, 1.0, 0.25)])
 @pytest.mark.parametrize("p,m", [(2, 4), (3, 7), (4, 4), (4, 8), (8, 24)])
 def test_zb1p_makespan_is_the_papers_cost_model(p, m, f, i, w):
     """ZB-H1 (W ≤ F and W ≤ B, as in the paper's setting): idle (p−1)(F+B−W) per rank where 1F1B idles (p−1)(F+B+W)."""
@@ -105,7 +106,8 @@ def test_peak_activations_equal_1f1bs(p, m):
 def test_zbv_beats_zb1p_when_microbatches_fill_the_v():
     for p in (2, 4, 8):
         for m in (2 * p, 3 * p):
-            zbv, zb1p = (simulate(build_schedule(n, p, m, v), 1.0, 2.0, weight=1.0) for n, v in (("zbv", 2), ("zb1p", 1)))
+            zbv, zb1p = (simulate(build_schedule(n, p, m, v), 1.0, 2.0, weight=1.0)
+                         for n, v in (("zbv", 2), ("zb1p", 1)))
             assert zbv.bubble < zb1p.bubble, (p, m)
 
 
