@@ -77,7 +77,7 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
     _require(t.global_batch_size >= per_step and t.global_batch_size % per_step == 0,
              f"train.global_batch_size={t.global_batch_size} is not a multiple of "
              f"micro_batch_size·dp = {t.micro_batch_size}·{layout.dp} = {per_step}")
-    _validate_pipeline(p, m, t.global_batch_size // per_step)
+    _validate_pipeline(p, m, t.global_batch_size // per_step, t.compile)
     _require(math.isfinite(t.lr) and t.lr > 0, f"train.lr must be a finite number > 0, got {t.lr}")
     _require(t.steps >= 1, f"train.steps must be >= 1 (optimizer steps to train), got {t.steps}")
     _require(t.max_skipped_steps >= 1, f"train.max_skipped_steps must be >= 1 (non-finite steps skipped in a row, "
@@ -112,11 +112,19 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
     return layout
 
 
-def _validate_pipeline(p: ParallelConfig, m: ModelConfig, microbatches: int) -> None:
-    """Schedule sizes (interleaving needs pp >= 2 and microbatches divisible by pp) and stage_layers."""
+def _validate_pipeline(p: ParallelConfig, m: ModelConfig, microbatches: int, compiled: bool) -> None:
+    """Schedule sizes (interleaving needs pp >= 2 and microbatches divisible by pp), stage_layers, and what a
+    zero-bubble schedule needs: a backward it can split (not compiled), zbv equal parts."""
     from hybrid.parallel.pipeline import partition_layers
 
     spec = SCHEDULES[p.schedule]
+    _require(not (spec.split_backward and compiled and p.pp > 1), f"parallel.schedule={p.schedule} splits each "
+             "backward into input and weight passes, but train.compile=true makes a block's backward one node that "
+             "cannot be split: set train.compile=false or another schedule")
+    parts = p.pp * p.virtual_stages
+    _require(p.schedule != "zbv" or p.pp == 1 or p.stage_layers is not None or m.n_layers % parts == 0,
+             f"parallel.schedule=zbv needs equal parts: model.n_layers={m.n_layers} is not divisible by "
+             f"pp·virtual_stages = {parts} (or set parallel.stage_layers)")
     _require(p.virtual_stages >= spec.min_virtual_stages, f"parallel.schedule={p.schedule} needs "
              f"parallel.virtual_stages >= {spec.min_virtual_stages} ({spec.fewer_virtual})")
     if p.pp > 1 or p.virtual_stages > 1:

@@ -34,13 +34,12 @@ from hybrid.bench.pp_common import (
 )
 from hybrid.parallel.context import pp_streams
 from hybrid.parallel.pipeline import P2P, PipelineStats, run_schedule
-from hybrid.parallel.schedules import SCHEDULES, build_schedule, zb1p_order, zbv_order
+from hybrid.parallel.schedules import SCHEDULES, build_schedule
 from hybrid.parallel.simulator import simulate
 from hybrid.testing.ranks import launch
 from hybrid.trainer import build_chunks
 
 MODULE = "hybrid.bench.pp_bubble"
-SPLIT = (zb1p_order, zbv_order)  # the schedules whose backward is split into input and weight passes
 BUBBLE_SCHEDULES = tuple((name, s.min_virtual_stages) for name, s in SCHEDULES.items())  # (name, v): every schedule
 QUICK = {"vocab": 300, "seq": 16, "micro_batch": 1, "layers": 4, "microbatches": [2], "steps": 1, "warmup": 0,
          "timeout": 120.0}
@@ -131,7 +130,7 @@ def per_microbatch(seconds: list[list[float]], m: int, v: int) -> float:
 
 
 def split_weight(name: str, weight: float) -> Optional[float]:
-    return weight if SCHEDULES[name].order in SPLIT else None
+    return weight if SCHEDULES[name].split_backward else None
 
 
 def bottleneck_bubble(name: str, pp: int, m: int, v: int, forward: list[float], backward: list[float],

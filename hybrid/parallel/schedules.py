@@ -152,6 +152,7 @@ class ScheduleSpec:
     min_virtual_stages: int = 1  # the fewest chunks a training run accepts (the simulator takes any >= 1) …
     fewer_virtual: str = ""  # … and what fewer would amount to, for the config's error line
     placement: str = "loop"  # how the chunks' parts sit on the ranks (`actions.PLACEMENTS`)
+    split_backward: bool = False  # runs I and W instead of B (zero-bubble)
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
@@ -160,9 +161,9 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "interleaved": ScheduleSpec(interleaved_order, virtual=True, check=_interleaved_sizes, min_virtual_stages=2,
                                 fewer_virtual="with 1 it is 1f1b with a deeper warm-up: the same bubble, "
                                               "more activation memory"),
-    "zb1p": ScheduleSpec(zb1p_order),
+    "zb1p": ScheduleSpec(zb1p_order, split_backward=True),
     "zbv": ScheduleSpec(zbv_order, virtual=True, check=_zbv_sizes, min_virtual_stages=2,
-                        fewer_virtual="its V runs two chunks per rank", placement="v"),
+                        fewer_virtual="its V runs two chunks per rank", placement="v", split_backward=True),
 }
 """The registry: `parallel.schedule` name → spec; its order is the order of the choices shown."""
 
