@@ -183,6 +183,23 @@ def test_same_layout_resume_restores_rng_and_hook_state(tmp_path: Path) -> None:
     assert "dropped" not in " ".join(m for m in results[0]["log"] if "/same" in m)
 
 
+def test_zero_bubble_checkpoints_resume_exactly_and_under_other_placements(tmp_path: Path) -> None:
+    """Saved under zbv (the V placement: rank 0 holds the embedding, the last part and the tied head's copy),
+    resumed bit-exactly in the same layout, and by global names under zb1p's loop placement and at pp=1."""
+    others = [Case(pp=2, schedule="zb1p"), Case()]
+    results = run_ranks(resume_runs, 2, tmp_path, Case(pp=2, schedule="zbv", v=2), others, timeout=TIMEOUT)
+    for r in results:
+        assert r["same"]["losses"] == r["base"]["losses"][SAVE_AT:]
+        for name, w in r["final"].items():
+            assert torch.equal(r["same_final"][name], w), name
+    for case in map(str, others):
+        loaded: dict[str, torch.Tensor] = {}
+        for r in results:
+            loaded.update(r[case]["loaded"] or {})
+        for r in results:
+            _check_resharded(case, dict(loaded), r[case]["losses"], results)
+
+
 def async_runs(rank: int, world: int, root: Path) -> dict[str, Any]:
     """Async saves every 2 steps (keep 2) while training goes on; then a same-layout resume of step 8."""
     case = Case(tp=2)  # TP-sharded fused parameters: their part views are staged too
