@@ -10,7 +10,8 @@ Per rank, in bytes:
 - **activations**: what autograd keeps for the backward (`layer_activation_bytes` per layer and
   microbatch, `ends_bytes` for the embedding and the head), times the microbatches a rank holds at once
   under its schedule (`held_bytes` replays the rank's compute order: 1F1B keeps up to pp on the first
-  stage, interleaved more, GPipe all of them);
+  stage, interleaved more, GPipe all of them; a split backward also what its input pass keeps for the
+  weight pass, `weight_pass_bytes`);
 - **buffers**: what a step allocates beyond that, at its peak: the backward's transients (the larger of a
   layer's gradients, about the size of its activations, with those activations again under full
   recomputation, and the logits' gradient on the last stage),
@@ -149,16 +150,33 @@ def loss_columns(chunk: nn.Module, tp: int) -> int:
     return chunk.vocab_size if tp == 1 else chunk.padded_vocab // tp
 
 
-def held_bytes(schedule: Schedule, rank: int, per_chunk: Sequence[int]) -> int:
+def held_bytes(schedule: Schedule, rank: int, per_chunk: Sequence[int], kept: Sequence[int] = ()) -> int:
     """The most activation bytes `rank` holds at once: its compute order replayed, each forward of chunk c
     adding `per_chunk[c]` until that microbatch's backward (B, or a split backward's weight pass W: its input
-    pass keeps the graph for it)."""
+    pass keeps the graph for it), each input pass I adding `kept[c]` (`weight_pass_bytes`) until the W."""
+    change = {Op.FORWARD: lambda c: per_chunk[c], Op.FULL_BACKWARD: lambda c: -per_chunk[c],
+              Op.BACKWARD_INPUT: lambda c: kept[c] if kept else 0,
+              Op.BACKWARD_WEIGHT: lambda c: -per_chunk[c] - (kept[c] if kept else 0)}
     live = peak = 0
     for action in schedule.actions[rank]:
-        if action.op in (Op.FORWARD, Op.FULL_BACKWARD, Op.BACKWARD_WEIGHT):
-            live += per_chunk[action.chunk] if action.op is Op.FORWARD else -per_chunk[action.chunk]
+        if action.op in change:
+            live += change[action.op](action.chunk)
             peak = max(peak, live)
     return peak
+
+
+def weight_pass_bytes(cfg: ModelConfig, m: Micro, layers: int, vocab_local: int, first: bool, last: bool) -> int:
+    """What a split backward's input pass keeps for the weight pass of one microbatch: the gradient that flowed
+    into each weight's node, i.e. of each norm's, projection's and (last part) the head's output. The first part
+    keeps none: its weight pass is its whole backward (`parallel.split_backward`)."""
+    if first:
+        return 0
+    h, tokens, full = cfg.hidden, m.b * m.s_local, m.b * m.s
+    blocks = family_of(cfg).blocks
+    heads, d, kv = cfg.n_heads // m.tp, h // cfg.n_heads, kv_heads(cfg) // m.tp
+    f, swiglu = ffn_hidden(cfg) // m.tp, blocks.mlp == "swiglu"
+    layer = 2 * tokens * h + full * ((heads + 2 * kv) * d + h + (1 + swiglu) * f + h)
+    return m.act * layers * layer + ((m.act * tokens * h + F32 * full * vocab_local) if last else 0)
 
 
 @dataclass(frozen=True)
@@ -197,11 +215,13 @@ def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank:
     grads = F32 * sum(sizes)
     held = sum(sizes) // dp if cfg.parallel.zero == 1 else numel  # elements whose optimizer state is here
     optimizer = (3 if low else 2) * F32 * held
-    per_chunk = []
+    per_chunk, kept = [], []
     for chunk in chunks:
-        layers = len(chunk.layers) * layer_activation_bytes(cfg.model, m)
-        per_chunk.append(layers + ends_bytes(cfg.model, m, loss_columns(chunk, m.tp), chunk.pre, chunk.post))
-    activations = held_bytes(schedule, pp_rank, per_chunk)
+        layers, vocab = len(chunk.layers), loss_columns(chunk, m.tp)
+        per_chunk.append(layers * layer_activation_bytes(cfg.model, m)
+                         + ends_bytes(cfg.model, m, vocab, chunk.pre, chunk.post))
+        kept.append(weight_pass_bytes(cfg.model, m, layers, vocab, chunk.pre, chunk.post))
+    activations = held_bytes(schedule, pp_rank, per_chunk, kept)
     last = any(chunk.post for chunk in chunks)
     logits_grad = F32 * m.b * m.s * loss_columns(chunks[-1], m.tp) if last else 0
     # a layer's backward: gradients about the size of its activations and, under full recomputation, those too

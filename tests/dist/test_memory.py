@@ -92,6 +92,8 @@ COMBOS = [
     Case("llama", tp=2, extra=("train.precision=bf16_params", "model.dropout=0.1")),
     Case("gpt", pp=2, zero=1, extra=("train.precision=bf16_params", "train.recompute=selective")),
     Case("gpt", zero=1, extra=("compression=int8", "compression.block_size=32")),
+    Case("gpt", pp=2, schedule="zb1p"),  # the split backward holds a microbatch until its weight pass
+    Case("llama", pp=2, schedule="zbv", v=2),
 ]
 
 
