@@ -20,6 +20,7 @@ from hybrid.checkpoint import NonFiniteState
 from hybrid.cli import EXIT_BAD_INPUT, EXIT_FAILED, App, env_int, exit_on_error, precheck, warn
 from hybrid.config import CONFIG_DIR, CompressionConfig, Config, ConfigError, register_configs
 from hybrid.nonfinite import NonFiniteStop
+from hybrid.parallel import collectives as C
 from hybrid.parallel.timeouts import CollectiveFault, collective_fault, timeout_of
 from hybrid.runlog import RunLog, command_line, save_hydra_files
 from hybrid.startup import WriteFault, hold_run_folders, write_fault
@@ -81,7 +82,7 @@ def run(cfg: Config, log: Optional[RunLog] = None) -> None:
         hang = collective_fault(e, None, cfg.parallel.timeout_s)
         if hang is None:
             raise
-        raise CollectiveFault(hang) from None
+        raise CollectiveFault(with_flight(hang, cfg.logging.dir, rank)) from None
 
 
 def _start(cfg: Config, log: Optional[RunLog], layout: Layout, device: torch.device, corpus: Corpus,
@@ -142,9 +143,15 @@ def _fit(trainer: Trainer, log: RunLog, timeout_s: float) -> None:
         hang = collective_fault(e, trainer.step, timeout_s)
         if hang is None:
             raise
-        raise CollectiveFault(hang) from None
+        raise CollectiveFault(with_flight(hang, trainer.cfg.logging.dir, trainer.ctx.rank)) from None
     finally:
         trainer.close()
+
+
+def with_flight(line: str, run_dir: str, rank: int) -> str:
+    """`line` and where this rank's flight recorder (its last collectives) was written: `<run dir>/flight/`."""
+    path = C.TIMER.flight.dump(Path(run_dir) / "flight", rank)
+    return line + (f"; this rank's last collectives: {path}" if path else "")
 
 
 def nothing_to_do(resume: Optional[tuple[Path, dict[str, Any]]], cfg: Config, writer: bool) -> bool:

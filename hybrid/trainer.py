@@ -244,7 +244,7 @@ class Trainer:
         """One optimizer step over this rank's microbatches of the global batch; `timed`: record where its
         time went (`C.TIMER`, kept by `self.report`)."""
         start = time.perf_counter()
-        C.TIMER.begin_step(timed)
+        C.TIMER.begin_step(timed, self.step + 1)
         lr = lr_at(self.guard.lr_step(self.step), self.cfg.train.lr, self.cfg.train.steps, self.cfg.optim.warmup_steps,
                    self.cfg.optim.min_lr_ratio)
         self.model.train()

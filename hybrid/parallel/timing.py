@@ -36,6 +36,8 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
+from hybrid.parallel.flight import FlightRecorder
+
 Mark = Union[float, "torch.cuda.Event"]
 BLOCKING, ASYNC, WAIT = "blocking", "async", "wait"
 
@@ -172,9 +174,11 @@ class CommTimer:
         self.phases: list[tuple[str, Mark, Mark]] = []
         self.origin: Optional[Mark] = None
         self.end: Optional[Mark] = None
+        self.flight = FlightRecorder()  # every collective, timed or not: what a hang leaves behind
 
-    def begin_step(self, on: bool) -> None:
-        """Start a step; record it only if `on`."""
+    def begin_step(self, on: bool, step: int = 0) -> None:
+        """Start step `step` (the flight recorder's); record its spans only if `on`."""
+        self.flight.step = step
         self.spans, self.phases, self.on = [], [], on
         self.thread, self.depth = threading.get_ident(), 0
         self.origin = self.clock.mark() if on else None
@@ -183,20 +187,23 @@ class CommTimer:
         return self.clock.mark() if self.on else None
 
     def collective(self, group: str, op: str) -> contextlib.AbstractContextManager:
-        """Time a blocking collective of `group` (its seconds are also exposed)."""
+        """Time a blocking collective of `group` (its seconds are also exposed); note it in the flight recorder."""
+        note = self.flight.note(group, op)
         if not (self.on or self.profiling):
-            return _NULL
-        return self._span(group, op, BLOCKING)
+            return note
+        return _Both(note, self._span(group, op, BLOCKING))
 
     def waiting(self, group: str, op: str = "wait") -> contextlib.AbstractContextManager:
-        """Time the thread waiting on `group`'s pending async work (exposed seconds only)."""
+        """Time the thread waiting on `group`'s pending async work (exposed seconds only); note the wait."""
+        note = self.flight.note(group, op)
         if not self.on:
-            return _NULL
-        return self._span(group, op, WAIT)
+            return note
+        return _Both(note, self._span(group, op, WAIT))
 
     def launched(self, group: str, op: str, work: Optional[dist.Work], start: Optional[Mark]) -> tuple[Span, bool]:
         """An async collective launched at `start`: its span ends when `work` completes. Returns the span
         and whether a watcher thread waits on `work` (then wait on it only through `span.wait`)."""
+        self.flight.note(group, op, "async")
         if not self.on or work is None or start is None:
             return UNTIMED, False
         span = Span(group, op, ASYNC, start)
@@ -243,6 +250,23 @@ class CommTimer:
         self.on = False
         end = self.clock.mark()
         return resolve(self.clock, self.origin, end, _finished(self.spans), self.phases)
+
+
+class _Both:
+    """Two context managers entered and exited together (the flight note outside the timed span)."""
+
+    def __init__(self, outer: contextlib.AbstractContextManager, inner: contextlib.AbstractContextManager) -> None:
+        self.outer, self.inner = outer, inner
+
+    def __enter__(self) -> None:
+        self.outer.__enter__()
+        self.inner.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.inner.__exit__(*exc)
+        finally:
+            self.outer.__exit__(*exc)
 
 
 _NULL = contextlib.nullcontext()

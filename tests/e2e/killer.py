@@ -4,7 +4,9 @@
 
 - `HYBRID_KILL=step:N`: at the start of optimizer step N (after steps 1..N-1 completed);
 - `HYBRID_KILL=save:N`: while writing its shard file of checkpoint `step_%07d` % N, after its
-  first item is in the file (flushed), so the shard is cut short and `.metadata` never written.
+  first item is in the file (flushed), so the shard is cut short and `.metadata` never written;
+- `HYBRID_KILL=stop:N`: SIGSTOP instead of SIGKILL at the start of step N: a hung rank, alive but silent,
+  that the others must detect by their collective timeout (`parallel.timeout_s`).
 
 A real SIGKILL, not an exception: no `finally`, no atexit, no flush. Every rank prints one
 `killer: attempt A rank R` line on stderr at start so the test can count attempts.
@@ -24,19 +26,19 @@ def _say(line: str) -> None:
     os.write(sys.stderr.fileno(), f"killer: {line}\n".encode())
 
 
-def _die(what: str) -> None:
-    _say(f"SIGKILL rank {os.environ.get('RANK', '0')} {what}")
-    os.kill(os.getpid(), signal.SIGKILL)
+def _die(what: str, sig: signal.Signals = signal.SIGKILL) -> None:
+    _say(f"{sig.name} rank {os.environ.get('RANK', '0')} {what}")
+    os.kill(os.getpid(), sig)
 
 
-def _kill_at_step(step: int) -> None:
+def _kill_at_step(step: int, sig: signal.Signals = signal.SIGKILL) -> None:
     from hybrid.trainer import Trainer
 
     original = Trainer.train_step
 
     def train_step(self: Trainer, *args: Any, **kwargs: Any) -> Any:
         if self.step == step - 1:
-            _die(f"at the start of step {step}")
+            _die(f"at the start of step {step}", sig)
         return original(self, *args, **kwargs)
 
     Trainer.train_step = train_step  # type: ignore[method-assign]
@@ -66,7 +68,8 @@ def arm() -> None:
     if not spec or attempt != "0" or rank != os.environ.get("HYBRID_KILL_RANK", "1"):
         return
     kind, step = spec.split(":")
-    {"step": _kill_at_step, "save": _kill_mid_save}[kind](int(step))
+    {"step": _kill_at_step, "save": _kill_mid_save,
+     "stop": lambda n: _kill_at_step(n, signal.SIGSTOP)}[kind](int(step))
 
 
 if __name__ == "__main__":

@@ -102,6 +102,26 @@ def test_rank_killed_mid_run_restarts_and_resumes(tmp_path: Path, env: dict[str,
     assert latest(tmp_path) == "step_0000008"
 
 
+def test_rank_stopped_mid_run_is_timed_out_restarted_and_resumes(tmp_path: Path, env: dict[str, str],
+                                                                reference: tuple[list[dict], list[dict]]) -> None:
+    """A hung rank (SIGSTOP at step 6): rank 0's collective times out after parallel.timeout_s, it exits with the
+    one line naming the group and writes its flight recorder; torchrun kills the stopped rank, restarts both,
+    they resume step 3 and end with the uninterrupted loss curve."""
+    e = killer_env(env, "stop:6") | {"TORCHRUN": " ".join(TORCHRUN), "HYBRID_MODULE": "killer"}
+    e.pop("MAX_RESTARTS", None)
+    r = run(["bash", str(ROOT / "launch" / "local.sh"), "2", *TINY, *dirs(tmp_path), "parallel.timeout_s=5"], e)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert out.count("killer: SIGSTOP rank 1 at the start of step 6") == 1
+    line = next(x for x in out.splitlines() if "hybrid: error: collective" in x)
+    assert re.search(r"on the (dp|world) group \(ranks \[0, 1\]\) failed (in|after) step \d+: ", line), line
+    assert "parallel.timeout_s=5 s" in line and f"last collectives: {tmp_path / 'run' / 'flight' / 'rank0.txt'}" in line
+    recorder = (tmp_path / "run" / "flight" / "rank0.txt").read_text()
+    assert "flight recorder of rank 0" in recorder and re.search(r" (dp|world) .* (running|failed)\n", recorder)
+    assert f"checkpoint: resumed {step_path(tmp_path / 'ck' / RUN, 3)} at step 3" in out
+    assert_same_run(tmp_path, reference)
+
+
 def test_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path: Path, env: dict[str, str],
                                                              reference: tuple[list[dict], list[dict]]) -> None:
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=0"]
