@@ -108,3 +108,7 @@ def test_a_stopped_rank_ends_the_run_naming_the_group(tmp_path: Path, env: dict[
     assert re.search(r" on the (dp|world) group \(ranks \[0, 1\]\) failed (in|after) step \d+: Timed out", errors[0])
     assert "Traceback" not in text.split("hybrid: error:")[0]  # the rank's own line, not a traceback wall
     assert took < timeout_s + 30
+    flight = tmp_path / "run" / "flight"
+    assert errors[0].endswith(f"this rank's last collectives: {flight / 'rank0.txt'}")
+    assert sorted(p.name for p in flight.iterdir()) == ["rank0.txt"]  # the stopped rank wrote nothing
+    print(f"\nstopped rank detected after {took:.1f} s (parallel.timeout_s={timeout_s})")
