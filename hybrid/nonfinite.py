@@ -13,7 +13,9 @@ collectives, reached by every rank alike) and `Guard.settle` acts:
 - `skip`: the step is counted (the data moves on) but nothing is updated, one warning line; the LR
   schedule does not advance on a skipped step (Megatron: its scheduler steps only on a successful
   update), so the LR of step s is the schedule's at s − skipped, and the skipped count is part of the run's
-  state (checkpointed, in every metrics record as `skipped_steps`). `train.max_skipped_steps` in a row stop.
+  state (checkpointed, in every metrics record as `skipped_steps`). The DP hook's state entries that the
+  bad gradient made non-finite (error-feedback residuals, PowerSGD's Qs) are dropped: the hook starts them
+  afresh. `train.max_skipped_steps` in a row stop.
 - `rewind`: the newest complete checkpoint of the run is loaded in place (`Checkpointer.load`, the resume
   path) and the run goes on from its step with the data position of the step that blew up kept, so the
   batches from the checkpoint up to that one are skipped (as large runs do after a loss spike). No
@@ -82,6 +84,21 @@ def newest_before(root: Path, step: int) -> Optional[tuple[Path, dict[str, Any]]
     return None
 
 
+def finite_tree(value: Any) -> bool:
+    """False when `value` is, or is a list of, tensors holding a NaN or an inf (a dict: True, it is walked)."""
+    if isinstance(value, torch.Tensor):
+        return not value.is_floating_point() or bool(torch.isfinite(value).all())
+    return all(map(finite_tree, value)) if isinstance(value, (list, tuple)) else True
+
+
+def without_nonfinite(sd: Any) -> Any:
+    """A DP hook's state dict without the entries (per bucket: a residual, PowerSGD's Qs, DGC's velocity) that
+    hold a NaN or an inf: every hook starts a missing entry afresh, as at its first step."""
+    if isinstance(sd, dict):
+        return {k: without_nonfinite(v) for k, v in sd.items() if finite_tree(v)}
+    return [without_nonfinite(x) for x in sd] if isinstance(sd, list) else sd
+
+
 def rank0_answer(find: Callable[[], Any]) -> Any:
     """`find()` on rank 0, the same answer on every rank. Collective: one broadcast_object_list over the world."""
     box = [find() if not dist.is_initialized() or dist.get_rank() == 0 else None]
@@ -139,7 +156,7 @@ class Guard:
         if self.mode == "stop":
             self.stop(f"{what}; stopped (train.on_nonfinite=stop; skip or rewind go on past such a step)")
         if self.mode == "skip":
-            return self.skip(what)
+            return self.skip(trainer, what)
         return self.rewind(trainer, what)
 
     def describe(self, step: int, loss: float) -> str:
@@ -156,12 +173,16 @@ class Guard:
         kept = f"the last checkpoint ({latest.resolve()}) is kept" if latest.exists() else "no checkpoint was saved"
         raise NonFiniteStop(f"{line}; {kept}")
 
-    def skip(self, what: str) -> bool:
-        """Skip the step (nothing was updated), or stop when it would be one too many in a row."""
+    def skip(self, trainer: Any, what: str) -> bool:
+        """Skip the step (nothing was updated; the DP hook's state entries the bad gradient made non-finite
+        are dropped), or stop when it would be one too many in a row. No collective."""
         self.in_a_row += 1
         if self.in_a_row > self.limit:
             self.stop(f"{what}; {self.in_a_row} such steps in a row (train.max_skipped_steps={self.limit}): stopped")
         self.skipped += 1
+        hook = trainer.grad_sync.state  # its error feedback took the bad gradient in: that part starts afresh
+        if hasattr(hook, "state_dict"):
+            hook.load_state_dict(without_nonfinite(hook.state_dict()))
         self.say(f"warning: {what}: skipped ({self.in_a_row} in a row, at most {self.limit}; "
                  f"{self.skipped} in the run)")
         return False

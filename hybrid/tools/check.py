@@ -59,6 +59,7 @@ def check_job(cfg: Config, flags: dict[str, int], seen: list[str]) -> None:
 
 
 def body(argv: list[str]) -> str:
+    """The one `config ok` line, or a ConfigError (one line, exit 2): what the ranks would refuse."""
     flags, rest = leading_flags(list(argv))
     if hydra_args(rest) is None:  # hybrid.train would stop in Hydra's own parser
         raise UsageError(f"{' '.join(rest)!r} is not a command line hybrid.train parses (Hydra's flags, e.g. -m, go "
@@ -70,6 +71,7 @@ def body(argv: list[str]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """`hybrid-check`'s exit status: 0 when the ranks would start, 2 on bad input (no process group, no collective)."""
     return run_tool(__doc__, argv, body, ((ConfigError, EXIT_BAD_INPUT),))
 
 

@@ -12,6 +12,8 @@ not meet it again). The references:
   exactly the tensors of step k − 1 (weights and Adam moments, read back with DCP's own reader), step k + 1
   moves them again; the losses before k are the uninterrupted run's, the LRs are the uninterrupted run's
   with the schedule held back one step from k + 1 on (Megatron's skipped iteration), `skipped_steps` counts.
+- skip under compression=sign (dp2): the error-feedback residuals the bad gradient spoilt start afresh, so
+  only the injected step is skipped.
 - 1-bit Adam after its warm-up (dp2, replicas on their own gradients): both ranks skip rank 1's bad step.
 - rewind (dp2): the run reloads step c < k, keeps the data position past step k and finishes; its losses
   after the rewind equal, bit for bit, a fresh run resumed from a copy of checkpoint c whose manifest holds
@@ -38,7 +40,7 @@ from hybrid.checkpoint import MANIFEST, step_path
 from hybrid.checkpoint.state import named_parameters
 from hybrid.testing.cli_runs import CliRun, run_forked_ranks
 
-B = ["model=gpt-tiny", "data.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=4",
+B = ["model=gpt-tiny", "model.n_layers=2", "data.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=4",
      "logging.wandb.mode=disabled", "logging.progress=false", "train.eval_every=0", "optim.warmup_steps=2",
      "logging.traffic_map=false", "run_name=nf"]
 ENV = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
@@ -140,6 +142,16 @@ def test_skip_leaves_weights_and_moments_unchanged(tmp_path: Path, reference: li
     for key in before:
         assert torch.equal(before[key], at[key]), key  # step 3 updated nothing
     assert any(not torch.equal(at[k], after[k]) for k in at)  # step 4 trained again
+
+
+def test_skip_under_error_feedback_trains_on(tmp_path: Path) -> None:
+    """compression=sign keeps an error-feedback residual per bucket, which the bad gradient fills with NaN: the
+    skip drops those entries (the hook starts them afresh), so only the injected step is skipped."""
+    args = ["parallel=dp", "train.steps=5", "train.on_nonfinite=skip", "compression=sign"]
+    assert_ok(run(tmp_path, "sign", args, inject(3, 1, tmp_path / "injected")))
+    got = records(tmp_path, "sign")
+    assert [r["skipped_steps"] for r in got] == [0, 0, 1, 1, 1]
+    assert all(math.isfinite(r["grad_norm"]) for r in got[3:]), got
 
 
 def test_replicas_with_their_own_gradients_agree(tmp_path: Path) -> None:
