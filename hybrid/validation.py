@@ -83,6 +83,8 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
     _require(t.max_skipped_steps >= 1, f"train.max_skipped_steps must be >= 1 (non-finite steps skipped in a row, "
              f"or rewinds, before the run stops), got {t.max_skipped_steps}")
     _validate_warmup(cfg.optim, t.steps)
+    _require(t.on_nonfinite != "rewind" or cfg.checkpoint.every > 0, "train.on_nonfinite=rewind goes back to the "
+             "newest checkpoint: save some with checkpoint.every=N")
     _require(t.eval_every >= 0 and t.eval_batches >= 1, "train.eval_every must be >= 0 and eval_batches >= 1")
     _validate_data(cfg.data, m)
     if p.sequence_parallel:

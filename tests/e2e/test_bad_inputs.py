@@ -44,6 +44,8 @@ CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece o
     ("on-nonfinite", ["train.on_nonfinite=ignore"], "train.on_nonfinite='ignore' is not one of stop, skip, rewind"),
     ("max-skipped-steps", ["train.on_nonfinite=skip", "train.max_skipped_steps=0"],
      "train.max_skipped_steps must be >= 1"),
+    ("rewind-without-checkpoints", ["train.on_nonfinite=rewind"], "train.on_nonfinite=rewind goes back to the "
+     "newest checkpoint: save some with checkpoint.every=N"),
     ("init-std", ["model.init_std=-1"], "model.init_std must be a finite number > 0"),
     ("norm-eps", ["model.norm_eps=-1"], "model.norm_eps must be a finite number > 0"),
     ("ffn-negative", ["model.ffn_hidden=-8"], "model.ffn_hidden must be >= 1"),
@@ -115,8 +117,8 @@ RANK/WORLD_SIZE (no MASTER_ADDR: nothing to wait for) and must print its own `[r
 (tests/e2e/test_torchrun.py runs the real torchrun for a bad layout and a bad override.)"""
 
 
-CHECKED = ["steps-0", "warmup-longer-than-run", "on-nonfinite", "max-skipped-steps", "llama-seq-len",
-           "tokenizer-garbled", "unknown-key"]
+CHECKED = ["steps-0", "warmup-longer-than-run", "on-nonfinite", "max-skipped-steps", "rewind-without-checkpoints",
+           "llama-seq-len", "tokenizer-garbled", "unknown-key"]
 """CASES also run through the check before launch (RANKED all are: the world matters there)."""
 
 

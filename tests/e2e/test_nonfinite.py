@@ -18,7 +18,7 @@ not meet it again). The references:
 - rewind (dp2): the run reloads step c < k, keeps the data position past step k and finishes; its losses
   after the rewind equal, bit for bit, a fresh run resumed from a copy of checkpoint c whose manifest holds
   that data position (the resume path as the reference of the in-place rewind); before k, the
-  uninterrupted run's. Without a checkpoint, rewind stops with one line saying so.
+  uninterrupted run's. Before the first checkpoint, rewind stops with one line saying so.
 Bit-for-bit: the same layout, seed and data give identical floats (tests/dist/test_checkpoint.py).
 """
 
@@ -188,8 +188,8 @@ def test_rewind_reloads_the_checkpoint_and_skips_the_bad_batch(tmp_path: Path,
 
 
 def test_rewind_without_a_checkpoint_stops_with_one_line(tmp_path: Path) -> None:
-    runs = run(tmp_path, "none", ["parallel=dp", "train.steps=4", "train.on_nonfinite=rewind"],
-               inject(2, 1, tmp_path / "injected"))
+    runs = run(tmp_path, "none", ["parallel=dp", "train.steps=4", "train.on_nonfinite=rewind", "checkpoint.every=3"],
+               inject(2, 1, tmp_path / "injected"))  # the first checkpoint would be step 3's
     for r in runs:
         assert r.code == 1 and "Traceback" not in r.stderr and len(r.error_lines()) == 1, r.stderr[-3000:]
         assert "step 2: " in r.error_lines()[0] and "has no checkpoint of this run to rewind to" in r.error_lines()[0]
