@@ -195,6 +195,13 @@ class ProfileConfig:
 
 
 @dataclass
+class HealthConfig:
+    straggler_every: int = 50  # steps between sharing every rank's compute time (an all-gather of a scalar); 0 = off
+    straggler_threshold: float = 0.2  # name a rank computing this fraction above the median of its stage's ranks
+    divergence_every: int = 200  # steps between checksums of what replicas must hold alike (DP, TP); 0 = off
+
+
+@dataclass
 class Config:
     # names checkpoints/<run_name>, runs/<run_name>, multirun/<run_name> and the wandb run: <model>-<layout>,
     # the layout being parallel.name while tp, pp, dp, virtual_stages are that group file's, else derived
@@ -209,6 +216,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
 
 CONFIG_DIR = str(files("hybrid") / "configs")  # package data: found wherever hybrid is installed

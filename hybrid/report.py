@@ -46,6 +46,20 @@ class StepReport:
         self.peak = peak_flops(device)
         self.timing: Optional[list[float]] = None  # the last timed step's `comm_report.local_vector`
 
+    def loss(self, t: torch.Tensor, schedule: Schedule) -> float:
+        """A step's (or an eval's) mean loss on every rank: broadcast over PP from the rank holding the last part,
+        then averaged over DP (metrics only: uncounted, not training traffic)."""
+        ctx = self.ctx
+        if ctx.pp_size > 1:
+            with C.TIMER.collective(C.group_name(ctx.pp_group), "loss"):
+                dist.broadcast(t, group=ctx.pp_group, group_src=schedule.last_rank)
+        if C.size(ctx.dp_group) > 1:
+            t = t.clone()
+            with C.TIMER.collective(C.group_name(ctx.dp_group), "loss"):
+                dist.all_reduce(t, group=ctx.dp_group)
+            t /= ctx.dp_size
+        return float(t)
+
     def timed(self, t: Optional[StepTiming], schedule: Schedule, stats: PipelineStats) -> None:
         """Keep the step's timing vector (None: the step was not timed), with the schedule's own idle
         time for this rank from its measured compute."""

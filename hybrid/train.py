@@ -19,6 +19,7 @@ import torch.distributed as dist
 from hybrid.checkpoint import NonFiniteState
 from hybrid.cli import EXIT_BAD_INPUT, EXIT_FAILED, App, env_int, exit_on_error, precheck, warn
 from hybrid.config import CONFIG_DIR, CompressionConfig, Config, ConfigError, register_configs
+from hybrid.health import ReplicaDivergence
 from hybrid.nonfinite import NonFiniteStop
 from hybrid.parallel import collectives as C
 from hybrid.parallel.timeouts import CollectiveFault, collective_fault, timeout_of
@@ -34,10 +35,11 @@ if TYPE_CHECKING:
 
 
 RUN_ERRORS = ((ConfigError, EXIT_BAD_INPUT), (WriteFault, EXIT_FAILED), (NonFiniteState, EXIT_FAILED),
-              (NonFiniteStop, EXIT_FAILED), (CollectiveFault, EXIT_FAILED))
+              (NonFiniteStop, EXIT_FAILED), (CollectiveFault, EXIT_FAILED), (ReplicaDivergence, EXIT_FAILED))
 """Bad input (config, data, checkpoint, the run's folders) exits 2; a write that failed while training, a
 diverged (non-finite) state due to be checkpointed, a non-finite gradient the run stops on
-(`train.on_nonfinite`), or a collective that timed out or lost a peer, 1."""
+(`train.on_nonfinite`), a collective that timed out or lost a peer, or replicas found to differ
+(`health.divergence_every`), 1."""
 
 
 def _device(cfg: Config) -> torch.device:

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from hybrid.checkpoint import Checkpointer
@@ -35,6 +34,7 @@ from hybrid.compression.schedule import exact_kinds, exact_param_ids
 from hybrid.compression.zero import REDUCE_SCATTER_DTYPES, encoded_reduce_scatter
 from hybrid.config import Config
 from hybrid.data import Corpus
+from hybrid.health import HealthMonitor
 from hybrid.model import build_model
 from hybrid.nonfinite import Guard
 from hybrid.optim import build_optimizer, lr_at, to_low_precision
@@ -128,6 +128,8 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, ctx, device, self.checkpoint_states(),
                                          tokenizer=getattr(corpus, "tokenizer", None), log=self.message)
         self.guard = Guard(t, ctx, self.checkpointer, self.message)  # train.on_nonfinite
+        self.health = HealthMonitor(cfg.health, ctx, self.model, self.message, getattr(self.optimizer, "wait_params",
+                                                                                      None))
 
     def checkpoint_states(self) -> dict[str, Any]:
         """What a checkpoint of this trainer holds (the `Checkpointer`'s states)."""
@@ -258,27 +260,12 @@ class Trainer:
             self.guard.inspect(norm, self.model)
             self.grad_sync.zero_grad()
         self.step += 1
-        loss_value = self._dp_mean(self._from_last_stage(total))
+        loss_value = self.report.loss(total, self.schedule)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.report.timed(C.TIMER.end_step(), self.schedule, self.stats)
+        self.health.after_step(self.step, self.stats.busy_s)  # collective every health.*_every steps
         return StepResult(loss_value, float(norm), lr, time.perf_counter() - start)
-
-    def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
-        """The value of the stage holding the loss on every stage (metrics only: uncounted, not training traffic)."""
-        if self.ctx.pp_size > 1:
-            with C.TIMER.collective(C.group_name(self.ctx.pp_group), "loss"):
-                dist.broadcast(t, group=self.ctx.pp_group, group_src=self.schedule.last_rank)
-        return t
-
-    def _dp_mean(self, t: torch.Tensor) -> float:
-        """Mean of a scalar over DP ranks (metrics only: uncounted, not gradient traffic)."""
-        if C.size(self.ctx.dp_group) > 1:
-            t = t.clone()
-            with C.TIMER.collective(C.group_name(self.ctx.dp_group), "loss"):
-                dist.all_reduce(t, group=self.ctx.dp_group)
-            t /= self.ctx.dp_size
-        return float(t)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -289,12 +276,13 @@ class Trainer:
                                t.eval_batches * self.num_microbatches)
         total = self._run(self._schedule(len(batches), forward_only=True), self.corpus.eval, list(batches))
         self.model.train()
-        return self._dp_mean(self._from_last_stage(total))
+        return self.report.loss(total, self.schedule)
 
     def step_metrics(self, r: StepResult) -> dict[str, Any]:
         """The metrics.jsonl record of a step (`StepReport.record`; collective), with the compression stage
         the step ran (`Compression.record`) and the steps skipped so far (`Guard.record`)."""
         stage = (self.comp.record(self.step - 1) if self.comp is not None else {}) | self.guard.record()
+        stage |= self.health.record()
         return {**self.report.record(self.step, r.loss, r.grad_norm, r.lr, r.step_time_s), **stage}
 
     def _logs(self, step: int) -> bool:

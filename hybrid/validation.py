@@ -107,6 +107,11 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
              f"{c.sparsity_warmup_steps} is not shorter than the run (train.steps={t.steps})")
     _require(cfg.logging.log_every >= 1, f"logging.log_every must be >= 1, got {cfg.logging.log_every}")
     _validate_checkpoint(cfg.checkpoint)
+    h = cfg.health
+    _require(min(h.straggler_every, h.divergence_every) >= 0, "health.straggler_every and health.divergence_every "
+             f"must be >= 0 (0 = off), got {h.straggler_every}, {h.divergence_every}")
+    _require(math.isfinite(h.straggler_threshold) and h.straggler_threshold > 0,
+             f"health.straggler_threshold must be a finite number > 0, got {h.straggler_threshold}")
     _validate_run_name(str(cfg.run_name))
     s = list(cfg.profile.steps)
     _require(not s or (len(s) == 2 and 1 <= s[0] <= s[1] <= t.steps),

@@ -79,6 +79,8 @@ CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece o
     ("tokenizer-empty", ["data.tokenizer={empty}"], "holds no tokenizer"),
     ("tokenizer-garbled", ["data.tokenizer={garbled}"], "cannot be loaded"),
     ("timeout-zero", ["parallel.timeout_s=0"], "parallel.timeout_s must be > 0"),
+    ("straggler-threshold", ["health.straggler_threshold=0"], "health.straggler_threshold must be a finite number > 0"),
+    ("health-every", ["health.divergence_every=-1"], "health.straggler_every and health.divergence_every must be >= 0"),
     ("recompute", ["train.recompute=some"], "train.recompute='some' is not one of none, selective, full"),
     ("bf16-params-onebit", ["train.precision=bf16_params", "compression=onebit_adam"],
      "train.precision=bf16_params keeps fp32 main weights that compression=onebit_adam's optimizer does not"),

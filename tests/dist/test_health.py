@@ -1,0 +1,112 @@
+"""Health checks on gloo ranks (hybrid/health.py): a slowed rank is named; replicas that drift apart stop the run.
+
+- Straggler (dp2, then pp2·dp2): one rank sleeps in each of its forward steps; the check every 2 steps names
+  exactly that rank (its coordinate), in a warning line and in `health/slowest_rank`, and reports a ratio
+  above the threshold. Under pp2·dp2 the slowed rank is compared with the other rank of its stage.
+- Divergence (tp2·dp2, with ZeRO-1 and overlapped parameter gathers, which the check waits for): after clean
+  steps that pass the check, one element of a DP-replicated weight on one rank, and of a TP-replicated norm
+  on one rank, is nudged; the next check raises ReplicaDivergence on every rank, naming the parameter, the
+  group and the odd rank on the ranks of that group.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+from harness import run_ranks
+from pp_helpers import VOCAB, Case, layout_context, make_cfg
+from test_dp import synthetic_corpus
+
+from hybrid.compression.hooks import make_hook
+from hybrid.health import ReplicaDivergence
+from hybrid.trainer import Trainer, build_chunks
+
+TIMEOUT = 240
+SLEEP_S = 0.05  # per forward step of the slowed rank: several times a tiny microbatch's compute
+
+
+def _trainer(case: Case, world: int, lines: list[str], *extra: str) -> Trainer:
+    cfg = make_cfg(case, world, extra=["train.steps=8", *extra])
+    ctx = layout_context(world, case)
+    hook, state = make_hook(cfg.compression, ctx.dp_group)
+    return Trainer(cfg, ctx, build_chunks(cfg, VOCAB, ctx), synthetic_corpus(vocab=VOCAB), torch.device("cpu"),
+                   hook, state, log=lines.append)
+
+
+def slowed(rank: int, world: int, case: Case, slow: int) -> dict[str, Any]:
+    lines: list[str] = []
+    trainer = _trainer(case, world, lines, "health.straggler_every=2", "health.straggler_threshold=0.5")
+    if rank == slow:
+        step = trainer.forward_step
+        trainer.forward_step = lambda *a: (time.sleep(SLEEP_S), step(*a))[1]  # type: ignore[method-assign]
+    for _ in range(4):
+        trainer.train_step()
+    return {"record": trainer.health.record(), "lines": lines}
+
+
+@pytest.mark.parametrize("case,slow", [(Case(), 1), (Case(pp=2), 2)], ids=["dp2", "pp2dp2"])
+def test_a_slowed_rank_is_named(case: Case, slow: int) -> None:
+    world = 2 * case.pp
+    results = run_ranks(slowed, world, case, slow, timeout=TIMEOUT)
+    for r in results:  # every rank gathered the same times
+        assert r["record"]["health/slowest_rank"] == slow
+        assert r["record"]["health/straggler_ratio"] > 1.5
+    warnings = [line for line in results[0]["lines"] if "straggler" in line]
+    assert len(warnings) == 2 and all(f"warning: straggler: rank {slow} (" in w for w in warnings), warnings
+    print("\n" + warnings[-1])
+
+
+def _run_checked(rank: int, world: int, case: Case, nudge: tuple[str, int] | None) -> str | None:
+    """Train 4 steps checking every 2 (the check after step 2 passes); then nudge parameter `name` on rank
+    `where` and check at once (a step later the nudge would have spread to other parameters); the error line."""
+    trainer = _trainer(case, world, [], "health.divergence_every=2", "health.straggler_every=0")
+    for _ in range(4):
+        trainer.train_step()
+    if nudge and rank == nudge[1]:
+        with torch.no_grad():
+            dict(trainer.model[0].named_parameters())[nudge[0]].view(-1)[0] += 1e-3
+    try:
+        trainer.health.divergence(trainer.step)
+    except ReplicaDivergence as e:
+        return str(e)
+    return None
+
+
+def drifted(rank: int, world: int) -> dict[str, Any]:
+    plain, zero = Case(tp=2), Case(tp=2, zero=1, extra=("parallel.overlap_param_gather=true",))
+    return {"dp": _run_checked(rank, world, plain, ("layers.1.mlp.up.weight", 3)),
+            "tp": _run_checked(rank, world, plain, ("layers.0.attn_norm.weight", 1)),
+            "clean": _run_checked(rank, world, zero, None)}
+
+
+def test_a_drifted_replica_stops_the_run_naming_the_parameter() -> None:
+    results = run_ranks(drifted, 4, timeout=TIMEOUT)
+    # tp2·dp2: ranks 1 and 3 are one DP group (tp rank 1), ranks 0 and 1 one TP group (dp rank 0)
+    for r in results:
+        assert r["clean"] is None  # ZeRO-1's overlapped gathers are waited for: no false alarm
+        assert r["dp"] is not None and r["dp"].startswith("replica divergence after step 4: "), r["dp"]
+        assert r["tp"] is not None and r["tp"].startswith("replica divergence after step 4: "), r["tp"]
+    for rank in (1, 3):  # two replicas: which one drifted cannot be told
+        assert "layers.1.mlp.up.weight differs over the dp group (ranks [1, 3]): no majority" in results[rank]["dp"]
+    assert "found on another rank" in results[0]["dp"]
+    assert "layers.0.attn_norm.weight differs over the tp group (ranks [0, 1])" in results[0]["tp"], results[0]["tp"]
+    print("\n" + results[3]["dp"] + "\n" + results[0]["tp"])
+
+
+def test_fingerprints_see_a_flipped_bit_and_a_moved_element() -> None:
+    from hybrid.health import _odd, fingerprint
+
+    w = torch.randn(1000)
+    flipped = w.clone()
+    flipped.view(torch.int32)[123] ^= 1  # the last bit of one mantissa
+    moved = w.clone()
+    moved[[5, 6]] = moved[[6, 5]]
+    assert torch.equal(fingerprint(w), fingerprint(w.clone()))
+    assert not torch.equal(fingerprint(w), fingerprint(flipped))
+    assert not torch.equal(fingerprint(w), fingerprint(moved))
+    a, b = (1.0, 2.0), (1.0, 2.5)
+    assert _odd([0, 1, 2, 3], [a, a, b, a]).startswith("rank(s) [2] hold other values")
+    assert _odd([4, 6], [a, b]).startswith("no majority")
