@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from hybrid.bench import memory_at_scale, model_size, precision, recompute, step_vs_hf, timing_overhead
+from hybrid.bench import health_cost, memory_at_scale, model_size, precision, recompute, step_vs_hf, timing_overhead
 
 TINY = ["--model", "gpt-tiny", "--steps", "1", "--warmup", "1", "--threads", "1", "--seq-len", "16",
         "--micro-batch", "2", "--microbatches", "2", "--repeats", "2"]
@@ -54,6 +54,13 @@ def test_model_size_counts_match_the_formula(capsys: pytest.CaptureFixture[str])
 def test_timing_overhead_runs_both_settings(capsys: pytest.CaptureFixture[str]) -> None:
     assert timing_overhead.main(["--quick"]) == 0
     assert "median paired ratio on/off" in capsys.readouterr().out
+
+
+def test_health_cost_times_both_checks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert health_cost.main(["--quick"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| gpt-tiny"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[3].endswith(" ms") and cells[4].endswith(" ms") and float(cells[4][:-3]) > 0
 
 
 def test_recompute_runs_every_mode_and_its_memory_matches_the_estimate(capsys: pytest.CaptureFixture[str]) -> None:
