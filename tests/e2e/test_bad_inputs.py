@@ -172,7 +172,9 @@ def test_the_fork_runs_as_a_fresh_process_does(tmp_path: Path) -> None:
     assert_refused(forked, "optim.eps must be > 0", tmp_path / "fork")
 
 
-LAUNCH_CASES = [(c[0], ["--world", "2", *c[1]], c[2]) for c in RANKED] + [c for c in CASES if c[0] in CHECKED]
+LAUNCH_CASES = [(c[0], ["--world", "2", *c[1]], c[2]) for c in RANKED] + [c for c in CASES if c[0] in CHECKED] + [
+    ("check-world-zero", ["--world", "0"], "--world needs a positive whole number, got 0"),
+    ("check-world-layout", ["--world", "3", "parallel=tp2"], "does not divide world size 3")]
 
 
 @pytest.mark.parametrize(("argv", "needle"), [c[1:] for c in LAUNCH_CASES], ids=[c[0] for c in LAUNCH_CASES])
