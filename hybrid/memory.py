@@ -165,10 +165,12 @@ def held_bytes(schedule: Schedule, rank: int, per_chunk: Sequence[int], kept: Se
     return peak
 
 
-def weight_pass_bytes(cfg: ModelConfig, m: Micro, layers: int, vocab_local: int, first: bool, last: bool) -> int:
-    """What a split backward's input pass keeps for the weight pass of one microbatch: the gradient that flowed
-    into each weight's node, i.e. of each norm's, projection's and (last part) the head's output. The first part
-    keeps none: its weight pass is its whole backward (`parallel.split_backward`)."""
+def weight_pass_bytes(cfg: ModelConfig, m: Micro, layers: int, first: bool, last: bool) -> int:
+    """What a split backward's input pass keeps for the weight pass of one microbatch beyond its activations: the
+    gradient that flowed into each weight's node, i.e. of each norm's and projection's output. On the last part
+    the head's (the logits' gradient) is as large as the cross-entropy's probabilities, which the input pass
+    frees (nothing the weight pass runs refers to them): the two cancel. The first part keeps none: its weight
+    pass is its whole backward (`parallel.split_backward`)."""
     if first:
         return 0
     h, tokens, full = cfg.hidden, m.b * m.s_local, m.b * m.s
@@ -176,7 +178,7 @@ def weight_pass_bytes(cfg: ModelConfig, m: Micro, layers: int, vocab_local: int,
     heads, d, kv = cfg.n_heads // m.tp, h // cfg.n_heads, kv_heads(cfg) // m.tp
     f, swiglu = ffn_hidden(cfg) // m.tp, blocks.mlp == "swiglu"
     layer = 2 * tokens * h + full * ((heads + 2 * kv) * d + h + (1 + swiglu) * f + h)
-    return m.act * layers * layer + ((m.act * tokens * h + F32 * full * vocab_local) if last else 0)
+    return m.act * layers * layer + (m.act * tokens * h if last else 0)
 
 
 @dataclass(frozen=True)
@@ -220,7 +222,7 @@ def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank:
         layers, vocab = len(chunk.layers), loss_columns(chunk, m.tp)
         per_chunk.append(layers * layer_activation_bytes(cfg.model, m)
                          + ends_bytes(cfg.model, m, vocab, chunk.pre, chunk.post))
-        kept.append(weight_pass_bytes(cfg.model, m, layers, vocab, chunk.pre, chunk.post))
+        kept.append(weight_pass_bytes(cfg.model, m, layers, chunk.pre, chunk.post))
     activations = held_bytes(schedule, pp_rank, per_chunk, kept)
     last = any(chunk.post for chunk in chunks)
     logits_grad = F32 * m.b * m.s * loss_columns(chunks[-1], m.tp) if last else 0
