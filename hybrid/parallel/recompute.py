@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid.parallel.rng import TPRandom
+from hybrid.parallel.split_backward import edges_of, needed
 
 
 @contextlib.contextmanager
@@ -87,21 +88,23 @@ class _ActLinear(torch.autograd.Function):
         ctx.act = act
         ctx.autocast = _autocast_state(h.device.type)
         ctx.save_for_backward(h, weight)
+        ctx.edges = edges_of(h, weight)
         return F.linear(act(h), weight)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         h, weight = ctx.saved_tensors
+        need_h, need_w = needed(ctx.needs_input_grad[:2], ctx.edges)  # a split backward's input or weight pass
         enabled, dtype = ctx.autocast
         with torch.enable_grad(), torch.autocast(h.device.type, dtype=dtype, enabled=enabled):
             x = h.detach().requires_grad_()
             a = ctx.act(x)
             w = weight.to(a.dtype)
             grad = grad.to(a.dtype)
-            grad_a = grad @ w
-        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ a.detach().reshape(-1, a.shape[-1])
-        (grad_h,) = torch.autograd.grad(a, x, grad_a)
-        return grad_h, grad_w.to(weight.dtype), None
+            grad_a = grad @ w if need_h else None
+        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ a.detach().reshape(-1, a.shape[-1]) if need_w else None
+        grad_h = torch.autograd.grad(a, x, grad_a)[0] if need_h else None
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None
 
 
 def act_linear(h: torch.Tensor, weight: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -77,6 +77,26 @@ def backward_input(out: torch.Tensor, grad: Optional[torch.Tensor], x: Optional[
     return work
 
 
+def edges_of(*tensors: Optional[torch.Tensor]) -> list[Optional[GradientEdge]]:
+    """The gradient edges of a custom autograd Function's tensor inputs (None where none flows), kept by its
+    forward for `needed`."""
+    return [get_gradient_edge(t) if t is not None and t.requires_grad else None for t in tensors]
+
+
+def needed(static: Iterable[bool], edges: Iterable[Optional[GradientEdge]]) -> list[bool]:
+    """Which inputs of a custom autograd Function the running backward wants gradients for: its static
+    `ctx.needs_input_grad`, narrowed to the edges the engine will execute. A split backward's input pass then
+    skips the weights (and their collectives) and its weight pass the input, as autograd's own nodes do."""
+    return [bool(n) and (e is None or _will_run(e)) for n, e in zip(static, edges)]
+
+
+def _will_run(edge: GradientEdge) -> bool:
+    try:
+        return torch._C._will_engine_execute_node(edge.node)
+    except RuntimeError:  # outside a backward, or torch.autograd.grad towards a leaf: assume it is wanted
+        return True
+
+
 def _keeper(work: WeightGrads, node: Node):
     def keep(grad_outputs: tuple) -> None:
         work.grads[node] = tuple(grad_outputs)

@@ -39,6 +39,7 @@ from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.params import Init, Shard, annotate
 from hybrid.parallel.recompute import act_linear
+from hybrid.parallel.split_backward import edges_of, needed
 
 
 def _split_parts(parts: Sequence[int], tp: int, what: str) -> int:
@@ -52,8 +53,10 @@ class _SequenceParallelLinear(torch.autograd.Function):
     """x_chunk → all-gather along the sequence → x Wᵀ + b; only the chunk is saved.
 
     Backward: all-gather the chunk again (op "regather") for the weight gradient, and
-    reduce-scatter the input gradient back to sequence chunks. Saving the chunk through
-    `save_for_backward` keeps outer saved-tensor hooks (offloading, checkpointing) in charge.
+    reduce-scatter the input gradient back to sequence chunks — each only when the running backward wants it
+    (`split_backward.needed`: a zero-bubble input pass skips the regather, its weight pass the reduce-scatter).
+    Saving the chunk through `save_for_backward` keeps outer saved-tensor hooks (offloading, checkpointing) in
+    charge.
     """
 
     @staticmethod
@@ -61,12 +64,13 @@ class _SequenceParallelLinear(torch.autograd.Function):
                 group: Group) -> torch.Tensor:
         ctx.group, ctx.has_bias = group, bias is not None
         ctx.save_for_backward(x, weight)
+        ctx.edges = edges_of(x, weight, bias)
         return F.linear(C.all_gather_seq(x, group), weight, bias)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # noqa: ANN001, ANN205
         x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_x, need_w, need_b = needed(ctx.needs_input_grad[:3], ctx.edges)  # a split backward's pass
         g2 = g.reshape(-1, g.shape[-1])
         grad_w = grad_b = grad_x = None
         if need_w:

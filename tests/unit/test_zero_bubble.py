@@ -173,3 +173,31 @@ def test_a_parameter_used_twice_gets_its_gradient_in_the_input_pass():
     ref(torch.tanh(ref(x2))).backward(torch.ones(4, 8))
     work.run()
     assert torch.equal(lin.weight.grad, ref.weight.grad) and torch.equal(x.grad, x2.grad)
+
+
+def test_custom_functions_compute_only_what_each_pass_needs():
+    """`act_linear` (a custom autograd Function with a weight) under the split: the input pass asks it for the
+    input's gradient only, the weight pass for the weight's only (`split_backward.needed`); the gradients equal
+    one full backward's."""
+    from hybrid.parallel import recompute
+
+    calls: list[tuple[bool, bool]] = []
+    original = recompute.needed
+
+    def spy(static, edges):
+        out = original(static, edges)
+        calls.append(tuple(out))
+        return out
+
+    h = torch.randn(4, 8, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(6, 8))
+    ref_h, ref_w = h.detach().clone().requires_grad_(True), torch.nn.Parameter(w.detach().clone())
+    recompute.act_linear(ref_h, ref_w, torch.tanh).sum().backward()
+    recompute.needed = spy
+    try:
+        work = backward_input(recompute.act_linear(h, w, torch.tanh).sum(), None, h)
+        work.run()
+    finally:
+        recompute.needed = original
+    assert calls == [(True, False), (False, True)]
+    assert torch.equal(h.grad, ref_h.grad) and torch.equal(w.grad, ref_w.grad)
