@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -150,13 +150,22 @@ def loss_columns(chunk: nn.Module, tp: int) -> int:
     return chunk.vocab_size if tp == 1 else chunk.padded_vocab // tp
 
 
-def held_bytes(schedule: Schedule, rank: int, per_chunk: Sequence[int], kept: Sequence[int] = ()) -> int:
-    """The most activation bytes `rank` holds at once: its compute order replayed, each forward of chunk c
-    adding `per_chunk[c]` until that microbatch's backward (B, or a split backward's weight pass W: its input
-    pass keeps the graph for it), each input pass I adding `kept[c]` (`weight_pass_bytes`) until the W."""
+def held_bytes(schedule: Schedule, rank: int, per_chunk: Sequence[int],
+               split: Sequence[Optional[tuple[int, int]]] = ()) -> int:
+    """The most activation bytes `rank` holds at once: its compute order replayed, each forward of chunk c adding
+    `per_chunk[c]` until that microbatch's backward (B), or under a split backward (`split[c]` = (what the
+    weight pass reads, the gradients kept for it), `weight_pass_bytes`; None on the first part, whose input
+    pass does nothing): from the input pass I on only those two, until the weight pass W."""
+    def at_input(c: int) -> int:
+        kept = split[c] if split else None
+        return 0 if kept is None else kept[0] + kept[1] - per_chunk[c]
+
+    def at_weight(c: int) -> int:
+        kept = split[c] if split else None
+        return -per_chunk[c] if kept is None else -(kept[0] + kept[1])
+
     change = {Op.FORWARD: lambda c: per_chunk[c], Op.FULL_BACKWARD: lambda c: -per_chunk[c],
-              Op.BACKWARD_INPUT: lambda c: kept[c] if kept else 0,
-              Op.BACKWARD_WEIGHT: lambda c: -per_chunk[c] - (kept[c] if kept else 0)}
+              Op.BACKWARD_INPUT: at_input, Op.BACKWARD_WEIGHT: at_weight}
     live = peak = 0
     for action in schedule.actions[rank]:
         if action.op in change:
@@ -165,20 +174,26 @@ def held_bytes(schedule: Schedule, rank: int, per_chunk: Sequence[int], kept: Se
     return peak
 
 
-def weight_pass_bytes(cfg: ModelConfig, m: Micro, layers: int, first: bool, last: bool) -> int:
-    """What a split backward's input pass keeps for the weight pass of one microbatch beyond its activations: the
-    gradient that flowed into each weight's node, i.e. of each norm's and projection's output. On the last part
-    the head's (the logits' gradient) is as large as the cross-entropy's probabilities, which the input pass
-    frees (nothing the weight pass runs refers to them): the two cancel. The first part keeps none: its weight
-    pass is its whole backward (`parallel.split_backward`)."""
+def weight_pass_bytes(cfg: ModelConfig, m: Micro, layers: int, vocab_local: int, first: bool, last: bool
+                      ) -> Optional[tuple[int, int]]:
+    """What a split backward holds of one microbatch between its input and weight pass (`parallel.split_backward`
+    frees the rest): (the weight nodes' inputs — each norm's input, each projection's input, on the last part
+    the final norm's and the head's —, the gradient that flowed into each weight node — of each norm's and
+    projection's output, on the last part the logits'). None on the first part: no input pass, its weight pass
+    is its whole backward. Under full recomputation a block's weights get their gradients in the input pass."""
     if first:
-        return 0
+        return None
     h, tokens, full = cfg.hidden, m.b * m.s_local, m.b * m.s
     blocks = family_of(cfg).blocks
     heads, d, kv = cfg.n_heads // m.tp, h // cfg.n_heads, kv_heads(cfg) // m.tp
     f, swiglu = ffn_hidden(cfg) // m.tp, blocks.mlp == "swiglu"
-    layer = 2 * tokens * h + full * ((heads + 2 * kv) * d + h + (1 + swiglu) * f + h)
-    return m.act * layers * layer + (m.act * tokens * h if last else 0)
+    linear_in = tokens if m.sp and m.tp > 1 else full  # a sequence-parallel linear keeps its chunk
+    reads = 2 * tokens * h + 2 * linear_in * h + full * (heads * d + f)
+    grads = 2 * tokens * h + full * ((heads + 2 * kv) * d + h + (1 + swiglu) * f + h)
+    per_layer = (0, 0) if m.recompute == "full" else (reads, grads)
+    ends = (tokens * h + linear_in * h, tokens * h) if last else (0, 0)
+    logits = F32 * full * vocab_local if last else 0
+    return (m.act * (layers * per_layer[0] + ends[0]), m.act * (layers * per_layer[1] + ends[1]) + logits)
 
 
 @dataclass(frozen=True)
@@ -222,7 +237,7 @@ def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank:
         layers, vocab = len(chunk.layers), loss_columns(chunk, m.tp)
         per_chunk.append(layers * layer_activation_bytes(cfg.model, m)
                          + ends_bytes(cfg.model, m, vocab, chunk.pre, chunk.post))
-        kept.append(weight_pass_bytes(cfg.model, m, layers, chunk.pre, chunk.post))
+        kept.append(weight_pass_bytes(cfg.model, m, layers, vocab, chunk.pre, chunk.post))
     activations = held_bytes(schedule, pp_rank, per_chunk, kept)
     last = any(chunk.post for chunk in chunks)
     logits_grad = F32 * m.b * m.s * loss_columns(chunks[-1], m.tp) if last else 0

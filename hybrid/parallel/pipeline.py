@@ -31,7 +31,7 @@ from hybrid.parallel import collectives as C
 from hybrid.parallel.actions import Action, Op, Schedule, steps
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.simulator import simulate
-from hybrid.parallel.split_backward import WeightGrads, backward_input, run_backward
+from hybrid.parallel.split_backward import SavedTensors, WeightGrads, backward_input, run_backward
 from hybrid.parallel.timing import Clock, HostClock, Mark, Span
 
 ForwardStep = Callable[[int, int, Optional[torch.Tensor]], torch.Tensor]
@@ -186,6 +186,8 @@ class _Run:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.received: dict[Action, torch.Tensor] = {}
         self.weights: dict[tuple[int, int], WeightGrads] = {}  # split backward: input pass done, weight pass due
+        self.split = any(a.op is Op.BACKWARD_INPUT for a in schedule.actions[rank])
+        self.saved: dict[tuple[int, int], SavedTensors] = {}  # split backward: what the forward saved, boxed
         self.losses: list[torch.Tensor] = []
         self.last_part = schedule.num_parts - 1
 
@@ -196,7 +198,12 @@ class _Run:
         if x is not None and torch.is_grad_enabled():
             x.requires_grad_(True)
         start = self.stats.clock.mark()
-        out = self.forward_step(a.chunk, a.mb, x)
+        if self.split and x is not None and torch.is_grad_enabled():  # the input pass will empty some boxes
+            self.saved[(a.chunk, a.mb)] = SavedTensors()
+            with self.saved[(a.chunk, a.mb)].hooks():
+                out = self.forward_step(a.chunk, a.mb, x)
+        else:
+            out = self.forward_step(a.chunk, a.mb, x)
         self.stats.marks.append(("forward", start, self.stats.clock.mark()))
         if self.schedule.part(self.rank, a.chunk) == self.last_part:
             self.losses.append(out.detach())
@@ -215,7 +222,8 @@ class _Run:
         else:
             root, grad = out, self.received.pop(Action(Op.RECV_B, a.chunk, a.mb))
         if a.op is Op.BACKWARD_INPUT:
-            self.weights[(a.chunk, a.mb)] = backward_input(root, grad, self.inputs.get((a.chunk, a.mb)))
+            self.weights[(a.chunk, a.mb)] = backward_input(root, grad, self.inputs.get((a.chunk, a.mb)),
+                                                           self.saved.pop((a.chunk, a.mb), None))
         else:  # `out` may have been freed after its send: no shape check (Megatron does the same)
             run_backward((root,), (grad if grad is not None else torch.ones_like(root),))
         self.stats.marks.append(("backward", start, self.stats.clock.mark()))

@@ -58,23 +58,74 @@ class WeightGrads:
         self.frontier, self.grads, self.full = {}, {}, None
 
 
-def backward_input(out: torch.Tensor, grad: Optional[torch.Tensor], x: Optional[torch.Tensor]) -> WeightGrads:
+def backward_input(out: torch.Tensor, grad: Optional[torch.Tensor], x: Optional[torch.Tensor],
+                   saved: Optional[SavedTensors] = None) -> WeightGrads:
     """The input pass of a part whose output is `out` (the loss on the last part, `grad` None) and input `x`
-    (None on the first part): accumulate `x.grad` and the eager parameters' gradients; return the W work."""
+    (None on the first part): accumulate `x.grad` and the eager parameters' gradients; return the W work.
+    `saved`: the part's saved tensors, boxed during its forward; those the weight pass will not read are
+    emptied here."""
     work = WeightGrads()
     roots, grads = (out,), (grad if grad is not None else torch.ones_like(out),)
     if x is None or not x.requires_grad:
         work.full = (roots, grads)
         return work
     x_node = get_gradient_edge(x).node
-    work.frontier, eager = _sort_parameters(out.grad_fn, x_node)
+    work.frontier, eager, branches = _sort_parameters(out.grad_fn, x_node)
     handles = [node.register_prehook(_keeper(work, node)) for node in work.frontier]
     try:
         run_backward(roots, grads, (x, *eager), retain=True)
     finally:
         for h in handles:
             h.remove()
+    if saved is not None:
+        saved.keep_only(branches)
     return work
+
+
+class SavedTensors:
+    """Saved-tensor hooks over one part's forward: every tensor autograd saves goes into a box. After the input
+    pass, `keep_only` empties the boxes of every node the weight pass will not run (the input's path: attention
+    probabilities, activations' inputs, …), so between the two passes a microbatch holds what its weight pass
+    reads — each weight node's inputs — as the zero-bubble paper's implementation does, not its whole graph."""
+
+    def __init__(self) -> None:
+        self.boxes: list[list] = []  # one [tensor] per saved tensor
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor) -> list:
+        box = [t]
+        self.boxes.append(box)
+        return box
+
+    @staticmethod
+    def _unpack(box: list) -> torch.Tensor:
+        if box[0] is None:
+            raise RuntimeError("a tensor the split backward freed after its input pass was read again: a weight "
+                               "node outside the weight pass's graph (report this with the model)")
+        return box[0]
+
+    def keep_only(self, nodes: Iterable[Node]) -> None:
+        """Empty every box but those holding memory `nodes` saved (by storage: unpacking hands out aliases)."""
+        keep = {_storage(t) for node in nodes for t in _saved_by(node)}
+        for box in self.boxes:
+            if box[0] is not None and _storage(box[0]) not in keep:
+                box[0] = None
+        self.boxes = []
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _saved_by(node: Node) -> list[torch.Tensor]:
+    """The tensors `node` saved for its backward: its `_saved_*` fields, or a custom Function's `saved_tensors`."""
+    values = [getattr(node, name) for name in dir(node) if name.startswith("_saved_")]
+    if hasattr(node, "saved_tensors"):
+        values += list(node.saved_tensors)
+    flat = [v for item in values for v in (item if isinstance(item, (tuple, list)) else [item])]
+    return [t for t in flat if isinstance(t, torch.Tensor)]
 
 
 def edges_of(*tensors: Optional[torch.Tensor]) -> list[Optional[GradientEdge]]:
@@ -103,22 +154,26 @@ def _keeper(work: WeightGrads, node: Node):
     return keep
 
 
-def _sort_parameters(root: Node, x_node: Node) -> tuple[dict[Node, list[torch.Tensor]], list[torch.Tensor]]:
-    """(frontier node → deferred parameters, eager parameters) of the graph under `root` (see module doc)."""
+def _sort_parameters(root: Node, x_node: Node) -> tuple[dict[Node, list[torch.Tensor]], list[torch.Tensor], set[Node]]:
+    """(frontier node → deferred parameters, eager parameters, the nodes the weight pass runs: each deferred
+    parameter's frontier node and the nodes between it and the parameter) of the graph under `root`."""
     parents = _parents(root)
     input_side = _reach(x_node, parents, stop=set())
     frontier: dict[Node, list[torch.Tensor]] = defaultdict(list)
     eager: list[torch.Tensor] = []
+    branches: set[Node] = set()
     for node in list(parents):
         leaf = getattr(node, "variable", None)
         if leaf is None or node is x_node:
             continue
-        fronts = {n for n in _reach(node, parents, stop=input_side) if n in input_side}
+        reached = _reach(node, parents, stop=input_side)
+        fronts = {n for n in reached if n in input_side}
         if len(fronts) == 1:
             frontier[fronts.pop()].append(leaf)
+            branches |= reached
         else:
             eager.append(leaf)
-    return dict(frontier), eager
+    return dict(frontier), eager, branches
 
 
 def _parents(root: Node) -> dict[Node, list[Node]]:
