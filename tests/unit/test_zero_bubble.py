@@ -18,7 +18,7 @@ from hybrid.model import build_model
 from hybrid.parallel.actions import Op, place_of
 from hybrid.parallel.schedules import build_schedule
 from hybrid.parallel.simulator import simulate
-from hybrid.parallel.split_backward import backward_input
+from hybrid.parallel.split_backward import SavedTensors, backward_input
 
 IN, WT = Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
 GRID = [(p, m) for p in (2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 7, 8, 16, 24)]
@@ -149,16 +149,31 @@ def test_split_backward_is_bit_identical_to_the_full_backward(family, pre, post)
 
     out, inp = run(full)
     out.backward(grad)
-    out2, inp2 = run(split)
-    work = backward_input(out2, grad, inp2)
+    saved = SavedTensors()
+    with saved.hooks():  # as the executor runs a part's forward under a split backward
+        out2, inp2 = run(split)
+    boxes = list(saved.boxes)
+    work = backward_input(out2, grad, inp2, None if pre else saved)
     if not pre:
         assert torch.equal(inp.grad, inp2.grad)
         assert sum(counts.values()) == 0  # the input pass computed no parameter's gradient
         assert work.frontier
+        emptied = sum(b[0] is None for b in boxes)
+        assert 0 < emptied < len(boxes)  # the input path's saved tensors went; the weight nodes' stay
     work.run()
     assert counts == {n: 1 for n in counts}  # each accumulated once, as under a full backward (DP hooks)
     for (n, p), q in zip(full.named_parameters(), split.parameters()):
         assert torch.equal(p.grad, q.grad), n
+
+
+def test_an_emptied_box_read_again_is_an_error():
+    saved = SavedTensors()
+    x = torch.randn(4, 4, requires_grad=True)
+    with saved.hooks():
+        y = (x * x).sum()
+    saved.keep_only([])  # nothing kept: a backward that still reads a box must not read freed memory silently
+    with pytest.raises(RuntimeError, match="freed after its input pass"):
+        y.backward()
 
 
 def test_a_parameter_used_twice_gets_its_gradient_in_the_input_pass():
