@@ -25,7 +25,7 @@ from hybrid.health import ReplicaDivergence
 from hybrid.trainer import Trainer, build_chunks
 
 TIMEOUT = 240
-SLEEP_S = 0.05  # per forward step of the slowed rank: several times a tiny microbatch's compute
+SLEEP_S = 0.15  # per forward step of the slowed rank: several times a tiny microbatch's compute, also on a busy box
 
 
 def _trainer(case: Case, world: int, lines: list[str], *extra: str) -> Trainer:
