@@ -13,11 +13,13 @@ states) and its parameters. `backward_input` walks that graph once and sorts eve
             gradient is computed in the input pass, which costs little and keeps W free of double counts.
 
 Both passes accumulate through autograd (AccumulateGrad), so `.grad` buckets, `main_grad` and the DP
-sync's post-accumulate hooks see each parameter once per microbatch, as under a full backward; no
-collective runs here (TP's region ops sit on the input's side and run in the input pass). The first part
-has no input to differentiate: its input pass does nothing and its W is the whole backward, as in
-`torch.distributed.pipelining`. The graph is kept (`retain_graph`) between the passes, so a microbatch's
-activations live until its W: the schedules count it in flight until then.
+sync's post-accumulate hooks see each parameter once per microbatch, as under a full backward. TP's region
+ops sit on the input's side and run in the input pass; the weight pass runs only the collectives a weight's
+own gradient needs (the sequence-parallel linear's regather: custom Functions ask `needed` what this pass
+wants). The first part has no input to differentiate: its input pass does nothing and its W is the whole
+backward, as in `torch.distributed.pipelining`. The graph is kept (`retain_graph`) between the passes, but
+with the forward's saved tensors boxed (`SavedTensors`) the input pass empties every box the weight pass
+will not open: from I to W a microbatch holds what W reads and the gradients kept for it.
 """
 
 from __future__ import annotations
