@@ -48,11 +48,11 @@ class HealthMonitor:
         chunks = model if isinstance(model, nn.ModuleList) else [model]  # a chunk's names are the global ones
         self.named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters() if p.requires_grad]
         self.device = self.named[0][1].device if self.named else torch.device("cpu")  # NCCL: CUDA tensors
-        self.busy, self.since, self.latest = 0.0, 0, {}
+        self.busy, self.steps, self.latest = 0.0, 0, {}  # compute seconds and steps since the last check
 
     def after_step(self, step: int, busy_s: float) -> None:
         """Account step `step`'s compute; run the checks that are due. Collective when one is due."""
-        self.busy += busy_s
+        self.busy, self.steps = self.busy + busy_s, self.steps + 1
         if self.cfg.straggler_every and step % self.cfg.straggler_every == 0:
             self.latest = self.stragglers(step)
         if self.cfg.divergence_every and step % self.cfg.divergence_every == 0:
@@ -66,14 +66,14 @@ class HealthMonitor:
         """Share the compute seconds since the last check (one all-gather over the world); warn about the slowest
         rank of any group when it is more than the threshold above the group's median."""
         times = _gather_world(torch.tensor([self.busy], dtype=torch.float64, device=self.device), self.ctx)
-        first, self.since, self.busy = self.since + 1, step, 0.0
+        n, self.steps, self.busy = max(self.steps, 1), 0, 0.0
         worst = max(_compare(times, self.ctx), key=lambda x: x[0])
         ratio, rank, median = worst
         if ratio > 1 + self.cfg.straggler_threshold:
-            c, n = self.ctx.layout.coord(rank), step - first + 1
+            c = self.ctx.layout.coord(rank)
             self.say(f"warning: straggler: rank {rank} (pp {c.pp}, dp {c.dp}, tp {c.tp}) computed {ratio:.2f}× the "
                      f"median of its {'stage' if self.ctx.layout.world > self.ctx.layout.pp else 'run'} over steps "
-                     f"{first}..{step} ({times[rank] / n:.3f} s against {median / n:.3f} s per step; "
+                     f"{step - n + 1}..{step} ({times[rank] / n:.3f} s against {median / n:.3f} s per step; "
                      f"health.straggler_threshold={self.cfg.straggler_threshold:g})")
         return {"health/straggler_ratio": ratio, "health/slowest_rank": rank}
 
