@@ -77,14 +77,18 @@ def initial() -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("case", CASES[:-1], ids=str)
 def test_bf16_params_match_the_single_process_run(case: Case) -> None:
-    """Data parallelism alone (plain or ZeRO-1) is bit for bit the single process; with TP or PP the bf16
-    arithmetic rounds in other places (partial sums, stage boundaries), and Adam's first steps turn a tiny
-    gradient difference of a near-zero element into up to 2·lr: compared as the distance from the single
-    process's weights relative to how far those moved, per parameter and for the whole model."""
+    """Plain data parallelism is bit for bit the single process. ZeRO-1 sums the gradient norm's squares shard by
+    shard (its last bit can differ, and so every clipped update by an ulp here and there: seen with oneDNN's
+    AVX-512 kernels), so its norms are held to fp32 rounding; with TP or PP the bf16 arithmetic rounds in other
+    places (partial sums, stage boundaries), and Adam's first steps turn a tiny gradient difference of a
+    near-zero element into up to 2·lr: compared as the distance from the single process's weights relative to
+    how far those moved, per parameter and for the whole model."""
     ref, results = single(), launched()[str(case)]
     for r in results:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **LOSS_TOL)
         assert r["n_params"] == r["analytic_params"]
+        if case.tp == case.pp == 1:
+            torch.testing.assert_close(torch.tensor(r["norms"][0]), torch.tensor(ref["norms"][0]), rtol=1e-6, atol=0)
     merged = _merged(results)
     assert sorted(merged) == sorted(ref["state"])
     off, moved = 0.0, 0.0
@@ -92,7 +96,7 @@ def test_bf16_params_match_the_single_process_run(case: Case) -> None:
         assert merged[name].dtype == torch.bfloat16 and w.dtype == torch.bfloat16, name
         n = VOCAB if name in VOCAB_ROWS else None
         mine, w, start = merged[name][:n].float(), w[:n].float(), initial()[name].float()
-        if case.tp == case.pp == 1:
+        if case.tp == case.pp == 1 and not case.zero:
             assert torch.equal(mine, w), name
         assert (mine - w).norm() < UPDATE_TOL[0] * (w - start).norm(), name
         off, moved = off + float((mine - w).norm() ** 2), moved + float((w - start).norm() ** 2)
