@@ -50,7 +50,10 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel size (ranks inside one node)
     pp: int = 1  # pipeline stages
     dp: Optional[int] = None  # data-parallel size; None = world / (tp·pp)
-    schedule: str = "1f1b"  # a name in hybrid.parallel.schedules.SCHEDULES: gpipe | 1f1b | interleaved
+    schedule: str = "1f1b"  # a name in hybrid.parallel.schedules.SCHEDULES: gpipe | 1f1b | interleaved | zb1p | zbv
+    # zb1p: 1f1b = each rank defers only the weight passes its memory allows within 1F1B's largest rank (by the
+    # estimate); none = ZB-H1's r on rank r, the least bubble, more memory where a deferred pass holds much
+    zb_memory: str = "1f1b"
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved)
     stage_layers: Optional[list[int]] = None  # layers per model part (pp·virtual_stages counts); None = balanced
     sequence_parallel: bool = False  # split norms/dropout along the sequence inside TP

@@ -283,10 +283,34 @@ def stage_estimates(cfg: Config, layout: Layout, stages: Sequence[nn.ModuleList]
     """The estimate of each stage's rank holding `stages[pp_rank]` (`micro_batch`: instead of
     `train.micro_batch_size`)."""
     m = micro_of(cfg, device_type, micro_batch)
-    microbatches = cfg.train.global_batch_size // (m.b * layout.dp)
-    name = cfg.parallel.schedule if layout.pp > 1 else "1f1b"
-    schedule = build_schedule(name, layout.pp, microbatches, cfg.parallel.virtual_stages)
+    schedule = training_schedule(cfg, layout, stages, m)
     return [rank_memory(cfg, chunks, schedule, r, layout.dp, m) for r, chunks in enumerate(stages)]
+
+
+def training_schedule(cfg: Config, layout: Layout, stages: Sequence[nn.ModuleList], m: Micro) -> Schedule:
+    """The schedule the run's ranks follow: `parallel.schedule` (1f1b at pp=1); zb1p under `parallel.zb_memory=1f1b`
+    with each rank's weight-pass deferrals fitted to 1F1B's memory (`weight_deferrals`)."""
+    p, count = cfg.parallel, cfg.train.global_batch_size // (m.b * layout.dp)
+    name = p.schedule if layout.pp > 1 else "1f1b"
+    if name != "zb1p" or p.zb_memory == "none":
+        return build_schedule(name, layout.pp, count, p.virtual_stages)
+    return build_schedule(name, layout.pp, count, deferrals=weight_deferrals(cfg, layout, stages, m, count))
+
+
+def weight_deferrals(cfg: Config, layout: Layout, stages: Sequence[nn.ModuleList], m: Micro, count: int
+                     ) -> tuple[Optional[int], ...]:
+    """Per pipeline rank r the most weight passes (up to ZB-H1's r) zb1p may defer while the rank's estimate stays
+    within the largest rank's under 1F1B — so a layout that fits under 1f1b fits under zb1p —, or None (unsplit,
+    1F1B's order) where even a split backward's weight pass run at once would not. A microbatch waiting for its
+    weight pass can hold more than its activations (the kept gradients; the last part's logits')."""
+    def totals(schedule: Schedule) -> list[int]:
+        return [rank_memory(cfg, chunks, schedule, r, layout.dp, m).total for r, chunks in enumerate(stages)]
+
+    limit, best = max(totals(build_schedule("1f1b", layout.pp, count))), [None] * layout.pp
+    for d in range(layout.pp):
+        fits = totals(build_schedule("zb1p", layout.pp, count, deferrals=[min(d, r) for r in range(layout.pp)]))
+        best = [min(d, r) if total <= limit else b for r, (total, b) in enumerate(zip(fits, best))]
+    return tuple(best)
 
 
 def largest_micro_batch(cfg: Config, layout: Layout, stages: Sequence[nn.ModuleList], device_type: str,

@@ -231,7 +231,7 @@ def pipeline_summary(schedule: Schedule, cfg: Config) -> str:
 
     parts = partition_layers(cfg.model.n_layers, schedule.num_parts, cfg.parallel.stage_layers)
     sim = simulate(schedule)
-    return (f"pipeline: schedule {schedule.name}, pp={schedule.pp} × {schedule.virtual_stages} chunk(s), "
+    return (f"pipeline: schedule {schedule.label}, pp={schedule.pp} × {schedule.virtual_stages} chunk(s), "
             f"{schedule.microbatches} microbatches, layers per part {[len(r) for r in parts]}, "
             f"simulated bubble {sim.bubble:.3f} (forward:backward 1:2), peak in flight {sim.peak_in_flight}")
 

@@ -35,6 +35,7 @@ from hybrid.compression.zero import REDUCE_SCATTER_DTYPES, encoded_reduce_scatte
 from hybrid.config import Config
 from hybrid.data import Corpus
 from hybrid.health import HealthMonitor
+from hybrid.memory import meta_stages, micro_of, training_schedule
 from hybrid.model import build_model
 from hybrid.nonfinite import Guard
 from hybrid.optim import build_optimizer, lr_at, to_low_precision
@@ -198,8 +199,14 @@ class Trainer:
         return doc
 
     def _schedule(self, microbatches: int, forward_only: bool = False) -> Schedule:
-        p = self.cfg.parallel
-        name = p.schedule if self.ctx.pp_size > 1 else "1f1b"  # one stage: forward, backward per microbatch
+        """The training schedule (`memory.training_schedule`: zb1p's deferrals fitted to memory) or, for
+        evaluation, the forwards of `parallel.schedule` (1f1b at pp=1: forward, backward per microbatch)."""
+        p, layout = self.cfg.parallel, self.ctx.layout
+        if not forward_only and p.schedule == "zb1p" and layout.pp > 1:
+            vocab = self.cfg.model.vocab_size or self.corpus.vocab_size
+            stages = meta_stages(layout, lambda c: build_chunks(self.cfg, vocab, c))
+            return training_schedule(self.cfg, layout, stages, micro_of(self.cfg, self.device.type))
+        name = p.schedule if self.ctx.pp_size > 1 else "1f1b"
         return build_schedule(name, self.ctx.pp_size, microbatches, p.virtual_stages, forward_only)
 
     def _p2p(self) -> Optional[P2P]:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 _CHOICES = {
     "parallel.schedule": SCHEDULES,  # the registry: its names
+    "parallel.zb_memory": ("1f1b", "none"),
     "train.precision": ("auto", "fp32", "bf16", "bf16_params"),
     "train.recompute": ("none", "selective", "full"),
     "train.on_nonfinite": ("stop", "skip", "rewind"),

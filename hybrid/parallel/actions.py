@@ -111,6 +111,15 @@ class Schedule:
     virtual_stages: int
     actions: tuple[tuple[Action, ...], ...]
     placement: str = "loop"  # see PLACEMENTS
+    deferrals: tuple[Optional[int], ...] = ()  # zb1p: weight passes each rank defers (None: unsplit), if not r
+
+    @property
+    def label(self) -> str:
+        """The name, with zb1p's weight-pass deferrals where they are not ZB-H1's."""
+        if not self.deferrals:
+            return self.name
+        counts = ", ".join("unsplit" if d is None else str(d) for d in self.deferrals)
+        return f"{self.name} (weight passes deferred per rank: {counts})"
 
     @property
     def num_parts(self) -> int:

@@ -24,6 +24,9 @@ gradients accumulate in the same order and losses are bit-identical across sched
   zb1p         ZB-H1 (Qi et al. 2023): 1F1B with the backward split; rank r defers its first r weight
                passes, which then fill the cool-down's waits. Idle time (p−1)(F + I − W) instead of
                1F1B's (p−1)(F + I + W); at most p microbatches in flight on any rank, as 1F1B's rank 0.
+               A microbatch waiting for its weight pass holds what that pass reads and the gradients
+               it kept, which can outweigh its activations (the last part's logits gradient): the
+               trainer defers fewer where that would take a rank past 1F1B's largest (`zero_bubble.py`).
 
 `SCHEDULES` is the registry: name → `ScheduleSpec` (the order function and what it needs of the
 sizes). A new schedule is one order function `(pp, m, v, rank) → slots` and one entry there.
@@ -32,16 +35,19 @@ sizes). A new schedule is one order function `(pp, m, v, rank) → slots` and on
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 from hybrid.parallel.actions import Action, Op, Schedule, ScheduleError, steps
 
 __all__ = ["SCHEDULES", "Action", "Op", "Schedule", "ScheduleError", "ScheduleSpec", "build_schedule",
            "check_sizes", "steps", "with_comm"]
 
-Order = Callable[[int, int, int, int], list[list[Action]]]
-"""(pp, microbatches, virtual_stages, rank) → that rank's compute actions, in slots (see `with_comm`)."""
+Order = Callable[..., list[list[Action]]]
+"""(pp, microbatches, virtual_stages, rank) → that rank's compute actions, in slots (see `with_comm`); a schedule
+that `defers` also takes the rank's weight-pass deferral."""
+Deferrals = Optional[Sequence[Optional[int]]]
 
 
 F, B = Op.FORWARD, Op.FULL_BACKWARD
@@ -82,15 +88,17 @@ def interleaved_order(pp: int, m: int, v: int, rank: int) -> list[list[Action]]:
     return order + [[bwd(k)] for k in range(total - warmup, total)]
 
 
-def zb1p_order(pp: int, m: int, v: int, rank: int) -> list[list[Action]]:
+def zb1p_order(pp: int, m: int, v: int, rank: int, defer: Optional[int] = None) -> list[list[Action]]:
     """ZB-H1: 1F1B's warm-up, then per microbatch i a forward (while any are left), its input pass, and from
-    i = rank on the weight pass of the oldest waiting microbatch; the rank's last `rank` weight passes end it."""
+    i = `defer` on the weight pass of the oldest waiting microbatch; the rank's last `defer` weight passes end it.
+    ZB-H1 defers `rank` (the default); fewer hold less memory and leave some of the bubble (0: 1F1B)."""
+    defer = rank if defer is None else defer
     warmup = min(pp - rank - 1, m)
     order = [[Action(F, 0, i)] for i in range(warmup)]
     weights = iter(range(m))
     for i in range(m):
         order += [[Action(F, 0, warmup + i)]] if warmup + i < m else []
-        order += [[Action(IN, 0, i)]] + ([[Action(WT, 0, next(weights))]] if i >= rank else [])
+        order += [[Action(IN, 0, i)]] + ([[Action(WT, 0, next(weights))]] if i >= defer else [])
     return order + [[Action(WT, 0, j)] for j in weights]
 
 
@@ -153,6 +161,7 @@ class ScheduleSpec:
     fewer_virtual: str = ""  # … and what fewer would amount to, for the config's error line
     placement: str = "loop"  # how the chunks' parts sit on the ranks (`actions.PLACEMENTS`)
     split_backward: bool = False  # runs I and W instead of B (zero-bubble)
+    defers: bool = False  # its order takes how many weight passes each rank defers (`build_schedule`'s deferrals)
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
@@ -161,7 +170,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "interleaved": ScheduleSpec(interleaved_order, virtual=True, check=_interleaved_sizes, min_virtual_stages=2,
                                 fewer_virtual="with 1 it is 1f1b with a deeper warm-up: the same bubble, "
                                               "more activation memory"),
-    "zb1p": ScheduleSpec(zb1p_order, split_backward=True),
+    "zb1p": ScheduleSpec(zb1p_order, split_backward=True, defers=True),
     "zbv": ScheduleSpec(zbv_order, virtual=True, check=_zbv_sizes, min_virtual_stages=2,
                         fewer_virtual="its V runs two chunks per rank", placement="v", split_backward=True),
 }
@@ -213,16 +222,37 @@ def _remote(skeleton: Schedule, rank: int, chunk: int, step: int) -> bool:
 
 
 def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1,
-                   forward_only: bool = False) -> Schedule:
-    """The action lists of schedule `name`; `forward_only` keeps just the forwards (evaluation)."""
+                   forward_only: bool = False, deferrals: Deferrals = None) -> Schedule:
+    """The action lists of schedule `name`; `forward_only` keeps just the forwards (evaluation). `deferrals[r]`
+    (zb1p): how many weight passes rank r defers, 0..r, or None for an unsplit backward (1F1B's order); without
+    them ZB-H1's r on every rank (`memory.weight_deferrals` fits them to memory)."""
     check_sizes(name, pp, microbatches, virtual_stages)
     spec, v = SCHEDULES[name], virtual_stages
-    skeleton = Schedule(name, pp, microbatches, v, (), spec.placement)
+    _check_deferrals(name, spec, pp, deferrals)
+    skeleton = Schedule(name, pp, microbatches, v, (), spec.placement, tuple(deferrals or ()))
     lists = []
     for r in range(pp):
-        slots = spec.order(pp, microbatches, v, r)
+        slots = _order(spec, pp, microbatches, v, r, deferrals)
         if forward_only:
             slots = [[a for a in s if a.op is F] for s in slots]
             slots = [s for s in slots if s]
         lists.append(tuple(with_comm(slots, skeleton, r)))
     return dataclasses.replace(skeleton, actions=tuple(lists))
+
+
+def _order(spec: ScheduleSpec, pp: int, m: int, v: int, rank: int, deferrals: Deferrals) -> list[list[Action]]:
+    """The rank's compute order; a rank deferring None runs its backward unsplit, in 1F1B's order."""
+    if not deferrals:
+        return spec.order(pp, m, v, rank)
+    d = deferrals[rank]
+    return one_f_one_b_order(pp, m, v, rank) if d is None else spec.order(pp, m, v, rank, d)
+
+
+def _check_deferrals(name: str, spec: ScheduleSpec, pp: int, deferrals: Deferrals) -> None:
+    if deferrals is None:
+        return
+    if not spec.defers:
+        raise ScheduleError(f"schedule {name} takes no weight-pass deferrals (zb1p does)")
+    if len(deferrals) != pp or any(d is not None and not 0 <= d <= r for r, d in enumerate(deferrals)):
+        raise ScheduleError(f"deferrals {list(deferrals)} must give each of the {pp} ranks r a count 0..r "
+                            "(or None: unsplit)")

@@ -23,7 +23,7 @@ import torch
 
 from hybrid.cli import EXIT_BAD_INPUT, UsageError, run_tool
 from hybrid.config import ConfigError, compose_config
-from hybrid.memory import default_memory, largest_micro_batch, meta_stages, stage_estimates
+from hybrid.memory import default_memory, largest_micro_batch, meta_stages, micro_of, stage_estimates, training_schedule
 from hybrid.metrics import format_bytes
 from hybrid.overrides import App, check
 from hybrid.parallel.context import Layout
@@ -71,9 +71,10 @@ def report(cfg: Config, vocab: int, layout: Layout, device_type: str, memory: in
     t, p = cfg.train, cfg.parallel
     chunks = meta_stages(layout, lambda ctx: build_chunks(cfg, vocab, ctx))
     stages = stage_estimates(cfg, layout, chunks, device_type)
+    schedule = training_schedule(cfg, layout, chunks, micro_of(cfg, device_type)).label if layout.pp > 1 else ""
     counted = PRECISIONS.get(t.precision, PRECISIONS["fp32"])
     lines = [f"memory per rank: {cfg.model.name}, tp{layout.tp} pp{layout.pp} dp{layout.dp}, micro batch "
-             f"{t.micro_batch_size} × seq {cfg.data.seq_len}, {p.schedule if layout.pp > 1 else 'one stage'}, "
+             f"{t.micro_batch_size} × seq {cfg.data.seq_len}, {schedule or 'one stage'}, "
              f"zero {p.zero}, recompute {t.recompute}, {device_type} ({counted})",
              f"{'stage':>5} {'params':>11} {'grads':>11} {'optimizer':>11} {'activations':>12} {'buffers':>11} "
              f"{'total':>11}"]

@@ -112,6 +112,8 @@ RANKED: list[tuple[str, list[str], str]] = [  # the same, as rank 0 and rank 1 o
      "parallel.schedule=zbv needs parallel.virtual_stages >= 2"),
     ("pp-unknown-schedule", ["parallel=pp2", "parallel.schedule=zb2"],
      "parallel.schedule='zb2' is not one of gpipe, 1f1b, interleaved, zb1p, zbv"),
+    ("zb-memory", ["parallel=pp2", "parallel.schedule=zb1p", "parallel.zb_memory=2GiB"],
+     "parallel.zb_memory='2GiB' is not one of 1f1b, none"),
     ("compression-rank", ["compression=powersgd", "compression.rank=0"], "compression.rank must be > 0, got 0"),
 ]
 """Checks made before the process group exists run alike on every rank: each forked child gets torchrun's

@@ -9,16 +9,20 @@ split backward (input pass, then weight pass) leaves every gradient bit-identica
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
 
 from hybrid.config import compose_config
+from hybrid.memory import meta_stages, micro_of, rank_memory, training_schedule
 from hybrid.model import build_model
 from hybrid.parallel.actions import Op, place_of
-from hybrid.parallel.schedules import build_schedule
+from hybrid.parallel.schedules import ScheduleError, build_schedule
 from hybrid.parallel.simulator import simulate
 from hybrid.parallel.split_backward import SavedTensors, backward_input
+from hybrid.trainer import build_chunks
+from hybrid.validation import validate
 
 IN, WT = Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
 GRID = [(p, m) for p in (2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 7, 8, 16, 24)]
@@ -101,6 +105,61 @@ def test_peak_activations_equal_1f1bs(p, m):
     plain = max(simulate(build_schedule("1f1b", p, m)).peak_in_flight)
     assert max(simulate(build_schedule("zb1p", p, m)).peak_in_flight) == plain
     assert max(simulate(build_schedule("zbv", p, m, 2)).peak_in_flight) == 2 * plain
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_every_deferral_between_1f1b_and_zb_h1_runs(p):
+    """zb1p with d_r weight passes deferred on rank r (0..r, or None: unsplit): every mix runs without deadlock, no
+    slower than 1F1B; d = r is ZB-H1 (the default order), d = 0 is 1F1B with each backward's two passes back to
+    back, None 1F1B's own order on that rank."""
+    for m in (1, 3, 8):
+        plain = build_schedule("1f1b", p, m)
+        for deferrals in itertools.product(*([None, *range(r + 1)] for r in range(p))):
+            sched = build_schedule("zb1p", p, m, deferrals=deferrals)
+            assert simulate(sched, 1.0, 2.0, weight=1.0).makespan <= simulate(plain).makespan + 1e-9
+        assert build_schedule("zb1p", p, m, deferrals=range(p)).actions == build_schedule("zb1p", p, m).actions
+        for r in range(p):
+            split = [(o, a.mb) for a in plain.actions[r] if a.op.is_compute
+                     for o in ((IN, WT) if a.op is Op.FULL_BACKWARD else (a.op,))]
+            ours = build_schedule("zb1p", p, m, deferrals=[0] * p).actions[r]
+            assert [(a.op, a.mb) for a in ours if a.op.is_compute] == split, (p, m, r)
+        assert build_schedule("zb1p", p, m, deferrals=[None] * p).actions == plain.actions
+
+
+@pytest.mark.parametrize("name,deferrals", [("1f1b", [0, 0]), ("zb1p", [0]), ("zb1p", [1, 1]), ("zb1p", [0, -1])])
+def test_deferrals_out_of_range_are_refused(name, deferrals):
+    with pytest.raises(ScheduleError, match="deferral"):
+        build_schedule(name, 2, 4, deferrals=deferrals)
+
+
+FITTED = [("gpt-1b", 2, 4, 1024, 2, 64, "cuda"), ("llama-tiny", 1, 4, 64, 1, 16, "cpu"),
+          ("gpt-tiny", 2, 2, 128, 2, 16, "cpu"), ("gpt-125m", 1, 3, 256, 1, 12, "cpu")]
+
+
+@pytest.mark.parametrize("model,tp,pp,seq,micro,batch,device", FITTED)
+def test_fitted_deferrals_stay_within_1f1bs_largest_rank(model, tp, pp, seq, micro, batch, device):
+    """parallel.zb_memory=1f1b: no rank's estimate above the largest rank's under 1F1B, and each rank defers as
+    many as it can (one more, or splitting its backward at all, would cross it; or it is ZB-H1's r); zb_memory=none
+    is ZB-H1."""
+    overrides = [f"model={model}", f"parallel.tp={tp}", f"parallel.pp={pp}", "parallel.schedule=zb1p",
+                 f"data.seq_len={seq}", f"train.micro_batch_size={micro}", f"train.global_batch_size={batch}"]
+    cfg = compose_config(overrides)
+    layout = validate(cfg, tp * pp)
+    stages = meta_stages(layout, lambda c: build_chunks(cfg, 50257, c))
+    m, count = micro_of(cfg, device), batch // micro
+
+    def totals(deferrals):
+        sched = build_schedule("zb1p" if deferrals else "1f1b", pp, count, deferrals=deferrals)
+        return [rank_memory(cfg, ch, sched, r, 1, m).total for r, ch in enumerate(stages)]
+
+    fitted = training_schedule(cfg, layout, stages, m).deferrals
+    limit = max(totals(None))
+    assert max(totals(fitted)) <= limit
+    for r, d in enumerate(fitted):
+        more = [*fitted[:r], 0 if d is None else d + 1, *fitted[r + 1:]]
+        assert d == r or totals(more)[r] > limit, (model, r, fitted)
+    free = training_schedule(compose_config([*overrides, "parallel.zb_memory=none"]), layout, stages, m)
+    assert free.actions == build_schedule("zb1p", pp, count).actions and not free.deferrals
 
 
 def test_zbv_beats_zb1p_when_microbatches_fill_the_v():
