@@ -14,7 +14,7 @@ Per rank, in bytes:
   weight pass, `weight_pass_bytes`);
 - **buffers**: what a step allocates beyond that, at its peak: the backward's transients (the larger of a
   layer's gradients, about the size of its activations, with those activations again under full
-  recomputation, and the logits' gradient on the last stage),
+  recomputation, and the head's logits-sized temporaries on the last stage),
   plus the DP exchange's copies in flight beyond the activations freed meanwhile (a 16-bit copy of
   each bucket for fp16/bf16; gloo's copy of each reduce-scatter's input under ZeRO-1 on CPU); plus the
   compression state kept across steps (the two-phase codecs' working buffer and error-feedback residuals,
@@ -156,21 +156,16 @@ def held_bytes(schedule: Schedule, rank: int, per_chunk: Sequence[int],
     `per_chunk[c]` until that microbatch's backward (B), or under a split backward (`split[c]` = (what the
     weight pass reads, the gradients kept for it), `weight_pass_bytes`; None on the first part, whose input
     pass does nothing): from the input pass I on only those two, until the weight pass W."""
-    def at_input(c: int) -> int:
-        kept = split[c] if split else None
-        return 0 if kept is None else kept[0] + kept[1] - per_chunk[c]
-
-    def at_weight(c: int) -> int:
-        kept = split[c] if split else None
-        return -per_chunk[c] if kept is None else -(kept[0] + kept[1])
-
+    kept = list(split) or [None] * len(per_chunk)
     change = {Op.FORWARD: lambda c: per_chunk[c], Op.FULL_BACKWARD: lambda c: -per_chunk[c],
-              Op.BACKWARD_INPUT: at_input, Op.BACKWARD_WEIGHT: at_weight}
+              Op.BACKWARD_INPUT: lambda c: 0 if kept[c] is None else sum(kept[c]) - per_chunk[c],
+              Op.BACKWARD_WEIGHT: lambda c: -per_chunk[c] if kept[c] is None else -sum(kept[c])}
     live = peak = 0
-    for action in schedule.actions[rank]:
-        if action.op in change:
-            live += change[action.op](action.chunk)
-            peak = max(peak, live)
+    for a in (a for a in schedule.actions[rank] if a.op in change):
+        if a.op is Op.BACKWARD_INPUT and kept[a.chunk]:  # its gradients come while every box still holds
+            peak = max(peak, live + kept[a.chunk][1])
+        live += change[a.op](a.chunk)
+        peak = max(peak, live)
     return peak
 
 
@@ -240,7 +235,9 @@ def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank:
         kept.append(weight_pass_bytes(cfg.model, m, layers, vocab, chunk.pre, chunk.post))
     activations = held_bytes(schedule, pp_rank, per_chunk, kept)
     last = any(chunk.post for chunk in chunks)
-    logits_grad = F32 * m.b * m.s * loss_columns(chunks[-1], m.tp) if last else 0
+    # the head beyond its saved probabilities: the logits' gradient and log-softmax's temporary (tp=1); under TP
+    # the forward's masked and shifted copies beside the logits and their exp
+    logits_grad = (3 if m.tp > 1 else 2) * F32 * m.b * m.s * loss_columns(chunks[-1], m.tp) if last else 0
     # a layer's backward: gradients about the size of its activations and, under full recomputation, those too
     rerun = Micro(m.b, m.s, m.tp, m.sp, m.dropout, "none", m.device, m.act)
     transient = max(logits_grad, (1 + (m.recompute == "full")) * layer_activation_bytes(cfg.model, rerun))

@@ -10,7 +10,10 @@ import time
 
 import pytest
 
-from hybrid.bench import memory, pp_bubble, pp_bytes, pp_headline, pp_torch
+from hybrid.bench import memory, pp_bubble, pp_bytes, pp_headline, pp_torch, zb_memory
+from hybrid.memory import meta_stages, micro_of, training_schedule
+from hybrid.trainer import build_chunks
+from hybrid.validation import validate
 
 RUN = ["--vocab", "300", "--seq", "16", "--micro-batch", "1", "--timeout", "120"]
 TINY = [*RUN, "--layers", "4", "--microbatches", "2", "--steps", "1", "--warmup", "0"]  # pp_bubble and pp_torch
@@ -94,3 +97,17 @@ def test_benchmarks_run_bytes_agree_and_torch_grads_match(capsys: pytest.Capture
     sp = next(r for r in rows if r["sp"] and r["pp_rank"] == 0 and r["v"] == 1)
     plain = next(r for r in rows if r["tp"] == 2 and not r["sp"] and r["pp_rank"] == 0 and r["v"] == 1)
     assert 2 * sp["counted"]["send_fwd"] == plain["counted"]["send_fwd"]  # SP sends the s/t chunk
+
+
+def test_zb_memory_runs_the_fitted_schedule_the_trainer_would(capsys: pytest.CaptureFixture[str]) -> None:
+    """The bench's fitted zb1p is `memory.training_schedule`'s for the same config, and ZB-H1 holds more on the
+    last rank than 1F1B, measured."""
+    args = zb_memory.build_parser().parse_args([*RUN, "--vocab", "4096", "--layers", "4", "--pp", "2",
+                                                "--microbatches", "4", "--rounds", "3"])
+    ranks = zb_memory.run(args)
+    cfg = zb_memory.configs(args)[2]
+    layout = validate(cfg, 2, 2)
+    want = training_schedule(cfg, layout, meta_stages(layout, lambda c: build_chunks(cfg, 4096, c)), micro_of(cfg))
+    assert ranks[0]["labels"][2] == want.label and want.deferrals
+    assert ranks[1]["peak"][1] > ranks[1]["peak"][0]
+    assert "largest rank" in capsys.readouterr().out
