@@ -69,7 +69,7 @@ def rank_run(rank: int, world: int, args: argparse.Namespace, cfgs: list[Any]) -
     p2p = P2P(ctx.pp_group, (args.micro_batch, args.seq, cfgs[0].model.hidden), torch.float32, pc.CPU,
               pp_streams(ctx, schedules[1].streams))
     out: dict[str, Any] = {"walls": [[] for _ in VARIANTS], "peak": [], "est": [], "labels": [],
-                           "forward": [], "backward": [], "weight": []}
+                           "forward": [], "backward": [], "input": [], "weight": []}
     out["schedules"] = schedules if rank == 0 else None
     for cfg, schedule in zip(cfgs, schedules):
         est = rank_memory(cfg, stages[ctx.pp_rank], schedule, ctx.pp_rank, 1, micro_of(cfg))
@@ -92,6 +92,7 @@ def rank_run(rank: int, world: int, args: argparse.Namespace, cfgs: list[Any]) -
                 out["forward"].append(sum(stats.forward_s) / args.microbatches)
                 out["backward"].append(sum(stats.backward_s) / args.microbatches)
             if i > 1 and k == 1:
+                out["input"].append(sum(stats.backward_s) / args.microbatches)
                 out["weight"].append(sum(stats.weight_s) / args.microbatches)
     return out
 
@@ -109,8 +110,9 @@ def report(ranks: list[dict[str, Any]], schedules: list[Any]) -> list[str]:
                     "total (states + measured)"], rows)
     f = statistics.median(x for r in ranks for x in r["forward"])
     b = statistics.median(x for r in ranks for x in r["backward"])
-    w = statistics.median(x for r in ranks for x in r["weight"])
-    sims = [simulate(s, f, b, weight=w if s.name == "zb1p" else None).makespan for s in schedules]
+    i, w = (statistics.median(x for r in ranks for x in r[k]) for k in ("input", "weight"))
+    sims = [simulate(s, f, b).makespan if s.name != "zb1p" else simulate(s, f, i + w, weight=w).makespan
+            for s in schedules]
     rows = []
     for k, (label, _, _) in enumerate(VARIANTS):
         ratio = statistics.median(a / c for a, c in zip(ranks[0]["walls"][k], ranks[0]["walls"][0]))
