@@ -45,7 +45,7 @@ from hybrid.model.family import family_of, ffn_hidden, kv_heads
 from hybrid.parallel.actions import Op
 from hybrid.parallel.buckets import assign_buckets, padded_numel
 from hybrid.parallel.context import Layout, ParallelContext
-from hybrid.parallel.schedules import Schedule, ScheduleError, build_schedule
+from hybrid.parallel.schedules import SCHEDULES, Schedule, ScheduleError, build_schedule, most_waiting
 
 if TYPE_CHECKING:
     from hybrid.config import Config, ModelConfig
@@ -285,28 +285,31 @@ def stage_estimates(cfg: Config, layout: Layout, stages: Sequence[nn.ModuleList]
 
 
 def training_schedule(cfg: Config, layout: Layout, stages: Sequence[nn.ModuleList], m: Micro) -> Schedule:
-    """The schedule the run's ranks follow: `parallel.schedule` (1f1b at pp=1); zb1p under `parallel.zb_memory=1f1b`
-    with each rank's weight-pass deferrals fitted to 1F1B's memory (`weight_deferrals`)."""
+    """The schedule the run's ranks follow: `parallel.schedule` (1f1b at pp=1); a zero-bubble one under
+    `parallel.zb_memory=1f1b` with each rank's weight-pass deferrals fitted to 1F1B's memory (`weight_deferrals`)."""
     p, count = cfg.parallel, cfg.train.global_batch_size // (m.b * layout.dp)
     name = p.schedule if layout.pp > 1 else "1f1b"
-    if name != "zb1p" or p.zb_memory == "none":
+    if not SCHEDULES[name].split_backward or p.zb_memory == "none":
         return build_schedule(name, layout.pp, count, p.virtual_stages)
-    return build_schedule(name, layout.pp, count, deferrals=weight_deferrals(cfg, layout, stages, m, count))
+    return build_schedule(name, layout.pp, count, p.virtual_stages,
+                          deferrals=weight_deferrals(cfg, layout, stages, m, count))
 
 
 def weight_deferrals(cfg: Config, layout: Layout, stages: Sequence[nn.ModuleList], m: Micro, count: int
                      ) -> tuple[Optional[int], ...]:
-    """Per pipeline rank r the most weight passes (up to ZB-H1's r) zb1p may defer while the rank's estimate stays
-    within the largest rank's under 1F1B — so a layout that fits under 1f1b fits under zb1p —, or None (unsplit,
-    1F1B's order) where even a split backward's weight pass run at once would not. A microbatch waiting for its
-    weight pass can hold more than its activations (the kept gradients; the last part's logits')."""
+    """Per pipeline rank the most weight passes (up to the schedule's own) it may leave waiting while its estimate
+    stays within the largest rank's under 1F1B — so a layout that fits under 1f1b fits —, or None (unsplit) where
+    even running each at once would not (or nothing does: the least). A microbatch waiting for its weight pass
+    can hold more than its activations (the kept gradients; the last part's logits')."""
     def totals(schedule: Schedule) -> list[int]:
         return [rank_memory(cfg, chunks, schedule, r, layout.dp, m).total for r, chunks in enumerate(stages)]
 
+    name, v = cfg.parallel.schedule, cfg.parallel.virtual_stages
+    own = [most_waiting(a) for a in build_schedule(name, layout.pp, count, v).actions]
     limit, best = max(totals(build_schedule("1f1b", layout.pp, count))), [None] * layout.pp
-    for d in range(layout.pp):
-        fits = totals(build_schedule("zb1p", layout.pp, count, deferrals=[min(d, r) for r in range(layout.pp)]))
-        best = [min(d, r) if total <= limit else b for r, (total, b) in enumerate(zip(fits, best))]
+    for d in range(max(own) + 1):
+        fits = totals(build_schedule(name, layout.pp, count, v, deferrals=[min(d, k) for k in own]))
+        best = [min(d, k) if total <= limit else b for total, k, b in zip(fits, own, best)]
     return tuple(best)
 
 

@@ -111,11 +111,11 @@ class Schedule:
     virtual_stages: int
     actions: tuple[tuple[Action, ...], ...]
     placement: str = "loop"  # see PLACEMENTS
-    deferrals: tuple[Optional[int], ...] = ()  # zb1p: weight passes each rank defers (None: unsplit), if not r
+    deferrals: tuple[Optional[int], ...] = ()  # zero-bubble: weight passes each rank may leave waiting (None: unsplit)
 
     @property
     def label(self) -> str:
-        """The name, with zb1p's weight-pass deferrals where they are not ZB-H1's."""
+        """The name, with the zero-bubble weight-pass deferrals where they are capped."""
         if not self.deferrals:
             return self.name
         counts = ", ".join("unsplit" if d is None else str(d) for d in self.deferrals)

@@ -26,7 +26,8 @@ gradients accumulate in the same order and losses are bit-identical across sched
                1F1B's (p−1)(F + I + W); at most p microbatches in flight on any rank, as 1F1B's rank 0.
                A microbatch waiting for its weight pass holds what that pass reads and the gradients
                it kept, which can outweigh its activations (the last part's logits gradient): the
-               trainer defers fewer where that would take a rank past 1F1B's largest (`zero_bubble.py`).
+               trainer defers fewer where that would take a rank past 1F1B's largest (`cap_weight_passes`,
+               `memory.weight_deferrals`).
 
 `SCHEDULES` is the registry: name → `ScheduleSpec` (the order function and what it needs of the
 sizes). A new schedule is one order function `(pp, m, v, rank) → slots` and one entry there.
@@ -35,6 +36,7 @@ sizes). A new schedule is one order function `(pp, m, v, rank) → slots` and on
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -42,11 +44,10 @@ from typing import Optional
 from hybrid.parallel.actions import Action, Op, Schedule, ScheduleError, steps
 
 __all__ = ["SCHEDULES", "Action", "Op", "Schedule", "ScheduleError", "ScheduleSpec", "build_schedule",
-           "check_sizes", "steps", "with_comm"]
+           "cap_weight_passes", "check_sizes", "most_waiting", "steps", "with_comm"]
 
-Order = Callable[..., list[list[Action]]]
-"""(pp, microbatches, virtual_stages, rank) → that rank's compute actions, in slots (see `with_comm`); a schedule
-that `defers` also takes the rank's weight-pass deferral."""
+Order = Callable[[int, int, int, int], list[list[Action]]]
+"""(pp, microbatches, virtual_stages, rank) → that rank's compute actions, in slots (see `with_comm`)."""
 Deferrals = Optional[Sequence[Optional[int]]]
 
 
@@ -88,17 +89,15 @@ def interleaved_order(pp: int, m: int, v: int, rank: int) -> list[list[Action]]:
     return order + [[bwd(k)] for k in range(total - warmup, total)]
 
 
-def zb1p_order(pp: int, m: int, v: int, rank: int, defer: Optional[int] = None) -> list[list[Action]]:
+def zb1p_order(pp: int, m: int, v: int, rank: int) -> list[list[Action]]:
     """ZB-H1: 1F1B's warm-up, then per microbatch i a forward (while any are left), its input pass, and from
-    i = `defer` on the weight pass of the oldest waiting microbatch; the rank's last `defer` weight passes end it.
-    ZB-H1 defers `rank` (the default); fewer hold less memory and leave some of the bubble (0: 1F1B)."""
-    defer = rank if defer is None else defer
+    i = rank on the weight pass of the oldest waiting microbatch; the rank's last `rank` weight passes end it."""
     warmup = min(pp - rank - 1, m)
     order = [[Action(F, 0, i)] for i in range(warmup)]
     weights = iter(range(m))
     for i in range(m):
         order += [[Action(F, 0, warmup + i)]] if warmup + i < m else []
-        order += [[Action(IN, 0, i)]] + ([[Action(WT, 0, next(weights))]] if i >= defer else [])
+        order += [[Action(IN, 0, i)]] + ([[Action(WT, 0, next(weights))]] if i >= rank else [])
     return order + [[Action(WT, 0, j)] for j in weights]
 
 
@@ -161,7 +160,6 @@ class ScheduleSpec:
     fewer_virtual: str = ""  # … and what fewer would amount to, for the config's error line
     placement: str = "loop"  # how the chunks' parts sit on the ranks (`actions.PLACEMENTS`)
     split_backward: bool = False  # runs I and W instead of B (zero-bubble)
-    defers: bool = False  # its order takes how many weight passes each rank defers (`build_schedule`'s deferrals)
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
@@ -170,7 +168,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "interleaved": ScheduleSpec(interleaved_order, virtual=True, check=_interleaved_sizes, min_virtual_stages=2,
                                 fewer_virtual="with 1 it is 1f1b with a deeper warm-up: the same bubble, "
                                               "more activation memory"),
-    "zb1p": ScheduleSpec(zb1p_order, split_backward=True, defers=True),
+    "zb1p": ScheduleSpec(zb1p_order, split_backward=True),
     "zbv": ScheduleSpec(zbv_order, virtual=True, check=_zbv_sizes, min_virtual_stages=2,
                         fewer_virtual="its V runs two chunks per rank", placement="v", split_backward=True),
 }
@@ -224,8 +222,9 @@ def _remote(skeleton: Schedule, rank: int, chunk: int, step: int) -> bool:
 def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1,
                    forward_only: bool = False, deferrals: Deferrals = None) -> Schedule:
     """The action lists of schedule `name`; `forward_only` keeps just the forwards (evaluation). `deferrals[r]`
-    (zb1p): how many weight passes rank r defers, 0..r, or None for an unsplit backward (1F1B's order); without
-    them ZB-H1's r on every rank (`memory.weight_deferrals` fits them to memory)."""
+    (zb1p, zbv): at most how many weight passes rank r leaves waiting, or None for an unsplit backward
+    (`cap_weight_passes`); without them the schedule's own (ZB-H1: r on rank r; `memory.weight_deferrals` fits
+    them to memory)."""
     check_sizes(name, pp, microbatches, virtual_stages)
     spec, v = SCHEDULES[name], virtual_stages
     _check_deferrals(name, spec, pp, deferrals)
@@ -241,18 +240,45 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 
 
 
 def _order(spec: ScheduleSpec, pp: int, m: int, v: int, rank: int, deferrals: Deferrals) -> list[list[Action]]:
-    """The rank's compute order; a rank deferring None runs its backward unsplit, in 1F1B's order."""
-    if not deferrals:
-        return spec.order(pp, m, v, rank)
-    d = deferrals[rank]
-    return one_f_one_b_order(pp, m, v, rank) if d is None else spec.order(pp, m, v, rank, d)
+    slots = spec.order(pp, m, v, rank)
+    return cap_weight_passes(slots, deferrals[rank]) if deferrals else slots
+
+
+def cap_weight_passes(slots: list[list[Action]], cap: Optional[int]) -> list[list[Action]]:
+    """A split-backward order with at most `cap` input passes waiting for their weight pass: an input pass that
+    would leave more is followed at once by the oldest waiting weight pass (which leaves its later place; per chunk
+    the weight passes stay in microbatch order). None: each I and its W become one unsplit backward B at the I's
+    place. W exchanges nothing, so the comm order — and the simulator's deadlock proof — is unchanged."""
+    flat = [a for slot in slots for a in slot]
+    if cap is None:
+        return [[Action(B, a.chunk, a.mb) if a.op is IN else a] for a in flat if a.op is not WT]
+    out: list[list[Action]] = []
+    waiting: list[Action] = []
+    for a in flat:
+        if a.op is WT and a not in waiting:
+            continue  # pulled forward already
+        if a.op is WT:
+            waiting.remove(a)
+        out.append([a])
+        if a.op is IN:
+            waiting.append(Action(WT, a.chunk, a.mb))
+            if len(waiting) > cap:
+                out.append([waiting.pop(0)])
+    return out
+
+
+def most_waiting(actions: Sequence[Action]) -> int:
+    """The weight passes one rank's order leaves waiting: the least cap (`cap_weight_passes`) that keeps it."""
+    computes = [[a] for a in actions if a.op.is_compute]
+    waiting = itertools.accumulate(int(a.op is IN) - int(a.op is WT) for a in actions)
+    return next(c for c in range(max(waiting, default=0) + 1) if cap_weight_passes(computes, c) == computes)
 
 
 def _check_deferrals(name: str, spec: ScheduleSpec, pp: int, deferrals: Deferrals) -> None:
     if deferrals is None:
         return
-    if not spec.defers:
-        raise ScheduleError(f"schedule {name} takes no weight-pass deferrals (zb1p does)")
-    if len(deferrals) != pp or any(d is not None and not 0 <= d <= r for r, d in enumerate(deferrals)):
-        raise ScheduleError(f"deferrals {list(deferrals)} must give each of the {pp} ranks r a count 0..r "
+    if not spec.split_backward:
+        raise ScheduleError(f"schedule {name} takes no weight-pass deferrals (the zero-bubble schedules do)")
+    if len(deferrals) != pp or any(d is not None and d < 0 for d in deferrals):
+        raise ScheduleError(f"deferrals {list(deferrals)} must give each of the {pp} ranks a count >= 0 "
                             "(or None: unsplit)")

@@ -18,7 +18,7 @@ from hybrid.config import compose_config
 from hybrid.memory import meta_stages, micro_of, rank_memory, training_schedule
 from hybrid.model import build_model
 from hybrid.parallel.actions import Op, place_of
-from hybrid.parallel.schedules import ScheduleError, build_schedule
+from hybrid.parallel.schedules import ScheduleError, build_schedule, most_waiting
 from hybrid.parallel.simulator import simulate
 from hybrid.parallel.split_backward import SavedTensors, backward_input
 from hybrid.trainer import build_chunks
@@ -109,15 +109,17 @@ def test_peak_activations_equal_1f1bs(p, m):
 
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_every_deferral_between_1f1b_and_zb_h1_runs(p):
-    """zb1p with d_r weight passes deferred on rank r (0..r, or None: unsplit): every mix runs without deadlock, no
-    slower than 1F1B; d = r is ZB-H1 (the default order), d = 0 is 1F1B with each backward's two passes back to
-    back, None 1F1B's own order on that rank."""
+    """zb1p with at most d_r weight passes waiting on rank r (0..r, or None: unsplit): every mix runs without
+    deadlock, no slower than 1F1B; d = r is ZB-H1 (the default order), d = 0 is 1F1B with each backward's two
+    passes back to back, None 1F1B's own order on that rank."""
     for m in (1, 3, 8):
         plain = build_schedule("1f1b", p, m)
         for deferrals in itertools.product(*([None, *range(r + 1)] for r in range(p))):
             sched = build_schedule("zb1p", p, m, deferrals=deferrals)
             assert simulate(sched, 1.0, 2.0, weight=1.0).makespan <= simulate(plain).makespan + 1e-9
-        assert build_schedule("zb1p", p, m, deferrals=range(p)).actions == build_schedule("zb1p", p, m).actions
+        zb_h1 = build_schedule("zb1p", p, m)
+        assert build_schedule("zb1p", p, m, deferrals=range(p)).actions == zb_h1.actions
+        assert [most_waiting(a) for a in zb_h1.actions] == [min(r, max(m - 1, 0)) for r in range(p)]
         for r in range(p):
             split = [(o, a.mb) for a in plain.actions[r] if a.op.is_compute
                      for o in ((IN, WT) if a.op is Op.FULL_BACKWARD else (a.op,))]
@@ -126,40 +128,65 @@ def test_every_deferral_between_1f1b_and_zb_h1_runs(p):
         assert build_schedule("zb1p", p, m, deferrals=[None] * p).actions == plain.actions
 
 
-@pytest.mark.parametrize("name,deferrals", [("1f1b", [0, 0]), ("zb1p", [0]), ("zb1p", [1, 1]), ("zb1p", [0, -1])])
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 5), (4, 8)])
+def test_every_zbv_cap_runs_and_keeps_each_chunks_weight_passes_in_order(p, m):
+    """zbv capped per rank (0 up to the order's own, or unsplit): no deadlock, every microbatch's passes once, each
+    chunk's weight passes in microbatch order (gradients accumulate as uncapped); its own cap is the order."""
+    zbv = build_schedule("zbv", p, m, 2)
+    own = [most_waiting(a) for a in zbv.actions]
+    assert build_schedule("zbv", p, m, 2, deferrals=own).actions == zbv.actions
+    for caps in itertools.product(*([None, *range(k + 1)] for k in own)):
+        sched = build_schedule("zbv", p, m, 2, deferrals=caps)
+        simulate(sched, 1.0, 2.0, weight=1.0)  # raises on a deadlock
+        for r, cap in enumerate(caps):
+            computes = [a for a in sched.actions[r] if a.op.is_compute]
+            for c in range(2):
+                for op in ((Op.FULL_BACKWARD,) if cap is None else (IN, WT)):
+                    assert [a.mb for a in computes if a.op is op and a.chunk == c] == list(range(m)), (caps, r)
+            assert cap is None or most_waiting(sched.actions[r]) <= cap
+
+
+@pytest.mark.parametrize("name,deferrals", [("1f1b", [0, 0]), ("interleaved", [0, 0]), ("zb1p", [0]),
+                                            ("zb1p", [0, -1])])
 def test_deferrals_out_of_range_are_refused(name, deferrals):
     with pytest.raises(ScheduleError, match="deferral"):
-        build_schedule(name, 2, 4, deferrals=deferrals)
+        build_schedule(name, 2, 4, 2 if name == "interleaved" else 1, deferrals=deferrals)
 
 
-FITTED = [("gpt-1b", 2, 4, 1024, 2, 64, "cuda"), ("llama-tiny", 1, 4, 64, 1, 16, "cpu"),
-          ("gpt-tiny", 2, 2, 128, 2, 16, "cpu"), ("gpt-125m", 1, 3, 256, 1, 12, "cpu")]
+FITTED = [("gpt-1b", 2, 4, 1024, 2, 64, "cuda", "zb1p"), ("llama-tiny", 1, 4, 64, 1, 16, "cpu", "zb1p"),
+          ("gpt-tiny", 2, 2, 128, 2, 16, "cpu", "zb1p"), ("gpt-125m", 1, 3, 256, 1, 12, "cpu", "zb1p"),
+          ("gpt-1b", 2, 4, 1024, 2, 64, "cuda", "zbv"), ("llama-tiny", 1, 2, 64, 1, 16, "cpu", "zbv")]
 
 
-@pytest.mark.parametrize("model,tp,pp,seq,micro,batch,device", FITTED)
-def test_fitted_deferrals_stay_within_1f1bs_largest_rank(model, tp, pp, seq, micro, batch, device):
-    """parallel.zb_memory=1f1b: no rank's estimate above the largest rank's under 1F1B, and each rank defers as
-    many as it can (one more, or splitting its backward at all, would cross it; or it is ZB-H1's r); zb_memory=none
-    is ZB-H1."""
-    overrides = [f"model={model}", f"parallel.tp={tp}", f"parallel.pp={pp}", "parallel.schedule=zb1p",
-                 f"data.seq_len={seq}", f"train.micro_batch_size={micro}", f"train.global_batch_size={batch}"]
+@pytest.mark.parametrize("model,tp,pp,seq,micro,batch,device,name", FITTED)
+def test_fitted_deferrals_stay_within_1f1bs_largest_rank(model, tp, pp, seq, micro, batch, device, name):
+    """parallel.zb_memory=1f1b: each rank's estimate within the largest rank's under 1F1B — or, where nothing fits
+    (zbv's V puts the head beside the embedding), the rank unsplit, the least it can hold —, and each rank leaves
+    as many weight passes waiting as it can (one more, or splitting at all, would cross it; or it is the
+    schedule's own); zb_memory=none is the schedule's own order."""
+    v = 2 if name == "zbv" else 1
+    overrides = [f"model={model}", f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.schedule={name}",
+                 f"parallel.virtual_stages={v}", f"data.seq_len={seq}", f"train.micro_batch_size={micro}",
+                 f"train.global_batch_size={batch}"]
     cfg = compose_config(overrides)
     layout = validate(cfg, tp * pp)
     stages = meta_stages(layout, lambda c: build_chunks(cfg, 50257, c))
     m, count = micro_of(cfg, device), batch // micro
+    own = [most_waiting(a) for a in build_schedule(name, pp, count, v).actions]
 
     def totals(deferrals):
-        sched = build_schedule("zb1p" if deferrals else "1f1b", pp, count, deferrals=deferrals)
+        sched = build_schedule(name, pp, count, v, deferrals=deferrals) if deferrals else build_schedule(
+            "1f1b", pp, count)
         return [rank_memory(cfg, ch, sched, r, 1, m).total for r, ch in enumerate(stages)]
 
     fitted = training_schedule(cfg, layout, stages, m).deferrals
     limit = max(totals(None))
-    assert max(totals(fitted)) <= limit
-    for r, d in enumerate(fitted):
+    for r, (d, total) in enumerate(zip(fitted, totals(fitted))):
+        assert total <= limit or d is None, (model, name, r, fitted)
         more = [*fitted[:r], 0 if d is None else d + 1, *fitted[r + 1:]]
-        assert d == r or totals(more)[r] > limit, (model, r, fitted)
+        assert d == own[r] or totals(more)[r] > limit, (model, name, r, fitted)
     free = training_schedule(compose_config([*overrides, "parallel.zb_memory=none"]), layout, stages, m)
-    assert free.actions == build_schedule("zb1p", pp, count).actions and not free.deferrals
+    assert free.actions == build_schedule(name, pp, count, v).actions and not free.deferrals
 
 
 def test_zbv_beats_zb1p_when_microbatches_fill_the_v():
