@@ -281,4 +281,4 @@ def _check_deferrals(name: str, spec: ScheduleSpec, pp: int, deferrals: Deferral
         raise ScheduleError(f"schedule {name} takes no weight-pass deferrals (the zero-bubble schedules do)")
     if len(deferrals) != pp or any(d is not None and d < 0 for d in deferrals):
         raise ScheduleError(f"deferrals {list(deferrals)} must give each of the {pp} ranks a count >= 0 "
-                            "(or None: unsplit)")
+                            "(or unsplit)")

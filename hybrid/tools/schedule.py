@@ -3,11 +3,14 @@
     python -m hybrid.tools.schedule pp=4 microbatches=8 schedule=interleaved virtual_stages=2
     python -m hybrid.tools.schedule pp=4 m=8 schedule=1f1b backward=2 comm=0.1 png=1f1b.png
     python -m hybrid.tools.schedule pp=4 m=8 schedule=zbv v=2 weight=1
+    python -m hybrid.tools.schedule pp=4 m=8 schedule=zb1p deferrals=0,1,1,unsplit
 
 Keys (key=value, like Hydra overrides): schedule (gpipe | 1f1b | interleaved | zb1p | zbv), pp, microbatches
 (alias m), virtual_stages (alias v), forward, backward, weight, comm (virtual-clock costs: forward/backward of one
 microbatch through a whole rank, the weight-gradient share of that backward under a split backward (default
-half), comm per p2p batch), forward_only (true | false), png (write a Gantt chart there; needs matplotlib).
+half), comm per p2p batch), forward_only (true | false), png (write a Gantt chart there; needs matplotlib),
+deferrals (zb1p, zbv: per rank the most weight passes left waiting, or `unsplit`, comma-separated — what
+`parallel.zb_memory=1f1b` fits and the start-up line prints).
 Bad input is one `hybrid: error: ...` line on stderr and exit status 2.
 """
 
@@ -24,7 +27,7 @@ from hybrid.parallel.simulator import Simulation, simulate
 ALIASES = {"m": "microbatches", "v": "virtual_stages"}
 INTS = ("pp", "microbatches", "virtual_stages")
 FLOATS = ("forward", "backward", "weight", "comm")
-KEYS = ("schedule", *INTS, *FLOATS, "forward_only", "png")
+KEYS = ("schedule", *INTS, *FLOATS, "forward_only", "png", "deferrals")
 BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -42,6 +45,7 @@ class Options:
     comm: float = 0.0
     forward_only: bool = False
     png: str | None = None
+    deferrals: list[int | None] | None = None  # per rank; None = unsplit
 
 
 def parse_args(argv: list[str]) -> Options:
@@ -79,9 +83,19 @@ def _convert(key: str, value: str) -> str | int | float | bool:
         if value.lower() not in BOOLS:
             raise UsageError(f"forward_only must be true or false, got {value!r}")
         return BOOLS[value.lower()]
+    if key == "deferrals":
+        return _deferrals(value)
     if key == "png" and not value:
         raise UsageError("png= needs a file name")
     return value
+
+
+def _deferrals(value: str) -> list[int | None]:
+    """`0,1,unsplit,2` → [0, 1, None, 2]."""
+    try:
+        return [None if w.strip() == "unsplit" else int(w) for w in value.split(",")]
+    except ValueError:
+        raise UsageError(f"deferrals must be comma-separated integers or 'unsplit', got {value!r}") from None
 
 
 def label(a: Action, v: int) -> str:
@@ -134,7 +148,9 @@ def analytic_line(sim: Simulation, opts: Options) -> str:
     p, m, v = s.pp, s.microbatches, s.virtual_stages
     if s.name == "zbv":
         return "analytic: none in closed form (see the simulated figure)"
-    if s.name != "zb1p":
+    if s.name != "zb1p" or s.deferrals:
+        if s.deferrals:
+            return "analytic: for zb1p's own order only (see the simulated figure)"
         return f"analytic (p-1)/(v*m+p-1) = {p - 1}/{v * m + p - 1} = {analytic_bubble(sim):.4f}"
     w = opts.backward / 2 if opts.weight is None else opts.weight
     f, i = opts.forward, opts.backward - w
@@ -147,7 +163,7 @@ def render_report(sim: Simulation, opts: Options) -> str:
     """The header, the timeline, the bubble, the peak in-flight activations and the deadlock check."""
     s = sim.schedule
     p, m, v = s.pp, s.microbatches, s.virtual_stages
-    header = (f"schedule={s.name} pp={p} microbatches={m} virtual_stages={v} "
+    header = (f"schedule={s.label} pp={p} microbatches={m} virtual_stages={v} "
               f"forward_only={str(opts.forward_only).lower()}  costs: forward={opts.forward:g} "
               f"backward={opts.backward:g} comm={opts.comm:g} (per microbatch through a whole rank"
               + (f"; a chunk costs 1/{v} of that)" if v > 1 else ")"))
@@ -195,7 +211,8 @@ def write_png(sim: Simulation, path: str) -> None:
 
 def run(opts: Options) -> str:
     """Build, validate and simulate the schedule; write the png if asked; return the report."""
-    sched = build_schedule(opts.schedule, opts.pp, opts.microbatches, opts.virtual_stages, opts.forward_only)
+    sched = build_schedule(opts.schedule, opts.pp, opts.microbatches, opts.virtual_stages, opts.forward_only,
+                           opts.deferrals)
     sim = simulate(sched, opts.forward, opts.backward, opts.comm, opts.weight)
     report = render_report(sim, opts)
     if opts.png:

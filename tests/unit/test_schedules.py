@@ -314,12 +314,24 @@ def test_timeline_cells(name, p, m, v, fwd, bwd):
     (["m=2", "microbatches=3"], "given twice"),
     (["backward=0"], "backward > 0"),
     (["forward_only=maybe"], "forward_only must be true or false"),
+    (["schedule=zb1p", "pp=2", "deferrals=0,x"], "deferrals must be comma-separated"),
+    (["schedule=1f1b", "pp=2", "deferrals=0,0"], "takes no weight-pass deferrals"),
+    (["schedule=zb1p", "pp=4", "deferrals=0,1"], "each of the 4 ranks"),
 ])
 def test_tool_bad_input_is_one_line_and_exit_2(capsys, argv, match):
     assert tool.main(argv) == 2
     out, err = capsys.readouterr()
     assert out == ""
     assert len(err.splitlines()) == 1 and err.startswith("hybrid: error: ") and match in err, err
+
+
+def test_tool_draws_capped_zero_bubble_orders(capsys):
+    """deferrals= draws the order `build_schedule` makes with those caps (as the trainer fits them)."""
+    assert tool.main(["pp=4", "m=8", "schedule=zb1p", "deferrals=0,1,1,unsplit", "weight=1"]) == 0
+    out = capsys.readouterr().out
+    capped = simulate(build_schedule("zb1p", 4, 8, deferrals=[0, 1, 1, None]), 1.0, 2.0, weight=1.0)
+    assert "weight passes deferred per rank: 0, 1, 1, unsplit" in out and f"bubble: {capped.bubble:.4f}" in out
+    assert "B0" in rows(out)[3] and "W0" not in rows(out)[3]  # the unsplit rank runs whole backwards
 
 
 def test_tool_forward_only_and_comm(capsys):
