@@ -51,8 +51,9 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages
     dp: Optional[int] = None  # data-parallel size; None = world / (tp·pp)
     schedule: str = "1f1b"  # a name in hybrid.parallel.schedules.SCHEDULES: gpipe | 1f1b | interleaved | zb1p | zbv
-    # zb1p, zbv: 1f1b = each rank leaves only as many weight passes waiting as keep it within 1F1B's largest rank
-    # (by the estimate; unsplit where none do); none = the schedule's own (ZB-H1: r on rank r), the least bubble
+    # zb1p, zbv: 1f1b = each rank leaves only as many weight passes waiting as keep it within the largest rank's
+    # memory with 1F1B's unsplit backward (zb1p: 1F1B's; by the estimate); none = the schedule's own (ZB-H1: r on
+    # rank r), the least bubble
     zb_memory: str = "1f1b"
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved)
     stage_layers: Optional[list[int]] = None  # layers per model part (pp·virtual_stages counts); None = balanced

@@ -286,7 +286,8 @@ def stage_estimates(cfg: Config, layout: Layout, stages: Sequence[nn.ModuleList]
 
 def training_schedule(cfg: Config, layout: Layout, stages: Sequence[nn.ModuleList], m: Micro) -> Schedule:
     """The schedule the run's ranks follow: `parallel.schedule` (1f1b at pp=1); a zero-bubble one under
-    `parallel.zb_memory=1f1b` with each rank's weight-pass deferrals fitted to 1F1B's memory (`weight_deferrals`)."""
+    `parallel.zb_memory=1f1b` with each rank's weight-pass deferrals fitted to its unsplit memory (for zb1p:
+    1F1B's; `weight_deferrals`)."""
     p, count = cfg.parallel, cfg.train.global_batch_size // (m.b * layout.dp)
     name = p.schedule if layout.pp > 1 else "1f1b"
     if not SCHEDULES[name].split_backward or p.zb_memory == "none":
@@ -298,17 +299,17 @@ def training_schedule(cfg: Config, layout: Layout, stages: Sequence[nn.ModuleLis
 def weight_deferrals(cfg: Config, layout: Layout, stages: Sequence[nn.ModuleList], m: Micro, count: int
                      ) -> tuple[Optional[int], ...]:
     """Per pipeline rank the most weight passes (up to the schedule's own) it may leave waiting while its estimate
-    stays within the largest rank's under 1F1B — so a layout that fits under 1f1b fits —, or None (unsplit) where
-    even running each at once would not (or nothing does: the least). A microbatch waiting for its weight pass
-    can hold more than its activations (the kept gradients; the last part's logits')."""
-    def totals(schedule: Schedule) -> list[int]:
+    stays within the largest rank's with every backward unsplit (zb1p: 1F1B; zbv: its V), or None (unsplit) where
+    even running each at once would not: a waiting microbatch can hold more than its activations."""
+    def totals(deferrals: list[Optional[int]]) -> list[int]:
+        schedule = build_schedule(name, layout.pp, count, v, deferrals=deferrals, comm=False)
         return [rank_memory(cfg, chunks, schedule, r, layout.dp, m).total for r, chunks in enumerate(stages)]
 
     name, v = cfg.parallel.schedule, cfg.parallel.virtual_stages
-    own = [most_waiting(a) for a in build_schedule(name, layout.pp, count, v).actions]
-    limit, best = max(totals(build_schedule("1f1b", layout.pp, count))), [None] * layout.pp
+    own = [most_waiting(a) for a in build_schedule(name, layout.pp, count, v, comm=False).actions]
+    limit, best = max(totals([None] * layout.pp)), [None] * layout.pp
     for d in range(max(own) + 1):
-        fits = totals(build_schedule(name, layout.pp, count, v, deferrals=[min(d, k) for k in own]))
+        fits = totals([min(d, k) for k in own])
         best = [min(d, k) if total <= limit else b for total, k, b in zip(fits, own, best)]
     return tuple(best)
 

@@ -202,7 +202,7 @@ class Trainer:
         """The training schedule (`memory.training_schedule`: zero-bubble deferrals fitted to memory) or, for
         evaluation, the forwards of `parallel.schedule` (1f1b at pp=1: forward, backward per microbatch)."""
         p, layout = self.cfg.parallel, self.ctx.layout
-        if not forward_only and SCHEDULES[p.schedule].split_backward and layout.pp > 1:
+        if not forward_only and SCHEDULES[p.schedule].split_backward and layout.pp > 1 and p.zb_memory != "none":
             vocab = self.cfg.model.vocab_size or self.corpus.vocab_size
             stages = meta_stages(layout, lambda c: build_chunks(self.cfg, vocab, c))
             return training_schedule(self.cfg, layout, stages, micro_of(self.cfg, self.device.type))

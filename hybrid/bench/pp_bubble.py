@@ -7,7 +7,9 @@ pp ranks forked (2 or 4); every registered schedule (gpipe, 1f1b, interleaved v=
 input passes, weight passes) / step time (the slowest rank's, from a common barrier), median of --steps; beside
 it `simulate()` at the measured f, b, w (mean of the ranks, and the slowest rank's), the unit-cost analytic
 figure ((p−1)/(v·m+p−1); zb1p: (p−1)/(3m+p−1) at F = I = W; zbv: the simulator at unit costs), and each
-schedule's step time against 1f1b's next to the simulator's prediction at the measured costs.
+schedule's step time against 1f1b's next to the simulator's prediction at the measured costs. The zero-bubble
+schedules run their own orders (zb1p = ZB-H1), as `parallel.zb_memory=none`; `bench.zb_memory` measures the
+orders the trainer fits to memory by default.
 """
 
 from __future__ import annotations

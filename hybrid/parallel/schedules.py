@@ -220,11 +220,11 @@ def _remote(skeleton: Schedule, rank: int, chunk: int, step: int) -> bool:
 
 
 def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1,
-                   forward_only: bool = False, deferrals: Deferrals = None) -> Schedule:
+                   forward_only: bool = False, deferrals: Deferrals = None, comm: bool = True) -> Schedule:
     """The action lists of schedule `name`; `forward_only` keeps just the forwards (evaluation). `deferrals[r]`
     (zb1p, zbv): at most how many weight passes rank r leaves waiting, or None for an unsplit backward
     (`cap_weight_passes`); without them the schedule's own (ZB-H1: r on rank r; `memory.weight_deferrals` fits
-    them to memory)."""
+    them to memory). `comm=False` leaves out the p2p actions (what the memory estimate replays: cheaper)."""
     check_sizes(name, pp, microbatches, virtual_stages)
     spec, v = SCHEDULES[name], virtual_stages
     _check_deferrals(name, spec, pp, deferrals)
@@ -235,7 +235,7 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 
         if forward_only:
             slots = [[a for a in s if a.op is F] for s in slots]
             slots = [s for s in slots if s]
-        lists.append(tuple(with_comm(slots, skeleton, r)))
+        lists.append(tuple(with_comm(slots, skeleton, r) if comm else (a for slot in slots for a in slot)))
     return dataclasses.replace(skeleton, actions=tuple(lists))
 
 

@@ -69,7 +69,7 @@ def parse_args(argv: list[str]) -> Options:
     return opts
 
 
-def _convert(key: str, value: str) -> str | int | float | bool:
+def _convert(key: str, value: str) -> str | int | float | bool | list[int | None]:
     """The typed value of one key."""
     try:
         if key in INTS:
