@@ -148,9 +148,9 @@ def analytic_line(sim: Simulation, opts: Options) -> str:
     p, m, v = s.pp, s.microbatches, s.virtual_stages
     if s.name == "zbv":
         return "analytic: none in closed form (see the simulated figure)"
-    if s.name != "zb1p" or s.deferrals:
-        if s.deferrals:
-            return "analytic: for zb1p's own order only (see the simulated figure)"
+    if s.deferrals:
+        return "analytic: for zb1p's own order only (see the simulated figure)"
+    if s.name != "zb1p":
         return f"analytic (p-1)/(v*m+p-1) = {p - 1}/{v * m + p - 1} = {analytic_bubble(sim):.4f}"
     w = opts.backward / 2 if opts.weight is None else opts.weight
     f, i = opts.forward, opts.backward - w
