@@ -26,6 +26,7 @@ import configparser
 import contextlib
 import errno
 import fcntl
+import importlib.util
 import json
 import netrc
 import os
@@ -228,6 +229,17 @@ def wandb_key_source(env: Mapping[str, str], home: Path) -> Optional[str]:
     return "wandb settings" if settings.get("default", "api_key", fallback="") else None
 
 
+def check_wandb(mode: str, env: Mapping[str, str], home: Path) -> None:
+    """A logging mode other than disabled needs the wandb package; online, a key too. Raises ConfigError."""
+    if mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"logging.wandb.mode={mode} needs the wandb package (pip install wandb), or use "
+                          "logging.wandb.mode=disabled")
+    if mode == "online" and not wandb_key_source(env, home):
+        raise ConfigError("logging.wandb.mode=online needs a wandb API key and none was found (WANDB_API_KEY, "
+                          "a netrc entry from `wandb login`, wandb's settings): log in, or use "
+                          "logging.wandb.mode=offline")
+
+
 class RunFolders:
     """The locks rank 0 holds on the run's folders (none on the other ranks); a context manager whose exit
     releases them."""
@@ -238,10 +250,7 @@ class RunFolders:
     def take(self, cfg: Config, n_params: int) -> None:
         """The wandb key, then logging.dir and (when the run saves checkpoints) the checkpoint run folder:
         created, probed, locked; the checkpoint folder's free space. Raises ConfigError, holding nothing."""
-        if WandbSettings.of(cfg.logging.wandb).mode == "online" and not wandb_key_source(os.environ, Path.home()):
-            raise ConfigError("logging.wandb.mode=online needs a wandb API key and none was found (WANDB_API_KEY, "
-                              "a netrc entry from `wandb login`, wandb's settings): log in, or use "
-                              "logging.wandb.mode=offline")
+        check_wandb(WandbSettings.of(cfg.logging.wandb).mode, os.environ, Path.home())
         try:
             log_dir = Path(os.path.abspath(cfg.logging.dir))
             self.locks.append(lock_folder(log_dir, "logging.dir", "logging.dir (or run_name)"))

@@ -1,6 +1,14 @@
-"""Shared pytest fixtures (a plain module of fixtures; add more as the suite grows)."""
+"""Shared pytest fixtures (a plain module of fixtures; add more as the suite grows).
+
+The suite runs on the CPU wherever it runs: on a GPU machine its GPUs are hidden (before anything initialises
+CUDA), so runs default to the CPU as in CI, and forked ranks inherit no CUDA state or autograd device threads.
+"""
 
 from __future__ import annotations
+
+import os
+
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # noqa: E402 - before torch is imported by anything below
 
 from collections.abc import Callable
 from pathlib import Path

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.diagnostics import DiagnosticsError
-from hybrid.parallel.collectives import bus_factor
+from hybrid.parallel.collectives import bus_factor, dist_all_gather_single, dist_reduce_scatter_single
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 REDUCING = ("all_reduce", "reduce_scatter")  # filled with small values so that sums stay exact
@@ -234,9 +234,9 @@ def call(op: str, b: Buffers, m: Member, in_place: bool) -> None:
     if op == "all_reduce":
         dist.all_reduce(b.out, group=pg)
     elif op == "all_gather":
-        dist.all_gather_single(b.out, b.inp, group=pg)
+        dist_all_gather_single(b.out, b.inp, group=pg)
     elif op == "reduce_scatter":
-        dist.reduce_scatter_single(b.out, b.inp, group=pg)
+        dist_reduce_scatter_single(b.out, b.inp, group=pg)
     elif op == "all_to_all":
         dist.all_to_all_single(b.out, b.inp, group=pg)
     elif op == "broadcast":
@@ -288,7 +288,7 @@ def gather_world(values: Sequence[float], device: torch.device) -> torch.Tensor:
     """Every rank's `values`, stacked [world, len(values)] (one all-gather over the world)."""
     mine = torch.tensor(values, dtype=torch.float64, device=device)
     out = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64, device=device)
-    dist.all_gather_single(out, mine)
+    dist_all_gather_single(out, mine)
     return out.view(dist.get_world_size(), len(values)).cpu()
 
 

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.diagnostics.bandwidth import GroupSet, Table, measure, synchronize, world_barrier
+from hybrid.parallel.collectives import dist_all_gather_single
 
 KIB, MIB = 1024, 1024 * 1024
 
@@ -174,7 +175,7 @@ def run_preflight(device: torch.device, threshold: float = 20.0) -> Report:
     gemm = gemm_seconds(plan, device)
     mine = torch.tensor([gemm, link], dtype=torch.float64, device=device)
     every = torch.empty(2 * world, dtype=torch.float64, device=device)
-    dist.all_gather_single(every, mine)
+    dist_all_gather_single(every, mine)
     hosts: list[str] = [""] * world
     dist.all_gather_object(hosts, socket.gethostname())
     every = every.view(world, 2).cpu()

@@ -36,6 +36,10 @@ import torch.distributed as dist
 
 from hybrid.parallel.timing import CommTimer
 
+# the flat collectives under their torch >= 2.13 names (the older names warn there; older torch has only those)
+dist_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+dist_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass(frozen=True)
 class ShapeGroup:
@@ -216,7 +220,7 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Group,
         out.copy_(inp.view_as(out))
         return None
     COUNTER.record(group_name(group), "all_gather", out, size(group))
-    return _timed(group, "all_gather", lambda: dist.all_gather_single(
+    return _timed(group, "all_gather", lambda: dist_all_gather_single(
         out.view(-1), inp.reshape(-1), group=group, async_op=async_op), async_op)
 
 
@@ -227,7 +231,7 @@ def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Group,
         out.copy_(inp.view_as(out))
         return None
     COUNTER.record(group_name(group), "reduce_scatter", inp, size(group))
-    return _timed(group, "reduce_scatter", lambda: dist.reduce_scatter_single(
+    return _timed(group, "reduce_scatter", lambda: dist_reduce_scatter_single(
         out.view(-1), inp.reshape(-1), group=group, async_op=async_op), async_op)
 
 

@@ -46,6 +46,7 @@ class WeightGrads:
         self.frontier: dict[Node, list[torch.Tensor]] = {}  # node → its deferred parameters
         self.grads: dict[Node, tuple[Optional[torch.Tensor], ...]] = {}  # node → gradient into it
         self.full: Optional[tuple[tuple, tuple]] = None  # (roots, grads): the first part's whole backward
+        self.out: Optional[torch.Tensor] = None  # held: a custom Function's node lives only as long as its graph
 
     def run(self) -> None:
         """The weight pass: accumulate every deferred parameter's gradient (one engine call per frontier node,
@@ -57,7 +58,7 @@ class WeightGrads:
             edges = [(GradientEdge(node, i), g) for i, g in enumerate(grads) if g is not None]
             if edges:
                 run_backward(tuple(e for e, _ in edges), tuple(g for _, g in edges), tuple(params))
-        self.frontier, self.grads, self.full = {}, {}, None
+        self.frontier, self.grads, self.full, self.out = {}, {}, None, None
 
 
 def backward_input(out: torch.Tensor, grad: Optional[torch.Tensor], x: Optional[torch.Tensor],
@@ -67,6 +68,7 @@ def backward_input(out: torch.Tensor, grad: Optional[torch.Tensor], x: Optional[
     `saved`: the part's saved tensors, boxed during its forward; those the weight pass will not read are
     emptied here."""
     work = WeightGrads()
+    work.out = out  # its storage may be freed (sent): the tensor keeps the graph's nodes, not the data
     roots, grads = (out,), (grad if grad is not None else torch.ones_like(out),)
     if x is None or not x.requires_grad:
         work.full = (roots, grads)

@@ -1,7 +1,9 @@
 """Forked gloo ranks for tests and benchmarks: `launch(fn, world, *args)` runs `fn(rank, world, *args)` on
 `world` processes (1 torch thread each, gloo over local TCP) and returns their results by rank.
 
-Forking a parent that has already imported torch starts ranks in a fraction of a second. A rank
+Forking a parent that has already imported torch starts ranks in a fraction of a second; where a GPU is
+visible, ranks are spawned instead (a fork inherits CUDA's state and autograd's device threads, which break
+in the child). A rank
 that raises fails the launch with its traceback; a hang fails it after `timeout` seconds with
 every child killed; each rank ends with the clean gloo shutdown (gc, barrier, destroy).
 """
@@ -58,14 +60,20 @@ def _rank_main(fn: Callable, rank: int, world: int, port: int, q: Any, args: tup
         os._exit(0)
 
 
+def start_method() -> str:
+    """fork (fast) unless CUDA is visible: then spawn (`torch.cuda.is_available` initialises no context)."""
+    return "spawn" if torch.cuda.is_available() else "fork"
+
+
 def launch(fn: Callable, world: int, *args: Any, timeout: float = 900.0, init_timeout_s: float = 300.0,
-           **kwargs: Any) -> list[Any]:
+           method: str | None = None, **kwargs: Any) -> list[Any]:
     """Run `fn(rank, world, *args, **kwargs)` on `world` forked gloo ranks; their results by rank.
 
     `fn` must be importable by name (a module-level function). Raises with the rank's traceback
-    when a rank fails, and TimeoutError (every child killed) after `timeout` seconds.
+    when a rank fails, and TimeoutError (every child killed) after `timeout` seconds. `method`: the
+    multiprocessing start method (default `start_method()`).
     """
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(method or start_method())
     q, port = ctx.Queue(), _free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, q, args, kwargs, init_timeout_s), daemon=True)
              for r in range(world)]

@@ -7,6 +7,7 @@ torchrun. Each refusal is one line (one per rank), exit status 2, no traceback, 
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing as mp
 import os
 import signal
@@ -29,6 +30,7 @@ from hybrid.model import analytic_param_count, build_model
 from hybrid.startup import (
     EXTRA_BYTES,
     LOCK_FILE,
+    check_wandb,
     checkpoint_bytes,
     hold_run_folders,
     lock_folder,
@@ -148,6 +150,16 @@ def test_checkpoint_bytes_is_the_fp32_weights_and_adamw_moments(model_config: An
     assert n == analytic_param_count(cfg, 300)
     stored = sum(t.numel() * t.element_size() for t in params + moments)
     assert checkpoint_bytes(n) == stored + EXTRA_BYTES
+
+
+def test_wandb_missing_is_one_line_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    for mode in ("offline", "online"):
+        with pytest.raises(ConfigError, match=f"logging.wandb.mode={mode} needs the wandb package") as e:
+            check_wandb(mode, {"WANDB_API_KEY": "k" * 40}, tmp_path)
+        assert "\n" not in str(e.value)
+    check_wandb("disabled", {}, tmp_path)  # no wandb needed
 
 
 def test_wandb_key_sources_are_found_offline(tmp_path: Path) -> None:
