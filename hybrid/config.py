@@ -95,7 +95,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
+    name: str = "adamw"  # adamw | sgd (momentum SGD: linear in the gradients, as DiLoCo's equivalence needs)
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -104,6 +104,8 @@ class OptimConfig:
     min_lr_ratio: float = 0.1  # cosine decays to train.lr · min_lr_ratio at train.steps
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     implementation: str = "fused"  # AdamW's kernels: fused (one per tensor, no temporaries) | foreach
+    momentum: float = 0.0  # sgd only: heavy-ball momentum (0 = plain SGD)
+    nesterov: bool = False  # sgd only: Nesterov momentum
 
 
 @dataclass
@@ -199,6 +201,20 @@ class ProfileConfig:
 
 
 @dataclass
+class SyncConfig:
+    """How DP replicas agree (`hybrid.sync`): gradients every step, or rarely, with neighbours, through servers."""
+
+    name: str = "dp"  # label only; the config file name
+    mode: str = "dp"  # dp (gradients every step) | diloco (local_sgd: its plain-averaging case)
+    inner_steps: int = 1  # H: local optimizer steps between outer steps
+    outer_lr: float = 0.7  # the outer optimizer's learning rate (DiLoCo's 0.7; 1 with no momentum = averaging)
+    outer_momentum: float = 0.9  # the outer SGD's momentum
+    nesterov: bool = True  # the outer SGD's momentum is Nesterov's (DiLoCo)
+    scope: str = "dp"  # dp: every DP replica syncs every H steps; inter: DP inside a node every step, between every H
+    fragments: int = 1  # streaming: the model in F fragments, each synced every H steps, staggered by H/F
+
+
+@dataclass
 class HealthConfig:
     straggler_every: int = 50  # steps between sharing every rank's compute time (an all-gather of a scalar); 0 = off
     straggler_threshold: float = 0.2  # name a rank computing this fraction above the median of its stage's ranks
@@ -221,6 +237,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
 
 CONFIG_DIR = str(files("hybrid") / "configs")  # package data: found wherever hybrid is installed

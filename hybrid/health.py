@@ -43,8 +43,10 @@ class HealthMonitor:
     """The straggler and divergence checks of one rank (see the module doc); every rank calls `after_step`."""
 
     def __init__(self, cfg: HealthConfig, ctx: ParallelContext, model: nn.Module, say: Callable[[str], None],
-                 settle: Optional[Callable[[], None]] = None) -> None:
+                 settle: Optional[Callable[[], None]] = None, replicas: Optional[dist.ProcessGroup] | str = "dp"
+                 ) -> None:
         self.cfg, self.ctx, self.say, self.settle = cfg, ctx, say, settle
+        self.replicas = ctx.dp_group if replicas == "dp" else replicas  # DP ranks equal after every step (`sync`)
         chunks = model if isinstance(model, nn.ModuleList) else [model]  # a chunk's names are the global ones
         self.named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters() if p.requires_grad]
         self.device = self.named[0][1].device if self.named else torch.device("cpu")  # NCCL: CUDA tensors
@@ -83,7 +85,7 @@ class HealthMonitor:
         if self.settle is not None:
             self.settle()  # ZeRO-1's parameter all-gathers still in flight
         replicated = [(n, p) for n, p in self.named if param_info(p).tp_duplicate]
-        found = [self._mismatch("dp", self.ctx.dp_group, self.named),  # both collectives on every rank
+        found = [self._mismatch("dp", self.replicas, self.named),  # both collectives on every rank
                  self._mismatch("tp", self.ctx.tp_group, replicated)]
         found = next((f for f in found if f), None)
         flag = torch.tensor([1.0 if found else 0.0], device=self.device)

@@ -42,7 +42,7 @@ from hybrid.optim import build_optimizer, lr_at, to_low_precision
 from hybrid.parallel import collectives as C
 from hybrid.parallel.actions import part_of
 from hybrid.parallel.context import ParallelContext, pp_streams
-from hybrid.parallel.data import CommHook, GradSync, SyncReport, finalize_grads
+from hybrid.parallel.data import CommHook, finalize_grads
 from hybrid.parallel.params import count_params
 from hybrid.parallel.pipeline import P2P, PipelineStats, partition_layers, run_schedule
 from hybrid.parallel.schedules import SCHEDULES, Schedule, build_schedule
@@ -52,6 +52,7 @@ from hybrid.report import StepReport
 from hybrid.runlog import Tally, gather, open_metrics, peak_memory, summary, summary_line, write_summary
 from hybrid.sampler import StepSampler, batch_from, eval_indices
 from hybrid.sinks import MetricsLogger
+from hybrid.sync import gradient_sync, replica_sync, replicas_group
 
 if TYPE_CHECKING:
     import numpy as np
@@ -95,20 +96,19 @@ class Trainer:
         t = cfg.train
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * ctx.dp_size)
         c = cfg.compression
-        report = SyncReport(error=c.measure_error, exact=c.method == "none", inter_node=c.method == "hierarchical")
         self.comp = hook_state if isinstance(hook_state, Compression) else None
         low = t.precision == "bf16_params"  # Megatron-style: bf16 parameters, fp32 main weights and gradients
         main = to_low_precision(self.model) if low else None
         apart = exact_param_ids(self.model.named_parameters(), exact_kinds(c.exact_params, c.schedule))
         if self.comp is not None:
             self.comp.exact_params = apart
-        self.grad_sync = GradSync(list(self.model.parameters()), ctx.dp_group, hook, hook_state, cfg.parallel.bucket_mb,
-                                  report, apart=apart, sharded=cfg.parallel.zero == 1,
-                                  reduce_dtype=REDUCE_SCATTER_DTYPES.get(c.method, torch.float32), main_grads=low,
-                                  encoded_reduce_scatter=encoded_reduce_scatter(c))
+        self.grad_sync = gradient_sync(cfg, ctx, self.model, hook, hook_state, apart, low,
+                                       sharded=cfg.parallel.zero == 1, encoded_reduce_scatter=encoded_reduce_scatter(c),
+                                       reduce_dtype=REDUCE_SCATTER_DTYPES.get(c.method, torch.float32))
         self.grad_sync.begin_step(self.num_microbatches)
         self.optimizer = build_optimizer(self.model, cfg.optim, t.lr, ctx, self.grad_sync, main,
                                          cfg.parallel.overlap_param_gather)
+        self.outer = replica_sync(cfg, ctx, self.model, self.optimizer, hook, hook_state, apart)  # diloco
         self.activation_dtype = torch.bfloat16 if low else torch.float32  # the residual stream's, between stages
         self.sampler = StepSampler(len(corpus.train), t.micro_batch_size, self.num_microbatches, ctx.dp_size,
                                    ctx.dp_rank, t.seed)
@@ -130,11 +130,12 @@ class Trainer:
                                          tokenizer=getattr(corpus, "tokenizer", None), log=self.message)
         self.guard = Guard(t, ctx, self.checkpointer, self.message)  # train.on_nonfinite
         self.health = HealthMonitor(cfg.health, ctx, self.model, self.message, getattr(self.optimizer, "wait_params",
-                                                                                      None))
+                                                                                      None), replicas_group(cfg, ctx))
 
     def checkpoint_states(self) -> dict[str, Any]:
         """What a checkpoint of this trainer holds (the `Checkpointer`'s states)."""
-        return {"model": self.model, "optimizer": self.optimizer, "trainer": self, "hook": self.grad_sync.state}
+        return {"model": self.model, "optimizer": self.optimizer, "trainer": self,
+                "hook": self.grad_sync.state if self.outer is None else self.outer.state, "sync": self.outer}
 
     def state_dict(self) -> dict[str, Any]:
         """The run's position, the same on every rank: steps done, samples consumed, the data order's seed,
@@ -267,6 +268,8 @@ class Trainer:
             self.guard.inspect(norm, self.model)
             self.grad_sync.zero_grad()
         self.step += 1
+        if self.outer is not None:
+            self.outer.after_step(self.step, last=self.step == self.cfg.train.steps)  # collective when due
         loss_value = self.report.loss(total, self.schedule)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -289,7 +292,7 @@ class Trainer:
         """The metrics.jsonl record of a step (`StepReport.record`; collective), with the compression stage
         the step ran (`Compression.record`) and the steps skipped so far (`Guard.record`)."""
         stage = (self.comp.record(self.step - 1) if self.comp is not None else {}) | self.guard.record()
-        stage |= self.health.record()
+        stage |= self.health.record() | (self.outer.record(self.step - self.tally.start_step) if self.outer else {})
         return {**self.report.record(self.step, r.loss, r.grad_norm, r.lr, r.step_time_s), **stage}
 
     def _logs(self, step: int) -> bool:

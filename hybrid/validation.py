@@ -23,6 +23,7 @@ from hybrid.config import (
     ParallelConfig,
 )
 from hybrid.parallel.schedules import SCHEDULES, ScheduleError, check_sizes
+from hybrid.sync import check as check_sync
 
 if TYPE_CHECKING:
     from hybrid.parallel.context import Layout
@@ -34,6 +35,7 @@ _CHOICES = {
     "train.precision": ("auto", "fp32", "bf16", "bf16_params"),
     "train.recompute": ("none", "selective", "full"),
     "train.on_nonfinite": ("stop", "skip", "rewind"),
+    "optim.name": ("adamw", "sgd"),
     "optim.implementation": ("fused", "foreach"),
     "train.device": ("auto", "cpu", "cuda"),
     "logging.wandb.mode": ("offline", "online", "disabled"),
@@ -92,7 +94,10 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
         _require(cfg.data.seq_len % p.tp == 0, f"parallel.sequence_parallel=true needs "
                  f"data.seq_len={cfg.data.seq_len} divisible by parallel.tp={p.tp}")
     _validate_optim(cfg.optim)
+    _require(cfg.optim.name == "adamw" or (p.zero == 0 and cfg.compression.method != "onebit_adam"),
+             f"optim.name={cfg.optim.name} cannot run with parallel.zero=1 or compression=onebit_adam (AdamW's)")
     _validate_zero(p, cfg.compression)
+    check_sync(cfg, layout)
     _require(t.precision != "bf16_params" or cfg.compression.method != "onebit_adam", "train.precision=bf16_params "
              "keeps fp32 main weights that compression=onebit_adam's optimizer does not: use train.precision=bf16 "
              "(autocast) or fp32 with it")
@@ -157,7 +162,9 @@ def _validate_optim(o: OptimConfig) -> None:
              f"of train.lr), got {o.min_lr_ratio}")
     _require(o.grad_clip >= 0, f"optim.grad_clip must be >= 0, got {o.grad_clip}")
     _require(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
-    for key in ("beta1", "beta2", "eps", "weight_decay", "min_lr_ratio", "grad_clip"):
+    _require(0.0 <= o.momentum < 1.0, f"optim.momentum must be in [0, 1), got {o.momentum}")
+    _require(not o.nesterov or o.momentum > 0, "optim.nesterov=true needs optim.momentum > 0")
+    for key in ("beta1", "beta2", "eps", "weight_decay", "min_lr_ratio", "grad_clip", "momentum"):
         _require(math.isfinite(getattr(o, key)), f"optim.{key} must be finite, got {getattr(o, key)}")
 
 

@@ -211,7 +211,19 @@ class Checkpointer:
         state[rng_key] = blob(rng_state(model))
         hook = self.states.get("hook")
         state[hook_blob_key] = blob(hook.state_dict() if hasattr(hook, "state_dict") else {})
+        if self.states.get("sync") is not None:  # replicas that differ between syncs: each its own (`hybrid.sync`)
+            state[self._sync_key()] = blob(self.states["sync"].state_dict())
         return state
+
+    def _sync_key(self) -> str:
+        c = self.ctx.coord
+        return coord_key("sync", c.pp, c.dp, c.tp)
+
+    def _same_sync(self, manifest: dict[str, Any], same_layout: bool) -> bool:
+        """Whether the checkpoint holds this rank's replica state: the same layout, mode and fragments."""
+        saved = manifest.get("config", {}).get("sync", {})
+        s = self.cfg.sync
+        return same_layout and saved.get("mode") == s.mode and saved.get("fragments") == s.fragments
 
     def _manifest(self, run: dict[str, Any]) -> dict[str, Any]:
         from omegaconf import OmegaConf
@@ -282,10 +294,21 @@ class Checkpointer:
             state[rng_key] = b""
         if same_hook:
             state[hook_blob_key] = b""
+        sync = self.states.get("sync")
+        same_sync = sync is not None and self._same_sync(manifest, same_layout)
+        if same_sync:
+            state[self._sync_key()] = b""
         read_state(state, path)
         fill_copies(state, copies)
         optimizer.loaded()  # bf16 parameters: rounded from the loaded main weights (ZeRO-1: all-gathered)
         self._restore_rest(state, manifest, rng_key if same_layout else None, hook_blob_key if same_hook else None)
+        if same_sync:  # this replica's own parameters, inner optimizer state, anchors and outer momentum
+            sync.load_state_dict(unblob(state[self._sync_key()]))
+        elif sync is not None:
+            sync.restart()
+            if self.writer:
+                self.log(f"note: {path} holds no replica state for this layout and sync mode: every replica "
+                         "restarts from the saved parameters, the outer momentum from zero")
         self.protected.add(path)
         if self.writer:
             for line in resume_lines(path, manifest, cfg, here, same_hook):

@@ -59,8 +59,9 @@ class StateMismatch(ValueError):
 
 
 class Optimizer(Protocol):
-    """What a checkpoint reads of the trainer's optimizer (`hybrid.optim`'s classes): AdamW's parameter groups
-    and per-parameter state keyed by the model's parameters, the weight saved under a parameter's key
+    """What a checkpoint reads of the trainer's optimizer (`hybrid.optim`'s classes): the parameter groups and
+    per-parameter state keyed by the model's parameters (the state tensors named by an optional `moments`,
+    AdamW's by default, created by an optional `fresh_state(p)`), the weight saved under a parameter's key
     (`main_weight`: fp32, the main copy under bf16 parameters) and `loaded()`, called once a load wrote them."""
 
     param_groups: list[dict[str, Any]]
@@ -123,10 +124,16 @@ def model_pieces(model: nn.ModuleList, optimizer: Optional[Optimizer], duplicate
         if optimizer is None:
             continue
         state = optimizer.state[p]
-        for moment in OPTIM_TENSORS:
+        for moment in moments(optimizer):
             out += [Piece(f"optim.{k}.{moment}", v, d, s) for k, v, d, s in pieces(name, state[moment], p)]
-        out.append(Piece(f"optim.{name}.step", state["step"], None, ()))
+        if "step" in state:
+            out.append(Piece(f"optim.{name}.step", state["step"], None, ()))
     return out
+
+
+def moments(optimizer: Optimizer) -> tuple[str, ...]:
+    """The state tensors a checkpoint holds per parameter: the optimizer's `moments` (AdamW's by default)."""
+    return getattr(optimizer, "moments", OPTIM_TENSORS)
 
 
 def first_nonfinite(found: list[Piece]) -> Optional[str]:
@@ -135,11 +142,16 @@ def first_nonfinite(found: list[Piece]) -> Optional[str]:
 
 
 def init_optimizer_state(optimizer: Optimizer) -> None:
-    """Create AdamW's state (zero moments, step 0) for every parameter that has none yet, so that a
-    load can fill it in place; AdamW itself creates exactly this on its first step."""
+    """Create the optimizer's state (AdamW: zero moments, step 0; SGD: a zero momentum) for every parameter that
+    has none yet, so that a load can fill it in place; the optimizer itself creates exactly this on its first
+    step (`fresh_state`; fused AdamW keeps the step count on the parameter's device, foreach on the CPU)."""
     for group in optimizer.param_groups:
-        for p in group["params"]:  # fused AdamW keeps the step count on the parameter's device, foreach on the CPU
-            if not optimizer.state[p]:
+        for p in group["params"]:
+            if optimizer.state[p] or not moments(optimizer):
+                continue
+            if hasattr(optimizer, "fresh_state"):
+                optimizer.state[p] = optimizer.fresh_state(p)
+            else:
                 on = p.device if group.get("fused") else torch.device("cpu")
                 optimizer.state[p] = {"step": torch.zeros((), device=on), "exp_avg": torch.zeros_like(p),
                                       "exp_avg_sq": torch.zeros_like(p)}

@@ -44,10 +44,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def adamw(model: nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.AdamW:
-    """AdamW over the model's fp32 parameters (the main weights themselves, unless `train.precision=bf16_params`:
-    then `mixed.MainWeightsOptimizer`)."""
-    return adamw_over(param_groups(model, cfg.weight_decay), cfg, lr)
+def adamw(model: nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
+    """`optim.name`'s optimizer (AdamW, or SGD) over the model's fp32 parameters (the main weights themselves,
+    unless `train.precision=bf16_params`: then `mixed.MainWeightsOptimizer`)."""
+    return optimizer_over(param_groups(model, cfg.weight_decay), cfg, lr)
 
 
 def adamw_over(groups: list[dict[str, Any]], cfg: OptimConfig, lr: float) -> torch.optim.AdamW:
@@ -56,11 +56,29 @@ def adamw_over(groups: list[dict[str, Any]], cfg: OptimConfig, lr: float) -> tor
     return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **{cfg.implementation: True})
 
 
-def fresh_state(p: torch.Tensor, fused: bool) -> dict[str, torch.Tensor]:
-    """AdamW's state before its first step: step 0 (on `p`'s device for the fused kernel, on the CPU for
-    foreach), zero moments shaped as `p`."""
-    on = p.device if fused else torch.device("cpu")
-    return {"step": torch.zeros((), device=on), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+def optimizer_over(groups: list[dict[str, Any]], cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
+    """`optim.name`'s torch optimizer over `groups`: AdamW, or SGD (momentum, Nesterov; its weight decay is
+    coupled, torch's) — linear in the gradients, so averaging replicas after a step averages their gradients."""
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                               **{cfg.implementation: True})
+    return adamw_over(groups, cfg, lr)
+
+
+def moments_of(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+    """The per-parameter state tensors shaped as the parameter: Adam's two moments, SGD's momentum (if any)."""
+    if isinstance(optimizer, torch.optim.SGD):
+        return ("momentum_buffer",) if optimizer.defaults["momentum"] else ()
+    return ("exp_avg", "exp_avg_sq")
+
+
+def fresh_state(p: torch.Tensor, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The state before the first step: zero moments shaped as `p`, and AdamW's step 0 (on `p`'s device for the
+    fused kernel, on the CPU for foreach). SGD's zero momentum buffer acts as its absent one (no dampening)."""
+    out = {k: torch.zeros_like(p) for k in moments_of(optimizer)}
+    if not isinstance(optimizer, torch.optim.SGD):
+        out["step"] = torch.zeros((), device=p.device if optimizer.defaults.get("fused") else torch.device("cpu"))
+    return out
 
 
 def sum_of_squares(g: torch.Tensor, row: int = 1024) -> torch.Tensor:
@@ -143,6 +161,15 @@ class ModelOptimizer:
         clip_grads(self.params, self.grad_clip, norm)
         self.optimizer.step()
         return norm
+
+    @property
+    def moments(self) -> tuple[str, ...]:
+        """The per-parameter state tensors a checkpoint holds (`moments_of` the torch optimizer)."""
+        return moments_of(self.optimizer)
+
+    def fresh_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`p`'s state before the first step (for a checkpoint load to fill in place)."""
+        return fresh_state(p, self.optimizer)
 
     def main_weight(self, p: nn.Parameter) -> torch.Tensor:
         """What a checkpoint holds as `p`'s weight: `p` itself (fp32; `MainWeightsOptimizer` keeps copies)."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from hybrid.optim.adamw import ModelOptimizer, adamw_over, fresh_state
+from hybrid.optim.adamw import ModelOptimizer, fresh_state, optimizer_over
 from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.grads import grad_of
 
@@ -48,7 +48,8 @@ def copy_main_to_model(pairs: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
 
 
 class MainWeightsOptimizer(ModelOptimizer):
-    """AdamW over the fp32 main weights of bf16 parameters, clip-by-global-norm on the fp32 main gradients.
+    """`optim.name`'s optimizer (AdamW, SGD) over the fp32 main weights of bf16 parameters, clip-by-global-norm
+    on the fp32 main gradients.
 
     `params` are the synced (bf16) parameters in bucket order, each with its fp32 `main_grad`; `main` maps each
     to its fp32 values. `param_groups` and `state` are keyed by the model's parameters, as the checkpoint
@@ -61,10 +62,10 @@ class MainWeightsOptimizer(ModelOptimizer):
             self.mains[p] = nn.Parameter(main[p], requires_grad=True)
             self.mains[p].grad = grad_of(p)  # the fp32 bucket view, for the whole run
         groups = [[p for p in params if (p.ndim >= 2) == d] for d in (True, False)]
-        optimizer = adamw_over([{"params": [self.mains[p] for p in groups[0]], "weight_decay": cfg.weight_decay},
-                                {"params": [self.mains[p] for p in groups[1]], "weight_decay": 0.0}], cfg, lr)
+        optimizer = optimizer_over([{"params": [self.mains[p] for p in groups[0]], "weight_decay": cfg.weight_decay},
+                                    {"params": [self.mains[p] for p in groups[1]], "weight_decay": 0.0}], cfg, lr)
         for m in self.mains.values():
-            optimizer.state[m] = fresh_state(m, cfg.implementation == "fused")
+            optimizer.state[m] = fresh_state(m, optimizer)
         super().__init__(optimizer, params, ctx, cfg.grad_clip)
         self._groups = [{"params": g} for g in groups]
 

@@ -1,0 +1,112 @@
+"""How DP replicas agree (`sync.mode`): the modes of the DP dimension, each leaving TP and PP inside a replica
+as they are.
+
+- `dp`: synchronous data parallelism: every step's gradients averaged over the DP group through the
+  compression hook (`parallel.data.GradSync`).
+- `diloco` (`sync=diloco`, `sync=local_sgd`): H local steps per replica, then an outer step on the averaged
+  pseudo-gradient (`outer.OuterSync`). Under `sync.scope=inter` the DP ranks of a node still average their
+  gradients every step (exactly); only the exchange between nodes waits H steps.
+
+`gradient_sync` builds the per-step gradient sync of a mode, `replica_sync` its replica-level sync (None for
+dp), `replicas_group` the group whose ranks hold equal parameters after every step (the health check's), and
+`check` validates the `sync` config against the layout (one line, `ConfigError`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+from torch import nn
+
+from hybrid.compression.hooks import make_hook
+from hybrid.config import CompressionConfig, Config, ConfigError
+from hybrid.parallel.collectives import Group
+from hybrid.parallel.context import ParallelContext
+from hybrid.parallel.data import CommHook, GradSync, SyncReport
+from hybrid.sync.outer import OuterSync, Weights
+
+if TYPE_CHECKING:
+    from hybrid.parallel.context import Layout
+
+MODES = ("dp", "diloco")
+SCOPES = ("dp", "inter")
+INCOMPATIBLE = {"compression.method": ("hierarchical", "onebit_adam"), "parallel.zero": (1,)}
+"""Options a replica-level mode refuses: hierarchical compression (use `sync.scope=inter`), 1-bit Adam (an
+optimizer-side gradient compression), the distributed optimizer (its shards assume replicas that agree)."""
+
+__all__ = ["MODES", "OuterSync", "check", "gradient_sync", "inner_group", "outer_group", "replica_sync",
+           "replicas_group"]
+
+
+def inner_group(cfg: Config, ctx: ParallelContext) -> Group:
+    """The group whose gradients are averaged every step: DP (sync=dp), the node's DP ranks (scope=inter),
+    or none (a replica alone)."""
+    if cfg.sync.mode == "dp":
+        return ctx.dp_group
+    return ctx.dp_intra_group if cfg.sync.scope == "inter" else None
+
+
+def outer_group(cfg: Config, ctx: ParallelContext) -> Group:
+    """The group an outer step averages over: DP, or the DP ranks of the other nodes (scope=inter)."""
+    return ctx.dp_inter_group if cfg.sync.scope == "inter" else ctx.dp_group
+
+
+def replicas_group(cfg: Config, ctx: ParallelContext) -> Group:
+    """The ranks whose parameters are equal after every step (what the divergence check compares over DP)."""
+    return inner_group(cfg, ctx)
+
+
+def gradient_sync(cfg: Config, ctx: ParallelContext, model: nn.Module, hook: CommHook, state: Any,
+                  apart: frozenset[int], main_grads: bool, **kwargs: Any) -> GradSync:
+    """The per-step gradient sync: over DP through the compression hook (sync=dp; `kwargs`: GradSync's
+    sharding options), exactly over a node's DP ranks (scope=inter), or none."""
+    params, bucket_mb = list(model.parameters()), cfg.parallel.bucket_mb
+    if cfg.sync.mode == "dp":
+        c = cfg.compression
+        report = SyncReport(error=c.measure_error, exact=c.method == "none", inter_node=c.method == "hierarchical")
+        return GradSync(params, ctx.dp_group, hook, state, bucket_mb, report, apart=apart, main_grads=main_grads,
+                        **kwargs)
+    group = inner_group(cfg, ctx)
+    exact, exact_state = make_hook(CompressionConfig(method="none"), group)
+    return GradSync(params, group, exact, exact_state, bucket_mb, SyncReport(exact=True), main_grads=main_grads)
+
+
+def replica_sync(cfg: Config, ctx: ParallelContext, model: nn.Module, weights: Weights, hook: CommHook,
+                 state: Any, apart: frozenset[int]) -> Optional[OuterSync]:
+    """The mode's replica-level sync over `model`'s trained parameters (None under sync=dp)."""
+    if cfg.sync.mode == "dp":
+        return None
+    params = [p for p in model.parameters() if p.requires_grad]
+    return OuterSync(cfg.sync, params, outer_group(cfg, ctx), hook, state, weights, cfg.parallel.bucket_mb, apart)
+
+
+def check(cfg: Config, layout: Layout) -> None:
+    """The `sync` config against the layout and the other options. Raises ConfigError (one line)."""
+    s = cfg.sync
+    _require(s.mode in MODES, f"sync.mode={s.mode!r} is not one of {', '.join(MODES)}")
+    _require(s.scope in SCOPES, f"sync.scope={s.scope!r} is not one of {', '.join(SCOPES)}")
+    _require(s.inner_steps >= 1, f"sync.inner_steps must be >= 1, got {s.inner_steps}")
+    _require(1 <= s.fragments <= s.inner_steps,
+             f"sync.fragments must be between 1 and sync.inner_steps={s.inner_steps}, got {s.fragments}")
+    if s.mode == "dp":
+        _require(s.inner_steps == 1 and s.fragments == 1 and s.scope == "dp",
+                 "sync.inner_steps, sync.fragments and sync.scope apply to sync=diloco or sync=local_sgd, not to "
+                 "synchronous DP (sync.mode=dp)")
+        return
+    _require(s.outer_lr > 0, f"sync.outer_lr must be > 0, got {s.outer_lr}")
+    _require(0 <= s.outer_momentum < 1, f"sync.outer_momentum must be in [0, 1), got {s.outer_momentum}")
+    for key, bad in INCOMPATIBLE.items():
+        value = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
+        _require(value not in bad, f"sync.mode={s.mode} cannot run with {key}={value}"
+                 + (" (use sync.scope=inter)" if value == "hierarchical" else ""))
+    if s.scope == "inter":
+        _require(layout.num_nodes > 1, f"sync.scope=inter needs DP replicas on more than one node; this layout "
+                 f"has {layout.num_nodes} node (set parallel.ranks_per_node to emulate nodes)")
+        sizes = {len(g) for g in layout.dp_inter_node_groups()}
+        _require(sizes != {1}, "sync.scope=inter needs DP ranks on more than one node: every DP group here "
+                 "lies inside one node")
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)

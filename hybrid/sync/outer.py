@@ -1,0 +1,174 @@
+"""DiLoCo and local SGD: DP replicas train alone for H steps, then agree through one outer step.
+
+Every `sync.inner_steps` (H) optimizer steps, each replica's pseudo-gradient Δ = θ_anchor − θ (how far its H
+inner steps moved it from the parameters every replica held after the last outer step, the anchor) is
+averaged over the outer group — DP, or only between nodes under `sync.scope=inter` — through the DP
+compression hook (`hook(state, bucket) -> Future` over flat fp32 buckets: the same codecs, error feedback and
+byte counts as gradient sync, so `compression=int8` makes the outer exchange int8). The outer optimizer, SGD
+with momentum μ (DiLoCo: Nesterov, lr 0.7, μ 0.9), then steps from the anchor,
+
+    m ← μ·m + Δ̄;   θ_anchor ← θ_anchor − lr·(Δ̄ + μ·m)  (Nesterov)  or  − lr·m,
+
+and every replica takes the new anchor as its parameters. With lr 1 and μ 0 that is the replicas' average
+(`sync=local_sgd`). Under `train.precision=bf16_params` the outer step runs on the fp32 main weights.
+
+Streaming (`sync.fragments=F`, Streaming DiLoCo): the parameters fall into F fragments of about equal size,
+contiguous in the model's order (each fragment's buckets are `assign_buckets`'s of its parameters: with F=1 the
+gradient sync's buckets, so a codec's exchange costs what one of its gradient steps does). Fragment f has its
+outer steps at the steps ≡ ⌊(f+1)·H/F⌋ (mod H): each syncs every H steps, but the exchanges are spread over
+the H steps, so the peak bytes of one step are 1/F.
+
+At the run's last step every fragment with inner steps since its last outer step takes one (the explicit final
+sync), so the run ends with one model. The inner optimizer's state stays each replica's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from hybrid.config import SyncConfig
+from hybrid.parallel import collectives as C
+from hybrid.parallel.buckets import GradBucket, assign_buckets
+from hybrid.parallel.collectives import Group
+from hybrid.parallel.data import CommHook
+
+
+class Weights(Protocol):
+    """What the outer step needs of the inner optimizer (`hybrid.optim`'s): each parameter's fp32 weight,
+    `loaded()` after writing them (bf16 parameters follow their main weights), and for checkpoints its
+    per-parameter `state` and the names of the tensors in it (`moments`)."""
+
+    state: Any
+    moments: tuple[str, ...]
+
+    def main_weight(self, p: nn.Parameter) -> torch.Tensor: ...
+
+    def loaded(self) -> None: ...
+
+
+def fragments_of(params: list[nn.Parameter], n: int) -> list[list[nn.Parameter]]:
+    """`params` cut into `n` contiguous fragments of about equal element counts (none empty)."""
+    total, out = sum(p.numel() for p in params), [[] for _ in range(n)]
+    seen = 0
+    for p in params:
+        out[min(n - 1, seen * n // max(total, 1))].append(p)
+        seen += p.numel()
+    return [f for f in out if f]
+
+
+class OuterSync:
+    """The outer loop of one rank: anchors, momentum, the fragments' exchanges and outer steps.
+
+    `params`: the rank's trained parameters in the model's order; `group`: the group the pseudo-gradients are
+    averaged over; `hook`, `state`: the DP compression hook; `weights`: the inner optimizer."""
+
+    def __init__(self, cfg: SyncConfig, params: list[nn.Parameter], group: Group, hook: CommHook, state: Any,
+                 weights: Weights, bucket_mb: float = 25.0, apart: frozenset[int] = frozenset()) -> None:
+        self.cfg, self.group, self.hook, self.state, self.weights = cfg, group, hook, state, weights
+        self.fragments = fragments_of(params, cfg.fragments)
+        self.buckets = [assign_buckets(f, int(bucket_mb * 2**20), apart) for f in self.fragments]
+        self.events, self.bytes, self.last_step = 0, 0, 0
+        self.restart()
+
+    def restart(self) -> None:
+        """Anchor every fragment at the parameters held now; momentum zero (a run's start, or a resume whose
+        checkpoint holds no outer state for this layout)."""
+        self.anchor = {p: self.weights.main_weight(p).detach().float().clone() for f in self.fragments for p in f}
+        self.momentum = {p: torch.zeros_like(a) for p, a in self.anchor.items()} if self.cfg.outer_momentum else {}
+        self.synced = [0] * len(self.fragments)  # the step of each fragment's last outer step
+
+    def offset(self, f: int) -> int:
+        """The step (mod H) of fragment `f`'s outer steps."""
+        return (f + 1) * self.cfg.inner_steps // len(self.fragments) % self.cfg.inner_steps
+
+    def due(self, step: int, last: bool) -> list[int]:
+        """The fragments whose outer step follows optimizer step `step` (counted from 1); at the run's `last`
+        step, every fragment trained since its last one."""
+        return [f for f in range(len(self.fragments))
+                if step % self.cfg.inner_steps == self.offset(f) or (last and self.synced[f] < step)]
+
+    def after_step(self, step: int, last: bool = False) -> list[int]:
+        """The outer steps due after optimizer step `step`; the fragments synced. Collective over the outer group
+        when one is due (the same steps on every rank)."""
+        due = self.due(step, last)
+        for f in due:
+            self._outer_step(f, step)
+        if due:
+            self.weights.loaded()
+        return due
+
+    def _outer_step(self, f: int, step: int) -> None:
+        """Average fragment `f`'s pseudo-gradient through the hook, then the outer optimizer's step."""
+        weights = {p: self.weights.main_weight(p) for p in self.fragments[f]}
+        before = C.COUNTER.group_bytes(C.group_name(self.group))
+        for bucket in self._exchange(f, weights):
+            for p, mean in zip(bucket.parameters(), bucket.gradients()):
+                self._apply(p, mean, weights[p])
+        self.bytes += C.COUNTER.group_bytes(C.group_name(self.group)) - before
+        self.events += 1
+        self.synced[f] = self.last_step = step
+
+    def _exchange(self, f: int, weights: dict[nn.Parameter, torch.Tensor]) -> list[GradBucket]:
+        """Fragment `f`'s buckets holding Δ̄, the DP mean of θ_anchor − θ (its buckets numbered after the
+        earlier fragments', so a hook's per-bucket state never mixes two fragments)."""
+        first = sum(len(b) for b in self.buckets[:f])
+        out, futures = [], []
+        for i, ps in enumerate(self.buckets[f]):
+            buf = torch.cat([(self.anchor[p] - weights[p].float()).reshape(-1) for p in ps])
+            out.append(GradBucket(first + i, buf, ps, is_last=i == len(self.buckets[f]) - 1))
+            futures.append(self.hook(self.state, out[-1]) if C.size(self.group) > 1 else None)
+        with C.TIMER.waiting(C.group_name(self.group)):
+            for bucket, fut in zip(out, futures):
+                result = None if fut is None else fut.wait()
+                if isinstance(result, list):
+                    result = result[0]
+                if result is not None and result.data_ptr() != bucket.buffer().data_ptr():
+                    bucket.buffer().copy_(result)
+        return out
+
+    @torch.no_grad()
+    def _apply(self, p: nn.Parameter, mean: torch.Tensor, weight: torch.Tensor) -> None:
+        """The outer SGD step of `p` from its anchor, and the replica's weight set to the new anchor."""
+        cfg, update = self.cfg, mean
+        if cfg.outer_momentum:
+            m = self.momentum[p].mul_(cfg.outer_momentum).add_(mean)
+            update = mean.add(m, alpha=cfg.outer_momentum) if cfg.nesterov else m
+        self.anchor[p].sub_(update, alpha=cfg.outer_lr)
+        weight.copy_(self.anchor[p])
+
+    def record(self, steps: int) -> dict[str, float]:
+        """The metrics record's sync keys: outer steps so far (fragments' counted apart), the step of the last,
+        and this rank's outer-exchange bytes per training step so far (`steps`: steps this process ran)."""
+        return {"sync_events": self.events, "sync_last_step": self.last_step,
+                "bytes_outer_per_step": self.bytes / max(steps, 1)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What differs between replicas, and the outer state: this replica's weights and inner optimizer
+        state (the checkpoint's DCP part holds one replica's), the anchors, the momentum, the fragments' steps."""
+        params, state = [p for f in self.fragments for p in f], self.weights.state
+        keys = (*self.weights.moments, "step")
+        return {"weights": [self.weights.main_weight(p).detach().clone() for p in params],
+                "optim": [{k: state[p][k] for k in keys if k in state[p]} for p in params],
+                "anchor": [self.anchor[p] for p in params],
+                "momentum": [self.momentum[p] for p in params] if self.momentum else [],
+                "synced": list(self.synced), "events": self.events, "bytes": self.bytes,
+                "last_step": self.last_step}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved (the same layout: the same parameters in the same order)."""
+        params, optim_state = [p for f in self.fragments for p in f], self.weights.state
+        for p, w, o, a in zip(params, sd["weights"], sd["optim"], sd["anchor"]):
+            self.weights.main_weight(p).copy_(w)
+            for k, v in o.items():
+                optim_state[p][k].copy_(v)
+            self.anchor[p].copy_(a)
+        for p, m in zip(params, sd["momentum"]):
+            self.momentum[p].copy_(m)
+        self.synced, self.events, self.bytes = list(sd["synced"]), int(sd["events"]), int(sd["bytes"])
+        self.last_step = int(sd["last_step"])
+        self.weights.loaded()
+

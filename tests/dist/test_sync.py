@@ -1,0 +1,168 @@
+"""Replica-level sync modes (`hybrid.sync`) on gloo ranks, against references: synchronous DP (DiLoCo with H=1,
+outer lr 1 and no momentum under a linear inner optimizer is gradient averaging), a DiLoCo loop written here from
+the paper's pseudo-code over single-process trainers, and the byte counts of the DP exchanges they replace."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from harness import run_ranks
+from pp_helpers import VOCAB, Case, make_cfg
+from test_checkpoint import SAVE_AT, resume_runs
+from test_dp import synthetic_corpus
+
+from hybrid.compression.hooks import make_hook
+from hybrid.parallel import collectives as C
+from hybrid.parallel.context import Layout, ParallelContext
+from hybrid.parallel.params import full_state_dict
+from hybrid.sampler import StepSampler
+from hybrid.trainer import Trainer, build_chunks
+
+TIMEOUT = 300
+LINEAR = ("optim=sgd", "optim.grad_clip=0")  # SGD with momentum, no clipping: linear in the gradients
+AVERAGE = ("sync=diloco", "sync.inner_steps=1", "sync.outer_lr=1", "sync.outer_momentum=0", "sync.nesterov=false")
+DILOCO = ("sync=diloco", "sync.inner_steps=3")  # the paper's outer optimizer: Nesterov, lr 0.7, momentum 0.9
+
+
+def _trainer(cfg: Any, ctx: ParallelContext) -> Trainer:
+    torch.manual_seed(1234 + ctx.pp_rank)
+    hook, state = make_hook(cfg.compression, ctx.dp_group, ctx.dp_intra_group, ctx.dp_inter_group)
+    return Trainer(cfg, ctx, build_chunks(cfg, VOCAB, ctx), synthetic_corpus(vocab=VOCAB), torch.device("cpu"),
+                   hook, state)
+
+
+def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for chunk in trainer.model:
+        out.update(full_state_dict(chunk, trainer.ctx.tp_group))
+    return out
+
+
+def train_modes(rank: int, world: int, case: Case, modes: list[tuple[str, ...]], ranks_per_node: int,
+                steps: int) -> list[dict[str, Any]]:
+    """Rank function: each mode (its overrides) trained `steps` steps; losses, weights, DP bytes per step."""
+    ctx = ParallelContext.build(Layout.create(world, tp=case.tp, pp=case.pp, ranks_per_node=ranks_per_node))
+    out = []
+    for extra in modes:
+        cfg = make_cfg(case, world, extra=[*extra, f"train.steps={steps}", f"parallel.ranks_per_node={ranks_per_node}"])
+        trainer = _trainer(cfg, ctx)
+        losses, dp_bytes = [], []
+        for _ in range(steps):
+            C.COUNTER.reset()
+            losses.append(trainer.train_step().loss)
+            dp_bytes.append({g: C.COUNTER.group_bytes(g) for g in ("dp", "dp_intra", "dp_inter", "tp", "pp")})
+        numel = sum(p.numel() for p in trainer.grad_sync.parameters())
+        out.append({"losses": losses, "weights": _weights(trainer), "bytes": dp_bytes, "numel": numel,
+                    "record": trainer.outer.record(steps) if trainer.outer else {}})
+    return out
+
+
+def test_diloco_with_one_inner_step_and_plain_averaging_is_synchronous_dp() -> None:
+    """H=1, outer lr 1, no momentum, SGD inside: every step averages the replicas' updates, which is averaging
+    their gradients — over all of DP, and hierarchically (the node's DP every step, the other node's at each
+    outer step) on 2 emulated nodes × 2. Both equal synchronous DP within fp32 rounding."""
+    modes = [LINEAR, (*LINEAR, *AVERAGE), (*LINEAR, *AVERAGE, "sync.scope=inter")]
+    results = run_ranks(train_modes, 4, Case(), modes, 2, 4, timeout=TIMEOUT)
+    for r in results:
+        dp, *others = r
+        for other in others:
+            torch.testing.assert_close(torch.tensor(other["losses"]), torch.tensor(dp["losses"]), rtol=1e-5, atol=1e-6)
+            for name, w in dp["weights"].items():
+                torch.testing.assert_close(other["weights"][name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_every_outer_step_costs_one_dp_steps_bytes_and_only_on_its_steps() -> None:
+    """At tp2pp2dp2, fp32 and int8: the outer exchange of a rank's parameters counts the bytes a synchronous DP
+    step's gradient exchange of the same codec counts, on steps H, 2H, … (and the run's last) only; TP and PP
+    traffic per step is synchronous DP's."""
+    case, steps = Case(tp=2, pp=2), 5
+    modes = [(), DILOCO, ("compression=int8",), (*DILOCO, "compression=int8")]
+    for r in run_ranks(train_modes, 8, case, modes, 8, steps, timeout=TIMEOUT):
+        for dp, diloco in ((r[0], r[1]), (r[2], r[3])):
+            per_step = dp["bytes"][0]["dp"]
+            assert per_step > 0 and all(b["dp"] == per_step for b in dp["bytes"])
+            due = [s % 3 == 0 or s == steps for s in range(1, steps + 1)]
+            assert [b["dp"] for b in diloco["bytes"]] == [per_step if d else 0 for d in due]
+            for group in ("tp", "pp"):
+                assert [b[group] for b in diloco["bytes"]] == [b[group] for b in dp["bytes"]]
+            assert diloco["record"]["sync_events"] == sum(due)
+            assert diloco["record"]["bytes_outer_per_step"] == per_step * sum(due) / steps
+        assert r[1]["bytes"][-1]["dp"] == 4 * r[1]["numel"]  # fp32: a rank's parameters, once
+
+
+# ---- DiLoCo against the paper's loop -------------------------------------------------------------------------
+
+def replicas_reference(cfg: Any, dp: int, steps: int) -> list[dict[str, torch.Tensor]]:
+    """DiLoCo (Douillard et al. 2023, Algorithm 1) over `dp` single-process replicas, each a Trainer reading its
+    DP shard: H inner steps each; then per fragment f due at this step (t ≡ ⌊(f+1)H/F⌋ mod H, or the last step),
+    Δ = mean over replicas of θ_anchor − θ_r; m ← μm + Δ; θ_anchor ← θ_anchor − lr(Δ + μm); θ_r ← θ_anchor."""
+    s = cfg.sync
+    one = copy.deepcopy(cfg)
+    one.sync.mode, one.sync.inner_steps, one.sync.fragments = "dp", 1, 1
+    one.train.global_batch_size //= dp
+    replicas = []
+    for r in range(dp):
+        t = _trainer(one, ParallelContext.single())
+        t.sampler = StepSampler(len(t.corpus.train), one.train.micro_batch_size, t.num_microbatches, dp, r,
+                                one.train.seed)
+        replicas.append(t)
+    params = [[p for p in r.model.parameters() if p.requires_grad] for r in replicas]
+    n = len(params[0])
+    anchor = [p.detach().clone() for p in params[0]]
+    momentum = [torch.zeros_like(a) for a in anchor]
+    total = sum(p.numel() for p in params[0])
+    frag, seen = [], 0
+    for p in params[0]:  # F fragments of about equal size, contiguous in the model's order
+        frag.append(min(s.fragments - 1, seen * s.fragments // total))
+        seen += p.numel()
+    for step in range(1, steps + 1):
+        for r in replicas:
+            r.train_step()
+        due = {f for f in range(s.fragments)
+               if step % s.inner_steps == (f + 1) * s.inner_steps // s.fragments % s.inner_steps or step == steps}
+        for i in (i for i in range(n) if frag[i] in due):
+            with torch.no_grad():
+                delta = sum(anchor[i] - params[r][i] for r in range(dp)) / dp
+                momentum[i] = s.outer_momentum * momentum[i] + delta
+                update = delta + s.outer_momentum * momentum[i] if s.nesterov else momentum[i]
+                anchor[i] = anchor[i] - s.outer_lr * update
+                for r in range(dp):
+                    params[r][i].copy_(anchor[i])
+    return [_weights(r) for r in replicas]
+
+
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_diloco_matches_the_papers_loop(fragments: int) -> None:
+    """dp=2, AdamW inside (its state each replica's own), 7 steps at H=3 (the last a partial round ended by the
+    final sync): every replica ends with the reference's anchor, streamed in 2 fragments too."""
+    modes = [(*DILOCO, f"sync.fragments={fragments}")]
+    steps = 7
+    results = run_ranks(train_modes, 2, Case(), modes, 2, steps, timeout=TIMEOUT)
+    cfg = make_cfg(Case(), 2, extra=[*modes[0], f"train.steps={steps}"])
+    torch.set_num_threads(1)
+    ref = replicas_reference(cfg, 2, steps)
+    for r, want in zip(results, ref):
+        for name, w in want.items():
+            torch.testing.assert_close(r[0]["weights"][name], w, rtol=1e-5, atol=1e-6, msg=name)
+    for name, w in ref[0].items():
+        assert torch.equal(ref[1][name], w)  # the final sync: one model
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------------------
+
+def test_diloco_resumes_bit_exactly_between_outer_steps_and_restarts_under_another_layout(tmp_path: Path) -> None:
+    """tp2pp2dp2, H=3: saved at step 5 (two inner steps after an outer step), resumed in the same layout: each
+    replica's own parameters, inner AdamW moments, anchors and outer momentum come back (losses and weights bit
+    for bit); under tp1pp2dp4 every replica restarts from the saved parameters (a note says so) and trains."""
+    results = run_ranks(resume_runs, 8, tmp_path, Case(tp=2, pp=2), [Case(tp=1, pp=2)], DILOCO, timeout=TIMEOUT)
+    for r in results:
+        assert r["same"]["losses"] == r["base"]["losses"][SAVE_AT:]
+        for name, w in r["final"].items():
+            assert torch.equal(r["same_final"][name], w), name
+        other = r[str(Case(tp=1, pp=2))]["losses"]
+        assert all(torch.isfinite(torch.tensor(other))) and other[-1] < r["base"]["losses"][0]
+    assert any("holds no replica state" in line for line in results[0]["log"])
