@@ -205,13 +205,14 @@ class SyncConfig:
     """How DP replicas agree (`hybrid.sync`): gradients every step, or rarely, with neighbours, through servers."""
 
     name: str = "dp"  # label only; the config file name
-    mode: str = "dp"  # dp (gradients every step) | diloco (local_sgd: its plain-averaging case)
-    inner_steps: int = 1  # H: local optimizer steps between outer steps
+    mode: str = "dp"  # dp (gradients every step) | diloco (local_sgd: its plain-averaging case) | gossip
+    inner_steps: int = 1  # H: local optimizer steps between outer steps (gossip: between gossip rounds)
     outer_lr: float = 0.7  # the outer optimizer's learning rate (DiLoCo's 0.7; 1 with no momentum = averaging)
     outer_momentum: float = 0.9  # the outer SGD's momentum
     nesterov: bool = True  # the outer SGD's momentum is Nesterov's (DiLoCo)
     scope: str = "dp"  # dp: every DP replica syncs every H steps; inter: DP inside a node every step, between every H
     fragments: int = 1  # streaming: the model in F fragments, each synced every H steps, staggered by H/F
+    topology: str = "ring"  # gossip's graph: ring | exponential | one_peer (dp a power of two) | complete
 
 
 @dataclass

@@ -152,6 +152,20 @@ def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist
     return _timed(group, "all_reduce", lambda: dist.all_reduce(t, op=op, group=group, async_op=async_op), async_op)
 
 
+def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Group) -> None:
+    """Post every send and receive (peers by their rank in `group`) as one `batch_isend_irecv`, then wait for
+    all of them. Counted as `send` (what this rank sends) and timed as one span."""
+    if not sends and not recvs:
+        return
+    for t, _ in sends:
+        COUNTER.record(group_name(group), "send", t, size(group))
+    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for t, peer in recvs]
+    with TIMER.collective(group_name(group), "send_recv"):
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
 def all_gather_last(t: torch.Tensor, group: Group) -> torch.Tensor:
     """Concatenate every rank's `t` along the last dim (the rank order of the group)."""
     n = size(group)

@@ -6,6 +6,8 @@ as they are.
 - `diloco` (`sync=diloco`, `sync=local_sgd`): H local steps per replica, then an outer step on the averaged
   pseudo-gradient (`outer.OuterSync`). Under `sync.scope=inter` the DP ranks of a node still average their
   gradients every step (exactly); only the exchange between nodes waits H steps.
+- `gossip` (`sync=gossip`): each replica steps alone, then averages its parameters with its neighbours on a
+  graph (`gossip.Gossip`).
 
 `gradient_sync` builds the per-step gradient sync of a mode, `replica_sync` its replica-level sync (None for
 dp), `replicas_group` the group whose ranks hold equal parameters after every step (the health check's), and
@@ -23,12 +25,14 @@ from hybrid.config import CompressionConfig, Config, ConfigError
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.data import CommHook, GradSync, SyncReport
-from hybrid.sync.outer import OuterSync, Weights
+from hybrid.sync.gossip import TOPOLOGIES, Gossip, fits
+from hybrid.sync.outer import OuterSync
+from hybrid.sync.replica import Weights
 
 if TYPE_CHECKING:
     from hybrid.parallel.context import Layout
 
-MODES = ("dp", "diloco")
+MODES = ("dp", "diloco", "gossip")
 SCOPES = ("dp", "inter")
 INCOMPATIBLE = {"compression.method": ("hierarchical", "onebit_adam"), "parallel.zero": (1,)}
 """Options a replica-level mode refuses: hierarchical compression (use `sync.scope=inter`), 1-bit Adam (an
@@ -72,11 +76,13 @@ def gradient_sync(cfg: Config, ctx: ParallelContext, model: nn.Module, hook: Com
 
 
 def replica_sync(cfg: Config, ctx: ParallelContext, model: nn.Module, weights: Weights, hook: CommHook,
-                 state: Any, apart: frozenset[int]) -> Optional[OuterSync]:
+                 state: Any, apart: frozenset[int]) -> Optional[OuterSync | Gossip]:
     """The mode's replica-level sync over `model`'s trained parameters (None under sync=dp)."""
     if cfg.sync.mode == "dp":
         return None
     params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.sync.mode == "gossip":
+        return Gossip(cfg.sync, params, ctx.dp_group, weights, ctx.tp_group, ctx.pp_group)
     return OuterSync(cfg.sync, params, outer_group(cfg, ctx), hook, state, weights, cfg.parallel.bucket_mb, apart)
 
 
@@ -93,6 +99,8 @@ def check(cfg: Config, layout: Layout) -> None:
                  "sync.inner_steps, sync.fragments and sync.scope apply to sync=diloco or sync=local_sgd, not to "
                  "synchronous DP (sync.mode=dp)")
         return
+    if s.mode == "gossip":
+        _check_gossip(cfg, layout)
     _require(s.outer_lr > 0, f"sync.outer_lr must be > 0, got {s.outer_lr}")
     _require(0 <= s.outer_momentum < 1, f"sync.outer_momentum must be in [0, 1), got {s.outer_momentum}")
     for key, bad in INCOMPATIBLE.items():
@@ -105,6 +113,17 @@ def check(cfg: Config, layout: Layout) -> None:
         sizes = {len(g) for g in layout.dp_inter_node_groups()}
         _require(sizes != {1}, "sync.scope=inter needs DP ranks on more than one node: every DP group here "
                  "lies inside one node")
+
+
+def _check_gossip(cfg: Config, layout: Layout) -> None:
+    s = cfg.sync
+    _require(s.topology in TOPOLOGIES, f"sync.topology={s.topology!r} is not one of {', '.join(TOPOLOGIES)}")
+    _require(fits(s.topology, layout.dp), f"sync.topology={s.topology} pairs replicas by XOR and needs a DP size "
+             f"that is a power of two, got dp={layout.dp}")
+    _require(s.scope == "dp" and s.fragments == 1, "sync=gossip exchanges whole replicas over DP: sync.scope=dp "
+             "and sync.fragments=1")
+    _require(cfg.compression.method == "none", f"sync=gossip exchanges fp32 parameters; compression="
+             f"{cfg.compression.method} applies to gradients (sync=dp) and outer steps (sync=diloco)")
 
 
 def _require(ok: bool, msg: str) -> None:

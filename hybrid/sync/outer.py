@@ -24,7 +24,7 @@ sync), so the run ends with one model. The inner optimizer's state stays each re
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,19 +34,7 @@ from hybrid.parallel import collectives as C
 from hybrid.parallel.buckets import GradBucket, assign_buckets
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.data import CommHook
-
-
-class Weights(Protocol):
-    """What the outer step needs of the inner optimizer (`hybrid.optim`'s): each parameter's fp32 weight,
-    `loaded()` after writing them (bf16 parameters follow their main weights), and for checkpoints its
-    per-parameter `state` and the names of the tensors in it (`moments`)."""
-
-    state: Any
-    moments: tuple[str, ...]
-
-    def main_weight(self, p: nn.Parameter) -> torch.Tensor: ...
-
-    def loaded(self) -> None: ...
+from hybrid.sync.replica import Weights, load_replica_state, replica_state
 
 
 def fragments_of(params: list[nn.Parameter], n: int) -> list[list[nn.Parameter]]:
@@ -146,29 +134,22 @@ class OuterSync:
                 "bytes_outer_per_step": self.bytes / max(steps, 1)}
 
     def state_dict(self) -> dict[str, Any]:
-        """What differs between replicas, and the outer state: this replica's weights and inner optimizer
-        state (the checkpoint's DCP part holds one replica's), the anchors, the momentum, the fragments' steps."""
-        params, state = [p for f in self.fragments for p in f], self.weights.state
-        keys = (*self.weights.moments, "step")
-        return {"weights": [self.weights.main_weight(p).detach().clone() for p in params],
-                "optim": [{k: state[p][k] for k in keys if k in state[p]} for p in params],
-                "anchor": [self.anchor[p] for p in params],
+        """What differs between replicas (`replica_state`) and the outer state: the anchors, the momentum, the
+        fragments' steps."""
+        params = [p for f in self.fragments for p in f]
+        return {**replica_state(self.weights, params), "anchor": [self.anchor[p] for p in params],
                 "momentum": [self.momentum[p] for p in params] if self.momentum else [],
-                "synced": list(self.synced), "events": self.events, "bytes": self.bytes,
-                "last_step": self.last_step}
+                "synced": list(self.synced), "events": self.events, "bytes": self.bytes, "last_step": self.last_step}
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore what `state_dict` saved (the same layout: the same parameters in the same order)."""
-        params, optim_state = [p for f in self.fragments for p in f], self.weights.state
-        for p, w, o, a in zip(params, sd["weights"], sd["optim"], sd["anchor"]):
-            self.weights.main_weight(p).copy_(w)
-            for k, v in o.items():
-                optim_state[p][k].copy_(v)
+        params = [p for f in self.fragments for p in f]
+        load_replica_state(self.weights, params, sd)
+        for p, a in zip(params, sd["anchor"]):
             self.anchor[p].copy_(a)
         for p, m in zip(params, sd["momentum"]):
             self.momentum[p].copy_(m)
         self.synced, self.events, self.bytes = list(sd["synced"]), int(sd["events"]), int(sd["bytes"])
         self.last_step = int(sd["last_step"])
         self.weights.loaded()
-

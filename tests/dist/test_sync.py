@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from harness import run_ranks
 from pp_helpers import VOCAB, Case, make_cfg
 from test_checkpoint import SAVE_AT, resume_runs
@@ -64,8 +65,10 @@ def train_modes(rank: int, world: int, case: Case, modes: list[tuple[str, ...]],
 def test_diloco_with_one_inner_step_and_plain_averaging_is_synchronous_dp() -> None:
     """H=1, outer lr 1, no momentum, SGD inside: every step averages the replicas' updates, which is averaging
     their gradients — over all of DP, and hierarchically (the node's DP every step, the other node's at each
-    outer step) on 2 emulated nodes × 2. Both equal synchronous DP within fp32 rounding."""
-    modes = [LINEAR, (*LINEAR, *AVERAGE), (*LINEAR, *AVERAGE, "sync.scope=inter")]
+    outer step) on 2 emulated nodes × 2; gossip on the complete graph (uniform weights) averages too. All equal
+    synchronous DP within fp32 rounding."""
+    modes = [LINEAR, (*LINEAR, *AVERAGE), (*LINEAR, *AVERAGE, "sync.scope=inter"),
+             (*LINEAR, "sync=gossip", "sync.topology=complete")]
     results = run_ranks(train_modes, 4, Case(), modes, 2, 4, timeout=TIMEOUT)
     for r in results:
         dp, *others = r
@@ -80,8 +83,11 @@ def test_every_outer_step_costs_one_dp_steps_bytes_and_only_on_its_steps() -> No
     step's gradient exchange of the same codec counts, on steps H, 2H, … (and the run's last) only; TP and PP
     traffic per step is synchronous DP's."""
     case, steps = Case(tp=2, pp=2), 5
-    modes = [(), DILOCO, ("compression=int8",), (*DILOCO, "compression=int8")]
+    modes = [(), DILOCO, ("compression=int8",), (*DILOCO, "compression=int8"), ("sync=gossip",)]
     for r in run_ranks(train_modes, 8, case, modes, 8, steps, timeout=TIMEOUT):
+        gossip = r[4]  # dp=2: the ring's one neighbour, every step a rank's fp32 parameters once
+        assert [b["dp"] for b in gossip["bytes"]] == [4 * gossip["numel"]] * steps
+        assert [b["tp"] for b in gossip["bytes"]] == [b["tp"] for b in r[0]["bytes"]]
         for dp, diloco in ((r[0], r[1]), (r[2], r[3])):
             per_step = dp["bytes"][0]["dp"]
             assert per_step > 0 and all(b["dp"] == per_step for b in dp["bytes"])
@@ -152,6 +158,50 @@ def test_diloco_matches_the_papers_loop(fragments: int) -> None:
         assert torch.equal(ref[1][name], w)  # the final sync: one model
 
 
+# ---- gossip on a toy quadratic ----------------------------------------------------------------------------------
+
+class _Plain:
+    """The inner optimizer's view of plain tensors (what `Gossip` reads and writes)."""
+
+    state: dict = {}
+    moments: tuple[str, ...] = ()
+
+    def main_weight(self, p: torch.nn.Parameter) -> torch.Tensor:
+        return p.data
+
+    def loaded(self) -> None:
+        pass
+
+
+def ring_rounds(rank: int, world: int, rounds: int, lr: float) -> list[float]:
+    """Rank function: f_i(x) = ½‖x − c‖², a gradient step of `lr`, then a ring round; the consensus distances."""
+    from hybrid.config import SyncConfig
+    from hybrid.sync.gossip import Gossip
+
+    c = torch.arange(8.0)
+    x = torch.nn.Parameter(c + torch.cos(torch.tensor(2 * torch.pi * rank / world)) * torch.ones(8))
+    g = Gossip(SyncConfig(mode="gossip", topology="ring"), [x], dist.group.WORLD, _Plain(), None, None)
+    out = [g.consensus_distance()]
+    for step in range(1, rounds + 1):
+        with torch.no_grad():
+            x -= lr * (x - c)
+        g.after_step(step)
+        out.append(g.consensus_distance())
+    return out
+
+
+def test_gossip_on_a_ring_shrinks_the_consensus_distance_as_theory_says() -> None:
+    """6 replicas on a ring (weights 1/3), disagreeing along the mixing matrix's slowest eigenvector (cos 2πi/n):
+    with a gradient step of lr η on the same quadratic, the consensus distance shrinks by exactly
+    (1 − η)·λ₂ per round, λ₂ = (1 + 2cos(2π/n))/3 (the ring's second eigenvalue)."""
+    n, eta = 6, 0.1
+    rate = (1 - eta) * (1 + 2 * torch.cos(torch.tensor(2 * torch.pi / n)).item()) / 3
+    dists = run_ranks(ring_rounds, n, 5, eta, timeout=TIMEOUT)[0]
+    assert dists[0] > 1
+    for before, after in zip(dists, dists[1:]):
+        assert after == pytest.approx(rate * before, rel=1e-5)
+
+
 # ---- checkpoints ----------------------------------------------------------------------------------------------
 
 def test_diloco_resumes_bit_exactly_between_outer_steps_and_restarts_under_another_layout(tmp_path: Path) -> None:
@@ -166,3 +216,13 @@ def test_diloco_resumes_bit_exactly_between_outer_steps_and_restarts_under_anoth
         other = r[str(Case(tp=1, pp=2))]["losses"]
         assert all(torch.isfinite(torch.tensor(other))) and other[-1] < r["base"]["losses"][0]
     assert any("holds no replica state" in line for line in results[0]["log"])
+
+
+def test_gossip_resumes_bit_exactly(tmp_path: Path) -> None:
+    """tp2pp2dp2 gossip on a ring, saved at step 5 and resumed in the same layout: each replica's parameters
+    and AdamW moments come back, the losses and final weights bit for bit."""
+    results = run_ranks(resume_runs, 8, tmp_path, Case(tp=2, pp=2), [], ("sync=gossip",), timeout=TIMEOUT)
+    for r in results:
+        assert r["same"]["losses"] == r["base"]["losses"][SAVE_AT:]
+        for name, w in r["final"].items():
+            assert torch.equal(r["same_final"][name], w), name
