@@ -93,6 +93,11 @@ CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece o
     ("zero-warmup", ["parallel.zero=1", "compression=bf16", "compression.warmup_steps=2"],
      "needs schedule=fixed and warmup_steps=0"),
     ("wandb-online-no-key", ["logging.wandb.mode=online"], "logging.wandb.mode=online needs a wandb API key"),
+    ("optim-name", ["optim.name=lamb"], "optim.name='lamb' is not one of adamw, sgd"),
+    ("sgd-nesterov", ["optim=sgd", "optim.momentum=0", "optim.nesterov=true"],
+     "optim.nesterov=true needs optim.momentum > 0"),
+    ("sync-mode", ["sync.mode=async"], "sync.mode='async' is not one of dp, diloco, gossip"),
+    ("sync-dp-inner-steps", ["sync.inner_steps=5"], "apply to sync=diloco or sync=local_sgd, not to synchronous DP"),
 ]
 RANKED: list[tuple[str, list[str], str]] = [  # the same, as rank 0 and rank 1 of two torchrun ranks see them
     ("tp-heads", ["parallel=tp2", "model.n_heads=3", "model.hidden=192"],
@@ -115,6 +120,21 @@ RANKED: list[tuple[str, list[str], str]] = [  # the same, as rank 0 and rank 1 o
     ("zb-memory", ["parallel=pp2", "parallel.schedule=zb1p", "parallel.zb_memory=2GiB"],
      "parallel.zb_memory='2GiB' is not one of 1f1b, none"),
     ("compression-rank", ["compression=powersgd", "compression.rank=0"], "compression.rank must be > 0, got 0"),
+    ("sync-inner-steps", ["sync=diloco", "sync.inner_steps=0"], "sync.inner_steps must be >= 1, got 0"),
+    ("sync-fragments", ["sync=diloco", "sync.inner_steps=4", "sync.fragments=5"],
+     "sync.fragments must be between 1 and sync.inner_steps=4, got 5"),
+    ("sync-momentum", ["sync=diloco", "sync.outer_momentum=1"], "sync.outer_momentum must be in [0, 1), got 1"),
+    ("sync-sharded-optimizer", ["sync=local_sgd", "parallel.zero=1"],
+     "sync.mode=diloco cannot run with parallel.zero=1"),
+    ("sync-hierarchical", ["sync=diloco", "compression=hierarchical", "compression.inner=int8"],
+     "(use sync.scope=inter)"),
+    ("sync-inter-one-node", ["sync=diloco", "sync.scope=inter"],
+     "sync.scope=inter needs DP replicas on more than one node"),
+    ("gossip-topology", ["sync=gossip", "sync.topology=torus"],
+     "sync.topology='torus' is not one of ring, exponential, one_peer, complete"),
+    ("gossip-compression", ["sync=gossip", "compression=int8"], "sync=gossip exchanges fp32 parameters"),
+    ("sgd-sharded-optimizer", ["optim=sgd", "parallel.zero=1"],
+     "optim.name=sgd cannot run with parallel.zero=1 or compression=onebit_adam"),
 ]
 """Checks made before the process group exists run alike on every rank: each forked child gets torchrun's
 RANK/WORLD_SIZE (no MASTER_ADDR: nothing to wait for) and must print its own `[rankN]` line.
