@@ -16,6 +16,7 @@ dp), `replicas_group` the group whose ranks hold equal parameters after every st
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
@@ -34,9 +35,11 @@ if TYPE_CHECKING:
 
 MODES = ("dp", "diloco", "gossip")
 SCOPES = ("dp", "inter")
-INCOMPATIBLE = {"compression.method": ("hierarchical", "onebit_adam"), "parallel.zero": (1,)}
+INCOMPATIBLE = {"compression.method": ("hierarchical", "onebit_adam"), "compression.schedule": ("auto",),
+                "parallel.zero": (1,)}
 """Options a replica-level mode refuses: hierarchical compression (use `sync.scope=inter`), 1-bit Adam (an
-optimizer-side gradient compression), the distributed optimizer (its shards assume replicas that agree)."""
+optimizer-side gradient compression), the auto compression schedule (it watches every step's gradient
+exchange), the distributed optimizer (its shards assume replicas that agree)."""
 
 __all__ = ["MODES", "OuterSync", "check", "gradient_sync", "inner_group", "outer_group", "replica_sync",
            "replicas_group"]
@@ -77,13 +80,25 @@ def gradient_sync(cfg: Config, ctx: ParallelContext, model: nn.Module, hook: Com
 
 def replica_sync(cfg: Config, ctx: ParallelContext, model: nn.Module, weights: Weights, hook: CommHook,
                  state: Any, apart: frozenset[int]) -> Optional[OuterSync | Gossip]:
-    """The mode's replica-level sync over `model`'s trained parameters (None under sync=dp)."""
+    """The mode's replica-level sync over `model`'s trained parameters (None under sync=dp). DiLoCo's outer step
+    runs `hook` (the compression hook over DP) or, when it averages over another group, one made for it."""
     if cfg.sync.mode == "dp":
         return None
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.sync.mode == "gossip":
-        return Gossip(cfg.sync, params, ctx.dp_group, weights, ctx.tp_group, ctx.pp_group)
-    return OuterSync(cfg.sync, params, outer_group(cfg, ctx), hook, state, weights, cfg.parallel.bucket_mb, apart)
+        return Gossip(cfg.sync, params, ctx.dp_group, weights, ctx.tp_group, ctx.pp_group, node_of(ctx))
+    group = outer_group(cfg, ctx)
+    if group is not ctx.dp_group:  # the compression hook of the outer group (scope=inter: between nodes)
+        hook, state = make_hook(cfg.compression, group)
+        state.exact_params = apart
+    return OuterSync(cfg.sync, params, group, hook, state, weights, cfg.parallel.bucket_mb, apart)
+
+
+def node_of(ctx: ParallelContext) -> Callable[[int], int]:
+    """A DP rank (in this rank's DP group) → its node."""
+    def node(dp_rank: int) -> int:
+        return ctx.layout.node(ctx.layout.rank(ctx.pp_rank, dp_rank, ctx.tp_rank))
+    return node
 
 
 def check(cfg: Config, layout: Layout) -> None:

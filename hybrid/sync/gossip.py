@@ -13,13 +13,14 @@ uniform mixing matrix, doubly stochastic because every graph here is regular (`s
 
 The consensus distance, √(mean_i ‖θ_i − θ̄‖²) over the whole model (TP shards and stages summed, replicated
 copies counted once), goes into logged records (an uncounted `meter` all-reduce over DP, then sums over TP and
-PP). At the run's last step the replicas are averaged exactly (one all-reduce over DP), so the run ends with
-one model.
+PP), with the bytes sent to replicas on other nodes (`bytes_inter_per_step`). At the run's last step the
+replicas are averaged exactly (one all-reduce over DP), so the run ends with one model.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,10 +58,10 @@ class Gossip:
     """One rank's gossip: its rounds, bytes, and the consensus distance of logged steps."""
 
     def __init__(self, cfg: SyncConfig, params: list[nn.Parameter], group: Group, weights: Weights,
-                 tp_group: Group, pp_group: Group) -> None:
+                 tp_group: Group, pp_group: Group, node_of: Callable[[int], int] = lambda r: 0) -> None:
         self.cfg, self.params, self.group, self.weights = cfg, params, group, weights
-        self.tp_group, self.pp_group = tp_group, pp_group
-        self.events, self.bytes, self.last_step = 0, 0, 0
+        self.tp_group, self.pp_group, self.node_of = tp_group, pp_group, node_of  # node_of: a DP rank's node
+        self.events, self.bytes, self.inter_bytes, self.last_step = 0, 0, 0, 0
         self.state = None  # no compression hook state
 
     def restart(self) -> None:
@@ -81,7 +82,9 @@ class Gossip:
         return [0]
 
     def _round(self, flat: torch.Tensor, round_: int) -> torch.Tensor:
-        peers = neighbours(self.cfg.topology, C.size(self.group), C.rank(self.group), round_)
+        me = C.rank(self.group)
+        peers = neighbours(self.cfg.topology, C.size(self.group), me, round_)
+        self.inter_bytes += sum(self.node_of(p) != self.node_of(me) for p in peers) * flat.numel() * 4
         theirs = [torch.empty_like(flat) for _ in peers]
         C.exchange([(flat, p) for p in peers], list(zip(theirs, peers)), self.group)
         return torch.stack([flat, *theirs]).sum(0).div_(len(peers) + 1)
@@ -117,13 +120,15 @@ class Gossip:
     def record(self, steps: int) -> dict[str, float]:
         """The metrics record's sync keys (collective: the consensus distance's)."""
         return {"sync_events": self.events, "sync_last_step": self.last_step,
-                "bytes_outer_per_step": self.bytes / max(steps, 1), "consensus_distance": self.consensus_distance()}
+                "bytes_outer_per_step": self.bytes / max(steps, 1), "bytes_inter_per_step": self.inter_bytes / max(
+                    steps, 1), "consensus_distance": self.consensus_distance()}
 
     def state_dict(self) -> dict[str, Any]:
         return {**replica_state(self.weights, self.params), "events": self.events, "bytes": self.bytes,
-                "last_step": self.last_step}
+                "inter_bytes": self.inter_bytes, "last_step": self.last_step}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         load_replica_state(self.weights, self.params, sd)
         self.events, self.bytes, self.last_step = int(sd["events"]), int(sd["bytes"]), int(sd["last_step"])
+        self.inter_bytes = int(sd["inter_bytes"])
         self.weights.loaded()

@@ -72,6 +72,8 @@ def test_diloco_with_one_inner_step_and_plain_averaging_is_synchronous_dp() -> N
     results = run_ranks(train_modes, 4, Case(), modes, 2, 4, timeout=TIMEOUT)
     for r in results:
         dp, *others = r
+        inter = others[1]["bytes"]  # the node's DP every step, the other node only at the outer steps
+        assert all(b["dp"] == 0 and b["dp_intra"] > 0 and b["dp_inter"] > 0 for b in inter)
         for other in others:
             torch.testing.assert_close(torch.tensor(other["losses"]), torch.tensor(dp["losses"]), rtol=1e-5, atol=1e-6)
             for name, w in dp["weights"].items():
