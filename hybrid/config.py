@@ -205,7 +205,7 @@ class SyncConfig:
     """How DP replicas agree (`hybrid.sync`): gradients every step, or rarely, with neighbours, through servers."""
 
     name: str = "dp"  # label only; the config file name
-    mode: str = "dp"  # dp (gradients every step) | diloco (local_sgd: its plain-averaging case) | gossip
+    mode: str = "dp"  # dp (gradients every step) | diloco (local_sgd: its plain-averaging case) | gossip | ps
     inner_steps: int = 1  # H: local optimizer steps between outer steps (gossip: between gossip rounds)
     outer_lr: float = 0.7  # the outer optimizer's learning rate (DiLoCo's 0.7; 1 with no momentum = averaging)
     outer_momentum: float = 0.9  # the outer SGD's momentum
@@ -213,6 +213,10 @@ class SyncConfig:
     scope: str = "dp"  # dp: every DP replica syncs every H steps; inter: DP inside a node every step, between every H
     fragments: int = 1  # streaming: the model in F fragments, each synced every H steps, staggered by H/F
     topology: str = "ring"  # gossip's graph: ring | exponential | one_peer (dp a power of two) | complete
+    servers: int = 1  # ps: parameter-server shards per (pp, tp) coordinate, served by DP ranks 0..servers-1
+    asynchronous: bool = False  # ps: workers run ahead of the slowest by up to max_staleness versions
+    max_staleness: int = 0  # ps (asynchronous): versions a worker's parameters may lag behind its clock
+    staleness_weighting: bool = False  # ps: each gradient weighted 1/(1 + its staleness) in the server's mean
 
 
 @dataclass

@@ -108,7 +108,8 @@ class Trainer:
         self.grad_sync.begin_step(self.num_microbatches)
         self.optimizer = build_optimizer(self.model, cfg.optim, t.lr, ctx, self.grad_sync, main,
                                          cfg.parallel.overlap_param_gather)
-        self.outer = replica_sync(cfg, ctx, self.model, self.optimizer, hook, hook_state, apart)  # diloco
+        self.outer = replica_sync(cfg, ctx, self.model, self.optimizer, hook, hook_state, apart)  # sync.mode
+        self.optimizer = self.outer if getattr(self.outer, "steps_the_model", False) else self.optimizer  # ps
         self.activation_dtype = torch.bfloat16 if low else torch.float32  # the residual stream's, between stages
         self.sampler = StepSampler(len(corpus.train), t.micro_batch_size, self.num_microbatches, ctx.dp_size,
                                    ctx.dp_rank, t.seed)

@@ -82,14 +82,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def run_cfg(args: argparse.Namespace, overrides: Sequence[str]) -> Config:
+def mode_config(args: argparse.Namespace, overrides: Sequence[str], steps: Optional[int] = None) -> Config:
     """One run's config: the default corpus, fp32 CPU, dp=4 on 2 emulated nodes, eval only at the end."""
-    knobs = [] if args.lr is None else [f"train.lr={args.lr}"]
+    knobs = [] if getattr(args, "lr", None) is None else [f"train.lr={args.lr}"]
     return compose_config([f"model={args.model}", "data=default", f"data.seq_len={args.seq}", *knobs,
                            "parallel.ranks_per_node=2", f"train.micro_batch_size={args.micro_batch}",
-                           f"train.global_batch_size={args.global_batch}", f"train.steps={args.steps}",
-                           "train.eval_every=0", f"train.eval_batches={args.eval_batches}", "train.precision=fp32",
-                           "train.device=cpu", "logging.progress=false", *overrides])
+                           f"train.global_batch_size={args.global_batch}", f"train.steps={steps or args.steps}",
+                           "train.eval_every=0", f"train.eval_batches={getattr(args, 'eval_batches', 1)}",
+                           "train.precision=fp32", "train.device=cpu", "logging.progress=false", *overrides])
 
 
 def mode_rank(rank: int, world: int, cfg: Config, corpus: Corpus) -> dict[str, Any]:
@@ -126,8 +126,8 @@ def section(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[s
 
     only = {x.strip() for x in args.only.split(",") if x.strip()}
     chosen = [r for r in runs(args) if not only or r[0] in only or r[0] == "sync DP"]
-    corpus = prepare_data(run_cfg(args, []).data)
-    cfgs = [run_cfg(args, o) for _, o, _ in chosen]
+    corpus = prepare_data(mode_config(args, []).data)
+    cfgs = [mode_config(args, o) for _, o, _ in chosen]
     results = launch(mode_ranks, 4, cfgs, corpus, timeout=args.timeout * len(cfgs))
     rows = []
     for i, (label, overrides, goal) in enumerate(chosen):

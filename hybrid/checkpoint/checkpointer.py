@@ -305,10 +305,11 @@ class Checkpointer:
         if same_sync:  # this replica's own parameters, inner optimizer state, anchors and outer momentum
             sync.load_state_dict(unblob(state[self._sync_key()]))
         elif sync is not None:
-            sync.restart()
+            sync.restart(int(manifest["step"]))
             if self.writer:
                 self.log(f"note: {path} holds no replica state for this layout and sync mode: every replica "
-                         "restarts from the saved parameters, the outer momentum from zero")
+                         "restarts from the saved parameters (DiLoCo's outer momentum, a server's optimizer state "
+                         "from zero)")
         self.protected.add(path)
         if self.writer:
             for line in resume_lines(path, manifest, cfg, here, same_hook):

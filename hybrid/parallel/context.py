@@ -220,6 +220,16 @@ class ParallelContext:
         return ctx
 
 
+def more_groups(ctx: ParallelContext, kind: str, name: str) -> Optional[dist.ProcessGroup]:
+    """One more set of groups of `kind` (e.g. "dp": the same ranks, separate traffic), this rank's, counted as
+    `name`; None in one process. Collective: every rank must call it."""
+    if not dist.is_initialized():
+        return None
+    group = _mine(ctx.layout.groups(kind), ctx.rank, kind, ctx.timeout_s)
+    name_group(group, name)
+    return group
+
+
 def pp_streams(ctx: ParallelContext, streams: Sequence[str]) -> dict[str, dist.ProcessGroup]:
     """One more group over this rank's pipeline ranks per pipeline comm stream (`pipeline.P2P`), each counted
     as "pp"; {} without a pipeline. Collective: every rank must call it with the same streams."""

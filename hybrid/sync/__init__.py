@@ -8,6 +8,8 @@ as they are.
   gradients every step (exactly); only the exchange between nodes waits H steps.
 - `gossip` (`sync=gossip`): each replica steps alone, then averages its parameters with its neighbours on a
   graph (`gossip.Gossip`).
+- `ps` (`sync=ps`, `sync=ps_async`): workers push gradients to parameter-server shards hosted by the first
+  DP ranks and pull parameters, synchronously or with bounded staleness (`ps.PSWorker`, the optimizer seam).
 
 `gradient_sync` builds the per-step gradient sync of a mode, `replica_sync` its replica-level sync (None for
 dp), `replicas_group` the group whose ranks hold equal parameters after every step (the health check's), and
@@ -24,16 +26,17 @@ from torch import nn
 from hybrid.compression.hooks import make_hook
 from hybrid.config import CompressionConfig, Config, ConfigError
 from hybrid.parallel.collectives import Group
-from hybrid.parallel.context import ParallelContext
+from hybrid.parallel.context import ParallelContext, more_groups
 from hybrid.parallel.data import CommHook, GradSync, SyncReport
 from hybrid.sync.gossip import TOPOLOGIES, Gossip, fits
 from hybrid.sync.outer import OuterSync
+from hybrid.sync.ps import PSWorker
 from hybrid.sync.replica import Weights
 
 if TYPE_CHECKING:
     from hybrid.parallel.context import Layout
 
-MODES = ("dp", "diloco", "gossip")
+MODES = ("dp", "diloco", "gossip", "ps")
 SCOPES = ("dp", "inter")
 INCOMPATIBLE = {"compression.method": ("hierarchical", "onebit_adam"), "compression.schedule": ("auto",),
                 "parallel.zero": (1,)}
@@ -79,7 +82,7 @@ def gradient_sync(cfg: Config, ctx: ParallelContext, model: nn.Module, hook: Com
 
 
 def replica_sync(cfg: Config, ctx: ParallelContext, model: nn.Module, weights: Weights, hook: CommHook,
-                 state: Any, apart: frozenset[int]) -> Optional[OuterSync | Gossip]:
+                 state: Any, apart: frozenset[int]) -> Optional[OuterSync | Gossip | PSWorker]:
     """The mode's replica-level sync over `model`'s trained parameters (None under sync=dp). DiLoCo's outer step
     runs `hook` (the compression hook over DP) or, when it averages over another group, one made for it."""
     if cfg.sync.mode == "dp":
@@ -87,6 +90,8 @@ def replica_sync(cfg: Config, ctx: ParallelContext, model: nn.Module, weights: W
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.sync.mode == "gossip":
         return Gossip(cfg.sync, params, ctx.dp_group, weights, ctx.tp_group, ctx.pp_group, node_of(ctx))
+    if cfg.sync.mode == "ps":  # pushes and replies each on groups of their own over the DP ranks
+        return PSWorker(cfg, ctx, params, more_groups(ctx, "dp", "ps"), more_groups(ctx, "dp", "ps"))
     group = outer_group(cfg, ctx)
     if group is not ctx.dp_group:  # the compression hook of the outer group (scope=inter: between nodes)
         hook, state = make_hook(cfg.compression, group)
@@ -116,6 +121,9 @@ def check(cfg: Config, layout: Layout) -> None:
         return
     if s.mode == "gossip":
         _check_gossip(cfg, layout)
+    if s.mode == "ps":
+        _check_ps(cfg, layout)
+        return
     _require(s.outer_lr > 0, f"sync.outer_lr must be > 0, got {s.outer_lr}")
     _require(0 <= s.outer_momentum < 1, f"sync.outer_momentum must be in [0, 1), got {s.outer_momentum}")
     for key, bad in INCOMPATIBLE.items():
@@ -139,6 +147,22 @@ def _check_gossip(cfg: Config, layout: Layout) -> None:
              "and sync.fragments=1")
     _require(cfg.compression.method == "none", f"sync=gossip exchanges fp32 parameters; compression="
              f"{cfg.compression.method} applies to gradients (sync=dp) and outer steps (sync=diloco)")
+
+
+def _check_ps(cfg: Config, layout: Layout) -> None:
+    s, t = cfg.sync, cfg.train
+    _require(s.servers >= 1, f"sync.servers must be >= 1, got {s.servers}")
+    _require(s.servers <= layout.dp, f"sync.servers={s.servers} is more than the DP ranks that host them "
+             f"(dp={layout.dp}): each server shard lives on one DP rank of each (pp, tp) coordinate")
+    _require(s.max_staleness >= 0, f"sync.max_staleness must be >= 0, got {s.max_staleness}")
+    _require(s.scope == "dp" and s.fragments == 1 and s.inner_steps == 1, "sync=ps exchanges every step over DP: "
+             "sync.scope=dp, sync.fragments=1, sync.inner_steps=1")
+    _require(cfg.compression.method == "none", f"sync=ps pushes fp32 gradients; compression="
+             f"{cfg.compression.method} applies to sync=dp and sync=diloco")
+    _require(t.precision != "bf16_params", "sync=ps keeps fp32 parameters on the servers: use train.precision="
+             "bf16 (autocast) or fp32")
+    _require(t.on_nonfinite == "stop", f"sync=ps stops on a non-finite gradient (the servers have applied the "
+             f"step's others): train.on_nonfinite={t.on_nonfinite} is not available with it")
 
 
 def _require(ok: bool, msg: str) -> None:

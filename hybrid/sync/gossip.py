@@ -64,7 +64,7 @@ class Gossip:
         self.events, self.bytes, self.inter_bytes, self.last_step = 0, 0, 0, 0
         self.state = None  # no compression hook state
 
-    def restart(self) -> None:
+    def restart(self, step: int = 0) -> None:
         """Nothing to restart: gossip keeps no state beyond the replicas' own."""
 
     def after_step(self, step: int, last: bool = False) -> list[int]:
@@ -90,6 +90,9 @@ class Gossip:
         return torch.stack([flat, *theirs]).sum(0).div_(len(peers) + 1)
 
     def _average(self, flat: torch.Tensor) -> torch.Tensor:
+        me, n = C.rank(self.group), C.size(self.group)
+        if any(self.node_of(r) != self.node_of(me) for r in range(n)):  # its payload crosses nodes once
+            self.inter_bytes += flat.numel() * 4
         C.all_reduce(flat, self.group)
         return flat.div_(C.size(self.group))
 

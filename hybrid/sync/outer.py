@@ -61,12 +61,12 @@ class OuterSync:
         self.events, self.bytes, self.last_step = 0, 0, 0
         self.restart()
 
-    def restart(self) -> None:
-        """Anchor every fragment at the parameters held now; momentum zero (a run's start, or a resume whose
-        checkpoint holds no outer state for this layout)."""
+    def restart(self, step: int = 0) -> None:
+        """Anchor every fragment at the parameters held now; momentum zero (a run's start, or a resume at `step`
+        whose checkpoint holds no outer state for this layout)."""
         self.anchor = {p: self.weights.main_weight(p).detach().float().clone() for f in self.fragments for p in f}
         self.momentum = {p: torch.zeros_like(a) for p, a in self.anchor.items()} if self.cfg.outer_momentum else {}
-        self.synced = [0] * len(self.fragments)  # the step of each fragment's last outer step
+        self.synced = [step] * len(self.fragments)  # the step of each fragment's last outer step
 
     def offset(self, f: int) -> int:
         """The step (mod H) of fragment `f`'s outer steps."""

@@ -160,6 +160,58 @@ def test_diloco_matches_the_papers_loop(fragments: int) -> None:
         assert torch.equal(ref[1][name], w)  # the final sync: one model
 
 
+# ---- the parameter server ----------------------------------------------------------------------------------
+
+def test_parameter_server_synchronous_and_async_at_zero_staleness_are_synchronous_dp() -> None:
+    """dp=4, momentum SGD on the servers, no clipping (each worker would clip its own gradient): one server
+    shard, three, and the asynchronous protocol held to staleness 0 all train as synchronous DP (the servers
+    apply the same optimizer to the mean gradient). AdamW would too, but its update divides by √v, and on the
+    elements whose gradient is only rounding noise (a key's bias: softmax ignores it) two sum orders differ."""
+    modes = [LINEAR, (*LINEAR, "sync=ps"), (*LINEAR, "sync=ps", "sync.servers=3"),
+             (*LINEAR, "sync=ps_async", "sync.max_staleness=0")]
+    for r in run_ranks(train_modes, 4, Case(), modes, 4, 4, timeout=TIMEOUT):
+        dp, *others = r
+        for other in others:
+            torch.testing.assert_close(torch.tensor(other["losses"]), torch.tensor(dp["losses"]), rtol=1e-5, atol=1e-6)
+            for name, w in dp["weights"].items():
+                torch.testing.assert_close(other["weights"][name], w, rtol=1e-5, atol=1e-6, msg=name)
+            assert all(b["dp"] == 0 for b in other["bytes"])  # no DP collective: pushes and replies only
+
+
+def staleness_run(rank: int, world: int, k: int, steps: int) -> dict[str, Any]:
+    """Rank function: asynchronous PS with max_staleness k; rank 3 sleeps after each step (a slow worker)."""
+    import time
+
+    ctx = ParallelContext.build(Layout.create(world))
+    cfg = make_cfg(Case(), world, extra=["sync=ps_async", f"sync.max_staleness={k}", "sync.servers=2",
+                                         f"train.steps={steps}"])
+    trainer = _trainer(cfg, ctx)
+    versions = []
+    for _ in range(steps):
+        trainer.train_step()
+        versions.append((trainer.step, trainer.optimizer.version))
+        if rank == 3:
+            time.sleep(0.05)
+    server = trainer.optimizer.server
+    return {"versions": versions, "staleness": list(server.staleness) if server else [],
+            "final": _weights(trainer)}
+
+
+def test_async_parameter_server_never_applies_a_gradient_older_than_k_versions() -> None:
+    """dp=4, 2 server shards, k=2, rank 3 slow: the fast workers run ahead (some gradients are stale), none is
+    more than k versions old when applied, no worker ever holds parameters more than k versions behind its
+    clock, and the last step waits for the final version: every replica ends with the same model."""
+    k, steps = 2, 8
+    results = run_ranks(staleness_run, 4, k, steps, timeout=TIMEOUT)
+    applied = [s for r in results[:2] for s in r["staleness"]]  # the hosts of the two shards
+    assert len(applied) == 2 * 4 * steps and max(applied) <= k and max(applied) > 0
+    for r in results:
+        assert all(step - version <= k for step, version in r["versions"][:-1])
+        assert r["versions"][-1] == (steps, steps)
+        for name, w in results[0]["final"].items():
+            assert torch.equal(r["final"][name], w), name
+
+
 # ---- gossip on a toy quadratic ----------------------------------------------------------------------------------
 
 class _Plain:
@@ -220,10 +272,11 @@ def test_diloco_resumes_bit_exactly_between_outer_steps_and_restarts_under_anoth
     assert any("holds no replica state" in line for line in results[0]["log"])
 
 
-def test_gossip_resumes_bit_exactly(tmp_path: Path) -> None:
-    """tp2pp2dp2 gossip on a ring, saved at step 5 and resumed in the same layout: each replica's parameters
-    and AdamW moments come back, the losses and final weights bit for bit."""
-    results = run_ranks(resume_runs, 8, tmp_path, Case(tp=2, pp=2), [], ("sync=gossip",), timeout=TIMEOUT)
+@pytest.mark.parametrize("mode", [("sync=gossip",), ("sync=ps", "sync.servers=2")], ids=["gossip", "ps"])
+def test_gossip_and_parameter_server_resume_bit_exactly(tmp_path: Path, mode: tuple[str, ...]) -> None:
+    """tp2pp2dp2, saved at step 5 and resumed in the same layout: gossip's replicas' parameters and AdamW
+    moments, the parameter server's shards, AdamW state and version come back: losses and weights bit for bit."""
+    results = run_ranks(resume_runs, 8, tmp_path, Case(tp=2, pp=2), [], mode, timeout=TIMEOUT)
     for r in results:
         assert r["same"]["losses"] == r["base"]["losses"][SAVE_AT:]
         for name, w in r["final"].items():

@@ -34,7 +34,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "hybrid.config": (),
     "hybrid.lifeline": (),
     "hybrid.rdzv_timeout": (),
-    "hybrid.sync": ("hybrid.config", "hybrid.parallel", "hybrid.compression"),
+    "hybrid.sync": ("hybrid.config", "hybrid.parallel", "hybrid.compression", "hybrid.optim"),
     "hybrid.validation": ("hybrid.config", "hybrid.parallel", "hybrid.compression", "hybrid.model",
                           "hybrid.checkpoint.preempt", "hybrid.sync"),
     "hybrid.overrides": ("hybrid.config",),

@@ -1,0 +1,306 @@
+"""A parameter server over torch.distributed point-to-point: workers push gradients and pull parameters; the
+servers hold shards of the parameters and the optimizer, and apply versions with bounded staleness.
+
+Layout: each (pp, tp) coordinate's trained parameters, flattened in the model's order, fall into
+`sync.servers` = S contiguous shards; shard s is served by a thread on that coordinate's DP rank s (S ≤ dp),
+so TP and PP inside a replica stay as they are and every exchange stays inside one DP group. Pushes travel on
+one process group over the DP ranks, replies on another (the host's own worker uses in-process queues).
+
+A worker's step (`PSWorker.step`, the optimizer seam): the gradient's global norm over TP and PP, clipping by
+it (each worker its own), then to every server one push — [clock c, the version its parameters are, lr, the
+version it needs back] and the shard's gradient — and from every server one reply — [version] and the shard's
+parameters.
+
+A server keeps the pushes per clock; once all dp workers' gradients of clock v are in, it takes one step of
+`optim.name`'s optimizer (fused AdamW by default, on its shard's slices: the same element-wise update as the
+whole parameters') on their mean, in DP-rank order (each weighted 1/(1+staleness) under
+`sync.staleness_weighting`), and the version becomes v+1. It answers a push of clock c once its version
+reaches what the push needs, c + 1 − k (k = `sync.max_staleness`, 0 unless `sync.asynchronous`): with k = 0
+every worker waits for every clock (synchronous DP, exactly), with k > 0 a fast worker runs up to k versions
+ahead of the slowest and never computes on parameters more than k versions old (each push's staleness,
+c − its version, is recorded).
+
+At the run's last step every worker waits for the final version, so the run ends with one model; then it
+tells the servers to stop. A checkpoint first waits until this rank's server has applied every clock before
+it (nothing in flight), then saves the server's shard, optimizer state and version with the worker's own
+parameters (the sync blob).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import defaultdict
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybrid.config import Config
+from hybrid.optim.adamw import clip_grads, finite, global_grad_norm, optimizer_over
+from hybrid.parallel import collectives as C
+from hybrid.parallel.context import ParallelContext
+from hybrid.parallel.grads import grad_of
+
+STOP = -1.0
+
+
+def shard_bounds(numel: int, servers: int) -> list[tuple[int, int]]:
+    """The S contiguous [lo, hi) shards of a flat vector of `numel` elements (sizes differ by at most one)."""
+    return [(s * numel // servers, (s + 1) * numel // servers) for s in range(servers)]
+
+
+class Server:
+    """Shard `bounds` of one coordinate's parameters and its optimizer; `run` is the thread's loop."""
+
+    def __init__(self, cfg: Config, params: list[nn.Parameter], flat: torch.Tensor, bounds: tuple[int, int],
+                 workers: int, push: dist.ProcessGroup, pull: dist.ProcessGroup, me: int) -> None:
+        self.s, self.workers, self.push, self.pull, self.me = cfg.sync, workers, push, pull, me
+        lo, hi = bounds
+        self.slices: list[nn.Parameter] = []
+        decay, plain, offset = [], [], 0
+        for p in params:  # the shard's part of each parameter, a leaf of its own (decay as the parameter's)
+            a, b = max(lo, offset), min(hi, offset + p.numel())
+            if a < b:
+                piece = nn.Parameter(flat[a:b].clone())
+                self.slices.append(piece)
+                (decay if p.ndim >= 2 else plain).append(piece)
+            offset += p.numel()
+        self.optimizer = optimizer_over([{"params": decay, "weight_decay": cfg.optim.weight_decay},
+                                         {"params": plain, "weight_decay": 0.0}], cfg.optim, cfg.train.lr)
+        self.numel, self.version = hi - lo, 0
+        self.pushes: dict[int, dict[int, tuple[torch.Tensor, int, float]]] = defaultdict(dict)
+        self.waiting: list[tuple[int, int]] = []  # (worker, the version it needs) owed a reply
+        self.staleness: list[int] = []  # every applied push's
+        self.inbox: queue.Queue = queue.Queue()  # (worker, push): the host's own worker's and `receive`'s
+        self.local_out: queue.Queue = queue.Queue()  # replies to the host's own worker
+        self.changed = threading.Condition()
+        self.error: Optional[BaseException] = None
+
+    def params(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.slices])
+
+    def run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - the worker raises it at its next exchange
+            self.error = e
+            self.local_out.put(None)
+            with self.changed:
+                self.changed.notify_all()
+
+    def _loop(self) -> None:
+        """Handle pushes from the inbox (the host's own worker puts its own there; `receive` the others') until
+        every worker has said stop; reply as versions allow."""
+        stopped = 0
+        while stopped < self.workers:
+            stopped += self._handle(*self.inbox.get())
+
+    def receive(self) -> None:
+        """The receiving thread's loop: every remote worker's pushes (an any-source receive on the push group,
+        blocking) into the inbox, until each has sent its stop."""
+        try:
+            left, buf = self.workers - 1, torch.empty(4 + self.numel)
+            while left:
+                src = dist.recv(buf, group=self.push)
+                left -= int(float(buf[0]) == STOP)
+                self.inbox.put((dist.get_group_rank(self.push, src), buf.clone()))
+        except BaseException as e:  # noqa: BLE001 - the worker raises it at its next exchange
+            self.error = e
+            self.local_out.put(None)
+
+    def _handle(self, worker: int, msg: torch.Tensor) -> int:
+        """One push: kept for its clock; the versions it completes applied; replies sent. 1 for a stop."""
+        clock, version, lr, need = float(msg[0]), int(msg[1]), float(msg[2]), int(msg[3])
+        if clock == STOP:
+            return 1
+        self.pushes[int(clock)][worker] = (msg[4:], int(clock) - version, lr)
+        self.waiting.append((worker, need))
+        while len(self.pushes.get(self.version, {})) == self.workers:
+            self._apply(self.pushes.pop(self.version))
+        self._answer()
+        return 0
+
+    @torch.no_grad()
+    def _apply(self, pushes: dict[int, tuple[torch.Tensor, int, float]]) -> None:
+        """One optimizer step on the clock's mean gradient (DP-rank order), then the next version."""
+        mean = torch.zeros(self.numel)
+        for w in sorted(pushes):  # the sum, then one division: as the DP all-reduce's mean
+            grad, stale, lr = pushes[w]
+            mean.add_(grad, alpha=1.0 / (1 + stale) if self.s.staleness_weighting else 1.0)
+            self.staleness.append(stale)
+        mean.div_(self.workers)
+        offset = 0
+        for piece in self.slices:
+            piece.grad = mean[offset: offset + piece.numel()].view_as(piece)
+            offset += piece.numel()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        with self.changed:
+            self.version += 1
+            self.changed.notify_all()
+
+    def _answer(self) -> None:
+        """Reply to every push whose needed version is reached: [version] and the shard's parameters."""
+        due = [(w, need) for w, need in self.waiting if need <= self.version]
+        self.waiting = [x for x in self.waiting if x not in due]
+        for w, _ in due:
+            reply = torch.cat([torch.tensor([float(self.version)]), self.params()])
+            if w == self.me:
+                self.local_out.put(reply)
+            else:  # its receive was posted before its push: the send completes
+                C.COUNTER.record(C.group_name(self.pull), "send", reply)
+                dist.send(reply, group=self.pull, group_dst=w)
+
+    def wait_version(self, version: int) -> None:
+        with self.changed:
+            while self.version < version and self.error is None:
+                self.changed.wait(timeout=1.0)
+        if self.error is not None:
+            raise RuntimeError(f"parameter server thread failed: {self.error}") from self.error
+
+
+class PSWorker:
+    """A worker's side, behind the optimizer seam (`step(lr)`), and the host of its coordinate's server shard
+    when its DP rank is below `sync.servers`."""
+
+    moments: tuple[str, ...] = ()  # the optimizer's state lives on the servers
+    steps_the_model = True  # it replaces the trainer's optimizer
+
+    def __init__(self, cfg: Config, ctx: ParallelContext, params: list[nn.Parameter], push: dist.ProcessGroup,
+                 pull: dist.ProcessGroup) -> None:
+        self.cfg, self.ctx, self.params, self.push, self.pull = cfg, ctx, params, push, pull
+        self.workers, self.me = C.size(ctx.dp_group), C.rank(ctx.dp_group)
+        self.bounds = shard_bounds(sum(p.numel() for p in params), cfg.sync.servers)
+        self.k = cfg.sync.max_staleness if cfg.sync.asynchronous else 0
+        self.clock, self.version, self.bytes = 0, 0, 0
+        self.state: dict[nn.Parameter, dict] = defaultdict(dict)  # none here: the servers hold it
+        self.param_groups = [{"params": list(params)}]
+        self.server: Optional[Server] = None
+        self.thread: Optional[threading.Thread] = None
+        self.restart(0)
+
+    def restart(self, step: int) -> None:
+        """A fresh server shard (this rank hosts one when its DP rank < S) from the parameters held now, at
+        version `step`: a run's start, or a resume whose checkpoint holds no server state for this layout (its
+        optimizer state starts afresh). Its thread starts with the first step."""
+        if self.thread is not None:
+            raise RuntimeError("a parameter server restarted while it serves")
+        self.clock = self.version = step
+        if self.me < len(self.bounds):
+            flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+            self.server = Server(self.cfg, self.params, flat, self.bounds[self.me], self.workers, self.push,
+                                 self.pull, self.me)
+            self.server.version = step
+
+    def step(self, lr: float) -> torch.Tensor:
+        """Norm, clip, push the gradient's shards, pull the parameters' (the version this clock needs). A
+        non-finite gradient is pushed as zeros (the servers' clock must advance: the run then stops on it)."""
+        if self.server is not None and self.thread is None:  # the server's thread, and its receiver's
+            self.thread = threading.Thread(target=self.server.run, name="hybrid-ps-server", daemon=True)
+            self.thread.start()
+            if self.workers > 1:
+                threading.Thread(target=self.server.receive, name="hybrid-ps-receive", daemon=True).start()
+        norm = global_grad_norm(self.params, self.ctx)
+        ok = finite(norm)
+        if ok:
+            clip_grads(self.params, self.cfg.optim.grad_clip, norm)
+        flat = torch.cat([grad_of(p).reshape(-1) if ok else torch.zeros(p.numel()) for p in self.params])
+        last = self.clock + 1 == self.cfg.train.steps
+        need = self.clock + 1 - (0 if last else self.k)
+        header = torch.tensor([float(self.clock), float(self.version), lr, float(need)])
+        replies = self._exchange([torch.cat([header, flat[lo:hi]]) for lo, hi in self.bounds])
+        self._write(replies)
+        self.clock += 1
+        if last:  # every server may end: each push of a worker has its message size, the stop too
+            self._send_all([torch.cat([torch.tensor([STOP, 0.0, 0.0, 0.0]), torch.zeros(hi - lo)])
+                            for lo, hi in self.bounds])
+        return norm
+
+    def _exchange(self, pushes: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every shard's push out and reply in: the replies' receives posted first, then the pushes."""
+        replies = [torch.empty(1 + hi - lo) for lo, hi in self.bounds]
+        recvs = [None if s == self.me else dist.irecv(r, group=self.pull, group_src=s) for s, r in enumerate(replies)]
+        self._send_all(pushes)
+        for s, work in enumerate(recvs):
+            if work is None:
+                replies[s] = self._local_reply()
+            else:
+                with C.TIMER.waiting(C.group_name(self.pull)):
+                    work.wait()
+        return replies
+
+    def _send_all(self, msgs: list[torch.Tensor]) -> None:
+        works = []
+        for s, msg in enumerate(msgs):
+            if s == self.me:
+                self.server.inbox.put((self.me, msg))
+                continue
+            C.COUNTER.record(C.group_name(self.push), "send", msg)
+            self.bytes += msg.numel() * 4
+            works.append(dist.isend(msg, group=self.push, group_dst=s))
+        for w in works:
+            w.wait()
+
+    def _local_reply(self) -> torch.Tensor:
+        reply = self.server.local_out.get()
+        if reply is None:
+            raise RuntimeError(f"parameter server thread failed: {self.server.error}") from self.server.error
+        return reply
+
+    @torch.no_grad()
+    def _write(self, replies: list[torch.Tensor]) -> None:
+        flat = torch.cat([r[1:] for r in replies])
+        self.version = min(int(r[0]) for r in replies)
+        offset = 0
+        for p in self.params:
+            p.copy_(flat[offset: offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    # ---- the optimizer seam's other parts, and the sync object's ---------------------------------------------
+
+    def main_weight(self, p: nn.Parameter) -> torch.Tensor:
+        return p.detach()
+
+    def loaded(self) -> None:
+        """After a load wrote the parameters: nothing (the server shards restart from them: `restart`)."""
+
+    def reload_main(self) -> None:
+        """After `model.init_from`: the server shard takes the new parameters."""
+        self.restart(self.clock)
+
+    def after_step(self, step: int, last: bool = False) -> list[int]:
+        return []  # the exchange is the optimizer's step
+
+    def record(self, steps: int) -> dict[str, float]:
+        server = self.server
+        stale = server.staleness if server is not None else []
+        return {"ps_version": self.version, "ps_max_staleness": max(stale, default=0),
+                "bytes_outer_per_step": self.bytes / max(steps, 1)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """After this rank's server has applied every clock before this step (nothing in flight): the worker's
+        parameters and version, and the server's shard, optimizer state and version."""
+        out: dict[str, Any] = {"params": [p.detach().clone() for p in self.params], "version": self.version,
+                               "clock": self.clock, "bytes": self.bytes}
+        if self.server is not None:
+            self.server.wait_version(self.clock)
+            out["server"] = {"slices": [t.detach().clone() for t in self.server.slices],
+                             "optim": self.server.optimizer.state_dict(), "version": self.server.version,
+                             "staleness": list(self.server.staleness)}
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for p, t in zip(self.params, sd["params"]):
+            p.copy_(t)
+        self.version, self.clock, self.bytes = int(sd["version"]), int(sd["clock"]), int(sd["bytes"])
+        self.restart(int(sd["clock"]))
+        self.version = int(sd["version"])
+        if self.server is not None:
+            for t, v in zip(self.server.slices, sd["server"]["slices"]):
+                t.copy_(v)
+            self.server.optimizer.load_state_dict(sd["server"]["optim"])
+            self.server.version, self.server.staleness = int(sd["server"]["version"]), sd["server"]["staleness"]
