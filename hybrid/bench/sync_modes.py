@@ -7,9 +7,11 @@ the same seed, data, token count and inner hyperparameters for every run; one re
 synchronous baseline averages every step's gradients hierarchically (`compression=hierarchical`, exact: inside
 each node, then between them); DiLoCo and local SGD keep DP inside a node synchronous (`sync.scope=inter`) and
 exchange between nodes every H steps (fp32, int8 or sign on the outer step); gossip averages with the ring's
-neighbours every step. Inter-node bytes: the payload a rank hands to its between-node groups (`dp_inter`, as
-COUNTER counts it) or, for gossip, sends to a neighbour on the other node; summed over the run, averaged over
-ranks. The final eval loss is over --eval-batches held-out global batches, the same for every run.
+neighbours every step; the parameter server (one shard, on node 0) takes every worker's gradient and returns
+the parameters, synchronously or 2 versions ahead at most. Inter-node bytes: the payload a rank hands to its
+between-node groups (`dp_inter`, as COUNTER counts it), sends to a gossip neighbour on the other node, or
+pushes to and pulls from a server there; summed over the run, averaged over ranks. The final eval loss is over
+--eval-batches held-out global batches, the same for every run.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def runs(args: argparse.Namespace) -> list[tuple[str, tuple[str, ...], bool]]:
     h = args.inner_steps[len(args.inner_steps) // 2]
     out.append((f"local SGD H={h}", ("sync=local_sgd", f"sync.inner_steps={h}", "sync.scope=inter"), False))
     out.append(("gossip ring", ("sync=gossip",), False))
+    out.append(("PS sync", ("sync=ps",), False))
+    out.append(("PS async k=2", ("sync=ps_async",), False))
     return out
 
 
@@ -105,7 +109,7 @@ def mode_rank(rank: int, world: int, cfg: Config, corpus: Corpus) -> dict[str, A
         inter += C.COUNTER.group_bytes("dp_inter")
         dp += sum(C.COUNTER.group_bytes(g) for g in ("dp", "dp_intra", "dp_inter"))
     wall = time.perf_counter() - start
-    inter += getattr(trainer.outer, "inter_bytes", 0)  # gossip: its sends to the other node
+    inter += getattr(trainer.outer, "inter_bytes", 0)  # gossip, PS: their point-to-point bytes across nodes
     return {"eval": trainer.evaluate(), "inter": inter, "dp": dp, "s_per_step": wall / cfg.train.steps}
 
 

@@ -51,7 +51,7 @@ def modes(h: int) -> list[tuple[str, tuple[str, ...]]]:
     return [("sync DP", SYNC), (f"DiLoCo H={h}", ("sync=diloco", f"sync.inner_steps={h}", "sync.scope=inter")),
             (f"DiLoCo H={h} int8", ("sync=diloco", f"sync.inner_steps={h}", "sync.scope=inter", "compression=int8")),
             (f"local SGD H={h}", ("sync=local_sgd", f"sync.inner_steps={h}", "sync.scope=inter")),
-            ("gossip ring", ("sync=gossip",))]
+            ("gossip ring", ("sync=gossip",)), ("PS async k=2", ("sync=ps_async",))]
 
 
 def build_parser() -> argparse.ArgumentParser:

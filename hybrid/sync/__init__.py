@@ -91,7 +91,7 @@ def replica_sync(cfg: Config, ctx: ParallelContext, model: nn.Module, weights: W
     if cfg.sync.mode == "gossip":
         return Gossip(cfg.sync, params, ctx.dp_group, weights, ctx.tp_group, ctx.pp_group, node_of(ctx))
     if cfg.sync.mode == "ps":  # pushes and replies each on groups of their own over the DP ranks
-        return PSWorker(cfg, ctx, params, more_groups(ctx, "dp", "ps"), more_groups(ctx, "dp", "ps"))
+        return PSWorker(cfg, ctx, params, more_groups(ctx, "dp", "ps"), more_groups(ctx, "dp", "ps"), node_of(ctx))
     group = outer_group(cfg, ctx)
     if group is not ctx.dp_group:  # the compression hook of the outer group (scope=inter: between nodes)
         hook, state = make_hook(cfg.compression, group)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -170,12 +171,13 @@ class PSWorker:
     steps_the_model = True  # it replaces the trainer's optimizer
 
     def __init__(self, cfg: Config, ctx: ParallelContext, params: list[nn.Parameter], push: dist.ProcessGroup,
-                 pull: dist.ProcessGroup) -> None:
+                 pull: dist.ProcessGroup, node_of: Callable[[int], int] = lambda r: 0) -> None:
         self.cfg, self.ctx, self.params, self.push, self.pull = cfg, ctx, params, push, pull
+        self.node_of = node_of  # a DP rank's node: the bytes to and from servers there count as inter-node
         self.workers, self.me = C.size(ctx.dp_group), C.rank(ctx.dp_group)
         self.bounds = shard_bounds(sum(p.numel() for p in params), cfg.sync.servers)
         self.k = cfg.sync.max_staleness if cfg.sync.asynchronous else 0
-        self.clock, self.version, self.bytes = 0, 0, 0
+        self.clock, self.version, self.bytes, self.inter_bytes = 0, 0, 0, 0
         self.state: dict[nn.Parameter, dict] = defaultdict(dict)  # none here: the servers hold it
         self.param_groups = [{"params": list(params)}]
         self.server: Optional[Server] = None
@@ -240,6 +242,8 @@ class PSWorker:
                 continue
             C.COUNTER.record(C.group_name(self.push), "send", msg)
             self.bytes += msg.numel() * 4
+            if self.node_of(s) != self.node_of(self.me):  # the push out and its reply back cross nodes
+                self.inter_bytes += (2 * msg.numel() - 3) * 4
             works.append(dist.isend(msg, group=self.push, group_dst=s))
         for w in works:
             w.wait()
@@ -278,13 +282,14 @@ class PSWorker:
         server = self.server
         stale = server.staleness if server is not None else []
         return {"ps_version": self.version, "ps_max_staleness": max(stale, default=0),
-                "bytes_outer_per_step": self.bytes / max(steps, 1)}
+                "bytes_outer_per_step": self.bytes / max(steps, 1), "bytes_inter_per_step": self.inter_bytes / max(
+                    steps, 1)}
 
     def state_dict(self) -> dict[str, Any]:
         """After this rank's server has applied every clock before this step (nothing in flight): the worker's
         parameters and version, and the server's shard, optimizer state and version."""
         out: dict[str, Any] = {"params": [p.detach().clone() for p in self.params], "version": self.version,
-                               "clock": self.clock, "bytes": self.bytes}
+                               "clock": self.clock, "bytes": self.bytes, "inter_bytes": self.inter_bytes}
         if self.server is not None:
             self.server.wait_version(self.clock)
             out["server"] = {"slices": [t.detach().clone() for t in self.server.slices],
@@ -297,6 +302,7 @@ class PSWorker:
         for p, t in zip(self.params, sd["params"]):
             p.copy_(t)
         self.version, self.clock, self.bytes = int(sd["version"]), int(sd["clock"]), int(sd["bytes"])
+        self.inter_bytes = int(sd["inter_bytes"])
         self.restart(int(sd["clock"]))
         self.version = int(sd["version"])
         if self.server is not None:

@@ -96,7 +96,7 @@ CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece o
     ("optim-name", ["optim.name=lamb"], "optim.name='lamb' is not one of adamw, sgd"),
     ("sgd-nesterov", ["optim=sgd", "optim.momentum=0", "optim.nesterov=true"],
      "optim.nesterov=true needs optim.momentum > 0"),
-    ("sync-mode", ["sync.mode=async"], "sync.mode='async' is not one of dp, diloco, gossip"),
+    ("sync-mode", ["sync.mode=async"], "sync.mode='async' is not one of dp, diloco, gossip, ps"),
     ("sync-dp-inner-steps", ["sync.inner_steps=5"], "apply to sync=diloco or sync=local_sgd, not to synchronous DP"),
 ]
 RANKED: list[tuple[str, list[str], str]] = [  # the same, as rank 0 and rank 1 of two torchrun ranks see them
@@ -133,6 +133,10 @@ RANKED: list[tuple[str, list[str], str]] = [  # the same, as rank 0 and rank 1 o
     ("gossip-topology", ["sync=gossip", "sync.topology=torus"],
      "sync.topology='torus' is not one of ring, exponential, one_peer, complete"),
     ("gossip-compression", ["sync=gossip", "compression=int8"], "sync=gossip exchanges fp32 parameters"),
+    ("ps-servers", ["sync=ps", "sync.servers=3"], "sync.servers=3 is more than the DP ranks that host them (dp=2)"),
+    ("ps-staleness", ["sync=ps_async", "sync.max_staleness=-1"], "sync.max_staleness must be >= 0, got -1"),
+    ("ps-bf16-params", ["sync=ps", "train.precision=bf16_params"], "sync=ps keeps fp32 parameters on the servers"),
+    ("ps-skip", ["sync=ps", "train.on_nonfinite=skip"], "train.on_nonfinite=skip is not available with it"),
     ("sgd-sharded-optimizer", ["optim=sgd", "parallel.zero=1"],
      "optim.name=sgd cannot run with parallel.zero=1 or compression=onebit_adam"),
 ]
