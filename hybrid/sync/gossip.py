@@ -31,7 +31,14 @@ from hybrid.config import SyncConfig
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.params import param_info
-from hybrid.sync.replica import Weights, flat_weights, load_replica_state, replica_state, set_flat_weights
+from hybrid.sync.replica import (
+    Weights,
+    flat_weights,
+    load_replica_state,
+    over_ranks,
+    replica_state,
+    set_flat_weights,
+)
 
 TOPOLOGIES = ("ring", "exponential", "one_peer", "complete")
 
@@ -121,10 +128,11 @@ class Gossip:
         return math.sqrt(float(sq) / C.size(self.group))
 
     def record(self, steps: int) -> dict[str, float]:
-        """The metrics record's sync keys (collective: the consensus distance's)."""
-        return {"sync_events": self.events, "sync_last_step": self.last_step,
-                "bytes_outer_per_step": self.bytes / max(steps, 1), "bytes_inter_per_step": self.inter_bytes / max(
-                    steps, 1), "consensus_distance": self.consensus_distance()}
+        """The metrics record's sync keys, bytes as the mean over ranks (collective: that mean's and the
+        consensus distance's all-reduces)."""
+        sent, inter = over_ranks([self.bytes / max(steps, 1), self.inter_bytes / max(steps, 1)])
+        return {"sync_events": self.events, "sync_last_step": self.last_step, "bytes_outer_per_step": sent,
+                "bytes_inter_per_step": inter, "consensus_distance": self.consensus_distance()}
 
     def state_dict(self) -> dict[str, Any]:
         return {**replica_state(self.weights, self.params), "events": self.events, "bytes": self.bytes,

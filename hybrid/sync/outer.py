@@ -34,7 +34,7 @@ from hybrid.parallel import collectives as C
 from hybrid.parallel.buckets import GradBucket, assign_buckets
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.data import CommHook
-from hybrid.sync.replica import Weights, load_replica_state, replica_state
+from hybrid.sync.replica import Weights, load_replica_state, over_ranks, replica_state
 
 
 def fragments_of(params: list[nn.Parameter], n: int) -> list[list[nn.Parameter]]:
@@ -129,9 +129,10 @@ class OuterSync:
 
     def record(self, steps: int) -> dict[str, float]:
         """The metrics record's sync keys: outer steps so far (fragments' counted apart), the step of the last,
-        and this rank's outer-exchange bytes per training step so far (`steps`: steps this process ran)."""
+        and the outer exchanges' bytes per training step so far (`steps`: steps this process ran), the mean over
+        ranks. Collective (the mean's uncounted all-reduce)."""
         return {"sync_events": self.events, "sync_last_step": self.last_step,
-                "bytes_outer_per_step": self.bytes / max(steps, 1)}
+                "bytes_outer_per_step": over_ranks([self.bytes / max(steps, 1)])[0]}
 
     def state_dict(self) -> dict[str, Any]:
         """What differs between replicas (`replica_state`) and the outer state: the anchors, the momentum, the

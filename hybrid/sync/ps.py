@@ -43,6 +43,7 @@ from hybrid.optim.adamw import clip_grads, finite, global_grad_norm, optimizer_o
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.grads import grad_of
+from hybrid.sync.replica import over_ranks
 
 STOP = -1.0
 
@@ -279,11 +280,13 @@ class PSWorker:
         return []  # the exchange is the optimizer's step
 
     def record(self, steps: int) -> dict[str, float]:
-        server = self.server
-        stale = server.staleness if server is not None else []
-        return {"ps_version": self.version, "ps_max_staleness": max(stale, default=0),
-                "bytes_outer_per_step": self.bytes / max(steps, 1), "bytes_inter_per_step": self.inter_bytes / max(
-                    steps, 1)}
+        """The oldest version a worker holds, the stalest gradient a server applied, the workers' push bytes and
+        inter-node bytes per step (means over ranks). Collective: uncounted all-reduces."""
+        stale = max(self.server.staleness, default=0) if self.server is not None else 0
+        sent, inter = over_ranks([self.bytes / max(steps, 1), self.inter_bytes / max(steps, 1)])
+        (lag,), (worst,) = over_ranks([self.clock - self.version], dist.ReduceOp.MAX), over_ranks(
+            [stale], dist.ReduceOp.MAX)
+        return {"ps_lag": lag, "ps_max_staleness": worst, "bytes_outer_per_step": sent, "bytes_inter_per_step": inter}
 
     def state_dict(self) -> dict[str, Any]:
         """After this rank's server has applied every clock before this step (nothing in flight): the worker's

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -54,3 +55,13 @@ def set_flat_weights(weights: Weights, params: list[nn.Parameter], flat: torch.T
         w = weights.main_weight(p)
         w.copy_(flat[offset: offset + w.numel()].view_as(w))
         offset += w.numel()
+
+
+def over_ranks(values: list[float], op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> list[float]:
+    """`values` reduced over every rank (metrics only: an uncounted all-reduce on the default group; the sum
+    divided by the world size, i.e. the mean, for SUM). Collective: every rank calls it on logged steps."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return (t / dist.get_world_size() if op == dist.ReduceOp.SUM else t).tolist()
