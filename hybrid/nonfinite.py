@@ -112,8 +112,9 @@ class Guard:
     gradients are zeroed), `settle` after the step; `lr_step` is where the LR schedule stands."""
 
     def __init__(self, cfg: TrainConfig, ctx: ParallelContext, checkpointer: Checkpointer,
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None], same_norm: bool = True) -> None:
         self.mode, self.limit = cfg.on_nonfinite, cfg.max_skipped_steps
+        self.same_norm = same_norm  # False: DP replicas step on their own gradients (`sync.mode` other than dp)
         self.ctx, self.checkpointer, self.say = ctx, checkpointer, say
         self.skipped = 0  # steps skipped in the whole run (checkpointed: the LR schedule's position)
         self.in_a_row = 0
@@ -138,9 +139,15 @@ class Guard:
     def inspect(self, norm: torch.Tensor, model: nn.ModuleList) -> None:
         """After `optimizer.step` (which updated nothing when `norm` is not finite): on such a step, find the
         first parameter with a non-finite gradient (collectives of `agree_on_first`, on a bad step only:
-        `norm` is the same on every rank, so every rank takes this branch alike)."""
+        `norm` is the same on every rank, so every rank takes this branch alike). When DP replicas step on their
+        own gradients (`same_norm` False), one world all-reduce of a flag every step makes the verdict the
+        world's first (the replicas whose gradient was finite have stepped)."""
         value = float(norm)
         self.found = None
+        if not self.same_norm and _world() > 1:  # each replica its own norm: the verdict is the world's
+            bad = torch.tensor([0.0 if math.isfinite(value) else 1.0], device=norm.device)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            value = value if not bad.item() or not math.isfinite(value) else math.nan
         if not math.isfinite(value):
             name, rank = agree_on_first(first_nonfinite_grad(model), self.ctx.rank, norm.device)
             self.found = (value, name, rank)

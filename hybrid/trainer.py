@@ -96,7 +96,7 @@ class Trainer:
         t = cfg.train
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * ctx.dp_size)
         c = cfg.compression
-        self.comp = hook_state if isinstance(hook_state, Compression) else None
+        self.comp = hook_state if isinstance(hook_state, Compression) and cfg.sync.mode == "dp" else None
         low = t.precision == "bf16_params"  # Megatron-style: bf16 parameters, fp32 main weights and gradients
         main = to_low_precision(self.model) if low else None
         apart = exact_param_ids(self.model.named_parameters(), exact_kinds(c.exact_params, c.schedule))
@@ -129,7 +129,7 @@ class Trainer:
         self.profiler = StepProfiler(cfg.profile, ctx.rank, device, self.message)
         self.checkpointer = Checkpointer(cfg, ctx, device, self.checkpoint_states(),
                                          tokenizer=getattr(corpus, "tokenizer", None), log=self.message)
-        self.guard = Guard(t, ctx, self.checkpointer, self.message)  # train.on_nonfinite
+        self.guard = Guard(t, ctx, self.checkpointer, self.message, cfg.sync.mode == "dp")  # train.on_nonfinite
         self.health = HealthMonitor(cfg.health, ctx, self.model, self.message, getattr(self.optimizer, "wait_params",
                                                                                       None), replicas_group(cfg, ctx))
 
@@ -174,8 +174,9 @@ class Trainer:
         elif init_from:
             self.message(pretrained(self.model, self.cfg.model))
             self.optimizer.reload_main()  # bf16 parameters: the main weights start from them
-        note = self.profiler.skipped(self.step)
-        if note:
+            if self.outer is not None:
+                self.outer.restart(self.step)  # DiLoCo's anchors, the servers' shards: from the loaded weights
+        if note := self.profiler.skipped(self.step):
             self.message(note)
         self.tally = Tally(self.step)
         self.metrics = open_metrics(self.cfg, self.ctx.rank == 0, self.step, (self.tally,))

@@ -110,7 +110,8 @@ def mode_rank(rank: int, world: int, cfg: Config, corpus: Corpus) -> dict[str, A
         dp += sum(C.COUNTER.group_bytes(g) for g in ("dp", "dp_intra", "dp_inter"))
     wall = time.perf_counter() - start
     inter += getattr(trainer.outer, "inter_bytes", 0)  # gossip, PS: their point-to-point bytes across nodes
-    return {"eval": trainer.evaluate(), "inter": inter, "dp": dp, "s_per_step": wall / cfg.train.steps}
+    model = 4 * sum(p.numel() for p in trainer.model.parameters())
+    return {"eval": trainer.evaluate(), "inter": inter, "dp": dp, "s_per_step": wall / cfg.train.steps, "model": model}
 
 
 def mode_ranks(rank: int, world: int, cfgs: list[Config], corpus: Corpus) -> list[dict[str, Any]]:
@@ -138,6 +139,7 @@ def section(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[s
         ranks = [r[i] for r in results]
         rows.append({"label": label, "overrides": list(overrides), "goal": goal, "eval": ranks[0]["eval"],
                      "inter": sum(r["inter"] for r in ranks) / 4, "dp": sum(r["dp"] for r in ranks) / 4,
+                     "model": sum(r["model"] for r in ranks) / 4,
                      "s_per_step": max(r["s_per_step"] for r in ranks)})
     print_rows(args, rows, corpus, out)
     return rows

@@ -220,10 +220,14 @@ class Checkpointer:
         return coord_key("sync", c.pp, c.dp, c.tp)
 
     def _same_sync(self, manifest: dict[str, Any], same_layout: bool) -> bool:
-        """Whether the checkpoint holds this rank's replica state: the same layout, mode and fragments."""
-        saved = manifest.get("config", {}).get("sync", {})
-        s = self.cfg.sync
-        return same_layout and saved.get("mode") == s.mode and saved.get("fragments") == s.fragments
+        """Whether the checkpoint holds this rank's replica state as this run keeps it: the same layout, node size
+        and `sync` settings (a label aside)."""
+        from omegaconf import OmegaConf
+
+        saved = manifest.get("config", {})
+        now = OmegaConf.to_container(self.cfg, resolve=True)
+        keep = [(c.get("sync", {}) | {"name": None}, c.get("parallel", {}).get("ranks_per_node")) for c in (saved, now)]
+        return same_layout and keep[0] == keep[1]
 
     def _manifest(self, run: dict[str, Any]) -> dict[str, Any]:
         from omegaconf import OmegaConf

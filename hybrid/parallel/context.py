@@ -220,12 +220,13 @@ class ParallelContext:
         return ctx
 
 
-def more_groups(ctx: ParallelContext, kind: str, name: str) -> Optional[dist.ProcessGroup]:
-    """One more set of groups of `kind` (e.g. "dp": the same ranks, separate traffic), this rank's, counted as
-    `name`; None in one process. Collective: every rank must call it."""
+def more_groups(ctx: ParallelContext, kind: str, name: str, backend: Optional[str] = None
+                ) -> Optional[dist.ProcessGroup]:
+    """One more set of groups of `kind` (e.g. "dp": the same ranks, separate traffic; `backend`: e.g. "gloo"
+    beside NCCL), this rank's, counted as `name`; None in one process. Collective: every rank must call it."""
     if not dist.is_initialized():
         return None
-    group = _mine(ctx.layout.groups(kind), ctx.rank, kind, ctx.timeout_s)
+    group = _mine(ctx.layout.groups(kind), ctx.rank, kind, ctx.timeout_s, backend)
     name_group(group, name)
     return group
 
@@ -242,11 +243,12 @@ def pp_streams(ctx: ParallelContext, streams: Sequence[str]) -> dict[str, dist.P
     return out
 
 
-def _mine(groups: list[list[int]], rank: int, kind: str, timeout_s: Optional[float]) -> Optional[dist.ProcessGroup]:
+def _mine(groups: list[list[int]], rank: int, kind: str, timeout_s: Optional[float],
+          backend: Optional[str] = None) -> Optional[dist.ProcessGroup]:
     """Create all `groups` (every rank must take part in every new_group) and return ours."""
     found = None
     for ranks in groups:
-        g = dist.new_group(ranks, timeout=timeout_of(timeout_s), group_desc=kind)
+        g = dist.new_group(ranks, timeout=timeout_of(timeout_s), group_desc=kind, backend=backend)
         if rank in ranks:
             found = g
     return found

@@ -91,12 +91,15 @@ def replica_sync(cfg: Config, ctx: ParallelContext, model: nn.Module, weights: W
     if cfg.sync.mode == "gossip":
         return Gossip(cfg.sync, params, ctx.dp_group, weights, ctx.tp_group, ctx.pp_group, node_of(ctx))
     if cfg.sync.mode == "ps":  # pushes and replies each on groups of their own over the DP ranks
-        return PSWorker(cfg, ctx, params, more_groups(ctx, "dp", "ps"), more_groups(ctx, "dp", "ps"), node_of(ctx))
+        push, pull = (more_groups(ctx, "dp", "ps", backend="gloo") for _ in range(2))  # CPU, beside NCCL too
+        return PSWorker(cfg, ctx, params, push, pull, node_of(ctx))
     group = outer_group(cfg, ctx)
     if group is not ctx.dp_group:  # the compression hook of the outer group (scope=inter: between nodes)
         hook, state = make_hook(cfg.compression, group)
-        state.exact_params = apart
-    return OuterSync(cfg.sync, params, group, hook, state, weights, cfg.parallel.bucket_mb, apart)
+    state.exact_params = apart
+    share = ctx.dp_intra_group if cfg.sync.scope == "inter" else None
+    return OuterSync(cfg.sync, params, group, hook, state, weights, cfg.parallel.bucket_mb, apart, share,
+                     ctx.embedding_group)
 
 
 def node_of(ctx: ParallelContext) -> Callable[[int], int]:
@@ -118,7 +121,17 @@ def check(cfg: Config, layout: Layout) -> None:
         _require(s.inner_steps == 1 and s.fragments == 1 and s.scope == "dp",
                  "sync.inner_steps, sync.fragments and sync.scope apply to sync=diloco or sync=local_sgd, not to "
                  "synchronous DP (sync.mode=dp)")
+    _require(s.mode == "ps" or (s.servers == 1 and not s.asynchronous and s.max_staleness == 0 and not
+                                s.staleness_weighting), "sync.servers, sync.asynchronous, sync.max_staleness and "
+             "sync.staleness_weighting apply to sync=ps (the parameter server)")
+    _require(s.max_staleness == 0 or s.asynchronous, f"sync.max_staleness={s.max_staleness} needs "
+             "sync.asynchronous=true (a synchronous server has none)")
+    if s.mode == "dp":
         return
+    for key, bad in INCOMPATIBLE.items():
+        value = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
+        _require(value not in bad, f"sync.mode={s.mode} cannot run with {key}={value}"
+                 + (" (use sync.scope=inter)" if value == "hierarchical" else ""))
     if s.mode == "gossip":
         _check_gossip(cfg, layout)
     if s.mode == "ps":
@@ -126,10 +139,6 @@ def check(cfg: Config, layout: Layout) -> None:
         return
     _require(s.outer_lr > 0, f"sync.outer_lr must be > 0, got {s.outer_lr}")
     _require(0 <= s.outer_momentum < 1, f"sync.outer_momentum must be in [0, 1), got {s.outer_momentum}")
-    for key, bad in INCOMPATIBLE.items():
-        value = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
-        _require(value not in bad, f"sync.mode={s.mode} cannot run with {key}={value}"
-                 + (" (use sync.scope=inter)" if value == "hierarchical" else ""))
     if s.scope == "inter":
         _require(layout.num_nodes > 1, f"sync.scope=inter needs DP replicas on more than one node; this layout "
                  f"has {layout.num_nodes} node (set parallel.ranks_per_node to emulate nodes)")

@@ -115,7 +115,7 @@ class Gossip:
             dist.all_reduce(mean, group=self.group)
         C.COUNTER.record("meter", "all_reduce", mean, C.size(self.group))
         mean.div_(C.size(self.group))
-        sq, offset = torch.zeros((), dtype=torch.float64), 0
+        sq, offset = torch.zeros((), dtype=torch.float64, device=flat.device), 0
         for p in self.params:
             part = slice(offset, offset + p.numel())
             offset += p.numel()
@@ -130,7 +130,8 @@ class Gossip:
     def record(self, steps: int) -> dict[str, float]:
         """The metrics record's sync keys, bytes as the mean over ranks (collective: that mean's and the
         consensus distance's all-reduces)."""
-        sent, inter = over_ranks([self.bytes / max(steps, 1), self.inter_bytes / max(steps, 1)])
+        device = self.params[0].device if self.params else torch.device("cpu")
+        sent, inter = over_ranks([self.bytes / max(steps, 1), self.inter_bytes / max(steps, 1)], device)
         return {"sync_events": self.events, "sync_last_step": self.last_step, "bytes_outer_per_step": sent,
                 "bytes_inter_per_step": inter, "consensus_distance": self.consensus_distance()}
 

@@ -34,30 +34,45 @@ from hybrid.parallel import collectives as C
 from hybrid.parallel.buckets import GradBucket, assign_buckets
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.data import CommHook
+from hybrid.parallel.params import param_info
 from hybrid.sync.replica import Weights, load_replica_state, over_ranks, replica_state
 
 
 def fragments_of(params: list[nn.Parameter], n: int) -> list[list[nn.Parameter]]:
-    """`params` cut into `n` contiguous fragments of about equal element counts (none empty)."""
+    """`params` cut into `n` contiguous fragments of about equal element counts (none empty); a pipeline-tied
+    embedding copy always in the first, so that both stages' copies take their outer steps together."""
     total, out = sum(p.numel() for p in params), [[] for _ in range(n)]
     seen = 0
     for p in params:
-        out[min(n - 1, seen * n // max(total, 1))].append(p)
+        out[0 if _tied(p) else min(n - 1, seen * n // max(total, 1))].append(p)
         seen += p.numel()
     return [f for f in out if f]
+
+
+def _tied(p: nn.Parameter) -> bool:
+    info = param_info(p)
+    return info.pp_tied or info.pp_duplicate
 
 
 class OuterSync:
     """The outer loop of one rank: anchors, momentum, the fragments' exchanges and outer steps.
 
     `params`: the rank's trained parameters in the model's order; `group`: the group the pseudo-gradients are
-    averaged over; `hook`, `state`: the DP compression hook; `weights`: the inner optimizer."""
+    averaged over; `hook`, `state`: the DP compression hook; `weights`: the inner optimizer; `share`: under
+    `sync.scope=inter` the node's DP ranks, which hold one replica between them — each exchanges its share of
+    the parameters (every r-th, r = their count) between nodes, and they combine the averages (an all-reduce
+    inside the node: a sum with zeros elsewhere, exact), so a node sends the model once, not r times;
+    `tied_group`: the stages holding a tied embedding's copies, whose averages are averaged once more (a lossy
+    codec rounds each stage's bucket on its own)."""
 
     def __init__(self, cfg: SyncConfig, params: list[nn.Parameter], group: Group, hook: CommHook, state: Any,
-                 weights: Weights, bucket_mb: float = 25.0, apart: frozenset[int] = frozenset()) -> None:
+                 weights: Weights, bucket_mb: float = 25.0, apart: frozenset[int] = frozenset(),
+                 share: Group = None, tied_group: Group = None) -> None:
         self.cfg, self.group, self.hook, self.state, self.weights = cfg, group, hook, state, weights
+        self.share, self.tied_group = share, tied_group
         self.fragments = fragments_of(params, cfg.fragments)
-        self.buckets = [assign_buckets(f, int(bucket_mb * 2**20), apart) for f in self.fragments]
+        mine = [f[C.rank(share)::C.size(share)] for f in self.fragments]  # this rank's share of each fragment
+        self.buckets = [assign_buckets(f, int(bucket_mb * 2**20), apart) if f else [] for f in mine]
         self.events, self.bytes, self.last_step = 0, 0, 0
         self.restart()
 
@@ -65,6 +80,7 @@ class OuterSync:
         """Anchor every fragment at the parameters held now; momentum zero (a run's start, or a resume at `step`
         whose checkpoint holds no outer state for this layout)."""
         self.anchor = {p: self.weights.main_weight(p).detach().float().clone() for f in self.fragments for p in f}
+        self.device = next(iter(self.anchor.values())).device if self.anchor else torch.device("cpu")
         self.momentum = {p: torch.zeros_like(a) for p, a in self.anchor.items()} if self.cfg.outer_momentum else {}
         self.synced = [step] * len(self.fragments)  # the step of each fragment's last outer step
 
@@ -92,16 +108,20 @@ class OuterSync:
         """Average fragment `f`'s pseudo-gradient through the hook, then the outer optimizer's step."""
         weights = {p: self.weights.main_weight(p) for p in self.fragments[f]}
         before = C.COUNTER.group_bytes(C.group_name(self.group))
-        for bucket in self._exchange(f, weights):
-            for p, mean in zip(bucket.parameters(), bucket.gradients()):
-                self._apply(p, mean, weights[p])
+        means = self._exchange(f, weights)
         self.bytes += C.COUNTER.group_bytes(C.group_name(self.group)) - before
+        for p in self.fragments[f]:
+            if _tied(p) and C.size(self.tied_group) > 1:
+                C.all_reduce(means[p], self.tied_group)
+                means[p].div_(C.size(self.tied_group))
+            self._apply(p, means[p], weights[p])
         self.events += 1
         self.synced[f] = self.last_step = step
 
-    def _exchange(self, f: int, weights: dict[nn.Parameter, torch.Tensor]) -> list[GradBucket]:
-        """Fragment `f`'s buckets holding Δ̄, the DP mean of θ_anchor − θ (its buckets numbered after the
-        earlier fragments', so a hook's per-bucket state never mixes two fragments)."""
+    def _exchange(self, f: int, weights: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
+        """Δ̄, the mean over the outer group of θ_anchor − θ, of each parameter of fragment `f`: this rank's share
+        through the hook (its buckets numbered after the earlier fragments', so a hook's per-bucket state never
+        mixes two fragments), then the node's shares combined (`share`)."""
         first = sum(len(b) for b in self.buckets[:f])
         out, futures = [], []
         for i, ps in enumerate(self.buckets[f]):
@@ -115,7 +135,17 @@ class OuterSync:
                     result = result[0]
                 if result is not None and result.data_ptr() != bucket.buffer().data_ptr():
                     bucket.buffer().copy_(result)
-        return out
+        means = {p: view for b in out for p, view in zip(b.parameters(), b.gradients())}
+        if C.size(self.share) == 1:
+            return means
+        flat = torch.cat([means[p].reshape(-1) if p in means else torch.zeros(p.numel(), device=self.device)
+                          for p in self.fragments[f]])
+        C.all_reduce(flat, self.share)  # every other rank's share is zeros there: the sum is exact
+        views, offset = {}, 0
+        for p in self.fragments[f]:
+            views[p] = flat[offset: offset + p.numel()].view_as(p)
+            offset += p.numel()
+        return views
 
     @torch.no_grad()
     def _apply(self, p: nn.Parameter, mean: torch.Tensor, weight: torch.Tensor) -> None:
@@ -132,7 +162,7 @@ class OuterSync:
         and the outer exchanges' bytes per training step so far (`steps`: steps this process ran), the mean over
         ranks. Collective (the mean's uncounted all-reduce)."""
         return {"sync_events": self.events, "sync_last_step": self.last_step,
-                "bytes_outer_per_step": over_ranks([self.bytes / max(steps, 1)])[0]}
+                "bytes_outer_per_step": over_ranks([self.bytes / max(steps, 1)], self.device)[0]}
 
     def state_dict(self) -> dict[str, Any]:
         """What differs between replicas (`replica_state`) and the outer state: the anchors, the momentum, the

@@ -4,7 +4,8 @@ servers hold shards of the parameters and the optimizer, and apply versions with
 Layout: each (pp, tp) coordinate's trained parameters, flattened in the model's order, fall into
 `sync.servers` = S contiguous shards; shard s is served by a thread on that coordinate's DP rank s (S ≤ dp),
 so TP and PP inside a replica stay as they are and every exchange stays inside one DP group. Pushes travel on
-one process group over the DP ranks, replies on another (the host's own worker uses in-process queues).
+one gloo process group over the DP ranks, replies on another (CPU tensors: on a CUDA run the gradients and
+parameters are staged through the host; the host's own worker uses in-process queues).
 
 A worker's step (`PSWorker.step`, the optimizer seam): the gradient's global norm over TP and PP, clipping by
 it (each worker its own), then to every server one push — [clock c, the version its parameters are, lr, the
@@ -15,10 +16,12 @@ A server keeps the pushes per clock; once all dp workers' gradients of clock v a
 `optim.name`'s optimizer (fused AdamW by default, on its shard's slices: the same element-wise update as the
 whole parameters') on their mean, in DP-rank order (each weighted 1/(1+staleness) under
 `sync.staleness_weighting`), and the version becomes v+1. It answers a push of clock c once its version
-reaches what the push needs, c + 1 − k (k = `sync.max_staleness`, 0 unless `sync.asynchronous`): with k = 0
-every worker waits for every clock (synchronous DP, exactly), with k > 0 a fast worker runs up to k versions
-ahead of the slowest and never computes on parameters more than k versions old (each push's staleness,
-c − its version, is recorded).
+reaches the one the push needs, c + 1 − k (k = `sync.max_staleness`, 0 unless `sync.asynchronous`), with the
+parameters of exactly that version (it keeps the last k + 1): every shard, TP rank and stage of a replica
+computes on one model, and a run repeats bit for bit whatever the timing. With k = 0 every worker waits for
+every clock (synchronous DP; each worker clips its own gradient, so exactly so without clipping); with k > 0
+a worker computes clock c on version c − k (a fixed delay, each push's staleness recorded) and so runs up to
+k steps ahead of the slowest before it waits.
 
 At the run's last step every worker waits for the final version, so the run ends with one model; then it
 tells the servers to stop. A checkpoint first waits until this rank's server has applied every clock before
@@ -72,6 +75,8 @@ class Server:
         self.optimizer = optimizer_over([{"params": decay, "weight_decay": cfg.optim.weight_decay},
                                          {"params": plain, "weight_decay": 0.0}], cfg.optim, cfg.train.lr)
         self.numel, self.version = hi - lo, 0
+        self.keep = cfg.sync.max_staleness if cfg.sync.asynchronous else 0
+        self.snapshots: dict[int, torch.Tensor] = {0: self.params()}  # version → the shard's parameters
         self.pushes: dict[int, dict[int, tuple[torch.Tensor, int, float]]] = defaultdict(dict)
         self.waiting: list[tuple[int, int]] = []  # (worker, the version it needs) owed a reply
         self.staleness: list[int] = []  # every applied push's
@@ -142,14 +147,19 @@ class Server:
         self.optimizer.step()
         with self.changed:
             self.version += 1
+            self.snapshots[self.version] = self.params()
+            for old in [v for v in self.snapshots if v < self.version - self.keep]:  # no push needs them now
+                del self.snapshots[old]
             self.changed.notify_all()
 
     def _answer(self) -> None:
-        """Reply to every push whose needed version is reached: [version] and the shard's parameters."""
+        """Reply to every push whose needed version is reached: [that version] and the shard's parameters then —
+        exactly that version, so every shard of a replica (and its TP and PP peers) computes on one model, and
+        an asynchronous run repeats bit for bit whatever the timing."""
         due = [(w, need) for w, need in self.waiting if need <= self.version]
         self.waiting = [x for x in self.waiting if x not in due]
-        for w, _ in due:
-            reply = torch.cat([torch.tensor([float(self.version)]), self.params()])
+        for w, need in due:
+            reply = torch.cat([torch.tensor([float(need)]), self.snapshots[need]])
             if w == self.me:
                 self.local_out.put(reply)
             else:  # its receive was posted before its push: the send completes
@@ -191,12 +201,12 @@ class PSWorker:
         optimizer state starts afresh). Its thread starts with the first step."""
         if self.thread is not None:
             raise RuntimeError("a parameter server restarted while it serves")
-        self.clock = self.version = step
+        self.clock = self.version = self.base = step  # base: the first version this run's servers hold
         if self.me < len(self.bounds):
-            flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+            flat = torch.cat([p.detach().float().cpu().reshape(-1) for p in self.params])  # servers: CPU, fp32
             self.server = Server(self.cfg, self.params, flat, self.bounds[self.me], self.workers, self.push,
                                  self.pull, self.me)
-            self.server.version = step
+            self.server.version, self.server.snapshots = step, {step: self.server.params()}
 
     def step(self, lr: float) -> torch.Tensor:
         """Norm, clip, push the gradient's shards, pull the parameters' (the version this clock needs). A
@@ -210,16 +220,16 @@ class PSWorker:
         ok = finite(norm)
         if ok:
             clip_grads(self.params, self.cfg.optim.grad_clip, norm)
-        flat = torch.cat([grad_of(p).reshape(-1) if ok else torch.zeros(p.numel()) for p in self.params])
+        flat = torch.cat([grad_of(p).float().cpu().reshape(-1) if ok else torch.zeros(p.numel()) for p in self.params])
         last = self.clock + 1 == self.cfg.train.steps
-        need = self.clock + 1 - (0 if last else self.k)
+        need = max(self.base, self.clock + 1 - (0 if last else self.k))
         header = torch.tensor([float(self.clock), float(self.version), lr, float(need)])
         replies = self._exchange([torch.cat([header, flat[lo:hi]]) for lo, hi in self.bounds])
         self._write(replies)
         self.clock += 1
         if last:  # every server may end: each push of a worker has its message size, the stop too
             self._send_all([torch.cat([torch.tensor([STOP, 0.0, 0.0, 0.0]), torch.zeros(hi - lo)])
-                            for lo, hi in self.bounds])
+                            for lo, hi in self.bounds], replied=False)
         return norm
 
     def _exchange(self, pushes: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -235,7 +245,7 @@ class PSWorker:
                     work.wait()
         return replies
 
-    def _send_all(self, msgs: list[torch.Tensor]) -> None:
+    def _send_all(self, msgs: list[torch.Tensor], replied: bool = True) -> None:
         works = []
         for s, msg in enumerate(msgs):
             if s == self.me:
@@ -243,8 +253,8 @@ class PSWorker:
                 continue
             C.COUNTER.record(C.group_name(self.push), "send", msg)
             self.bytes += msg.numel() * 4
-            if self.node_of(s) != self.node_of(self.me):  # the push out and its reply back cross nodes
-                self.inter_bytes += (2 * msg.numel() - 3) * 4
+            if self.node_of(s) != self.node_of(self.me):  # the push out (and its reply back) cross nodes
+                self.inter_bytes += (2 * msg.numel() - 3 if replied else msg.numel()) * 4
             works.append(dist.isend(msg, group=self.push, group_dst=s))
         for w in works:
             w.wait()
@@ -261,7 +271,7 @@ class PSWorker:
         self.version = min(int(r[0]) for r in replies)
         offset = 0
         for p in self.params:
-            p.copy_(flat[offset: offset + p.numel()].view_as(p))
+            p.copy_(flat[offset: offset + p.numel()].view_as(p))  # to the parameter's device and dtype
             offset += p.numel()
 
     # ---- the optimizer seam's other parts, and the sync object's ---------------------------------------------
@@ -273,8 +283,7 @@ class PSWorker:
         """After a load wrote the parameters: nothing (the server shards restart from them: `restart`)."""
 
     def reload_main(self) -> None:
-        """After `model.init_from`: the server shard takes the new parameters."""
-        self.restart(self.clock)
+        """After `model.init_from`: nothing here (the trainer restarts the servers from the new weights)."""
 
     def after_step(self, step: int, last: bool = False) -> list[int]:
         return []  # the exchange is the optimizer's step
@@ -283,21 +292,22 @@ class PSWorker:
         """The oldest version a worker holds, the stalest gradient a server applied, the workers' push bytes and
         inter-node bytes per step (means over ranks). Collective: uncounted all-reduces."""
         stale = max(self.server.staleness, default=0) if self.server is not None else 0
-        sent, inter = over_ranks([self.bytes / max(steps, 1), self.inter_bytes / max(steps, 1)])
-        (lag,), (worst,) = over_ranks([self.clock - self.version], dist.ReduceOp.MAX), over_ranks(
-            [stale], dist.ReduceOp.MAX)
+        device = self.params[0].device
+        sent, inter = over_ranks([self.bytes / max(steps, 1), self.inter_bytes / max(steps, 1)], device)
+        (lag,), (worst,) = (over_ranks([v], device, dist.ReduceOp.MAX) for v in (self.clock - self.version, stale))
         return {"ps_lag": lag, "ps_max_staleness": worst, "bytes_outer_per_step": sent, "bytes_inter_per_step": inter}
 
     def state_dict(self) -> dict[str, Any]:
         """After this rank's server has applied every clock before this step (nothing in flight): the worker's
         parameters and version, and the server's shard, optimizer state and version."""
         out: dict[str, Any] = {"params": [p.detach().clone() for p in self.params], "version": self.version,
-                               "clock": self.clock, "bytes": self.bytes, "inter_bytes": self.inter_bytes}
+                               "clock": self.clock, "bytes": self.bytes, "inter_bytes": self.inter_bytes,
+                               "base": self.base}
         if self.server is not None:
             self.server.wait_version(self.clock)
             out["server"] = {"slices": [t.detach().clone() for t in self.server.slices],
                              "optim": self.server.optimizer.state_dict(), "version": self.server.version,
-                             "staleness": list(self.server.staleness)}
+                             "staleness": list(self.server.staleness), "snapshots": dict(self.server.snapshots)}
         return out
 
     @torch.no_grad()
@@ -307,9 +317,10 @@ class PSWorker:
         self.version, self.clock, self.bytes = int(sd["version"]), int(sd["clock"]), int(sd["bytes"])
         self.inter_bytes = int(sd["inter_bytes"])
         self.restart(int(sd["clock"]))
-        self.version = int(sd["version"])
+        self.version, self.base = int(sd["version"]), int(sd["base"])
         if self.server is not None:
             for t, v in zip(self.server.slices, sd["server"]["slices"]):
                 t.copy_(v)
             self.server.optimizer.load_state_dict(sd["server"]["optim"])
             self.server.version, self.server.staleness = int(sd["server"]["version"]), sd["server"]["staleness"]
+            self.server.snapshots = {int(v): t for v, t in sd["server"]["snapshots"].items()}

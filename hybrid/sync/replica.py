@@ -57,11 +57,13 @@ def set_flat_weights(weights: Weights, params: list[nn.Parameter], flat: torch.T
         offset += w.numel()
 
 
-def over_ranks(values: list[float], op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> list[float]:
-    """`values` reduced over every rank (metrics only: an uncounted all-reduce on the default group; the sum
-    divided by the world size, i.e. the mean, for SUM). Collective: every rank calls it on logged steps."""
+def over_ranks(values: list[float], device: torch.device, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+               ) -> list[float]:
+    """`values` reduced over every rank (metrics only: an uncounted all-reduce on the default group, on `device`
+    — NCCL's is CUDA —; the sum divided by the world size, i.e. the mean, for SUM). Collective: every rank calls
+    it on logged steps."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op)
     return (t / dist.get_world_size() if op == dist.ReduceOp.SUM else t).tolist()

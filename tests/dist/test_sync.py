@@ -83,10 +83,14 @@ def test_diloco_with_one_inner_step_and_plain_averaging_is_synchronous_dp() -> N
 def test_every_outer_step_costs_one_dp_steps_bytes_and_only_on_its_steps() -> None:
     """At tp2pp2dp2, fp32 and int8: the outer exchange of a rank's parameters counts the bytes a synchronous DP
     step's gradient exchange of the same codec counts, on steps H, 2H, … (and the run's last) only; TP and PP
-    traffic per step is synchronous DP's."""
+    traffic per step is synchronous DP's. Under PowerSGD (each stage's bucket compressed on its own) the tied
+    embedding's two copies still end equal."""
     case, steps = Case(tp=2, pp=2), 5
-    modes = [(), DILOCO, ("compression=int8",), (*DILOCO, "compression=int8"), ("sync=gossip",)]
+    modes = [(), DILOCO, ("compression=int8",), (*DILOCO, "compression=int8"), ("sync=gossip",),
+             (*DILOCO, "compression=powersgd", "compression.rank=2")]
     results = run_ranks(train_modes, 8, case, modes, 8, steps, timeout=TIMEOUT)
+    for first, last in zip(results[:4], results[4:]):  # (pp0, dp, tp) and (pp1, dp, tp): the tied copies agree
+        assert torch.equal(first[5]["weights"]["tok_embed.weight"], last[5]["weights"]["head.weight"])
     syncs = sum(s % 3 == 0 or s == steps for s in range(1, steps + 1))
     for pair in ((0, 1), (2, 3)):  # the record's bytes: the mean over ranks (stages hold different shares)
         mean_dp = sum(r[pair[0]]["bytes"][0]["dp"] for r in results) / len(results)
