@@ -144,10 +144,10 @@ class Guard:
         world's first (the replicas whose gradient was finite have stepped)."""
         value = float(norm)
         self.found = None
-        if not self.same_norm and _world() > 1:  # each replica its own norm: the verdict is the world's
-            bad = torch.tensor([0.0 if math.isfinite(value) else 1.0], device=norm.device)
+        if not self.same_norm and _world() > 1:  # each replica its own norm: the verdict (inf over nan) the world's
+            bad = torch.tensor([float(math.isnan(value)), float(math.isinf(value))], device=norm.device)
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-            value = value if not bad.item() or not math.isfinite(value) else math.nan
+            value = math.inf if bad[1].item() else (math.nan if bad[0].item() else value)
         if not math.isfinite(value):
             name, rank = agree_on_first(first_nonfinite_grad(model), self.ctx.rank, norm.device)
             self.found = (value, name, rank)

@@ -133,6 +133,8 @@ RANKED: list[tuple[str, list[str], str]] = [  # the same, as rank 0 and rank 1 o
     ("gossip-topology", ["sync=gossip", "sync.topology=torus"],
      "sync.topology='torus' is not one of ring, exponential, one_peer, complete"),
     ("gossip-compression", ["sync=gossip", "compression=int8"], "sync=gossip exchanges fp32 parameters"),
+    ("ps-keys-elsewhere", ["sync=diloco", "sync.servers=2"], "apply to sync=ps (the parameter server)"),
+    ("ps-staleness-sync", ["sync=ps", "sync.max_staleness=2"], "needs sync.asynchronous=true"),
     ("ps-servers", ["sync=ps", "sync.servers=3"], "sync.servers=3 is more than the DP ranks that host them (dp=2)"),
     ("ps-staleness", ["sync=ps_async", "sync.max_staleness=-1"], "sync.max_staleness must be >= 0, got -1"),
     ("ps-bf16-params", ["sync=ps", "train.precision=bf16_params"], "sync=ps keeps fp32 parameters on the servers"),

@@ -15,6 +15,8 @@ not meet it again). The references:
 - skip under compression=sign (dp2): the error-feedback residuals the bad gradient spoilt start afresh, so
   only the injected step is skipped.
 - 1-bit Adam after its warm-up (dp2, replicas on their own gradients): both ranks skip rank 1's bad step.
+- stop under `sync=diloco`, `gossip`, `ps` (dp2, replicas on their own gradients): both ranks stop with
+  rank 1's line.
 - rewind (dp2): the run reloads step c < k, keeps the data position past step k and finishes; its losses
   after the rewind equal, bit for bit, a fresh run resumed from a copy of checkpoint c whose manifest holds
   that data position (the resume path as the reference of the in-place rewind); before k, the
@@ -125,6 +127,18 @@ def test_stop_names_the_step_on_every_rank(tmp_path: Path) -> None:
         assert f"first non-finite gradient: {record.read_text()} (rank 1)" in line and "loss " in line
     assert runs[0].error_lines()[0].partition("]")[2] == runs[1].error_lines()[0].partition("]")[2]
     assert [r["step"] for r in records(tmp_path, "stop")] == [1, 2]
+
+
+@pytest.mark.parametrize("mode", [["sync=diloco", "sync.inner_steps=2"], ["sync=gossip"], ["sync=ps"]],
+                         ids=["diloco", "gossip", "ps"])
+def test_stop_under_replica_sync_modes_reaches_every_replica(tmp_path: Path, mode: list[str]) -> None:
+    """dp2 replicas on their own gradients (DiLoCo, gossip, the parameter server): rank 1's bad step stops rank 0
+    too, with the same line, instead of leaving it waiting at the next exchange."""
+    runs = run(tmp_path, "stop", ["parallel=dp", "train.steps=6", *mode], inject(3, 1, tmp_path / "injected"))
+    for rank, r in enumerate(runs):
+        assert r.code == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert len(r.error_lines()) == 1 and r.error_lines()[0].startswith(f"[rank{rank}] hybrid: error: step 3: ")
+    assert runs[0].error_lines()[0].partition("]")[2] == runs[1].error_lines()[0].partition("]")[2]
 
 
 def test_skip_leaves_weights_and_moments_unchanged(tmp_path: Path, reference: list[dict[str, Any]]) -> None:
