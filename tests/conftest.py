@@ -10,7 +10,7 @@ import os
 
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # noqa: E402 - before torch is imported by anything below
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,3 +34,13 @@ def load_model_config(name: str, **overrides: Any) -> ModelConfig:
 def model_config() -> Callable[..., ModelConfig]:
     """Factory: `model_config("gpt-tiny", n_layers=2)` → ModelConfig from the config file."""
     return load_model_config
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """HYBRID_CACHE for the default corpus: the caller's if set (built once), else a fresh folder."""
+    old = os.environ.get("HYBRID_CACHE")
+    os.environ["HYBRID_CACHE"] = old or str(tmp_path_factory.mktemp("cache"))
+    yield
+    if old is None:
+        del os.environ["HYBRID_CACHE"]

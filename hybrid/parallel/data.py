@@ -188,13 +188,6 @@ class GradSync:
         k = buf.numel() // C.size(self.group)
         return buf[C.rank(self.group) * k: (C.rank(self.group) + 1) * k]
 
-    def _write_back(self, bucket: GradBucket, result: Any) -> None:
-        """Put the comm hook's result (a tensor, or DDP's one-tensor list) into the bucket's buffer."""
-        if isinstance(result, list):
-            result = result[0]
-        if result.data_ptr() != bucket.buffer().data_ptr():
-            bucket.buffer().copy_(result)
-
     def finish(self) -> None:
         """Launch what has not launched (unused parameters), wait, write the results back. The launches
         and the waits here are time the training thread spends on DP communication: the DP group's
@@ -205,7 +198,7 @@ class GradSync:
             results = [None if fut is None else fut.wait() for fut in self._futures]
         for bucket, result in zip(self.buckets, results):
             if result is not None:
-                self._write_back(bucket, result)
+                write_back(bucket, result)
         self.last_launch_log = self.launch_log
         self.begin_step(self._expected)
 
@@ -252,6 +245,14 @@ class GradSync:
                 out["compression_error"] = (err_sq / ref_sq) ** 0.5 if ref_sq else 0.0
                 out["bytes_meter"] = meter / world  # the meter's exact all-reduce: not training traffic
         return out
+
+
+def write_back(bucket: GradBucket, result: Any) -> None:
+    """Put a comm hook's result (a tensor, or DDP's one-tensor list) into the bucket's buffer."""
+    if isinstance(result, list):
+        result = result[0]
+    if result.data_ptr() != bucket.buffer().data_ptr():
+        bucket.buffer().copy_(result)
 
 
 def finalize_grads(grad_sync: GradSync, embedding_group: Group, tp_group: Group) -> None:

@@ -33,7 +33,7 @@ from hybrid.config import SyncConfig
 from hybrid.parallel import collectives as C
 from hybrid.parallel.buckets import GradBucket, assign_buckets
 from hybrid.parallel.collectives import Group
-from hybrid.parallel.data import CommHook
+from hybrid.parallel.data import CommHook, write_back
 from hybrid.parallel.params import param_info
 from hybrid.sync.replica import Weights, load_replica_state, over_ranks, replica_state
 
@@ -130,22 +130,15 @@ class OuterSync:
             futures.append(self.hook(self.state, out[-1]) if C.size(self.group) > 1 else None)
         with C.TIMER.waiting(C.group_name(self.group)):
             for bucket, fut in zip(out, futures):
-                result = None if fut is None else fut.wait()
-                if isinstance(result, list):
-                    result = result[0]
-                if result is not None and result.data_ptr() != bucket.buffer().data_ptr():
-                    bucket.buffer().copy_(result)
+                if fut is not None:
+                    write_back(bucket, fut.wait())
         means = {p: view for b in out for p, view in zip(b.parameters(), b.gradients())}
         if C.size(self.share) == 1:
             return means
         flat = torch.cat([means[p].reshape(-1) if p in means else torch.zeros(p.numel(), device=self.device)
                           for p in self.fragments[f]])
         C.all_reduce(flat, self.share)  # every other rank's share is zeros there: the sum is exact
-        views, offset = {}, 0
-        for p in self.fragments[f]:
-            views[p] = flat[offset: offset + p.numel()].view_as(p)
-            offset += p.numel()
-        return views
+        return dict(zip(self.fragments[f], GradBucket(-1, flat, self.fragments[f], False).gradients()))
 
     @torch.no_grad()
     def _apply(self, p: nn.Parameter, mean: torch.Tensor, weight: torch.Tensor) -> None:

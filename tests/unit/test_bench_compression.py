@@ -4,9 +4,6 @@ product's targets)."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -20,16 +17,6 @@ from hybrid.bench.compression_common import (
     formula_ratio,
 )
 from hybrid.testing.ranks import launch
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """HYBRID_CACHE for the default corpus: the caller's if set (built once), else a fresh folder."""
-    old = os.environ.get("HYBRID_CACHE")
-    os.environ["HYBRID_CACHE"] = old or str(tmp_path_factory.mktemp("cache"))
-    yield
-    if old is None:
-        del os.environ["HYBRID_CACHE"]
 
 
 def test_quick_defaults_reproduce_command_and_cli() -> None:

@@ -3,22 +3,9 @@ assertions: the figures exist, and the exact ones — inter-node bytes — agree
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-
 import pytest
 
 from hybrid.bench import sync_modes, sync_slow_links
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """HYBRID_CACHE for the default corpus: the caller's if set (built once), else a fresh folder."""
-    old = os.environ.get("HYBRID_CACHE")
-    os.environ["HYBRID_CACHE"] = old or str(tmp_path_factory.mktemp("cache"))
-    yield
-    if old is None:
-        del os.environ["HYBRID_CACHE"]
 
 
 @pytest.mark.timeout(600)
