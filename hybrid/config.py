@@ -212,6 +212,8 @@ class SyncConfig:
     nesterov: bool = True  # the outer SGD's momentum is Nesterov's (DiLoCo)
     scope: str = "dp"  # dp: every DP replica syncs every H steps; inter: DP inside a node every step, between every H
     fragments: int = 1  # streaming: the model in F fragments, each synced every H steps, staggered by H/F
+    overlap_steps: int = 0  # τ: inner steps an outer exchange runs behind the training (0: the exchange blocks)
+    overlap_mix: float = 0.0  # α: the local weights' share when an overlapped outer step lands (0: the global's)
     topology: str = "ring"  # gossip's graph: ring | exponential | one_peer (dp a power of two) | complete
     servers: int = 1  # ps: parameter-server shards per (pp, tp) coordinate, served by DP ranks 0..servers-1
     asynchronous: bool = False  # ps: workers run ahead of the slowest by up to max_staleness versions

@@ -1,12 +1,12 @@
 """The memory estimate: what one rank will hold, before anything is allocated.
 
-Per rank, in bytes:
+Per rank, in bytes (docs/memory.md has the derivations):
 
-- **parameters**: this rank's model chunks (TP shard, pipeline stage, the tied head's copy on the last
-  stage), fp32;
+- **parameters**: this rank's chunks (TP shard, stage, the tied head's copy on the last stage), fp32;
 - **gradients**: the DP buckets (fp32, padded to dp shards under `parallel.zero=1`);
-- **optimizer**: AdamW's two fp32 moments — of the whole rank's parameters, or of its 1/dp shard under
-  ZeRO-1;
+- **optimizer**: the optimizer's fp32 state (AdamW's two moments, SGD's momentum) — of the whole rank's
+  parameters, or of its 1/dp shard under ZeRO-1; a replica sync mode's own (DiLoCo's anchors and momentum;
+  none on a parameter-server worker: `hybrid.sync.footprint`);
 - **activations**: what autograd keeps for the backward (`layer_activation_bytes` per layer and
   microbatch, `ends_bytes` for the embedding and the head), times the microbatches a rank holds at once
   under its schedule (`held_bytes` replays the rank's compute order: 1F1B keeps up to pp on the first
@@ -14,20 +14,13 @@ Per rank, in bytes:
   weight pass, `weight_pass_bytes`);
 - **buffers**: what a step allocates beyond that, at its peak: the backward's transients (the larger of a
   layer's gradients, about the size of its activations, with those activations again under full
-  recomputation, and the head's logits-sized temporaries on the last stage),
-  plus the DP exchange's copies in flight beyond the activations freed meanwhile (a 16-bit copy of
-  each bucket for fp16/bf16; gloo's copy of each reduce-scatter's input under ZeRO-1 on CPU); plus the
-  compression state kept across steps (the two-phase codecs' working buffer and error-feedback residuals,
-  PowerSGD's residuals: 4 bytes per gradient element each).
+  recomputation, and the head's logits-sized temporaries on the last stage), plus the DP exchange's copies
+  in flight (or a sync mode's exchange buffers) beyond the activations freed meanwhile; plus the codecs'
+  state kept across steps (residuals, working buffers) and a parameter server's shard on its host (CPU).
 
 The parameter counts come from the rank's real chunks (built on the meta device by the caller), so every
-family and layout is counted as it is built. The activation terms follow the ops hybrid runs, fp32 on CPU:
-a norm keeps its input and statistics (LayerNorm: mean and rstd; RMSNorm, composite on CPU: rstd and the
-normalised copy), each linear its input, attention its q, k, v and — with a fused kernel (no dropout, or
-CUDA) — its output and log-sum-exp, or — the math kernel (dropout on CPU) — scaled q and k copies and three
-b·a·s² tensors; the MLP its up-projection's output and the activation's outputs; dropout a byte per element.
-`train.recompute=full` keeps each block's input only; `selective` drops the attention core's own tensors
-and the MLP activation's outputs (docs/memory.md).
+family and layout is counted as it is built; the activation terms follow the ops hybrid runs, per kernel and
+`train.recompute` mode (docs/memory.md).
 """
 
 from __future__ import annotations
@@ -40,12 +33,14 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import nn
 
+from hybrid.compression.codecs import CODECS
 from hybrid.metrics import format_bytes
 from hybrid.model.family import family_of, ffn_hidden, kv_heads
 from hybrid.parallel.actions import Op
 from hybrid.parallel.buckets import assign_buckets, padded_numel
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.parallel.schedules import SCHEDULES, Schedule, ScheduleError, build_schedule, most_waiting
+from hybrid.sync.footprint import footprint
 
 if TYPE_CHECKING:
     from hybrid.config import Config, ModelConfig
@@ -213,10 +208,11 @@ def micro_of(cfg: Config, device_type: str = "cpu", micro_batch: int | None = No
                  t.recompute, device_type, 2 if t.precision == "bf16_params" else F32)
 
 
-def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank: int, dp: int, m: Micro
-                ) -> RankMemory:
+def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank: int, dp: int, m: Micro,
+                share: int = 1, host: bool = True) -> RankMemory:
     """The estimate of a rank holding `chunks` (its model parts, e.g. built on the meta device) at pipeline
-    rank `pp_rank` of `schedule`, in a DP group of `dp`, with microbatches `m`."""
+    rank `pp_rank` of `schedule`, in a DP group of `dp` with `share` of them on its node, microbatches `m`;
+    `host`: it hosts a parameter-server shard (sync=ps, as DP rank 0 does)."""
     params = [p for p in chunks.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     buckets = assign_buckets(params, int(cfg.parallel.bucket_mb * 2**20))
@@ -226,7 +222,8 @@ def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank:
     low = cfg.train.precision == "bf16_params"  # bf16 parameters; fp32 main weights beside the moments
     grads = F32 * sum(sizes)
     held = sum(sizes) // dp if cfg.parallel.zero == 1 else numel  # elements whose optimizer state is here
-    optimizer = (3 if low else 2) * F32 * held
+    moments = 2 if cfg.optim.name == "adamw" else int(cfg.optim.momentum > 0)
+    optimizer = (moments + low) * F32 * held
     per_chunk, kept = [], []
     for chunk in chunks:
         layers, vocab = len(chunk.layers), loss_columns(chunk, m.tp)
@@ -234,14 +231,17 @@ def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank:
                          + ends_bytes(cfg.model, m, vocab, chunk.pre, chunk.post))
         kept.append(weight_pass_bytes(cfg.model, m, layers, vocab, chunk.pre, chunk.post))
     activations = held_bytes(schedule, pp_rank, per_chunk, kept)
-    last = any(chunk.post for chunk in chunks)
     # the head beyond its saved probabilities: the logits' gradient and log-softmax's temporary (tp=1); under TP
     # the forward's masked and shifted copies beside the logits and their exp
-    logits_grad = (3 if m.tp > 1 else 2) * F32 * m.b * m.s * loss_columns(chunks[-1], m.tp) if last else 0
+    last = (3 if m.tp > 1 else 2) * F32 * m.b * m.s * loss_columns(chunks[-1], m.tp)
+    logits_grad = last if any(chunk.post for chunk in chunks) else 0
     # a layer's backward: gradients about the size of its activations and, under full recomputation, those too
     rerun = Micro(m.b, m.s, m.tp, m.sp, m.dropout, "none", m.device, m.act)
     transient = max(logits_grad, (1 + (m.recompute == "full")) * layer_activation_bytes(cfg.model, rerun))
     copies, state = exchange_bytes(cfg, sizes, dp, m.device)
+    if cfg.sync.mode != "dp":  # the inner exchange is exact (no copies, no state); the mode's own terms instead
+        codec = lambda n, group: exchange_bytes(cfg, [n], group, m.device)[1]  # noqa: E731
+        optimizer, copies, state = footprint(cfg, numel, dp, share, m.device, host).terms(optimizer, codec)
     # the exchange's copies grow in the backward as the activations are freed: what exceeds them adds
     buffers = transient + max(0, copies - activations) + state
     return RankMemory((2 if low else F32) * numel, grads, optimizer, activations, buffers)
@@ -260,10 +260,10 @@ def exchange_bytes(cfg: Config, sizes: Sequence[int], dp: int, device: str) -> t
         return max(cast, F32 * sum(sizes) if cfg.parallel.zero == 1 and device != "cuda" else 0), 0
     if cfg.parallel.zero == 1:  # int8's encoded reduce-scatter: the sent and the received shards, then gone
         return 2 * sum(n + 4 * n // c.block_size for n in sizes), 0
-    residuals = int(c.error_feedback)
+    residuals = int(c.error_feedback and (c.method not in CODECS or CODECS[c.method].error_feedback))
     if c.method in ("powersgd", "torch_powersgd"):
         return 0, F32 * sum(sizes) * residuals
-    return 0, F32 * sum(sizes) * (1 + 2 * residuals)  # working buffer, worker and server residuals
+    return 0, F32 * (sum(sizes) * (1 + residuals) + sum(sizes) // dp * residuals)  # buffer, worker's, own chunk's
 
 
 def meta_stages(layout: Layout, build: Build) -> list[nn.ModuleList]:
@@ -281,7 +281,7 @@ def stage_estimates(cfg: Config, layout: Layout, stages: Sequence[nn.ModuleList]
     `train.micro_batch_size`)."""
     m = micro_of(cfg, device_type, micro_batch)
     schedule = training_schedule(cfg, layout, stages, m)
-    return [rank_memory(cfg, chunks, schedule, r, layout.dp, m) for r, chunks in enumerate(stages)]
+    return [rank_memory(cfg, chunks, schedule, r, layout.dp, m, layout.dp_per_node) for r, chunks in enumerate(stages)]
 
 
 def training_schedule(cfg: Config, layout: Layout, stages: Sequence[nn.ModuleList], m: Micro) -> Schedule:
@@ -303,7 +303,7 @@ def weight_deferrals(cfg: Config, layout: Layout, stages: Sequence[nn.ModuleList
     even running each at once would not: a waiting microbatch can hold more than its activations."""
     def totals(deferrals: list[Optional[int]]) -> list[int]:
         schedule = build_schedule(name, layout.pp, count, v, deferrals=deferrals, comm=False)
-        return [rank_memory(cfg, chunks, schedule, r, layout.dp, m).total for r, chunks in enumerate(stages)]
+        return [rank_memory(cfg, c, schedule, r, layout.dp, m, layout.dp_per_node).total for r, c in enumerate(stages)]
 
     name, v = cfg.parallel.schedule, cfg.parallel.virtual_stages
     own = [most_waiting(a) for a in build_schedule(name, layout.pp, count, v, comm=False).actions]

@@ -66,12 +66,12 @@ def reproduce_command(module: str, p: argparse.ArgumentParser, args: argparse.Na
         value = getattr(args, action.dest, None)
         if not action.option_strings or action.dest == "help" or value is None:
             continue
+        if value == "" or value == []:
+            continue  # an empty option is its default
         if action.dest == "sections":
             value = shlex.quote(",".join(value))
         elif isinstance(value, (list, tuple)):
             value = " ".join(shlex.quote(str(v)) for v in value)
-        elif value == "":
-            continue  # an empty string option is its default
         else:
             value = shlex.quote(str(value))
         words.append(f"{action.option_strings[0]} {value}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 
@@ -39,24 +39,50 @@ if TYPE_CHECKING:
 MODULE = "hybrid.bench.sync_modes"
 CPU = torch.device("cpu")
 SYNC = ("compression=hierarchical", "compression.inner=none")
+
+
+class Outer(NamedTuple):
+    """An outer Nesterov setting, written LR:MOMENTUM on the command line."""
+
+    lr: float
+    momentum: float
+
+    def __str__(self) -> str:
+        return f"{self.lr:g}:{self.momentum:g}"
+
+
+PAPER = Outer(0.7, 0.9)  # DiLoCo's outer Nesterov lr and momentum
 GOAL_LOSS, GOAL_BYTES = 0.02, 50.0  # DiLoCo within 2 % of synchronous eval loss at >= 50x fewer inter-node bytes
 QUICK = {"steps": 4, "inner_steps": [2], "seq": 32, "micro_batch": 1, "global_batch": 4, "eval_batches": 1,
          "codecs": ["none"]}
 
 
 def runs(args: argparse.Namespace) -> list[tuple[str, tuple[str, ...], bool]]:
-    """(label, overrides, held to the goal) of every run: sync, DiLoCo per H × codec, local SGD, gossip."""
+    """(label, overrides, held to the goal) of every run: sync, DiLoCo per outer optimizer × H × codec, local SGD,
+    gossip, the parameter server."""
     out = [("sync DP", SYNC, False)]
-    for h in args.inner_steps:
-        for codec in args.codecs:
-            out.append((f"DiLoCo H={h} {codec}", ("sync=diloco", f"sync.inner_steps={h}", "sync.scope=inter",
-                                                  f"compression={codec}"), h >= 50 or codec != "none"))
-    h = args.inner_steps[len(args.inner_steps) // 2]
-    out.append((f"local SGD H={h}", ("sync=local_sgd", f"sync.inner_steps={h}", "sync.scope=inter"), False))
+    for lr, momentum in args.outer:
+        tag = "" if (lr, momentum) == PAPER else f" lr{lr:g} m{momentum:g}"
+        for h in args.inner_steps:
+            for codec in args.codecs:
+                out.append((f"DiLoCo H={h} {codec}{tag}", ("sync=diloco", f"sync.inner_steps={h}", "sync.scope=inter",
+                            f"sync.outer_lr={lr}", f"sync.outer_momentum={momentum}", f"compression={codec}"),
+                            h >= 50 or codec != "none"))
+    for h in args.local_steps or [args.inner_steps[len(args.inner_steps) // 2]]:
+        out.append((f"local SGD H={h}", ("sync=local_sgd", f"sync.inner_steps={h}", "sync.scope=inter"), False))
     out.append(("gossip ring", ("sync=gossip",), False))
     out.append(("PS sync", ("sync=ps",), False))
     out.append(("PS async k=2", ("sync=ps_async",), False))
     return out
+
+
+def outer_setting(text: str) -> Outer:
+    """'LR:MOMENTUM' -> Outer, for --outer."""
+    lr, _, momentum = text.partition(":")
+    try:
+        return Outer(float(lr), float(momentum))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LR:MOMENTUM (e.g. 0.7:0.9), got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=600, help="train.steps (the same tokens for every run)")
     p.add_argument("--inner-steps", type=int, nargs="+", default=[10, 50, 100], help="DiLoCo's H values")
     p.add_argument("--codecs", nargs="+", default=["none", "int8", "sign"], help="the outer step's compression")
+    p.add_argument("--outer", type=outer_setting, nargs="+", default=[PAPER], metavar="LR:MOMENTUM",
+                   help="DiLoCo's outer Nesterov settings to run (default: the paper's 0.7:0.9)")
+    p.add_argument("--local-steps", type=int, nargs="+", default=[], help="local SGD's H values (default: the "
+                   "middle --inner-steps)")
     p.add_argument("--lr", type=float, default=None, help="train.lr (default: the config's)")
     p.add_argument("--seq", type=int, default=64, help="data.seq_len")
     p.add_argument("--micro-batch", type=int, default=2, help="train.micro_batch_size")
@@ -80,7 +110,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = build_parser()
     args = parse_with_quick(p, argv, QUICK)
     check_models(p, args.model)
-    if min(args.steps, *args.inner_steps, args.seq, args.micro_batch, args.eval_batches) < 1 \
+    if min(args.steps, *args.inner_steps, *args.local_steps, args.seq, args.micro_batch, args.eval_batches) < 1 \
             or args.global_batch % (args.micro_batch * 4):
         p.error("sizes must be >= 1 and --global-batch a multiple of --micro-batch · 4")
     return args

@@ -89,6 +89,11 @@ class Layout:
     def node(self, rank: int) -> int:
         return rank // self.ranks_per_node
 
+    @property
+    def dp_per_node(self) -> int:
+        """The DP ranks of a DP group on one node (the size of a `dp_intra` group)."""
+        return len(self.dp_intra_node_groups()[0])
+
     def tp_groups(self) -> list[list[int]]:
         return [[self.rank(p, d, t) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
 

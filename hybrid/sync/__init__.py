@@ -124,6 +124,8 @@ def check(cfg: Config, layout: Layout) -> None:
     _require(s.mode == "ps" or (s.servers == 1 and not s.asynchronous and s.max_staleness == 0 and not
                                 s.staleness_weighting), "sync.servers, sync.asynchronous, sync.max_staleness and "
              "sync.staleness_weighting apply to sync=ps (the parameter server)")
+    _require(s.mode == "diloco" or (s.overlap_steps == 0 and s.overlap_mix == 0), "sync.overlap_steps and "
+             "sync.overlap_mix apply to sync=diloco or sync=local_sgd (the outer exchange)")
     _require(s.max_staleness == 0 or s.asynchronous, f"sync.max_staleness={s.max_staleness} needs "
              "sync.asynchronous=true (a synchronous server has none)")
     if s.mode == "dp":
@@ -139,6 +141,10 @@ def check(cfg: Config, layout: Layout) -> None:
         return
     _require(s.outer_lr > 0, f"sync.outer_lr must be > 0, got {s.outer_lr}")
     _require(0 <= s.outer_momentum < 1, f"sync.outer_momentum must be in [0, 1), got {s.outer_momentum}")
+    _require(0 <= s.overlap_steps < s.inner_steps, f"sync.overlap_steps must be in [0, sync.inner_steps="
+             f"{s.inner_steps}): an exchange lands before its fragment's next one; got {s.overlap_steps}")
+    _require(0 <= s.overlap_mix < 1 and (s.overlap_mix == 0 or s.overlap_steps > 0), f"sync.overlap_mix must be "
+             f"in [0, 1), and 0 unless sync.overlap_steps > 0; got {s.overlap_mix}")
     if s.scope == "inter":
         _require(layout.num_nodes > 1, f"sync.scope=inter needs DP replicas on more than one node; this layout "
                  f"has {layout.num_nodes} node (set parallel.ranks_per_node to emulate nodes)")

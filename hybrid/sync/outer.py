@@ -18,13 +18,19 @@ gradient sync's buckets, so a codec's exchange costs what one of its gradient st
 outer steps at the steps ≡ ⌊(f+1)·H/F⌋ (mod H): each syncs every H steps, but the exchanges are spread over
 the H steps, so the peak bytes of one step are 1/F.
 
-At the run's last step every fragment with inner steps since its last outer step takes one (the explicit final
-sync), so the run ends with one model. The inner optimizer's state stays each replica's own.
+Overlap (`sync.overlap_steps=τ`, Streaming DiLoCo's): a fragment's exchange starts after its step t and the
+replicas go on training; after step t + τ it lands — the outer step from the anchor on the Δ̄ of step t — and each
+replica's weights become α·(its own, τ steps further) + (1 − α)·(the new anchor), α = `sync.overlap_mix` (0: the
+new anchor, the τ local steps of that fragment dropped). The exchange hides behind τ steps of compute.
+
+At the run's last step every exchange in flight lands, and every fragment with inner steps since its last outer
+exchange takes one more, blocking (the explicit final sync), so the run ends with one model. The inner
+optimizer's state stays each replica's own.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 import torch
 from torch import nn
@@ -36,6 +42,11 @@ from hybrid.parallel.collectives import Group
 from hybrid.parallel.data import CommHook, write_back
 from hybrid.parallel.params import param_info
 from hybrid.sync.replica import Weights, load_replica_state, over_ranks, replica_state
+
+Means = dict[nn.Parameter, torch.Tensor]
+Launched = Union[tuple[list[GradBucket], list[Any]], Means]
+"""An outer exchange in flight: its buckets (this rank's share of Δ) and the hook's futures (None: one rank); or,
+once waited for (a checkpoint), its result Δ̄ per parameter."""
 
 
 def fragments_of(params: list[nn.Parameter], n: int) -> list[list[nn.Parameter]]:
@@ -82,7 +93,8 @@ class OuterSync:
         self.anchor = {p: self.weights.main_weight(p).detach().float().clone() for f in self.fragments for p in f}
         self.device = next(iter(self.anchor.values())).device if self.anchor else torch.device("cpu")
         self.momentum = {p: torch.zeros_like(a) for p, a in self.anchor.items()} if self.cfg.outer_momentum else {}
-        self.synced = [step] * len(self.fragments)  # the step of each fragment's last outer step
+        self.synced = [step] * len(self.fragments)  # the step of each fragment's last outer exchange
+        self.pending: dict[int, tuple[int, Launched]] = {}  # fragment → (its launch step, the exchange in flight)
 
     def offset(self, f: int) -> int:
         """The step (mod H) of fragment `f`'s outer steps."""
@@ -95,60 +107,78 @@ class OuterSync:
                 if step % self.cfg.inner_steps == self.offset(f) or (last and self.synced[f] < step)]
 
     def after_step(self, step: int, last: bool = False) -> list[int]:
-        """The outer steps due after optimizer step `step`; the fragments synced. Collective over the outer group
-        when one is due (the same steps on every rank)."""
-        due = self.due(step, last)
+        """The outer exchanges due after optimizer step `step`; the fragments synced. Collective over the outer group
+        when one is due (the same steps on every rank). With `sync.overlap_steps=τ` an exchange launched here lands
+        τ steps later (the last step: every one in flight lands, then the final sync blocks)."""
+        landed = [f for f, (at, _) in self.pending.items() if last or step == at + self.cfg.overlap_steps]
+        for f in landed:
+            self._land(f, *self.pending.pop(f), mix=self.cfg.overlap_mix)
+        due = [f for f in self.due(step, last) if not (last and f in landed and not self.cfg.overlap_mix)]
         for f in due:
-            self._outer_step(f, step)
-        if due:
+            self.pending[f] = (step, self._launch(f))
+            self.synced[f] = self.last_step = step
+        for f in [f for f in due if last or not self.cfg.overlap_steps]:
+            self._land(f, *self.pending.pop(f), mix=0.0)
+        if landed or due:
             self.weights.loaded()
         return due
 
-    def _outer_step(self, f: int, step: int) -> None:
-        """Average fragment `f`'s pseudo-gradient through the hook, then the outer optimizer's step."""
-        weights = {p: self.weights.main_weight(p) for p in self.fragments[f]}
+    def _launch(self, f: int) -> Launched:
+        """Start averaging fragment `f`'s pseudo-gradient Δ = θ_anchor − θ through the hook: this rank's share
+        of it in buckets (numbered after the earlier fragments', so a hook's per-bucket state never mixes two
+        fragments) and their futures."""
+        first = sum(len(b) for b in self.buckets[:f])
         before = C.COUNTER.group_bytes(C.group_name(self.group))
-        means = self._exchange(f, weights)
+        out, futures = [], []
+        for i, ps in enumerate(self.buckets[f]):
+            buf = torch.cat([(self.anchor[p] - self.weights.main_weight(p).float()).reshape(-1) for p in ps])
+            out.append(GradBucket(first + i, buf, ps, is_last=i == len(self.buckets[f]) - 1))
+            futures.append(self.hook(self.state, out[-1]) if C.size(self.group) > 1 else None)
         self.bytes += C.COUNTER.group_bytes(C.group_name(self.group)) - before
+        return out, futures
+
+    def _land(self, f: int, step: int, launched: Launched, mix: float) -> None:
+        """Fragment `f`'s exchange launched at `step` completes: Δ̄, the outer step from the anchor, and each
+        weight set to α·(its own) + (1 − α)·(the new anchor), α = `mix`."""
+        means = launched if isinstance(launched, dict) else self._means(f, *launched)
         for p in self.fragments[f]:
             if _tied(p) and C.size(self.tied_group) > 1:
                 C.all_reduce(means[p], self.tied_group)
                 means[p].div_(C.size(self.tied_group))
-            self._apply(p, means[p], weights[p])
+            self._apply(p, means[p], self.weights.main_weight(p), mix)
         self.events += 1
-        self.synced[f] = self.last_step = step
 
-    def _exchange(self, f: int, weights: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
-        """Δ̄, the mean over the outer group of θ_anchor − θ, of each parameter of fragment `f`: this rank's share
-        through the hook (its buckets numbered after the earlier fragments', so a hook's per-bucket state never
-        mixes two fragments), then the node's shares combined (`share`)."""
-        first = sum(len(b) for b in self.buckets[:f])
-        out, futures = [], []
-        for i, ps in enumerate(self.buckets[f]):
-            buf = torch.cat([(self.anchor[p] - weights[p].float()).reshape(-1) for p in ps])
-            out.append(GradBucket(first + i, buf, ps, is_last=i == len(self.buckets[f]) - 1))
-            futures.append(self.hook(self.state, out[-1]) if C.size(self.group) > 1 else None)
+    def _means(self, f: int, buckets: list[GradBucket], futures: list[Any]) -> Means:
+        """Δ̄ of each parameter of fragment `f`: the hook's results written back, then the node's shares combined
+        (`share`)."""
         with C.TIMER.waiting(C.group_name(self.group)):
-            for bucket, fut in zip(out, futures):
+            for bucket, fut in zip(buckets, futures):
                 if fut is not None:
                     write_back(bucket, fut.wait())
-        means = {p: view for b in out for p, view in zip(b.parameters(), b.gradients())}
+        means = {p: view for b in buckets for p, view in zip(b.parameters(), b.gradients())}
         if C.size(self.share) == 1:
             return means
-        flat = torch.cat([means[p].reshape(-1) if p in means else torch.zeros(p.numel(), device=self.device)
-                          for p in self.fragments[f]])
-        C.all_reduce(flat, self.share)  # every other rank's share is zeros there: the sum is exact
-        return dict(zip(self.fragments[f], GradBucket(-1, flat, self.fragments[f], False).gradients()))
+        size = sum(p.numel() for p in self.fragments[f])
+        node = GradBucket(-1, torch.zeros(size, device=self.device), self.fragments[f], False)
+        for p, view in zip(node.parameters(), node.gradients()):
+            if p in means:
+                view.copy_(means[p])
+        C.all_reduce(node.buffer(), self.share)  # every other rank's share is zeros there: the sum is exact
+        return dict(zip(node.parameters(), node.gradients()))
 
     @torch.no_grad()
-    def _apply(self, p: nn.Parameter, mean: torch.Tensor, weight: torch.Tensor) -> None:
-        """The outer SGD step of `p` from its anchor, and the replica's weight set to the new anchor."""
+    def _apply(self, p: nn.Parameter, mean: torch.Tensor, weight: torch.Tensor, mix: float) -> None:
+        """The outer SGD step of `p` from its anchor, and the replica's weight set to the new anchor (mixed with
+        its own by `mix`)."""
         cfg, update = self.cfg, mean
         if cfg.outer_momentum:
             m = self.momentum[p].mul_(cfg.outer_momentum).add_(mean)
             update = mean.add(m, alpha=cfg.outer_momentum) if cfg.nesterov else m
         self.anchor[p].sub_(update, alpha=cfg.outer_lr)
-        weight.copy_(self.anchor[p])
+        if mix:
+            weight.mul_(mix).add_(self.anchor[p].to(weight.dtype), alpha=1 - mix)
+        else:
+            weight.copy_(self.anchor[p])
 
     def record(self, steps: int) -> dict[str, float]:
         """The metrics record's sync keys: outer steps so far (fragments' counted apart), the step of the last,
@@ -159,10 +189,15 @@ class OuterSync:
 
     def state_dict(self) -> dict[str, Any]:
         """What differs between replicas (`replica_state`) and the outer state: the anchors, the momentum, the
-        fragments' steps."""
+        fragments' steps, and the exchanges in flight — waited for (collective then), their results saved to land
+        on their step after a resume as they would have."""
         params = [p for f in self.fragments for p in f]
+        for f, (at, launched) in self.pending.items():
+            if not isinstance(launched, dict):
+                self.pending[f] = (at, self._means(f, *launched))
+        pending = [(f, at, [means[p] for p in self.fragments[f]]) for f, (at, means) in sorted(self.pending.items())]
         return {**replica_state(self.weights, params), "anchor": [self.anchor[p] for p in params],
-                "momentum": [self.momentum[p] for p in params] if self.momentum else [],
+                "momentum": [self.momentum[p] for p in params] if self.momentum else [], "pending": pending,
                 "synced": list(self.synced), "events": self.events, "bytes": self.bytes, "last_step": self.last_step}
 
     @torch.no_grad()
@@ -176,4 +211,5 @@ class OuterSync:
             self.momentum[p].copy_(m)
         self.synced, self.events, self.bytes = list(sd["synced"]), int(sd["events"]), int(sd["bytes"])
         self.last_step = int(sd["last_step"])
+        self.pending = {f: (at, dict(zip(self.fragments[f], means))) for f, at, means in sd.get("pending", [])}
         self.weights.loaded()

@@ -13,14 +13,18 @@ import torch
 import torch.distributed as dist
 from harness import run_ranks
 from pp_helpers import VOCAB, Case, make_cfg
-from test_checkpoint import SAVE_AT, resume_runs
+from safetensors.torch import load_file
+from test_checkpoint import SAVE_AT, STEPS, resume_runs
 from test_dp import synthetic_corpus
 
+from hybrid.checkpoint import step_path
 from hybrid.compression.hooks import make_hook
+from hybrid.model.hf import to_hf_state_dict
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.parallel.params import full_state_dict
 from hybrid.sampler import StepSampler
+from hybrid.tools.export import Options, export
 from hybrid.trainer import Trainer, build_chunks
 
 TIMEOUT = 300
@@ -113,12 +117,15 @@ def test_every_outer_step_costs_one_dp_steps_bytes_and_only_on_its_steps() -> No
 # ---- DiLoCo against the paper's loop -------------------------------------------------------------------------
 
 def replicas_reference(cfg: Any, dp: int, steps: int) -> list[dict[str, torch.Tensor]]:
-    """DiLoCo (Douillard et al. 2023, Algorithm 1) over `dp` single-process replicas, each a Trainer reading its
-    DP shard: H inner steps each; then per fragment f due at this step (t ≡ ⌊(f+1)H/F⌋ mod H, or the last step),
-    Δ = mean over replicas of θ_anchor − θ_r; m ← μm + Δ; θ_anchor ← θ_anchor − lr(Δ + μm); θ_r ← θ_anchor."""
+    """DiLoCo (Douillard et al. 2023, Algorithm 1; streaming and overlapped as in Streaming DiLoCo) over `dp`
+    single-process replicas, each a Trainer reading its DP shard: H inner steps each; per fragment f due at this
+    step (t ≡ ⌊(f+1)H/F⌋ mod H, or the last step) Δ = mean over replicas of θ_anchor − θ_r, which lands τ steps
+    later (at once when τ = 0 or on the last step): m ← μm + Δ; θ_anchor ← θ_anchor − lr(Δ + μm);
+    θ_r ← α·θ_r + (1 − α)·θ_anchor (α = 0 on the last step)."""
     s = cfg.sync
     one = copy.deepcopy(cfg)
     one.sync.mode, one.sync.inner_steps, one.sync.fragments = "dp", 1, 1
+    one.sync.overlap_steps, one.sync.overlap_mix = 0, 0.0
     one.train.global_batch_size //= dp
     replicas = []
     for r in range(dp):
@@ -135,37 +142,55 @@ def replicas_reference(cfg: Any, dp: int, steps: int) -> list[dict[str, torch.Te
     for p in params[0]:  # F fragments of about equal size, contiguous in the model's order
         frag.append(min(s.fragments - 1, seen * s.fragments // total))
         seen += p.numel()
+
+    @torch.no_grad()
+    def land(f: int, deltas: dict[int, torch.Tensor], mix: float) -> None:
+        for i in (i for i in range(n) if frag[i] == f):
+            momentum[i] = s.outer_momentum * momentum[i] + deltas[i]
+            update = deltas[i] + s.outer_momentum * momentum[i] if s.nesterov else momentum[i]
+            anchor[i] = anchor[i] - s.outer_lr * update
+            for r in range(dp):
+                params[r][i].copy_(mix * params[r][i] + (1 - mix) * anchor[i])
+
+    pending: dict[int, tuple[int, dict[int, torch.Tensor]]] = {}
     for step in range(1, steps + 1):
         for r in replicas:
             r.train_step()
-        due = {f for f in range(s.fragments)
-               if step % s.inner_steps == (f + 1) * s.inner_steps // s.fragments % s.inner_steps or step == steps}
-        for i in (i for i in range(n) if frag[i] in due):
+        last = step == steps
+        landed = [f for f, (at, _) in pending.items() if last or step == at + s.overlap_steps]
+        for f in landed:
+            land(f, pending.pop(f)[1], s.overlap_mix)
+        due = [f for f in range(s.fragments)
+               if (step % s.inner_steps == (f + 1) * s.inner_steps // s.fragments % s.inner_steps or last)
+               and not (last and f in landed and not s.overlap_mix)]
+        for f in due:
             with torch.no_grad():
-                delta = sum(anchor[i] - params[r][i] for r in range(dp)) / dp
-                momentum[i] = s.outer_momentum * momentum[i] + delta
-                update = delta + s.outer_momentum * momentum[i] if s.nesterov else momentum[i]
-                anchor[i] = anchor[i] - s.outer_lr * update
-                for r in range(dp):
-                    params[r][i].copy_(anchor[i])
+                pending[f] = (step, {i: sum(anchor[i] - params[r][i] for r in range(dp)) / dp
+                                     for i in range(n) if frag[i] == f})
+            if last or not s.overlap_steps:
+                land(f, pending.pop(f)[1], 0.0)
     return [_weights(r) for r in replicas]
 
 
-@pytest.mark.parametrize("fragments", [1, 2])
-def test_diloco_matches_the_papers_loop(fragments: int) -> None:
-    """dp=2, AdamW inside (its state each replica's own), 7 steps at H=3 (the last a partial round ended by the
-    final sync): every replica ends with the reference's anchor, streamed in 2 fragments too."""
-    modes = [(*DILOCO, f"sync.fragments={fragments}")]
-    steps = 7
+def test_diloco_matches_the_papers_loop() -> None:
+    """dp=2, AdamW inside (its state each replica's own), 8 steps at H=3 (the last a partial round ended by the
+    final sync): every replica ends with the reference's anchor — whole, streamed in 2 fragments, and streamed
+    with overlapped exchanges (τ = 1 mixing the local weights in by α = 0.5; τ = 2 taking the global's)."""
+    modes = [DILOCO, (*DILOCO, "sync.fragments=2"),
+             (*DILOCO, "sync.fragments=2", "sync.overlap_steps=1", "sync.overlap_mix=0.5"),
+             (*DILOCO, "sync.overlap_steps=2")]
+    steps = 8
     results = run_ranks(train_modes, 2, Case(), modes, 2, steps, timeout=TIMEOUT)
-    cfg = make_cfg(Case(), 2, extra=[*modes[0], f"train.steps={steps}"])
     torch.set_num_threads(1)
-    ref = replicas_reference(cfg, 2, steps)
-    for r, want in zip(results, ref):
-        for name, w in want.items():
-            torch.testing.assert_close(r[0]["weights"][name], w, rtol=1e-5, atol=1e-6, msg=name)
-    for name, w in ref[0].items():
-        assert torch.equal(ref[1][name], w)  # the final sync: one model
+    for i, mode in enumerate(modes):
+        cfg = make_cfg(Case(), 2, extra=[*mode, f"train.steps={steps}"])
+        ref = replicas_reference(cfg, 2, steps)
+        for r, want in zip(results, ref):
+            for name, w in want.items():
+                torch.testing.assert_close(r[i]["weights"][name], w, rtol=1e-5, atol=1e-6, msg=(mode, name))
+        for name, w in ref[0].items():
+            assert torch.equal(ref[1][name], w)  # the final sync: one model
+    assert results[0][3]["losses"] != results[0][0]["losses"]  # the overlap changes the training
 
 
 # ---- the parameter server ----------------------------------------------------------------------------------
@@ -267,10 +292,13 @@ def test_gossip_on_a_ring_shrinks_the_consensus_distance_as_theory_says() -> Non
 # ---- checkpoints ----------------------------------------------------------------------------------------------
 
 def test_diloco_resumes_bit_exactly_between_outer_steps_and_restarts_under_another_layout(tmp_path: Path) -> None:
-    """tp2pp2dp2, H=3: saved at step 5 (two inner steps after an outer step), resumed in the same layout: each
-    replica's own parameters, inner AdamW moments, anchors and outer momentum come back (losses and weights bit
-    for bit); under tp1pp2dp4 every replica restarts from the saved parameters (a note says so) and trains."""
-    results = run_ranks(resume_runs, 8, tmp_path, Case(tp=2, pp=2), [Case(tp=1, pp=2)], DILOCO, timeout=TIMEOUT)
+    """tp2pp2dp2, H=3 in 3 fragments, each exchange overlapped with the next step: saved at step 5 with the
+    second fragment's exchange in flight, resumed in the same layout: each replica's own parameters, inner AdamW
+    moments, anchors, outer momentum and the exchange's result come back (losses and weights bit for bit);
+    under tp1pp2dp4 every replica restarts from the saved parameters (a note says so) and trains; the last
+    checkpoint (after the final sync) exports to transformers as the run's one model."""
+    mode = (*DILOCO, "sync.fragments=3", "sync.overlap_steps=1")
+    results = run_ranks(resume_runs, 8, tmp_path, Case(tp=2, pp=2), [Case(tp=1, pp=2)], mode, timeout=TIMEOUT)
     for r in results:
         assert r["same"]["losses"] == r["base"]["losses"][SAVE_AT:]
         for name, w in r["final"].items():
@@ -278,14 +306,32 @@ def test_diloco_resumes_bit_exactly_between_outer_steps_and_restarts_under_anoth
         other = r[str(Case(tp=1, pp=2))]["losses"]
         assert all(torch.isfinite(torch.tensor(other))) and other[-1] < r["base"]["losses"][0]
     assert any("holds no replica state" in line for line in results[0]["log"])
+    exports_the_final_model(tmp_path, results, mode)
+
+
+def exports_the_final_model(root: Path, results: list[dict[str, Any]], mode: tuple[str, ...]) -> None:
+    """The run's last checkpoint (after the final sync) exports to transformers like any other: transformers'
+    logits agree with ours and the exported tensors are the replicas' one final model, bit for bit."""
+    report = export(Options(step_path(root / "base", STEPS), root / "hf"))
+    assert report.max_abs_diff is not None and report.max_abs_diff < 1e-5
+    final: dict[str, torch.Tensor] = {}
+    for r in results:
+        final.update(r["final"])
+    want = to_hf_state_dict(final, make_cfg(Case(tp=2, pp=2), 8, extra=list(mode)).model, VOCAB)
+    got = load_file(root / "hf" / "model.safetensors")
+    assert set(got) <= set(want) and got
+    for name, t in got.items():
+        assert torch.equal(t, want[name]), name
 
 
 @pytest.mark.parametrize("mode", [("sync=gossip",), ("sync=ps", "sync.servers=2")], ids=["gossip", "ps"])
 def test_gossip_and_parameter_server_resume_bit_exactly(tmp_path: Path, mode: tuple[str, ...]) -> None:
     """tp2pp2dp2, saved at step 5 and resumed in the same layout: gossip's replicas' parameters and AdamW
-    moments, the parameter server's shards, AdamW state and version come back: losses and weights bit for bit."""
+    moments, the parameter server's shards, AdamW state and version come back: losses and weights bit for bit;
+    the last checkpoint (after the final average) exports to transformers as the run's one model."""
     results = run_ranks(resume_runs, 8, tmp_path, Case(tp=2, pp=2), [], mode, timeout=TIMEOUT)
     for r in results:
         assert r["same"]["losses"] == r["base"]["losses"][SAVE_AT:]
         for name, w in r["final"].items():
             assert torch.equal(r["same_final"][name], w), name
+    exports_the_final_model(tmp_path, results, mode)
