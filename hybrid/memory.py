@@ -241,7 +241,7 @@ def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank:
     copies, state = exchange_bytes(cfg, sizes, dp, m.device)
     if cfg.sync.mode != "dp":  # the inner exchange is exact (no copies, no state); the mode's own terms instead
         codec = lambda n, group: exchange_bytes(cfg, [n], group, m.device)[1]  # noqa: E731
-        optimizer, copies, state = footprint(cfg, numel, dp, share, m.device, host).terms(optimizer, codec)
+        optimizer, copies, state = footprint(cfg, params, dp, share, m.device, host).terms(optimizer, codec)
     # the exchange's copies grow in the backward as the activations are freed: what exceeds them adds
     buffers = transient + max(0, copies - activations) + state
     return RankMemory((2 if low else F32) * numel, grads, optimizer, activations, buffers)

@@ -273,8 +273,8 @@ class Trainer:
         if self.outer is not None:
             self.outer.after_step(self.step, last=self.step == self.cfg.train.steps)  # collective when due
         loss_value = self.report.loss(total, self.schedule)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        if self.device.type == "cuda":  # an overlapped outer exchange stays in flight: only the step's stream
+            (torch.cuda.current_stream() if self.cfg.sync.overlap_steps else torch.cuda).synchronize()
         self.report.timed(C.TIMER.end_step(), self.schedule, self.stats)
         self.health.after_step(self.step, self.stats.busy_s)  # collective every health.*_every steps
         return StepResult(loss_value, float(norm), lr, time.perf_counter() - start)

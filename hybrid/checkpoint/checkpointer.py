@@ -209,10 +209,10 @@ class Checkpointer:
         state = {p.key: to_dcp(p, self.mesh) for p in model_pieces(model, optimizer, False)}
         rng_key, hook_blob_key = self._coord_keys()
         state[rng_key] = blob(rng_state(model))
+        if self.states.get("sync") is not None:  # replicas that differ between syncs: each its own (`hybrid.sync`);
+            state[self._sync_key()] = blob(self.states["sync"].state_dict())  # first: it waits for exchanges in flight
         hook = self.states.get("hook")
         state[hook_blob_key] = blob(hook.state_dict() if hasattr(hook, "state_dict") else {})
-        if self.states.get("sync") is not None:  # replicas that differ between syncs: each its own (`hybrid.sync`)
-            state[self._sync_key()] = blob(self.states["sync"].state_dict())
         return state
 
     def _sync_key(self) -> str:

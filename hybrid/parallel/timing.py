@@ -175,6 +175,7 @@ class CommTimer:
         self.origin: Optional[Mark] = None
         self.end: Optional[Mark] = None
         self.flight = FlightRecorder()  # every collective, timed or not: what a hang leaves behind
+        self.across = 0  # > 0: async launches run across steps (`detached`)
 
     def begin_step(self, on: bool, step: int = 0) -> None:
         """Start step `step` (the flight recorder's); record its spans only if `on`."""
@@ -204,11 +205,21 @@ class CommTimer:
         """An async collective launched at `start`: its span ends when `work` completes. Returns the span
         and whether a watcher thread waits on `work` (then wait on it only through `span.wait`)."""
         self.flight.note(group, op, "async")
-        if not self.on or work is None or start is None:
+        if not self.on or work is None or start is None or self.across:
             return UNTIMED, False
         span = Span(group, op, ASYNC, start)
         self.spans.append(span)
         return span, self.clock.when_done(work, span)
+
+    @contextlib.contextmanager
+    def detached(self) -> Iterator[None]:
+        """Async collectives launched inside run across steps (an overlapped outer exchange): no span of this
+        step waits for them; the wait where they land is timed (`waiting`)."""
+        self.across += 1
+        try:
+            yield
+        finally:
+            self.across -= 1
 
     def phase(self, name: str, start: Optional[Mark], end: Optional[Mark] = None) -> None:
         """A region of the step from `start` to `end` (now when None)."""

@@ -25,6 +25,7 @@ from torch import nn
 
 from hybrid.compression.hooks import make_hook
 from hybrid.config import CompressionConfig, Config, ConfigError
+from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.context import ParallelContext, more_groups
 from hybrid.parallel.data import CommHook, GradSync, SyncReport
@@ -43,6 +44,9 @@ INCOMPATIBLE = {"compression.method": ("hierarchical", "onebit_adam"), "compress
 """Options a replica-level mode refuses: hierarchical compression (use `sync.scope=inter`), 1-bit Adam (an
 optimizer-side gradient compression), the auto compression schedule (it watches every step's gradient
 exchange), the distributed optimizer (its shards assume replicas that agree)."""
+
+SERIAL = ("torch_powersgd",)
+"""Codecs whose hook issues collectives from future callbacks (`Compression.serial`): not overlapped."""
 
 __all__ = ["MODES", "OuterSync", "check", "gradient_sync", "inner_group", "outer_group", "replica_sync",
            "replicas_group"]
@@ -94,6 +98,8 @@ def replica_sync(cfg: Config, ctx: ParallelContext, model: nn.Module, weights: W
         push, pull = (more_groups(ctx, "dp", "ps", backend="gloo") for _ in range(2))  # CPU, beside NCCL too
         return PSWorker(cfg, ctx, params, push, pull, node_of(ctx))
     group = outer_group(cfg, ctx)
+    if cfg.sync.overlap_steps:  # its own groups: an exchange in flight across steps beside the step's collectives
+        group = more_groups(ctx, "dp_inter" if cfg.sync.scope == "inter" else "dp", C.group_name(group))
     if group is not ctx.dp_group:  # the compression hook of the outer group (scope=inter: between nodes)
         hook, state = make_hook(cfg.compression, group)
     state.exact_params = apart
@@ -145,6 +151,9 @@ def check(cfg: Config, layout: Layout) -> None:
              f"{s.inner_steps}): an exchange lands before its fragment's next one; got {s.overlap_steps}")
     _require(0 <= s.overlap_mix < 1 and (s.overlap_mix == 0 or s.overlap_steps > 0), f"sync.overlap_mix must be "
              f"in [0, 1), and 0 unless sync.overlap_steps > 0; got {s.overlap_mix}")
+    _require(not (s.overlap_steps and cfg.compression.method in SERIAL), f"sync.overlap_steps cannot run with "
+             f"compression={cfg.compression.method}: its hook starts collectives from callbacks, which must not "
+             "run across steps (use compression=powersgd)")
     if s.scope == "inter":
         _require(layout.num_nodes > 1, f"sync.scope=inter needs DP replicas on more than one node; this layout "
                  f"has {layout.num_nodes} node (set parallel.ranks_per_node to emulate nodes)")

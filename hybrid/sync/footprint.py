@@ -4,8 +4,10 @@ In elements of the rank's trained parameters `numel`, fp32 (4 bytes each):
 
 - `diloco`: the anchors (a copy of the parameters) and, with outer momentum, the momentum (another) — outer
   optimizer state, beside the inner optimizer's; while an outer step runs, the pseudo-gradient of the rank's
-  share (numel / r, r = the node's DP ranks under `sync.scope=inter`, else 1) and, when r > 1, the node's
-  combined vector (numel); the outer hook's codec state is over the share (`outer`).
+  share (about numel / r, r = the node's DP ranks under `sync.scope=inter`, else 1: the largest part of
+  `outer.even_parts`'s split) and, when r > 1, the node's combined vector (numel); the outer hook's codec
+  state is over the share (`outer`); with `sync.overlap_steps`, the share's pseudo-gradient in flight is held
+  across steps (counted whole).
 - `gossip`: while a round runs, the flat parameters, each neighbour's, their stack and the mean.
 - `ps`: no optimizer on the worker (the servers hold it); on CPU, while it pushes, the flat gradient, the
   pushes, the replies and their concatenation (on CUDA those are host memory); the host of a server shard
@@ -16,13 +18,16 @@ In elements of the rank's trained parameters `numel`, fp32 (4 bytes each):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from hybrid.sync.gossip import neighbours
+from hybrid.sync.outer import largest_share
 
 if TYPE_CHECKING:
+    import torch
+
     from hybrid.config import Config
 
 F32 = 4
@@ -48,16 +53,20 @@ class Footprint:
         return optimizer, self.transient, self.state + (codec(*self.outer) if self.outer else 0)
 
 
-def footprint(cfg: Config, numel: int, dp: int, share: int, device: str, host: bool = True) -> Footprint:
-    """The terms of `cfg.sync.mode` for a rank with `numel` trained parameter elements, `dp` replicas, `share` DP
-    ranks in its node (scope=inter's split) on `device`; `host`: it hosts a parameter-server shard."""
-    s = cfg.sync
+def footprint(cfg: Config, params: Sequence[torch.Tensor], dp: int, share: int, device: str, host: bool = True
+              ) -> Footprint:
+    """The terms of `cfg.sync.mode` for a rank training `params` (in the model's order; meta tensors will do),
+    `dp` replicas, `share` DP ranks in its node (scope=inter's split) on `device`; `host`: it hosts a
+    parameter-server shard."""
+    sizes = [p.numel() for p in params]
+    s, numel = cfg.sync, sum(sizes)
     if s.mode == "diloco":
         r = share if s.scope == "inter" else 1
+        mine = largest_share(sizes, r)  # the outer exchange's elements on the rank with the most
         outer = (1 + (s.outer_momentum > 0)) * F32 * numel
-        group = dp // r if s.scope == "inter" else dp
-        return Footprint(outer, False, 0, F32 * (numel // r + (numel if r > 1 else 0)),
-                         (numel // r, group))
+        in_flight = F32 * mine if s.overlap_steps else 0  # overlapped: held across steps (at most all of it)
+        landing = (0 if s.overlap_steps else mine) + (numel if r > 1 else 0)  # the share itself: in flight
+        return Footprint(outer, False, in_flight, F32 * landing, (mine, dp // r))
     if s.mode == "gossip":
         peers = max(len(neighbours(s.topology, dp, i)) for i in range(dp))
         return Footprint(transient=(2 * peers + 3) * F32 * numel if dp > 1 else 0)

@@ -18,18 +18,20 @@ gradient sync's buckets, so a codec's exchange costs what one of its gradient st
 outer steps at the steps ≡ ⌊(f+1)·H/F⌋ (mod H): each syncs every H steps, but the exchanges are spread over
 the H steps, so the peak bytes of one step are 1/F.
 
-Overlap (`sync.overlap_steps=τ`, Streaming DiLoCo's): a fragment's exchange starts after its step t and the
-replicas go on training; after step t + τ it lands — the outer step from the anchor on the Δ̄ of step t — and each
-replica's weights become α·(its own, τ steps further) + (1 − α)·(the new anchor), α = `sync.overlap_mix` (0: the
-new anchor, the τ local steps of that fragment dropped). The exchange hides behind τ steps of compute.
+Overlap (`sync.overlap_steps=τ`, Streaming DiLoCo's): a fragment's exchange starts after its step t (on groups
+of its own, untimed while in flight) and the replicas go on training; after step t + τ it lands — the outer step
+from the anchor on the Δ̄ of step t — and each replica's weights become α·(its own, τ steps further) +
+(1 − α)·(the new anchor), α = `sync.overlap_mix` (0: the new anchor, the τ local steps of that fragment
+dropped). The exchange hides behind τ steps of compute.
 
-At the run's last step every exchange in flight lands, and every fragment with inner steps since its last outer
-exchange takes one more, blocking (the explicit final sync), so the run ends with one model. The inner
-optimizer's state stays each replica's own.
+At the run's last step every exchange in flight lands on the anchor alone (the replicas keep their local steps
+since), then every fragment takes one more exchange, blocking (the explicit final sync), so the run ends with
+one model. The inner optimizer's state stays each replica's own.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Union
 
 import torch
@@ -50,14 +52,28 @@ once waited for (a checkpoint), its result Δ̄ per parameter."""
 
 
 def fragments_of(params: list[nn.Parameter], n: int) -> list[list[nn.Parameter]]:
-    """`params` cut into `n` contiguous fragments of about equal element counts (none empty); a pipeline-tied
-    embedding copy always in the first, so that both stages' copies take their outer steps together."""
-    total, out = sum(p.numel() for p in params), [[] for _ in range(n)]
-    seen = 0
-    for p in params:
-        out[0 if _tied(p) else min(n - 1, seen * n // max(total, 1))].append(p)
-        seen += p.numel()
-    return [f for f in out if f]
+    """`params` cut into `n` contiguous fragments of about equal element counts (some may be empty: every stage
+    keeps all n, so fragment f has its outer steps on the same steps everywhere); a pipeline-tied embedding copy
+    always in the first, so that both stages' copies take their outer steps together."""
+    parts = [0 if _tied(p) else i for p, i in zip(params, even_parts([p.numel() for p in params], n))]
+    return [[p for p, part in zip(params, parts) if part == f] for f in range(n)]
+
+
+def even_parts(sizes: list[int], n: int) -> list[int]:
+    """The part (of `n` contiguous parts of about equal sums) of each of `sizes`, in order: an item goes where its
+    middle element falls."""
+    total, seen, out = max(sum(sizes), 1), 0, []
+    for size in sizes:
+        out.append(min(n - 1, (2 * seen + size) * n // (2 * total)))
+        seen += size
+    return out
+
+
+def largest_share(sizes: list[int], n: int) -> int:
+    """The most elements one of `n` ranks holds when `sizes` are split by `even_parts` (the outer exchange's
+    share of a rank under `sync.scope=inter`)."""
+    parts = even_parts(sizes, n)
+    return max(sum(s for s, part in zip(sizes, parts) if part == i) for i in range(n))
 
 
 def _tied(p: nn.Parameter) -> bool:
@@ -71,8 +87,8 @@ class OuterSync:
     `params`: the rank's trained parameters in the model's order; `group`: the group the pseudo-gradients are
     averaged over; `hook`, `state`: the DP compression hook; `weights`: the inner optimizer; `share`: under
     `sync.scope=inter` the node's DP ranks, which hold one replica between them — each exchanges its share of
-    the parameters (every r-th, r = their count) between nodes, and they combine the averages (an all-reduce
-    inside the node: a sum with zeros elsewhere, exact), so a node sends the model once, not r times;
+    each fragment (about 1/r of its elements, contiguous, r = their count) between nodes, and they combine the
+    averages (an all-reduce inside the node: a sum with zeros elsewhere, exact), so a node sends the model once;
     `tied_group`: the stages holding a tied embedding's copies, whose averages are averaged once more (a lossy
     codec rounds each stage's bucket on its own)."""
 
@@ -82,14 +98,16 @@ class OuterSync:
         self.cfg, self.group, self.hook, self.state, self.weights = cfg, group, hook, state, weights
         self.share, self.tied_group = share, tied_group
         self.fragments = fragments_of(params, cfg.fragments)
-        mine = [f[C.rank(share)::C.size(share)] for f in self.fragments]  # this rank's share of each fragment
+        r, me = C.size(share), C.rank(share)
+        mine = [[p for p, i in zip(f, even_parts([q.numel() for q in f], r)) if i == me] for f in self.fragments]
         self.buckets = [assign_buckets(f, int(bucket_mb * 2**20), apart) if f else [] for f in mine]
         self.events, self.bytes, self.last_step = 0, 0, 0
         self.restart()
 
     def restart(self, step: int = 0) -> None:
         """Anchor every fragment at the parameters held now; momentum zero (a run's start, or a resume at `step`
-        whose checkpoint holds no outer state for this layout)."""
+        whose checkpoint holds no outer state for this layout); an exchange in flight is waited for and dropped."""
+        self.settle()
         self.anchor = {p: self.weights.main_weight(p).detach().float().clone() for f in self.fragments for p in f}
         self.device = next(iter(self.anchor.values())).device if self.anchor else torch.device("cpu")
         self.momentum = {p: torch.zeros_like(a) for p, a in self.anchor.items()} if self.cfg.outer_momentum else {}
@@ -103,19 +121,28 @@ class OuterSync:
     def due(self, step: int, last: bool) -> list[int]:
         """The fragments whose outer step follows optimizer step `step` (counted from 1); at the run's `last`
         step, every fragment trained since its last one."""
-        return [f for f in range(len(self.fragments))
-                if step % self.cfg.inner_steps == self.offset(f) or (last and self.synced[f] < step)]
+        return [f for f in range(len(self.fragments)) if self.fragments[f]
+                and (step % self.cfg.inner_steps == self.offset(f) or (last and self.synced[f] < step))]
+
+    def settle(self) -> None:
+        """Wait for every exchange in flight (collective: the same on every rank), keeping its result to land on
+        its step."""
+        for f, (at, launched) in getattr(self, "pending", {}).items():
+            if not isinstance(launched, dict):
+                self.pending[f] = (at, self._means(f, *launched))
 
     def after_step(self, step: int, last: bool = False) -> list[int]:
         """The outer exchanges due after optimizer step `step`; the fragments synced. Collective over the outer group
         when one is due (the same steps on every rank). With `sync.overlap_steps=τ` an exchange launched here lands
-        τ steps later (the last step: every one in flight lands, then the final sync blocks)."""
+        τ steps later. The last step lands every one in flight on the anchor only (the replica keeps its local
+        steps since), then every fragment's final exchange blocks: the run ends with one model."""
         landed = [f for f, (at, _) in self.pending.items() if last or step == at + self.cfg.overlap_steps]
         for f in landed:
-            self._land(f, *self.pending.pop(f), mix=self.cfg.overlap_mix)
-        due = [f for f in self.due(step, last) if not (last and f in landed and not self.cfg.overlap_mix)]
+            self._land(f, *self.pending.pop(f), mix=1.0 if last else self.cfg.overlap_mix)
+        due = self.due(step, last)
         for f in due:
-            self.pending[f] = (step, self._launch(f))
+            with C.TIMER.detached() if self.cfg.overlap_steps and not last else nullcontext():
+                self.pending[f] = (step, self._launch(f))  # in flight across steps: its landing's wait is timed
             self.synced[f] = self.last_step = step
         for f in [f for f in due if last or not self.cfg.overlap_steps]:
             self._land(f, *self.pending.pop(f), mix=0.0)
@@ -175,10 +202,10 @@ class OuterSync:
             m = self.momentum[p].mul_(cfg.outer_momentum).add_(mean)
             update = mean.add(m, alpha=cfg.outer_momentum) if cfg.nesterov else m
         self.anchor[p].sub_(update, alpha=cfg.outer_lr)
-        if mix:
-            weight.mul_(mix).add_(self.anchor[p].to(weight.dtype), alpha=1 - mix)
-        else:
+        if mix == 0:
             weight.copy_(self.anchor[p])
+        elif mix < 1:
+            weight.mul_(mix).add_(self.anchor[p].to(weight.dtype), alpha=1 - mix)
 
     def record(self, steps: int) -> dict[str, float]:
         """The metrics record's sync keys: outer steps so far (fragments' counted apart), the step of the last,
@@ -192,9 +219,7 @@ class OuterSync:
         fragments' steps, and the exchanges in flight — waited for (collective then), their results saved to land
         on their step after a resume as they would have."""
         params = [p for f in self.fragments for p in f]
-        for f, (at, launched) in self.pending.items():
-            if not isinstance(launched, dict):
-                self.pending[f] = (at, self._means(f, *launched))
+        self.settle()
         pending = [(f, at, [means[p] for p in self.fragments[f]]) for f, (at, means) in sorted(self.pending.items())]
         return {**replica_state(self.weights, params), "anchor": [self.anchor[p] for p in params],
                 "momentum": [self.momentum[p] for p in params] if self.momentum else [], "pending": pending,
@@ -211,5 +236,7 @@ class OuterSync:
             self.momentum[p].copy_(m)
         self.synced, self.events, self.bytes = list(sd["synced"]), int(sd["events"]), int(sd["bytes"])
         self.last_step = int(sd["last_step"])
-        self.pending = {f: (at, dict(zip(self.fragments[f], means))) for f, at, means in sd.get("pending", [])}
+        self.settle()
+        self.pending = {f: (at, {p: m.to(self.device) for p, m in zip(self.fragments[f], means)})
+                        for f, at, means in sd.get("pending", [])}
         self.weights.loaded()

@@ -154,6 +154,7 @@ def test_estimate_matches_each_rank(measured: list[list[dict[str, Any]]], i: int
 SYNC_MODES = [("sync=dp", "compression=int8"), ("sync=diloco", "sync.inner_steps=1", "sync.scope=inter"),
               ("sync=diloco", "sync.inner_steps=1", "compression=int8"),
               ("sync=local_sgd", "sync.inner_steps=1", "optim=sgd", "optim.momentum=0.9"),
+              ("sync=diloco", "sync.inner_steps=2", "sync.overlap_steps=1", "sync.scope=inter"),
               ("sync=gossip",), ("sync=ps",)]
 
 
@@ -190,16 +191,21 @@ def _server_state(outer: Any) -> int:
 
 def measure_sync(rank: int, world: int) -> list[dict[str, Any]]:
     """Each sync mode at dp4 on 2 nodes × 2: the estimate's optimizer and total against the trainer's states,
-    the mode's own, and the peak over a step that ends in an exchange (the outer step, a gossip round, a push)."""
+    the mode's own, and the peak over a step that ends in an exchange (the outer step or, overlapped, its
+    launch; a gossip round; a push)."""
     out, case = [], Case("gpt")
     for extra in SYNC_MODES:
-        steps = 2 if extra == ("sync=ps",) else 3  # the measured step: a gossip round, not the final average
+        steps = 2 if extra == ("sync=ps",) else 4  # the measured step: a gossip round, not the final average
+        warm = 2 if "sync.overlap_steps=1" in extra else 1  # overlapped: the step where the exchange lands
         cfg = make_cfg(case, world, extra=[*extra, "parallel.ranks_per_node=2", f"train.steps={steps}"])
         ctx = ParallelContext.build(Layout.create(world, ranks_per_node=2))
         hook, state = make_hook(cfg.compression, ctx.dp_group, ctx.dp_intra_group, ctx.dp_inter_group)
         trainer = Trainer(cfg, ctx, build_chunks(cfg, VOCAB, ctx), synthetic_corpus(vocab=VOCAB),
                           torch.device("cpu"), hook, state)
-        trainer.train_step()
+        for _ in range(warm):
+            trainer.train_step()
+        pending = getattr(trainer.outer, "pending", {}).values()  # an overlapped exchange's buffers, in flight
+        flight = sum(_bytes([b.buffer() for b in launched[0]]) for _, launched in pending)
         peak = tracked_peak(trainer.train_step)
         with torch.device("meta"):
             chunks = build_chunks(cfg, VOCAB, ParallelContext.shapes(ctx.layout, rank))
@@ -211,7 +217,7 @@ def measure_sync(rank: int, world: int) -> list[dict[str, Any]]:
         outer, codec = _outer_state(trainer)
         server = _server_state(trainer.outer)
         out.append({"mode": extra[0], "est": est, "optimizer": inner + outer, "server": server > 0,
-                    "real": params + grads + inner + outer + codec + server + peak})
+                    "real": params + grads + inner + outer + codec + server + flight + peak})
     return out
 
 

@@ -24,6 +24,7 @@ from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.parallel.params import full_state_dict
 from hybrid.sampler import StepSampler
+from hybrid.sync.outer import even_parts, fragments_of, largest_share
 from hybrid.tools.export import Options, export
 from hybrid.trainer import Trainer, build_chunks
 
@@ -120,8 +121,9 @@ def replicas_reference(cfg: Any, dp: int, steps: int) -> list[dict[str, torch.Te
     """DiLoCo (Douillard et al. 2023, Algorithm 1; streaming and overlapped as in Streaming DiLoCo) over `dp`
     single-process replicas, each a Trainer reading its DP shard: H inner steps each; per fragment f due at this
     step (t ≡ ⌊(f+1)H/F⌋ mod H, or the last step) Δ = mean over replicas of θ_anchor − θ_r, which lands τ steps
-    later (at once when τ = 0 or on the last step): m ← μm + Δ; θ_anchor ← θ_anchor − lr(Δ + μm);
-    θ_r ← α·θ_r + (1 − α)·θ_anchor (α = 0 on the last step)."""
+    later (at once when τ = 0): m ← μm + Δ; θ_anchor ← θ_anchor − lr(Δ + μm); θ_r ← α·θ_r + (1 − α)·θ_anchor.
+    The last step: what is in flight lands on the anchor alone (α = 1), then every fragment's exchange lands at
+    once (α = 0)."""
     s = cfg.sync
     one = copy.deepcopy(cfg)
     one.sync.mode, one.sync.inner_steps, one.sync.fragments = "dp", 1, 1
@@ -139,8 +141,8 @@ def replicas_reference(cfg: Any, dp: int, steps: int) -> list[dict[str, torch.Te
     momentum = [torch.zeros_like(a) for a in anchor]
     total = sum(p.numel() for p in params[0])
     frag, seen = [], 0
-    for p in params[0]:  # F fragments of about equal size, contiguous in the model's order
-        frag.append(min(s.fragments - 1, seen * s.fragments // total))
+    for p in params[0]:  # F fragments of about equal size, contiguous in the model's order (by middle element)
+        frag.append(min(s.fragments - 1, (2 * seen + p.numel()) * s.fragments // (2 * total)))
         seen += p.numel()
 
     @torch.no_grad()
@@ -157,12 +159,10 @@ def replicas_reference(cfg: Any, dp: int, steps: int) -> list[dict[str, torch.Te
         for r in replicas:
             r.train_step()
         last = step == steps
-        landed = [f for f, (at, _) in pending.items() if last or step == at + s.overlap_steps]
-        for f in landed:
-            land(f, pending.pop(f)[1], s.overlap_mix)
+        for f in [f for f, (at, _) in pending.items() if last or step == at + s.overlap_steps]:
+            land(f, pending.pop(f)[1], 1.0 if last else s.overlap_mix)
         due = [f for f in range(s.fragments)
-               if (step % s.inner_steps == (f + 1) * s.inner_steps // s.fragments % s.inner_steps or last)
-               and not (last and f in landed and not s.overlap_mix)]
+               if step % s.inner_steps == (f + 1) * s.inner_steps // s.fragments % s.inner_steps or last]
         for f in due:
             with torch.no_grad():
                 pending[f] = (step, {i: sum(anchor[i] - params[r][i] for r in range(dp)) / dp
@@ -188,9 +188,28 @@ def test_diloco_matches_the_papers_loop() -> None:
         for r, want in zip(results, ref):
             for name, w in want.items():
                 torch.testing.assert_close(r[i]["weights"][name], w, rtol=1e-5, atol=1e-6, msg=(mode, name))
-        for name, w in ref[0].items():
-            assert torch.equal(ref[1][name], w)  # the final sync: one model
+        for name, w in results[0][i]["weights"].items():
+            assert torch.equal(results[1][i]["weights"][name], w), (mode, name)  # the final sync: one model
     assert results[0][3]["losses"] != results[0][0]["losses"]  # the overlap changes the training
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 6])
+def test_every_stage_keeps_every_fragment_and_the_tied_copies_in_the_first(n: int) -> None:
+    """pp=2 with a large vocabulary (the tied embedding outweighs a stage's layers): both stages cut n fragments
+    (some empty), so fragment f's outer steps fall on the same steps on both, and each stage's embedding copy is
+    in fragment 0 — the tied copies' exchanges pair up. A scope=inter share: contiguous, about 1/r each."""
+    cfg = make_cfg(Case(pp=2), 2)
+    layout = Layout.create(2, pp=2)
+    for rank in (0, 1):
+        with torch.device("meta"):
+            chunks = build_chunks(cfg, 50_000, ParallelContext.shapes(layout, rank))
+        params = [p for p in chunks.parameters() if p.requires_grad]
+        frags = fragments_of(params, n)
+        assert len(frags) == n and [p for f in frags for p in f] != [] and sorted(map(id, params)) == sorted(
+            id(p) for f in frags for p in f)
+        assert any(p.numel() >= 50_000 * 64 for p in frags[0])  # this stage's copy of the embedding
+    sizes = [p.numel() for p in params]
+    assert largest_share(sizes, 2) < sum(sizes) and even_parts(sizes, 2) == sorted(even_parts(sizes, 2))
 
 
 # ---- the parameter server ----------------------------------------------------------------------------------
@@ -292,12 +311,13 @@ def test_gossip_on_a_ring_shrinks_the_consensus_distance_as_theory_says() -> Non
 # ---- checkpoints ----------------------------------------------------------------------------------------------
 
 def test_diloco_resumes_bit_exactly_between_outer_steps_and_restarts_under_another_layout(tmp_path: Path) -> None:
-    """tp2pp2dp2, H=3 in 3 fragments, each exchange overlapped with the next step: saved at step 5 with the
-    second fragment's exchange in flight, resumed in the same layout: each replica's own parameters, inner AdamW
-    moments, anchors, outer momentum and the exchange's result come back (losses and weights bit for bit);
+    """tp2pp2dp2, H=3 in 3 fragments, each PowerSGD exchange overlapped with the next step: saved at step 5 with
+    the second fragment's exchange in flight, resumed in the same layout: each replica's own parameters, inner
+    AdamW moments, anchors, outer momentum, the exchange's result and PowerSGD's state after it come back
+    (losses and weights bit for bit);
     under tp1pp2dp4 every replica restarts from the saved parameters (a note says so) and trains; the last
     checkpoint (after the final sync) exports to transformers as the run's one model."""
-    mode = (*DILOCO, "sync.fragments=3", "sync.overlap_steps=1")
+    mode = (*DILOCO, "sync.fragments=3", "sync.overlap_steps=1", "compression=powersgd", "compression.rank=2")
     results = run_ranks(resume_runs, 8, tmp_path, Case(tp=2, pp=2), [Case(tp=1, pp=2)], mode, timeout=TIMEOUT)
     for r in results:
         assert r["same"]["losses"] == r["base"]["losses"][SAVE_AT:]

@@ -133,6 +133,8 @@ RANKED: list[tuple[str, list[str], str]] = [  # the same, as rank 0 and rank 1 o
     ("sync-overlap", ["sync=diloco", "sync.inner_steps=4", "sync.overlap_steps=4"],
      "sync.overlap_steps must be in [0, sync.inner_steps=4)"),
     ("sync-overlap-mix", ["sync=diloco", "sync.overlap_mix=0.5"], "0 unless sync.overlap_steps > 0; got 0.5"),
+    ("sync-overlap-serial-hook", ["sync=diloco", "sync.overlap_steps=1", "compression=torch_powersgd"],
+     "sync.overlap_steps cannot run with compression=torch_powersgd"),
     ("sync-overlap-gossip", ["sync=gossip", "sync.overlap_steps=1"],
      "sync.overlap_steps and sync.overlap_mix apply to sync=diloco or sync=local_sgd"),
     ("gossip-topology", ["sync=gossip", "sync.topology=torus"],

@@ -15,15 +15,20 @@ def test_sync_modes_quick_bytes_follow_the_modes(cache: None) -> None:
     (each rank its half of the parameters); gossip's ring M to its neighbour on the other node in each of 3
     rounds, then M to the final average; the parameter server M out and M back for each of node 1's two
     workers every step, and M out for their stop message (an any-source receive takes one size; per rank:
-    the 4 ranks' mean)."""
+    the 4 ranks' mean). On the wire: the fp32 rows their payload, int8's outer step half its own."""
     lines: list[str] = []
-    rows = {r["label"]: r for r in sync_modes.run(sync_modes.parse_args(["--quick"]), lines.append)}
-    assert set(rows) == {"sync DP", "DiLoCo H=2 none", "local SGD H=2", "gossip ring", "PS sync", "PS async k=2"}
+    args = sync_modes.parse_args(["--quick", "--codecs", "none", "int8"])
+    rows = {r["label"]: r for r in sync_modes.run(args, lines.append)}
+    assert set(rows) == {"sync DP", "DiLoCo H=2 none", "DiLoCo H=2 int8", "local SGD H=2", "gossip ring", "PS sync",
+                         "PS async k=2"}
     m = rows["sync DP"]["model"]
     expected = {"sync DP": 4 * m / 2, "DiLoCo H=2 none": 2 * m / 2, "local SGD H=2": 2 * m / 2,
                 "gossip ring": 3 * m + m, "PS sync": 2 * (4 * 2 * m + m) / 4, "PS async k=2": 2 * (4 * 2 * m + m) / 4}
     for label, want in expected.items():
         assert rows[label]["inter"] == pytest.approx(want, rel=1e-4), label  # PS: its headers' few bytes
+        assert rows[label]["wire"] == rows[label]["inter"]  # fp32 all-reduces between 2 nodes send their payload
+    int8 = rows["DiLoCo H=2 int8"]  # an all-to-all and an all-gather between 2 nodes: each sends half its payload
+    assert int8["wire"] == int8["inter"] / 2 and 0 < int8["inter"] < rows["DiLoCo H=2 none"]["inter"]
     assert all(r["eval"] > 0 for r in rows.values())
     assert any(line.startswith("| DiLoCo H=2 none") for line in lines)
 

@@ -122,3 +122,20 @@ def test_the_meter_is_its_own_category() -> None:
     assert rec["time/meter_s"] == pytest.approx(0.2)
     assert rec["time/comm_dp_s"] == pytest.approx(0.1)
     assert rec["time/compute_s"] == pytest.approx(0.3)
+
+
+def test_a_detached_launch_does_not_hold_the_step_open_and_its_landing_wait_is_exposed() -> None:
+    """An overlapped outer exchange: launched `detached`, the step ends at once although its work is still in
+    flight (a timed span would hold `end_step` until it completes); the wait where it lands is exposed time."""
+    timer = CommTimer()
+    timer.begin_step(True)
+    slow = FakeWork(1.0)
+    with timer.detached():
+        span, watched = timer.launched("dp_inter", "all_reduce", slow, timer.mark())
+    start = time.monotonic()
+    t = timer.end_step()
+    assert time.monotonic() - start < 0.5 and not watched and ("dp_inter", "all_reduce") not in t.op_s
+    timer.begin_step(True)
+    with timer.waiting("dp_inter"):
+        span.wait(slow, watched)
+    assert timer.end_step().exposed_s["dp_inter"] >= 0.9
