@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 MODULE = "hybrid.bench.sync_slow_links"
 CONDITIONS = ("none", "slow link", "slow rank")
 SLOW_RANK = 3
-QUICK = {"steps": 2, "rounds": 2, "inner_steps": 2, "seq": 32, "micro_batch": 1, "global_batch": 4}
+QUICK = {"steps": 1, "rounds": 2, "inner_steps": 2, "seq": 32, "micro_batch": 1, "global_batch": 4, "straggle_ms": 20.0}
 
 
 def modes(h: int) -> list[tuple[str, tuple[str, ...]]]:
@@ -56,7 +56,7 @@ def modes(h: int) -> list[tuple[str, tuple[str, ...]]]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
-    common.add_quick(p, "2 steps per block, 2 rounds: under a minute")
+    common.add_quick(p, "1 step per block, 2 rounds, a 20 ms straggler: under half a minute")
     p.add_argument("--model", default="gpt-tiny", help="hybrid/configs/model")
     p.add_argument("--steps", type=int, default=20, help="timed steps per block (a multiple of H keeps the outer "
                    "steps' share exact)")
