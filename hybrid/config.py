@@ -108,6 +108,11 @@ class OptimConfig:
     nesterov: bool = False  # sgd only: Nesterov momentum
 
 
+def optimizer_moments(o: OptimConfig) -> int:
+    """fp32 state tensors the optimizer keeps per parameter: AdamW's two, SGD's momentum buffer (if any)."""
+    return 2 if o.name == "adamw" else int(o.momentum > 0)
+
+
 @dataclass
 class CompressionConfig:
     # none | fp16 | bf16 | int8 | sign | topk | powersgd | dgc | hierarchical | onebit_adam | torch_fp16 | torch_bf16

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from hybrid.compression.codecs import CODECS
+from hybrid.config import optimizer_moments
 from hybrid.metrics import format_bytes
 from hybrid.model.family import family_of, ffn_hidden, kv_heads
 from hybrid.parallel.actions import Op
@@ -222,8 +223,7 @@ def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank:
     low = cfg.train.precision == "bf16_params"  # bf16 parameters; fp32 main weights beside the moments
     grads = F32 * sum(sizes)
     held = sum(sizes) // dp if cfg.parallel.zero == 1 else numel  # elements whose optimizer state is here
-    moments = 2 if cfg.optim.name == "adamw" else int(cfg.optim.momentum > 0)
-    optimizer = (moments + low) * F32 * held
+    optimizer = (optimizer_moments(cfg.optim) + low) * F32 * held
     per_chunk, kept = [], []
     for chunk in chunks:
         layers, vocab = len(chunk.layers), loss_columns(chunk, m.tp)

@@ -305,6 +305,11 @@ def _scheduled(comp: Compression, cfg: CompressionConfig, group: Group) -> Compr
     return comp
 
 
+SERIAL = ("torch_powersgd",)
+"""Methods whose hook issues collectives from future callbacks: each bucket waits for the previous one
+(`Compression.serial`), and nothing may run them across steps (`sync.overlap_steps`)."""
+
+
 def make_hook(cfg: CompressionConfig, group: Group, dp_intra: Group = None,
               dp_inter: Group = None) -> tuple[Hook, Compression]:
     """The (hook, state) pair for `cfg` (the `compression` config) over the DP `group`.
@@ -324,7 +329,7 @@ def make_hook(cfg: CompressionConfig, group: Group, dp_intra: Group = None,
         from hybrid.compression.torch_hooks import make_torch_hook
 
         hook, state = make_torch_hook(cfg, group)
-        warmup, serial = (0, True) if cfg.method == "torch_powersgd" else (warmup, False)
+        warmup, serial = (0, True) if cfg.method in SERIAL else (warmup, False)
     elif cfg.method in OPTIMIZER_SIDE:
         hook, state = OPTIMIZER_SIDE[cfg.method](cfg, group)
         comp = Compression(cfg.method, group, hook, state, warmup, meter_in_hook=False)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
 
-from hybrid.compression.hooks import make_hook
+from hybrid.compression.hooks import SERIAL, make_hook
 from hybrid.config import CompressionConfig, Config, ConfigError
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
@@ -44,9 +44,6 @@ INCOMPATIBLE = {"compression.method": ("hierarchical", "onebit_adam"), "compress
 """Options a replica-level mode refuses: hierarchical compression (use `sync.scope=inter`), 1-bit Adam (an
 optimizer-side gradient compression), the auto compression schedule (it watches every step's gradient
 exchange), the distributed optimizer (its shards assume replicas that agree)."""
-
-SERIAL = ("torch_powersgd",)
-"""Codecs whose hook issues collectives from future callbacks (`Compression.serial`): not overlapped."""
 
 __all__ = ["MODES", "OuterSync", "check", "gradient_sync", "inner_group", "outer_group", "replica_sync",
            "replicas_group"]

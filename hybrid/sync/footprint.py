@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from hybrid.config import optimizer_moments
 from hybrid.sync.gossip import neighbours
 from hybrid.sync.outer import largest_share
 
@@ -81,5 +82,4 @@ def server_bytes(cfg: Config, numel: int, dp: int) -> int:
     k + 1 clocks from every worker (each with its 4-element header) and the step's mean."""
     s, shard = cfg.sync, -(-numel // cfg.sync.servers)
     k = s.max_staleness if s.asynchronous else 0
-    moments = 2 if cfg.optim.name == "adamw" else int(cfg.optim.momentum > 0)
-    return F32 * (shard * (1 + moments + (k + 1) + 1) + (k + 1) * dp * (shard + 4))
+    return F32 * (shard * (1 + optimizer_moments(cfg.optim) + (k + 1) + 1) + (k + 1) * dp * (shard + 4))
