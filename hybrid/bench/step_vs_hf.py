@@ -126,8 +126,16 @@ class ReferenceLoop:
         self.sampler = StepSampler(len(corpus.train), t.micro_batch_size, self.num_microbatches, 1, 0, t.seed)
         self.step = 0
 
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The model's mean loss on one microbatch (transformers' own, the labels already shifted)."""
+        return self.model(input_ids=x, labels=y, shift_labels=y, use_cache=False).loss
+
     def train_step(self) -> float:
-        """One optimizer step over the microbatches; returns the mean loss."""
+        """One optimizer step over the microbatches; returns the mean loss (read back: a host sync)."""
+        return float(self.run_step())
+
+    def run_step(self) -> torch.Tensor:
+        """One optimizer step over the microbatches; the mean loss stays on the device."""
         t, o = self.cfg.train, self.cfg.optim
         lr = lr_at(self.step, t.lr, t.steps, o.warmup_steps, o.min_lr_ratio)
         for group in self.optimizer.param_groups:
@@ -137,7 +145,7 @@ class ReferenceLoop:
         for idx in self.sampler.next_step():
             x, y = (t.to(self.device) for t in batch_from(self.corpus.train, idx))
             with self.autocast:
-                loss = self.model(input_ids=x, labels=y, shift_labels=y, use_cache=False).loss / self.num_microbatches
+                loss = self.loss(x, y) / self.num_microbatches
             loss.backward()
             total += loss.detach()
         if o.grad_clip > 0:
@@ -145,7 +153,7 @@ class ReferenceLoop:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return float(total)
+        return total
 
 
 def build_sides(cfg: Config, corpus: Corpus, device: torch.device = CPU) -> tuple[Trainer, ReferenceLoop]:
