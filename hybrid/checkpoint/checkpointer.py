@@ -49,7 +49,6 @@ from hybrid.checkpoint.resume import hook_key, layout_of, model_shape, resume_li
 from hybrid.checkpoint.stager import Staged, Stager
 from hybrid.checkpoint.state import (
     blob,
-    coord_key,
     derive_rng_state,
     fill_copies,
     first_nonfinite,
@@ -199,8 +198,7 @@ class Checkpointer:
 
     def _coord_keys(self) -> tuple[str, str]:
         """This rank's RNG and hook blob keys."""
-        c = self.ctx.coord
-        return coord_key("rng", c.pp, c.dp, c.tp), coord_key("hook", c.pp, c.dp, c.tp)
+        return self.ctx.coord.key("rng"), self.ctx.coord.key("hook")
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's part of the checkpoint (tensors are views of the live state: save copies them)."""
@@ -216,8 +214,7 @@ class Checkpointer:
         return state
 
     def _sync_key(self) -> str:
-        c = self.ctx.coord
-        return coord_key("sync", c.pp, c.dp, c.tp)
+        return self.ctx.coord.key("sync")
 
     def _same_sync(self, manifest: dict[str, Any], same_layout: bool) -> bool:
         """Whether the checkpoint holds this rank's replica state as this run keeps it: the same layout, node size

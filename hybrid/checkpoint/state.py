@@ -13,8 +13,8 @@ Keys (every rank contributes only what it holds; DCP writes each distinct shard 
   under tp=4 by DCP's own resharding.
 - `optim.<key>.exp_avg`, `optim.<key>.exp_avg_sq` (sharded like the parameter), `optim.<name>.step`.
 - `rng.pp<p>.dp<d>.tp<t>`, `hook.pp<p>.dp<d>.tp<t>`: per-rank blobs (RNG streams; the DP
-  compression hook's residuals and factors), keyed by the rank's coordinates, restored only
-  under the same layout.
+  compression hook's residuals and factors), keyed by the rank's coordinates (`Coord.key`:
+  `.cp<c>` before `.tp` at a CP index c > 0), restored only under the same layout.
 
 The last pipeline stage's copy of a tied embedding (`head.weight`, `pp_duplicate`) is not
 saved; it loads from `model.tok_embed.weight`. Embedding rows are padded to a multiple of
@@ -176,10 +176,6 @@ def blob(obj: Any) -> bytes:
 def unblob(data: bytes) -> Any:
     """A blob back as tensors and containers (`weights_only=True`: a crafted blob cannot run code)."""
     return torch.load(io.BytesIO(data), weights_only=True)
-
-
-def coord_key(kind: str, pp: int, dp: int, tp: int) -> str:
-    return f"{kind}.pp{pp}.dp{dp}.tp{tp}"
 
 
 # ---- RNG ------------------------------------------------------------------------------------

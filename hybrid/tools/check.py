@@ -55,7 +55,7 @@ def check_job(cfg: Config, flags: dict[str, int], seen: list[str]) -> None:
     folder = resolve_tokenizer(cfg.data.tokenizer, cfg.model.init_from)
     if folder is not None:
         load_tokenizer(Path(folder))
-    seen.append(f"world {world} = pp{layout.pp} × dp{layout.dp} × tp{layout.tp}")
+    seen.append(f"world {world} = {layout.describe()}")
 
 
 def body(argv: list[str]) -> str:

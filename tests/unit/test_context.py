@@ -79,3 +79,60 @@ def test_tp_across_nodes_allowed_with_a_warning() -> None:
     with pytest.warns(UserWarning, match="span nodes"):
         layout = Layout.create(8, tp=4, ranks_per_node=2, allow_tp_across_nodes=True)
     assert layout.tp == 4
+
+
+# ---- named axes: sizes, an order, groups over any axes ---------------------------------------
+
+ORDERS = ["tp-cp-dp-pp", "tp-dp-cp-pp", "cp-tp-dp-pp", "tp-cp-pp-dp"]
+
+
+def test_three_axis_rank_order_and_groups_are_unchanged_at_cp1() -> None:
+    """The formula and the loops the mesh had before its axes were named: the same ranks, groups and order."""
+    layout = Layout.create(16, tp=2, pp=2, ranks_per_node=4)
+    tp, dp, pp = layout.tp, layout.dp, layout.pp
+    for r in range(16):
+        c = layout.coord(r)
+        assert r == (c.pp * dp + c.dp) * tp + c.tp and c.cp == 0 and dict(c) == {"tp": c.tp, "cp": 0, "dp": c.dp,
+                                                                                 "pp": c.pp}
+    rank = layout.rank
+    assert layout.tp_groups() == [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)]
+    assert layout.dp_groups() == [[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
+    assert layout.pp_groups() == [[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
+    assert layout.cp_groups() == [[r] for r in range(16)] and layout.coord(5).key("rng") == "rng.pp0.dp2.tp1"
+    assert layout.describe() == "pp2 × dp4 × tp2"
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_groups_over_named_axes_are_slices_of_the_grid_in_any_order(order: str) -> None:
+    layout = Layout.create(24, tp=2, cp=3, pp=2, ranks_per_node=24, order=order)
+    axes = order.split("-")
+    grid = np.arange(24).reshape([layout.size(a) for a in reversed(axes)])  # outermost first
+    position = {a: len(axes) - 1 - i for i, a in enumerate(axes)}
+    for axis in axes:
+        assert sorted(layout.groups(axis)) == slices(grid, position[axis])
+    for r in range(24):
+        c = layout.coord(r)
+        assert grid[tuple(c[a] for a in reversed(axes))] == r and layout.rank(**c) == r
+    plane = np.moveaxis(grid, [position["cp"], position["dp"]], [-2, -1]).reshape(-1, 3 * layout.dp)
+    assert sorted(layout.groups("dp-cp")) == sorted(sorted(row.tolist()) for row in plane)
+
+
+def test_group_names_follow_the_order_and_keys_name_cp_only_where_it_counts() -> None:
+    layout = Layout.create(8, tp=2, cp=2, ranks_per_node=8)
+    assert layout.group_name("dp-cp") == layout.group_name(("cp", "dp")) == "cp-dp"
+    assert Layout.create(8, tp=2, cp=2, order="tp-dp-cp-pp").group_name("cp-dp") == "dp-cp"
+    assert layout.coord(2).key("sync") == "sync.pp0.dp0.cp1.tp0" and layout.coord(4).key("sync") == "sync.pp0.dp1.tp0"
+    assert layout.describe() == "pp1 × dp2 × cp2 × tp2" and "r3=(pp0,dp0,cp1,tp1)" in layout.rank_map()
+    with pytest.raises(LayoutError, match="unknown mesh axes"):
+        layout.groups("ep")
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(world=8, tp=2, cp=0), "parallel.cp must be >= 1"),
+    (dict(world=8, tp=2, cp=3), "parallel.tp·parallel.cp·parallel.pp = 2·3·1 = 6 does not divide world size 8"),
+    (dict(world=8, tp=2, order="tp-dp-pp"), "must name each of"),
+    (dict(world=8, tp=2, dp=4, ranks_per_node=4, order="dp-tp-cp-pp"), "span nodes"),  # TP strided by dp
+])
+def test_bad_named_layouts_are_rejected(kwargs: dict, needle: str) -> None:
+    with pytest.raises(LayoutError, match=needle.replace("(", r"\(")):
+        Layout.create(**kwargs)
