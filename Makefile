@@ -5,15 +5,18 @@ NPROC ?= 2
 TEST_WORKERS ?= 2
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup run test lint bench gpu-check gpu-check-dry clean
+.PHONY: setup ready run test lint bench gpu-check gpu-check-dry clean
 
 setup:            ## install torch (CPU or CUDA build) and hybrid with test extras, into $(PYTHON)
 	PYTHON="$(PYTHON)" bash scripts/setup.sh
 
-run:              ## the default job: gpt-tiny on the embedded corpus, data parallel over $(NPROC) ranks, with $(PYTHON)
+ready:            ## `make setup` only when $(PYTHON) lacks something (scripts/ready.py); run and test call it first
+	@PYTHON="$(PYTHON)" bash scripts/setup.sh --if-needed
+
+run: ready        ## the default job: gpt-tiny on the embedded corpus, data parallel over $(NPROC) ranks, with $(PYTHON)
 	PYTHON="$(PYTHON)" bash launch/local.sh $(NPROC)
 
-test:             ## the whole test suite (what .ci/run calls)
+test: ready       ## the whole test suite (what .ci/run calls)
 	$(PYTHON) -m ruff check hybrid tests
 	$(PYTHON) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile tests
 

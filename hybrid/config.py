@@ -1,10 +1,10 @@
 """Structured configuration: one dataclass per Hydra config group, and where the config files are.
 
-Hydra composes `hybrid/configs/config.yaml` (shipped inside the package, so an installed hybrid finds
-them from any folder) and the groups `model/`, `parallel/`, `data/`, `optim/`, `compression/` against
-these schemas, so an unknown key or a value of the wrong type is rejected before anything runs.
-`hybrid.validation.validate(cfg, world_size)` then checks everything knowable before a process group
-exists, and raises `ConfigError` with one readable line.
+Hydra composes `configs/config.yaml` (the repository's top-level folder; the wheel ships it inside the
+package as `hybrid/configs`, so an installed hybrid finds it from any folder) and the groups `model/`,
+`parallel/`, `data/`, `optim/`, `compression/` against these schemas, so an unknown key or a value of the
+wrong type is rejected before anything runs. `hybrid.validation.validate(cfg, world_size)` then checks
+everything knowable before a process group exists, and raises `ConfigError` with one readable line.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, cast
 
@@ -252,7 +251,15 @@ class Config:
     sync: SyncConfig = field(default_factory=SyncConfig)
 
 
-CONFIG_DIR = str(files("hybrid") / "configs")  # package data: found wherever hybrid is installed
+def config_dir(package: Path = Path(__file__).parent) -> str:
+    """The folder of the Hydra config files: the wheel's package data (`hybrid/configs`, setup.py maps the
+    top-level folder there) where hybrid is installed from a wheel, else the checkout's own `configs/` beside
+    the package (a source tree or an editable install, which import hybrid from the checkout)."""
+    packaged = package / "configs"
+    return str(packaged if (packaged / "config.yaml").is_file() else package.parent / "configs")
+
+
+CONFIG_DIR = config_dir()
 _LAYOUT_KEYS = ("tp", "pp", "virtual_stages", "dp")
 
 
@@ -293,7 +300,7 @@ def compose_config(overrides: Sequence[str] = ()) -> Config:
 
 
 def register_configs() -> None:
-    """Register the root schema; `hybrid/configs/config.yaml` lists it first in its defaults, so every
+    """Register the root schema; `configs/config.yaml` lists it first in its defaults, so every
     group file merged under `model`, `parallel`, … is typed by that group's dataclass."""
     ConfigStore.instance().store(name="schema", node=Config)
     if not OmegaConf.has_resolver("hybrid.layout"):

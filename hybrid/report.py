@@ -7,8 +7,7 @@ All of it comes from one float64 all-reduce over the world (metrics only, uncoun
 fixed order (gloo's ring sums each element in an order set by its position).
 
 `traffic` sums every rank's row of the step's bytes rank → rank (`hybrid.parallel.traffic_map`) over the
-world (one more all-reduce, once per run) and rank 0 writes `traffic.json`, and `traffic.png` when
-matplotlib is installed.
+world (one more all-reduce, once per run) and rank 0 writes `traffic.json` and `traffic.png`.
 """
 
 from __future__ import annotations
@@ -122,9 +121,9 @@ class StepReport:
 
 
 def write_traffic(doc: dict[str, Any], run_dir: Path, say: Callable[[str], None]) -> None:
-    """traffic.json, and traffic.png of the total when matplotlib is there; optional outputs, so a failure
-    is a note (rank 0 alone writes: raising here would strand the other ranks in their next collective)."""
-    from hybrid.diagnostics import DiagnosticsError
+    """traffic.json, and traffic.png of the total; optional outputs, so a failure is a note (rank 0 alone
+    writes: raising here would strand the other ranks in their next collective). The heat map's module is
+    imported here, not at the top: matplotlib loads only on the step that draws."""
     from hybrid.diagnostics.heatmap import write_heatmap
 
     try:
@@ -132,5 +131,5 @@ def write_traffic(doc: dict[str, Any], run_dir: Path, say: Callable[[str], None]
         (run_dir / "traffic.json").write_text(json.dumps(doc))
         write_heatmap(doc["matrices"]["total"], str(run_dir / "traffic.png"), "bytes sent per step, rank → rank",
                       "bytes", doc["node_of"], row_label="sender rank", col_label="receiver rank")
-    except (DiagnosticsError, OSError, ValueError) as e:  # an optional picture: never stop the run for it
+    except (OSError, ValueError) as e:  # an optional picture: never stop the run for it
         say(f"note: traffic map not written: {e}")

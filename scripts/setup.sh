@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
 # Install hybrid and its dependencies into the current Python environment.
 #
+#   scripts/setup.sh               the full set-up (`make setup`)
+#   scripts/setup.sh --if-needed   nothing when scripts/ready.py finds this Python set up (hybrid installed
+#                                  editable from this checkout after the last change to pyproject.toml or
+#                                  setup.py, every dependency with the test extra present), else the full
+#                                  set-up: what `make run` and `make test` call first, a fraction of a second
+#                                  when everything is there
+#
 # torch comes first and is chosen for the machine: a CUDA build where an NVIDIA GPU is present,
 # a CPU build otherwise (never the multi-GB CUDA wheels on a CPU-only machine). The package's
 # own `torch>=…` requirement is then already satisfied, so `pip install -e .` adds nothing of torch.
@@ -9,6 +16,12 @@ cd "$(dirname "$0")/.."
 # shellcheck source=scripts/versions.sh
 source scripts/versions.sh
 PY=${PYTHON:-python3}
+if [[ "${1:-}" == "--if-needed" ]]; then
+    if reason=$("$PY" scripts/ready.py 2>&1); then
+        exit 0
+    fi
+    echo "setup: ${reason:-$PY cannot run scripts/ready.py}: installing"
+fi
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 # the floor pyproject.toml declares ("torch>=X"): any torch at or above it is kept, whatever its build
 TORCH_MIN=$(sed -n 's/^ *"torch>=\([0-9.]*\)".*/\1/p' pyproject.toml)

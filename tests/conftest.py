@@ -23,7 +23,7 @@ CONFIGS = Path(CONFIG_DIR)
 
 
 def load_model_config(name: str, **overrides: Any) -> ModelConfig:
-    """`hybrid/configs/model/<name>.yaml` typed against ModelConfig, with keyword overrides."""
+    """`configs/model/<name>.yaml` typed against ModelConfig, with keyword overrides."""
     raw = OmegaConf.load(CONFIGS / "model" / f"{name}.yaml")
     raw.pop("defaults", None)
     merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), raw, overrides)

@@ -29,7 +29,7 @@ MIB = 2**20
 
 def add_run_options(p: argparse.ArgumentParser, model: str, timeout: float) -> None:
     """The options every checkpoint benchmark has: the model and layout, the batch, the folder, the timeout."""
-    p.add_argument("--model", default=model, help="hybrid/configs/model")
+    p.add_argument("--model", default=model, help="configs/model")
     p.add_argument("--layout", default="tp2pp2dp2", help="the layout of the ranks, tp<t>pp<p>dp<d>")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per microbatch")

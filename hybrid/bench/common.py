@@ -53,10 +53,10 @@ def parse_with_quick(p: argparse.ArgumentParser, argv: Optional[Sequence[str]], 
 
 
 def check_models(p: argparse.ArgumentParser, *models: str) -> None:
-    """Refuse (parser error, exit 2) a model name that hybrid/configs/model does not have."""
+    """Refuse (parser error, exit 2) a model name that configs/model does not have."""
     for m in models:
         if m not in model_names():
-            p.error(f"unknown model {m}; hybrid/configs/model has {', '.join(model_names())}")
+            p.error(f"unknown model {m}; configs/model has {', '.join(model_names())}")
 
 
 def reproduce_command(module: str, p: argparse.ArgumentParser, args: argparse.Namespace) -> str:

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line of this benchmark."""
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
     common.add_quick(p, "gpt-tiny at dp=2, seconds")
-    p.add_argument("--model", default="gpt-125m", help="hybrid/configs/model whose DP buckets are synced")
+    p.add_argument("--model", default="gpt-125m", help="configs/model whose DP buckets are synced")
     p.add_argument("--dp", type=int, nargs="+", default=[2, 4, 8], help="DP sizes (even: 2 nodes)")
     p.add_argument("--alone-from", type=int, default=8, help="from this dp on, sync each bucket by itself "
                    "with a fresh hook (the same bytes, one bucket's memory per rank)")

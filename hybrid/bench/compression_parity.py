@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 HYBRID_CACHE=/tmp/hc PYTHONPATH=. python -m hybrid.bench.compression_parity [--quick]
 
---model on the default corpus (hybrid/configs/data/default.yaml: the stdlib text and a BPE trained on it, built
+--model on the default corpus (configs/data/default.yaml: the stdlib text and a BPE trained on it, built
 offline once under $HYBRID_CACHE), dp=--dp × tp=--tp forked ranks, one real `Trainer` per run with the same seed, data
 and hyperparameters; final `evaluate()` loss vs the uncompressed run, mean compression ratio and error and
 bytes_dp per step from `mean_bytes()`. An EF run missing the 3% goal runs again with a longer warm-up. Our
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line of this benchmark."""
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
     common.add_quick(p, "3 steps per run, under a minute")
-    p.add_argument("--model", default="gpt-tiny", help="hybrid/configs/model")
+    p.add_argument("--model", default="gpt-tiny", help="configs/model")
     p.add_argument("--dp", type=int, default=4, help="DP ranks")
     p.add_argument("--tp", type=int, default=1, help="TP ranks (world = dp · tp)")
     p.add_argument("--lr", type=float, default=None, help="train.lr (default: the config's)")

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
     common.add_sections(p, SECTIONS)
     common.add_quick(p, "a 4 MiB buffer and gpt-tiny's buckets, seconds")
-    p.add_argument("--model", default="gpt-125m", help="hybrid/configs/model whose largest bucket PowerSGD is "
+    p.add_argument("--model", default="gpt-125m", help="configs/model whose largest bucket PowerSGD is "
                    "timed on and whose buckets give the wire ratios")
     p.add_argument("--speed-mb", type=int, nargs="+", default=[64, 24], help="MiB of the fp32 buffer of the casts "
                    "and codecs, one row per size")

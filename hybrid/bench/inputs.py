@@ -30,7 +30,7 @@ def resolve_vocab(cfg: Config, override: Optional[int]) -> int:
 def add_run_args(p: argparse.ArgumentParser, world: int, warmup: int, seq_len: int, microbatches: int) -> None:
     """The options of a benchmark that trains one model per `--models` entry on `--world` forked ranks:
     --models, --world, --parallel, --warmup, --seq-len, --micro-batch, --microbatches, --vocab."""
-    p.add_argument("--models", nargs="+", default=["gpt-tiny", "gpt-125m"], help="hybrid/configs/model names")
+    p.add_argument("--models", nargs="+", default=["gpt-tiny", "gpt-125m"], help="configs/model names")
     p.add_argument("--world", type=int, default=world, help="gloo ranks")
     p.add_argument("--parallel", nargs="*", default=[], help="layout overrides, e.g. parallel.tp=2 (default: dp)")
     p.add_argument("--warmup", type=int, default=warmup, help="untimed steps first")

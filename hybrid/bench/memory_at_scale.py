@@ -4,7 +4,7 @@
         --runs "gpt-350m tp2pp4 none" "gpt-350m pp2dp4 full zero" "gpt-1b tp2pp4 full layers=12" \\
         [--seq-len 256] [--micro-batch 1] [--global-batch N] [--steps 2] [--budget-gib 16] [--largest] [--json F]
 
-A run is "MODEL LAYOUT RECOMPUTE [zero] [layers=N]": MODEL a hybrid/configs/model name, LAYOUT `tpXppY` or
+A run is "MODEL LAYOUT RECOMPUTE [zero] [layers=N]": MODEL a configs/model name, LAYOUT `tpXppY` or
 `ppYdpZ` (dp = 8 / (tp·pp)), RECOMPUTE none|selective|full, `zero` for ZeRO-1, `layers=N` overriding the
 model's layer count (same width). The global batch defaults to micro batch × dp × pp: pp microbatches per DP
 rank, the fewest that fill 1F1B (its first stage then holds pp microbatches, as with more).

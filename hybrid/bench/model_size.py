@@ -1,4 +1,4 @@
-"""Parameter counts and model FLOPs/token of every `hybrid/configs/model` config, counted against the formula.
+"""Parameter counts and model FLOPs/token of every `configs/model` config, counted against the formula.
 
     PYTHONPATH=. python -m hybrid.bench.model_size [--seq-len S] [--models gpt-1b llama-1b]
 
@@ -76,7 +76,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hybrid.bench.model_size", description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, default=None, help="sequence length s of the attention term "
                    "(default: each model's max_seq_len)")
-    p.add_argument("--models", nargs="+", default=None, help="hybrid/configs/model names (default: all)")
+    p.add_argument("--models", nargs="+", default=None, help="configs/model names (default: all)")
     args = p.parse_args(argv)
     known = model_names()
     unknown = [m for m in args.models or [] if m not in known]

@@ -19,7 +19,7 @@ CPU = torch.device("cpu")
 
 def add_run_options(p: argparse.ArgumentParser, layers: int, layers_help: str) -> None:
     """The options of every in-process pipeline benchmark: the model, its size, the microbatch, the timeout."""
-    p.add_argument("--model", default="gpt-tiny", help="hybrid/configs/model")
+    p.add_argument("--model", default="gpt-tiny", help="configs/model")
     p.add_argument("--layers", type=int, default=layers, help=layers_help)
     p.add_argument("--vocab", type=int, default=512, help="vocabulary (small: keeps the head cheaper than a layer)")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence")

@@ -30,7 +30,7 @@ from hybrid.validation import validate
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m hybrid.bench.precision", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="gpt-tiny", help="a hybrid/configs/model name")
+    p.add_argument("--model", default="gpt-tiny", help="a configs/model name")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "bf16_params"])
     p.add_argument("--seq-len", type=int, default=64)

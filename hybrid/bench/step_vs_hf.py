@@ -53,7 +53,7 @@ CPU = torch.device("cpu")
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The benchmark's command line (defaults: gpt-tiny, 1024-token steps, 1 and 2 threads, ~1 minute)."""
     p = argparse.ArgumentParser(prog="python -m hybrid.bench.step_vs_hf", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="gpt-tiny", help="a hybrid/configs/model name of the gpt family")
+    p.add_argument("--model", default="gpt-tiny", help="a configs/model name of the gpt family")
     p.add_argument("--steps", type=int, default=2, help="timed steps per side per round")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per side before each round's timing")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch thread counts, one row each")
@@ -69,7 +69,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.model not in model_names():
-        p.error(f"unknown --model {args.model}; hybrid/configs/model has {', '.join(model_names())}")
+        p.error(f"unknown --model {args.model}; configs/model has {', '.join(model_names())}")
     if args.warmup < 0 or min(args.threads) < 1:
         p.error("--warmup must be >= 0 and --threads >= 1")
     return args

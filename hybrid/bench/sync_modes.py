@@ -88,7 +88,7 @@ def outer_setting(text: str) -> Outer:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
     common.add_quick(p, "4 steps per run, under a minute")
-    p.add_argument("--model", default="gpt-tiny", help="hybrid/configs/model")
+    p.add_argument("--model", default="gpt-tiny", help="configs/model")
     p.add_argument("--steps", type=int, default=600, help="train.steps (the same tokens for every run)")
     p.add_argument("--inner-steps", type=int, nargs="+", default=[10, 50, 100], help="DiLoCo's H values")
     p.add_argument("--codecs", nargs="+", default=["none", "int8", "sign"], help="the outer step's compression")

@@ -57,7 +57,7 @@ def modes(h: int) -> list[tuple[str, tuple[str, ...]]]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
     common.add_quick(p, "1 step per block, 2 rounds, a 20 ms straggler: under half a minute")
-    p.add_argument("--model", default="gpt-tiny", help="hybrid/configs/model")
+    p.add_argument("--model", default="gpt-tiny", help="configs/model")
     p.add_argument("--steps", type=int, default=20, help="timed steps per block (a multiple of H keeps the outer "
                    "steps' share exact)")
     p.add_argument("--rounds", type=int, default=4, help="rounds of every mode, order alternating")

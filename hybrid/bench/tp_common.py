@@ -25,7 +25,7 @@ def tp_context(world: int, tp: int) -> ParallelContext:
 
 def add_train_options(p: argparse.ArgumentParser) -> None:
     """The options of the training runs: the model, the vocabulary, the batch, the timeout."""
-    p.add_argument("--model", default="gpt-tiny", help="hybrid/configs/model")
+    p.add_argument("--model", default="gpt-tiny", help="configs/model")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary (default: model.vocab_size, else 8192)")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per microbatch")

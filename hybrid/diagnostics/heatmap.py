@@ -3,8 +3,9 @@ each other rank, anything indexed by two ranks. Cells carry their values when th
 enough to read them; NaN cells (the diagonal of a bandwidth matrix) stay blank; with `node_of`,
 lines mark where one node's ranks end and the next one's begin.
 
-matplotlib is optional (the `plot` extra): it is imported here, on the Agg canvas (no display, no
-pyplot state); without it a request for a PNG is one `DiagnosticsError`.
+matplotlib (a core dependency) is imported inside `write_heatmap`, not at module level, so importing this
+module (the trainer does, through `hybrid.report`) costs no start-up time; it draws on the Agg canvas (no
+display, no pyplot state).
 """
 
 from __future__ import annotations
@@ -12,21 +13,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Optional
 
-from . import DiagnosticsError
-
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
 ANNOTATE_MAX = 16  # annotate every cell up to this many ranks
-
-
-def require_matplotlib(path: str) -> None:
-    """Raise DiagnosticsError when matplotlib is missing (callers check before a long measurement)."""
-    try:
-        import matplotlib  # noqa: F401
-        from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
-    except ImportError:
-        raise DiagnosticsError(f"writing {path} needs matplotlib: pip install 'hybrid[plot]'") from None
 
 
 def node_boundaries(node_of: list[int]) -> list[int]:
@@ -37,8 +27,7 @@ def node_boundaries(node_of: list[int]) -> list[int]:
 def write_heatmap(matrix: list[list[float]], path: str, title: str, unit: str, node_of: Optional[list[int]] = None,
                   row_label: str = "rank", col_label: str = "rank") -> None:
     """Write `matrix` (rows × columns, NaN = no value) as a PNG at `path`, coloured by value from 0 (or
-    the least value, if negative), with a colour bar in `unit`; raises DiagnosticsError without matplotlib."""
-    require_matplotlib(path)
+    the least value, if negative), with a colour bar in `unit`."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

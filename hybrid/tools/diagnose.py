@@ -12,7 +12,7 @@ Options:
   --warmup N     untimed ping-pongs per pair before them (default 1)
   --serial       one pair at a time (default: tournament rounds, every rank in one pair per round)
   --json PATH    also write the report as JSON (written by rank 0)
-  --png PATH     also write the bandwidth matrix as a heat map (needs matplotlib)
+  --png PATH     also write the bandwidth matrix as a heat map
   --timeout S    seconds a collective may take before the run fails (default 300; a process group
                  that is already initialised keeps its own)
   --strict       exit status 1 when there is a warning
@@ -42,7 +42,7 @@ from hybrid.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, UsageError, env_int
 from hybrid.config import Config, ConfigError, compose_config
 from hybrid.diagnostics import DiagnosticsError
 from hybrid.diagnostics import advice as A
-from hybrid.diagnostics.heatmap import require_matplotlib, write_heatmap
+from hybrid.diagnostics.heatmap import write_heatmap
 from hybrid.diagnostics.pairwise import measure
 from hybrid.diagnostics.report import Probe, Report, render, size_text
 from hybrid.diagnostics.system import Facts, gather_facts, node_size, rank_facts
@@ -201,8 +201,6 @@ def is_writer() -> bool:
 def diagnose(opts: Options, cfg: Config) -> Report:
     """Gather every rank's facts, check the layout, measure the matrix, judge it. Collective."""
     device, backend = device_and_backend(wants_cuda(cfg))
-    if opts.png and (problem := agreed(_png_problem(opts.png) if is_writer() else "")):
-        raise DiagnosticsError(problem)  # only rank 0 draws: its matplotlib counts, every rank stops
     first_local = os.environ.get("LOCAL_RANK", "0") == "0"
     facts = gather_facts(rank_facts(device, backend, with_host=first_local))
     layout, source, notes = resolve_layout(cfg, facts)
@@ -213,14 +211,6 @@ def diagnose(opts: Options, cfg: Config) -> Report:
              + A.version_findings([f["versions"] for f in facts]) + A.findings(layout, matrix, method))
     return Report(facts, layout, source, matrix, probe, method, found,
                   A.suggest(layout, matrix) if layout.world > 1 else None)
-
-
-def _png_problem(path: str) -> str:
-    try:
-        require_matplotlib(path)
-    except DiagnosticsError as e:
-        return str(e)
-    return ""
 
 
 def write_outputs(rep: Report, opts: Options, out: TextIO) -> str:
@@ -236,8 +226,6 @@ def write_outputs(rep: Report, opts: Options, out: TextIO) -> str:
                           A.node_of(rep.layout))
     except OSError as e:
         return f"cannot write {e.filename}: {e.strerror or e}"
-    except DiagnosticsError as e:
-        return str(e)
     return ""
 
 

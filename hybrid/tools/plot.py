@@ -10,7 +10,7 @@ Without --x the loss is drawn against steps and against tokens seen, the others 
 --out defaults to <run>/plots for one run, plots/ for several; --labels defaults to the run folders' names;
 --smooth N draws an N-point moving average over the faint logged values. A figure whose keys no run has is
 skipped with a note on stderr. Prints the PNGs written. Bad input (no such run, an empty or invalid
-metrics.jsonl, an unknown option, no matplotlib) is one `hybrid: error: ...` line and exit status 2.
+metrics.jsonl, an unknown option) is one `hybrid: error: ...` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -136,17 +136,8 @@ def save(fig: Figure, path: Path) -> None:
         raise UsageError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-def require_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-        from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
-    except ImportError:
-        raise UsageError("hybrid-plot needs matplotlib: pip install 'hybrid[plot]'") from None
-
-
 def run(opts: Options) -> str:
     """Load the runs, draw each planned figure, write the PNGs; notes for the skipped ones."""
-    require_matplotlib()
     runs = load_runs(opts)
     folder, written = out_dir(opts, runs), []
     for name, x in plan(opts):

@@ -8,7 +8,7 @@
 Keys (key=value, like Hydra overrides): schedule (gpipe | 1f1b | interleaved | zb1p | zbv), pp, microbatches
 (alias m), virtual_stages (alias v), forward, backward, weight, comm (virtual-clock costs: forward/backward of one
 microbatch through a whole rank, the weight-gradient share of that backward under a split backward (default
-half), comm per p2p batch), forward_only (true | false), png (write a Gantt chart there; needs matplotlib),
+half), comm per p2p batch), forward_only (true | false), png (write a Gantt chart there),
 deferrals (zb1p, zbv: per rank the most weight passes left waiting, or `unsplit`, comma-separated — what
 `parallel.zb_memory=1f1b` fits and the start-up line prints).
 Bad input is one `hybrid: error: ...` line on stderr and exit status 2.
@@ -184,12 +184,11 @@ def render_report(sim: Simulation, opts: Options) -> str:
 
 
 def write_png(sim: Simulation, path: str) -> None:
-    """A Gantt chart: one row per rank, forwards blue and backwards orange, chunks in shades, mb numbers."""
-    try:
-        from matplotlib import colormaps
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise UsageError(f"png={path} needs matplotlib (pip install matplotlib)") from None
+    """A Gantt chart: one row per rank, forwards blue and backwards orange, chunks in shades, mb numbers
+    (matplotlib imported here: the text report never loads it)."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
     s = sim.schedule
     fig = Figure(figsize=(min(40.0, max(6.0, 0.25 * len(sim.intervals) / s.pp)), 0.6 * s.pp + 1.2))
     ax = fig.subplots()

@@ -3,7 +3,7 @@
     python -m hybrid.tools.traffic runs/<run>/traffic.json --png map.png [--group dp]
 
 Prints the matrix of `--group` (default `total`: every group summed) in MB per step with each rank's
-row and column totals, and writes it as a heat map with `--png` (needs matplotlib). Bad input (no such
+row and column totals, and writes it as a heat map with `--png`. Bad input (no such
 file, not a traffic map, an unknown group) is one `hybrid: error: ...` line and exit status 2.
 """
 
@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hybrid.cli import EXIT_BAD_INPUT, UsageError, run_tool
-from hybrid.diagnostics import DiagnosticsError
 from hybrid.diagnostics.heatmap import write_heatmap
 
 
@@ -71,7 +70,7 @@ def body(argv: list[str]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return run_tool(__doc__, argv, body, ((UsageError, EXIT_BAD_INPUT), (DiagnosticsError, EXIT_BAD_INPUT)))
+    return run_tool(__doc__, argv, body, ((UsageError, EXIT_BAD_INPUT),))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""A regular (not editable) install works from any folder: the wheel carries the configs and the
-console scripts, and `python -m hybrid.train` / `hybrid-train` run from a folder outside the repository.
+"""A regular (not editable) install works from any folder: the wheel carries the configs (the top-level
+`configs/`, byte for byte, as `hybrid/configs/`) and the console scripts, and `python -m hybrid.train` /
+`hybrid-train` run from a folder outside the repository.
 
 The wheel is built from a copy of the package (`pip wheel --no-deps --no-build-isolation --no-index`,
 nothing downloaded) and installed with `--no-deps` into a throwaway venv made with
@@ -16,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -33,19 +35,26 @@ def sh(cmd: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: in
 
 
 @pytest.fixture(scope="module")
-def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A venv holding the wheel built from this checkout (and, through system site-packages, torch)."""
-    tmp = tmp_path_factory.mktemp("install")
-    src = tmp / "src"  # a copy: the build's build/ and *.egg-info stay out of the checkout
-    shutil.copytree(ROOT / "hybrid", src / "hybrid", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel built from a copy of this checkout (its build/ and *.egg-info stay out of the checkout)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    for folder in ("hybrid", "configs"):
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / name, src / name)
     pip = [sys.executable, "-m", "pip"]
     built = sh([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", tmp / "wheels", src], tmp)
     assert built.returncode == 0, built.stderr[-3000:]
+    return next((tmp / "wheels").glob("hybrid-*.whl"))
+
+
+@pytest.fixture(scope="module")
+def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A venv holding the wheel (and, through system site-packages, torch)."""
+    tmp = tmp_path_factory.mktemp("install")
     made = sh([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", tmp / "venv"], tmp)
     assert made.returncode == 0, made.stderr[-3000:]
-    wheel = next((tmp / "wheels").glob("hybrid-*.whl"))
     python = tmp / "venv" / "bin" / "python"
     installed = sh([python, "-m", "pip", "install", "--no-deps", "--no-index", "-q", wheel], tmp)
     assert installed.returncode == 0, installed.stderr[-3000:]
@@ -68,6 +77,17 @@ def test_the_venv_imports_its_own_installed_copy(venv: Path, env: dict[str, str]
     module, configs = r.stdout.split()
     assert Path(module).is_relative_to(venv) and Path(configs).is_relative_to(venv), r.stdout
     assert (Path(configs) / "config.yaml").is_file() and (Path(configs) / "model" / "gpt-tiny.yaml").is_file()
+
+
+def test_the_wheel_ships_the_top_level_configs_byte_for_byte(wheel: Path) -> None:
+    """Every file of configs/ is in the wheel at hybrid/configs/ with the same bytes, and nothing else is."""
+    with zipfile.ZipFile(wheel) as z:
+        shipped = {name.removeprefix("hybrid/configs/"): z.read(name) for name in z.namelist()
+                   if name.startswith("hybrid/configs/")}
+    files = {p.relative_to(ROOT / "configs").as_posix(): p.read_bytes()
+             for p in (ROOT / "configs").rglob("*") if p.is_file()}
+    assert "model/gpt-tiny.yaml" in files and sorted(shipped) == sorted(files)
+    assert [name for name in files if shipped[name] != files[name]] == []
 
 
 @pytest.mark.parametrize("cmd", [["python", "-m", "hybrid.train"], ["hybrid-train"]])

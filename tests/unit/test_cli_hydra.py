@@ -78,9 +78,10 @@ def test_a_missing_primary_config_is_one_line(capsys: pytest.CaptureFixture[str]
 def test_a_relative_config_path_starts_where_hydra_starts_it(capsys: pytest.CaptureFixture[str],
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Like Hydra: from train.py's folder under `python -m`, from its package for a console script
-    (`hybrid/configs` is a folder, not a package, so only the first finds it)."""
+    (the checkout's `configs/` is a folder beside the package, not the module `hybrid.configs`, so only the
+    first finds it)."""
     script = cli.App.of("__main__", str(ROOT / "hybrid" / "train.py"))
-    cli.precheck(["-cp", "configs", "--cfg", "job"], script)
+    cli.precheck(["-cp", "../configs", "--cfg", "job"], script)
     with pytest.raises(SystemExit):
         cli.precheck(["-cp", "nope"], script)
     assert f"config directory '{(ROOT / 'hybrid').resolve() / 'nope'}'" in capsys.readouterr().err

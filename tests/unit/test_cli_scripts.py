@@ -5,6 +5,10 @@ choice of launcher.
 - setup.sh keeps an installed torch at or above pyproject's floor (it only installs hybrid) and installs
   torch below it; run with a wrapper Python that imports a stand-in `torch` of a chosen version and
   records the pip commands instead of running them.
+- scripts/ready.py (what `setup.sh --if-needed`, run first by `make run` and `make test`, asks) against a
+  stand-in hybrid distribution: ready only when installed editable from this checkout, after the last change
+  to pyproject.toml, with every required distribution (the test extra's included) present; `--if-needed`
+  then installs nothing, else the full set-up.
 - `make -n run PYTHON=…` passes that Python on; launch/local.sh launches with `$PYTHON -m
   torch.distributed.run` when PYTHON is given or no torchrun is on PATH (checked with stand-in
   launchers that print their command line, and once for real: one rank running a probe module).
@@ -12,6 +16,7 @@ choice of launcher.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -68,11 +73,54 @@ def test_setup_keeps_a_torch_at_or_above_the_floor(torch_version: str, installs_
     assert ("already installed" in r.stdout) != installs_torch, r.stdout
 
 
+def fake_hybrid(site: Path, url: str, requires: tuple[str, ...] = ('pytest>=8; extra == "test"',),
+                age_s: float = 0.0) -> Path:
+    """A stand-in installed hybrid in `site`: its dist-info with direct_url.json (editable from `url`),
+    Requires-Dist lines and a METADATA file written `age_s` seconds before pyproject.toml was last changed
+    (0: now)."""
+    info = site / "hybrid-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hybrid\nVersion: 0.1.0\n"
+                                   + "".join(f"Requires-Dist: {r}\n" for r in requires))
+    (info / "direct_url.json").write_text(json.dumps({"dir_info": {"editable": True}, "url": url}))
+    (info / "RECORD").write_text("hybrid-0.1.0.dist-info/METADATA,,\n")
+    if age_s:
+        when = (ROOT / "pyproject.toml").stat().st_mtime - age_s
+        os.utime(info / "METADATA", (when, when))
+    return site
+
+
+@pytest.mark.parametrize("url,requires,age_s,reason", [
+    (ROOT.as_uri(), ('pytest>=8; extra == "test"', 'no-such-dist-xyz; extra == "plot"'), 0.0, ""),
+    ("file:///elsewhere", (), 0.0, f"hybrid is not installed editable from {ROOT}"),
+    (ROOT.as_uri(), (), 86400.0, "pyproject.toml"),
+    (ROOT.as_uri(), ("no-such-dist-xyz>=1", 'pytest>=8; extra == "test"'), 0.0, "not installed: no-such-dist-xyz"),
+])
+def test_ready_checks_the_install(url: str, requires: tuple[str, ...], age_s: float, reason: str,
+                                  tmp_path: Path) -> None:
+    site = fake_hybrid(tmp_path / "site", url, requires, age_s)
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "ready.py")], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PYTHONPATH": str(site)})
+    assert r.returncode == (1 if reason else 0) and reason in r.stdout and bool(r.stdout) == bool(reason), r
+
+
+@pytest.mark.parametrize("url,installs", [(ROOT.as_uri(), False), ("file:///elsewhere", True)])
+def test_setup_if_needed_installs_only_when_something_is_missing(url: str, installs: bool, tmp_path: Path) -> None:
+    python, log = fake_python(tmp_path, "2.13.0+cpu")
+    fake_hybrid(tmp_path / "fake", url)
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "--if-needed"], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PYTHON": str(python)})
+    assert r.returncode == 0, r.stderr
+    assert (log.read_text().splitlines()[-1:] if log.exists() else []) == (["install -e .[test]"] if installs else [])
+    assert ("setup: hybrid is not installed editable from" in r.stdout) == installs, r.stdout
+
+
 def test_make_run_passes_python_on() -> None:
     if shutil.which("make") is None:
         pytest.skip("no make on this machine")
     r = subprocess.run(["make", "-n", "run", "PYTHON=/x/python"], capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert r.returncode == 0 and 'PYTHON="/x/python" bash launch/local.sh 2' in r.stdout, r.stdout + r.stderr
+    assert 'PYTHON="/x/python" bash scripts/setup.sh --if-needed' in r.stdout  # the set-up first, where needed
 
 
 def stand_ins(tmp: Path, names: tuple[str, ...]) -> Path:

@@ -1,4 +1,4 @@
-"""Config: every file in hybrid/configs/ composes and validates; bad input is one line and exit 2."""
+"""Config: every file in configs/ composes and validates; bad input is one line and exit 2."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.config import CONFIG_DIR, ConfigError, compose_config
+from hybrid.config import CONFIG_DIR, ConfigError, compose_config, config_dir
 from hybrid.testing.cli_runs import CliRun, run_forked
 from hybrid.validation import validate
 
@@ -16,6 +16,16 @@ GROUPS = ["model", "parallel", "data", "optim", "compression"]
 
 def options(group: str) -> list[str]:
     return sorted(p.stem for p in (Path(CONFIG_DIR) / group).glob("*.yaml"))
+
+
+def test_the_config_folder_is_the_packaged_one_else_the_checkouts(tmp_path: Path) -> None:
+    """A wheel's `hybrid/configs` wins; a source tree or an editable install reads `configs/` beside the package."""
+    assert Path(CONFIG_DIR) == ROOT / "configs" and not (ROOT / "hybrid" / "configs").exists()
+    package = tmp_path / "site" / "hybrid"
+    (package / "configs").mkdir(parents=True)
+    assert config_dir(package) == str(tmp_path / "site" / "configs")  # an empty leftover folder is not the wheel's
+    (package / "configs" / "config.yaml").write_text("defaults: []\n")
+    assert config_dir(package) == str(package / "configs")
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])

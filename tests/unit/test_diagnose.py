@@ -8,14 +8,13 @@ import io
 import itertools
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from hybrid.diagnostics import DiagnosticsError, heatmap, system
 from hybrid.diagnostics import advice as A
+from hybrid.diagnostics import heatmap, system
 from hybrid.diagnostics.pairwise import bandwidth_gbs, rounds, summarize
 from hybrid.diagnostics.report import Probe, Report, render, size_text, spans
 from hybrid.parallel.context import Layout
@@ -174,13 +173,6 @@ def test_heatmap_writes_a_png(tmp_path: Path) -> None:
     heatmap.write_heatmap([[0.0, 3e6], [1e6, 0.0]], str(path), "bytes per step", "bytes")  # generic units
     assert path.read_bytes()[:8] == PNG
     assert heatmap.node_boundaries([0, 0, 1, 1, 2]) == [2, 4]
-
-
-def test_heatmap_without_matplotlib_is_one_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
-    with pytest.raises(DiagnosticsError, match=r"needs matplotlib: pip install 'hybrid\[plot\]'"):
-        heatmap.write_heatmap([[1.0]], str(tmp_path / "m.png"), "t", "u")
-    assert not (tmp_path / "m.png").exists()
 
 
 def fake_report(layout: Layout, matrix: list[list[float]], method: str) -> Report:
