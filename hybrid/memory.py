@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import nn
 
-from hybrid.compression.codecs import CODECS
 from hybrid.config import optimizer_moments
 from hybrid.metrics import format_bytes
 from hybrid.model.family import family_of, ffn_hidden, kv_heads
@@ -41,7 +40,8 @@ from hybrid.parallel.actions import Op
 from hybrid.parallel.buckets import assign_buckets, padded_numel
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.parallel.schedules import SCHEDULES, Schedule, ScheduleError, build_schedule, most_waiting
-from hybrid.sync.footprint import footprint
+from hybrid.sync import mode_footprint
+from hybrid.sync.exchange import exchange_bytes
 
 if TYPE_CHECKING:
     from hybrid.config import Config, ModelConfig
@@ -238,32 +238,11 @@ def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank:
     # a layer's backward: gradients about the size of its activations and, under full recomputation, those too
     rerun = Micro(m.b, m.s, m.tp, m.sp, m.dropout, "none", m.device, m.act)
     transient = max(logits_grad, (1 + (m.recompute == "full")) * layer_activation_bytes(cfg.model, rerun))
-    copies, state = exchange_bytes(cfg, sizes, dp, m.device)
-    if cfg.sync.mode != "dp":  # the inner exchange is exact (no copies, no state); the mode's own terms instead
-        codec = lambda n, group: exchange_bytes(cfg, [n], group, m.device)[1]  # noqa: E731
-        optimizer, copies, state = footprint(cfg, params, dp, share, m.device, host).terms(optimizer, codec)
+    codec = lambda n, group: exchange_bytes(cfg, [n], group, m.device)[1]  # noqa: E731 - an outer hook's state
+    optimizer, copies, state = mode_footprint(cfg, params, sizes, dp, share, m.device, host).terms(optimizer, codec)
     # the exchange's copies grow in the backward as the activations are freed: what exceeds them adds
     buffers = transient + max(0, copies - activations) + state
     return RankMemory((2 if low else F32) * numel, grads, optimizer, activations, buffers)
-
-
-def exchange_bytes(cfg: Config, sizes: Sequence[int], dp: int, device: str) -> tuple[int, int]:
-    """(copies, state) of the DP exchange for buckets of `sizes` elements: the copies its collectives hold
-    while the buckets are in flight (a 16-bit copy of each for fp16/bf16; under ZeRO-1 on CPU, gloo's copy
-    of each reduce-scatter's input, or int8's encoded shards sent and received), and the compression state
-    kept across steps (see the module doc)."""
-    c = cfg.compression
-    if dp == 1 or not sizes:
-        return 0, 0
-    if c.method in ("none", "fp16", "bf16", "torch_fp16", "torch_bf16"):
-        cast = 2 * sum(sizes) if c.method != "none" else 0
-        return max(cast, F32 * sum(sizes) if cfg.parallel.zero == 1 and device != "cuda" else 0), 0
-    if cfg.parallel.zero == 1:  # int8's encoded reduce-scatter: the sent and the received shards, then gone
-        return 2 * sum(n + 4 * n // c.block_size for n in sizes), 0
-    residuals = int(c.error_feedback and (c.method not in CODECS or CODECS[c.method].error_feedback))
-    if c.method in ("powersgd", "torch_powersgd"):
-        return 0, F32 * sum(sizes) * residuals
-    return 0, F32 * (sum(sizes) * (1 + residuals) + sum(sizes) // dp * residuals)  # buffer, worker's, own chunk's
 
 
 def meta_stages(layout: Layout, build: Build) -> list[nn.ModuleList]:

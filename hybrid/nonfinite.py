@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -107,14 +107,30 @@ def rank0_answer(find: Callable[[], Any]) -> Any:
     return box[0]
 
 
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Position(Protocol):
+    """What the guard needs of the run it watches: the step reached (a rewind's load sets it back) and the data
+    order, whose position a rewind keeps past the bad batch."""
+
+    step: int
+    sampler: Stateful
+
+
 class Guard:
     """`train.on_nonfinite` for one rank's trainer: `inspect` after the optimizer's step (before the
     gradients are zeroed), `settle` after the step; `lr_step` is where the LR schedule stands."""
 
     def __init__(self, cfg: TrainConfig, ctx: ParallelContext, checkpointer: Checkpointer,
-                 say: Callable[[str], None], same_norm: bool = True) -> None:
+                 say: Callable[[str], None], same_norm: bool = True, hook_state: Callable[[], Any] = lambda: None
+                 ) -> None:
         self.mode, self.limit = cfg.on_nonfinite, cfg.max_skipped_steps
-        self.same_norm = same_norm  # False: DP replicas step on their own gradients (`sync.mode` other than dp)
+        self.same_norm = same_norm  # False: DP replicas step on their own gradients (`DPPlan.same_norm`)
+        self.hook_state = hook_state  # the DP hook's state, whose entries a skipped step drops
         self.ctx, self.checkpointer, self.say = ctx, checkpointer, say
         self.skipped = 0  # steps skipped in the whole run (checkpointed: the LR schedule's position)
         self.in_a_row = 0
@@ -152,7 +168,7 @@ class Guard:
             name, rank = agree_on_first(first_nonfinite_grad(model), self.ctx.rank, norm.device)
             self.found = (value, name, rank)
 
-    def settle(self, trainer: Any, loss: float) -> bool:
+    def settle(self, trainer: Position, loss: float) -> bool:
         """After step `trainer.step`: nothing on a finite step; else stop, skip or rewind (True: rewound, the
         trainer is back at a checkpoint's step and this step is not logged). Every rank takes the same branch
         (`inspect`'s verdict is the world's); only a rewind runs collectives (its broadcast and the load)."""
@@ -163,7 +179,7 @@ class Guard:
         if self.mode == "stop":
             self.stop(f"{what}; stopped (train.on_nonfinite=stop; skip or rewind go on past such a step)")
         if self.mode == "skip":
-            return self.skip(trainer, what)
+            return self.skip(what)
         return self.rewind(trainer, what)
 
     def describe(self, step: int, loss: float) -> str:
@@ -180,21 +196,21 @@ class Guard:
         kept = f"the last checkpoint ({latest.resolve()}) is kept" if latest.exists() else "no checkpoint was saved"
         raise NonFiniteStop(f"{line}; {kept}")
 
-    def skip(self, trainer: Any, what: str) -> bool:
+    def skip(self, what: str) -> bool:
         """Skip the step (nothing was updated; the DP hook's state entries the bad gradient made non-finite
         are dropped), or stop when it would be one too many in a row. No collective."""
         self.in_a_row += 1
         if self.in_a_row > self.limit:
             self.stop(f"{what}; {self.in_a_row} such steps in a row (train.max_skipped_steps={self.limit}): stopped")
         self.skipped += 1
-        hook = trainer.grad_sync.state  # its error feedback took the bad gradient in: that part starts afresh
+        hook = self.hook_state()  # its error feedback took the bad gradient in: that part starts afresh
         if hasattr(hook, "state_dict"):
             hook.load_state_dict(without_nonfinite(hook.state_dict()))
         self.say(f"warning: {what}: skipped ({self.in_a_row} in a row, at most {self.limit}; "
                  f"{self.skipped} in the run)")
         return False
 
-    def rewind(self, trainer: Any, what: str) -> bool:
+    def rewind(self, trainer: Position, what: str) -> bool:
         """Load the newest checkpoint before this step and keep the data position past the bad batch.
         Collectives: rank 0's choice broadcast, then the load's (DCP's plan exchange)."""
         if self.rewinds >= self.limit:

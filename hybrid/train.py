@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from hybrid.checkpoint import NonFiniteState
 from hybrid.cli import EXIT_BAD_INPUT, EXIT_FAILED, App, env_int, exit_on_error, precheck, warn
-from hybrid.config import CONFIG_DIR, CompressionConfig, Config, ConfigError, register_configs
+from hybrid.config import CONFIG_DIR, Config, ConfigError, register_configs
 from hybrid.health import ReplicaDivergence
 from hybrid.nonfinite import NonFiniteStop
 from hybrid.parallel import collectives as C
@@ -91,25 +91,24 @@ def _start(cfg: Config, log: Optional[RunLog], layout: Layout, device: torch.dev
            vocab: int) -> None:
     """`run` once rank 0 holds the run's folders: groups, model, resume plan, then (accepted) the run."""
     from hybrid.checkpoint import plan_resume
-    from hybrid.compression.hooks import make_hook
     from hybrid.memory import default_memory
     from hybrid.memory import summary as memory_summary
     from hybrid.metrics import format_count
     from hybrid.model import analytic_param_count
     from hybrid.parallel.context import ParallelContext
     from hybrid.parallel.rng import derive_seed
+    from hybrid.sync import startup_lines
     from hybrid.trainer import Trainer, build_chunks
 
     ctx = ParallelContext.build(layout, cfg.parallel.timeout_s)
     # dropout on replicated activations: the same stream on every TP rank, a different one per stage
     torch.manual_seed(derive_seed(cfg.train.seed, "stage", ctx.pp_rank))
     model = build_chunks(cfg, vocab, ctx).to(device)
-    hook, state = make_hook(cfg.compression, ctx.dp_group, ctx.dp_intra_group, ctx.dp_inter_group)
     writer = ctx.rank == 0
     resume = plan_resume(cfg, vocab, writer, warn)  # before anything is written: a bad checkpoint is bad input
     if nothing_to_do(resume, cfg, writer):
         return
-    trainer = Trainer(cfg, ctx, model, corpus, device, hook, state)
+    trainer = Trainer(cfg, ctx, model, corpus, device)
     metrics = trainer.start(resume)  # loads (a checkpoint that cannot be read fails before any write), then logs
     log = log or RunLog(enabled=False)
     if writer:
@@ -121,8 +120,8 @@ def _start(cfg: Config, log: Optional[RunLog], layout: Layout, device: torch.dev
             metrics.message("note: parallel.sequence_parallel=true has no effect at tp=1")
         if layout.pp > 1:
             metrics.message(pipeline_summary(trainer.schedule, cfg))
-        if cfg.compression.method != "none":
-            metrics.message(compression_summary(cfg.compression, layout))
+        for line in startup_lines(cfg, layout):  # the DP exchange (`hybrid.sync`)
+            metrics.message(line)
         metrics.message(memory_summary(cfg, layout, lambda c: build_chunks(cfg, vocab, c), device.type,
                                        default_memory(device.type, layout.ranks_per_node)))
         metrics.message(f"model {cfg.model.name}: {format_count(n)} parameters (analytic {format_count(analytic)}, "
@@ -193,35 +192,6 @@ def use_job_folder(cfg: Config, folder: str, overrides: list[str]) -> None:
                               "move the sweep with hydra.sweep.dir=... instead")
     cfg.logging.dir = folder
     cfg.checkpoint.dir = f"{folder}/checkpoints"
-
-
-def compression_summary(c: CompressionConfig, layout: Layout) -> str:
-    """One start-up line: the DP hook, and under hierarchical how the DP groups split over nodes."""
-    from hybrid.compression.schedule import exact_kinds
-
-    line = f"compression: {c.method} over dp={layout.dp}"
-    if c.schedule == "auto":
-        line += (f", schedule auto: exact, then {' → '.join([*c.stages, c.method])}, each stage once the loss's "
-                 f"{c.settle_window}-step mean falls < {c.settle_tol:.1%}" +
-                 (f" (after {c.warmup_steps} steps at least)" if c.warmup_steps else ""))
-    elif c.warmup_steps:
-        line += f", exact for the first {c.warmup_steps} steps"
-    kinds = exact_kinds(c.exact_params, c.schedule)
-    if kinds and c.method != "none":
-        line += f"; kept exact: {', '.join(kinds)}"
-    if c.method == "onebit_adam":
-        line += " (AdamW), then the momentum sent as signs with the variance frozen"
-    if c.method == "dgc" and c.sparsity_warmup_steps:
-        line += f", density from 1 down to {c.fraction} over {c.sparsity_warmup_steps} steps"
-    if c.method != "hierarchical":
-        return line + ("" if layout.dp > 1 else " (dp=1: nothing to exchange)")
-    intra, inter = len(layout.dp_intra_node_groups()[0]), len(layout.dp_inter_node_groups()[0])
-    line += f": exact inside a node ({intra} DP ranks), {c.inner} between nodes ({inter} DP ranks)"
-    if intra == 1 or inter == 1:
-        line += (f" — warning: with {layout.ranks_per_node} ranks per node one of the two hops is a single "
-                 "rank, so this is plain " + ("exact sync" if inter == 1 else c.inner) +
-                 " (set parallel.ranks_per_node to emulate nodes)")
-    return line
 
 
 def pipeline_summary(schedule: Schedule, cfg: Config) -> str:

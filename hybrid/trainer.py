@@ -29,16 +29,13 @@ from torch import nn
 from hybrid.checkpoint import Checkpointer
 from hybrid.checkpoint.files import scan
 from hybrid.checkpoint.resume import pretrained
-from hybrid.compression.hooks import Compression
-from hybrid.compression.schedule import exact_kinds, exact_param_ids
-from hybrid.compression.zero import REDUCE_SCATTER_DTYPES, encoded_reduce_scatter
 from hybrid.config import Config
 from hybrid.data import Corpus
 from hybrid.health import HealthMonitor
 from hybrid.memory import meta_stages, micro_of, training_schedule
 from hybrid.model import build_model
 from hybrid.nonfinite import Guard
-from hybrid.optim import build_optimizer, lr_at, to_low_precision
+from hybrid.optim import lr_at, to_low_precision
 from hybrid.parallel import collectives as C
 from hybrid.parallel.actions import part_of
 from hybrid.parallel.context import ParallelContext, pp_streams
@@ -52,7 +49,7 @@ from hybrid.report import StepReport
 from hybrid.runlog import Tally, gather, open_metrics, peak_memory, summary, summary_line, write_summary
 from hybrid.sampler import StepSampler, batch_from, eval_indices
 from hybrid.sinks import MetricsLogger
-from hybrid.sync import gradient_sync, replica_sync, replicas_group
+from hybrid.sync import build_plan
 
 if TYPE_CHECKING:
     import numpy as np
@@ -84,32 +81,23 @@ def build_chunks(cfg: Config, vocab: int, ctx: ParallelContext) -> nn.ModuleList
 
 
 class Trainer:
-    """Holds the model chunks, optimizer, gradient sync, schedule, sampler, checkpointer and metrics of
-    one rank. `log` takes the trainer's lines (rank 0's checkpoint saves, resumes, notes) until `start`
-    opens the metrics logger; by default they are held and shown then."""
+    """Holds the model chunks, the DP plan (gradient sync, optimizer, replica-level sync: `hybrid.sync`), the
+    schedule, sampler, checkpointer and metrics of one rank. `hook`, `hook_state`: a DP comm hook to run instead
+    of `compression=`'s. `log` takes the trainer's lines (rank 0's checkpoint saves, resumes, notes) until
+    `start` opens the metrics logger; by default they are held and shown then."""
 
     def __init__(self, cfg: Config, ctx: ParallelContext, model: nn.Module, corpus: Corpus,
-                 device: torch.device, hook: CommHook, hook_state: Any,
+                 device: torch.device, hook: Optional[CommHook] = None, hook_state: Any = None,
                  log: Optional[Callable[[str], None]] = None) -> None:
         self.cfg, self.ctx, self.corpus, self.device = cfg, ctx, corpus, device
         self.model = model if isinstance(model, nn.ModuleList) else nn.ModuleList([model])
         t = cfg.train
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * ctx.dp_size)
-        c = cfg.compression
-        self.comp = hook_state if isinstance(hook_state, Compression) and cfg.sync.mode == "dp" else None
         low = t.precision == "bf16_params"  # Megatron-style: bf16 parameters, fp32 main weights and gradients
         main = to_low_precision(self.model) if low else None
-        apart = exact_param_ids(self.model.named_parameters(), exact_kinds(c.exact_params, c.schedule))
-        if self.comp is not None:
-            self.comp.exact_params = apart
-        self.grad_sync = gradient_sync(cfg, ctx, self.model, hook, hook_state, apart, low,
-                                       sharded=cfg.parallel.zero == 1, encoded_reduce_scatter=encoded_reduce_scatter(c),
-                                       reduce_dtype=REDUCE_SCATTER_DTYPES.get(c.method, torch.float32))
+        self.dp = build_plan(cfg, ctx, self.model, main, (hook, hook_state) if hook is not None else None)
+        self.grad_sync, self.optimizer = self.dp.grad_sync, self.dp.optimizer
         self.grad_sync.begin_step(self.num_microbatches)
-        self.optimizer = build_optimizer(self.model, cfg.optim, t.lr, ctx, self.grad_sync, main,
-                                         cfg.parallel.overlap_param_gather)
-        self.outer = replica_sync(cfg, ctx, self.model, self.optimizer, hook, hook_state, apart)  # sync.mode
-        self.optimizer = self.outer if getattr(self.outer, "steps_the_model", False) else self.optimizer  # ps
         self.activation_dtype = torch.bfloat16 if low else torch.float32  # the residual stream's, between stages
         self.sampler = StepSampler(len(corpus.train), t.micro_batch_size, self.num_microbatches, ctx.dp_size,
                                    ctx.dp_rank, t.seed)
@@ -129,31 +117,27 @@ class Trainer:
         self.profiler = StepProfiler(cfg.profile, ctx.rank, device, self.message)
         self.checkpointer = Checkpointer(cfg, ctx, device, self.checkpoint_states(),
                                          tokenizer=getattr(corpus, "tokenizer", None), log=self.message)
-        self.guard = Guard(t, ctx, self.checkpointer, self.message, cfg.sync.mode == "dp")  # train.on_nonfinite
+        self.guard = Guard(t, ctx, self.checkpointer, self.message, self.dp.same_norm,  # train.on_nonfinite
+                           self.dp.hook_state)
         self.health = HealthMonitor(cfg.health, ctx, self.model, self.message, getattr(self.optimizer, "wait_params",
-                                                                                      None), replicas_group(cfg, ctx))
+                                                                                      None), self.dp.replicas_group)
 
     def checkpoint_states(self) -> dict[str, Any]:
         """What a checkpoint of this trainer holds (the `Checkpointer`'s states)."""
-        return {"model": self.model, "optimizer": self.optimizer, "trainer": self,
-                "hook": self.grad_sync.state if self.outer is None else self.outer.state, "sync": self.outer}
+        return {"model": self.model, "trainer": self, **self.dp.checkpoint_states()}
 
     def state_dict(self) -> dict[str, Any]:
         """The run's position, the same on every rank: steps done, samples consumed, the data order's seed,
-        and under `compression.schedule=auto` the schedule's decisions (layout-independent)."""
+        and the DP plan's run-level decisions (under `compression.schedule=auto` the schedule's; layout-independent)."""
         sampler = self.sampler.state_dict()
-        out = {"step": self.step, "consumed_samples": sampler["consumed_samples"], "data_seed": sampler["seed"],
-               **self.guard.state_dict()}
-        if self.comp is not None and self.comp.schedule is not None:
-            out["compression_schedule"] = self.comp.schedule.state_dict()
-        return out
+        return {"step": self.step, "consumed_samples": sampler["consumed_samples"], "data_seed": sampler["seed"],
+                **self.guard.state_dict(), **self.dp.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.sampler.load_state_dict({"consumed_samples": state["consumed_samples"], "seed": state["data_seed"]})
         self.guard.load_state_dict(state)
-        if "compression_schedule" in state and self.comp is not None and self.comp.schedule is not None:
-            self.comp.schedule.load_state_dict(state["compression_schedule"])
+        self.dp.load_state_dict(state)
 
     def message(self, line: str) -> None:
         """One line of the run's log (printed by rank 0): through the metrics logger once it exists."""
@@ -174,8 +158,7 @@ class Trainer:
         elif init_from:
             self.message(pretrained(self.model, self.cfg.model))
             self.optimizer.reload_main()  # bf16 parameters: the main weights start from them
-            if self.outer is not None:
-                self.outer.restart(self.step)  # DiLoCo's anchors, the servers' shards: from the loaded weights
+            self.dp.restart(self.step)  # DiLoCo's anchors, the servers' shards: from the loaded weights
         if note := self.profiler.skipped(self.step):
             self.message(note)
         self.tally = Tally(self.step)
@@ -270,11 +253,9 @@ class Trainer:
             self.guard.inspect(norm, self.model)
             self.grad_sync.zero_grad()
         self.step += 1
-        if self.outer is not None:
-            self.outer.after_step(self.step, last=self.step == self.cfg.train.steps)  # collective when due
+        self.dp.after_step(self.step, last=self.step == self.cfg.train.steps)  # collective when due
         loss_value = self.report.loss(total, self.schedule)
-        if self.device.type == "cuda":  # an overlapped outer exchange stays in flight: only the step's stream
-            (torch.cuda.current_stream() if self.cfg.sync.overlap_steps else torch.cuda).synchronize()
+        self.dp.synchronize(self.device)
         self.report.timed(C.TIMER.end_step(), self.schedule, self.stats)
         self.health.after_step(self.step, self.stats.busy_s)  # collective every health.*_every steps
         return StepResult(loss_value, float(norm), lr, time.perf_counter() - start)
@@ -293,8 +274,8 @@ class Trainer:
     def step_metrics(self, r: StepResult) -> dict[str, Any]:
         """The metrics.jsonl record of a step (`StepReport.record`; collective), with the compression stage
         the step ran (`Compression.record`) and the steps skipped so far (`Guard.record`)."""
-        stage = (self.comp.record(self.step - 1) if self.comp is not None else {}) | self.guard.record()
-        stage |= self.health.record() | (self.outer.record(self.step - self.tally.start_step) if self.outer else {})
+        stage = self.dp.stage_record(self.step) | self.guard.record()
+        stage |= self.health.record() | self.dp.replica_record(self.step - self.tally.start_step)
         return {**self.report.record(self.step, r.loss, r.grad_norm, r.lr, r.step_time_s), **stage}
 
     def _logs(self, step: int) -> bool:
@@ -327,8 +308,7 @@ class Trainer:
             last = self.train_step(timed=logs and self.cfg.logging.timing)
             if self.guard.settle(self, last.loss):  # a non-finite step: stopped, skipped or rewound
                 continue
-            switch = self.comp.observe(self.step, last.loss) if self.comp is not None else None
-            if switch:
+            if switch := self.dp.observe(self.step, last.loss):
                 self.message(switch)  # the auto schedule's decision, the same on every rank
             self.profiler.after_step(self.step)
             if self._logs(self.step):

@@ -94,23 +94,7 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
         _require(cfg.data.seq_len % p.tp == 0, f"parallel.sequence_parallel=true needs "
                  f"data.seq_len={cfg.data.seq_len} divisible by parallel.tp={p.tp}")
     _validate_optim(cfg.optim)
-    _require(cfg.optim.name == "adamw" or (p.zero == 0 and cfg.compression.method != "onebit_adam"),
-             f"optim.name={cfg.optim.name} cannot run with parallel.zero=1 or compression=onebit_adam (AdamW's)")
-    _validate_zero(p, cfg.compression)
-    check_sync(cfg, layout)
-    _require(t.precision != "bf16_params" or cfg.compression.method != "onebit_adam", "train.precision=bf16_params "
-             "keeps fp32 main weights that compression=onebit_adam's optimizer does not: use train.precision=bf16 "
-             "(autocast) or fp32 with it")
-    _validate_block_size(cfg.compression, p.bucket_mb, layout.dp)
-    c = cfg.compression
-    _require(c.method == "none" or c.warmup_steps < t.steps, f"compression.warmup_steps={c.warmup_steps} is not "
-             f"shorter than the run (train.steps={t.steps}): compression={c.method} would never start")
-    first = max(2 * c.settle_window, c.warmup_steps)  # the first step the auto schedule may switch after
-    _require(c.schedule != "auto" or first < t.steps, f"compression.settle_window={c.settle_window} leaves no step "
-             f"to compress: the auto schedule compares two windows ({first} steps at least) and the run has "
-             f"train.steps={t.steps}")
-    _require(c.method != "dgc" or c.sparsity_warmup_steps < t.steps, f"compression.sparsity_warmup_steps="
-             f"{c.sparsity_warmup_steps} is not shorter than the run (train.steps={t.steps})")
+    check_sync(cfg, layout)  # sync.mode's rules and the DP exchange's compression options
     _require(cfg.logging.log_every >= 1, f"logging.log_every must be >= 1, got {cfg.logging.log_every}")
     _validate_checkpoint(cfg.checkpoint)
     h = cfg.health
@@ -174,33 +158,6 @@ def _validate_warmup(o: OptimConfig, steps: int) -> None:
     _require(o.warmup_steps <= steps or o.warmup_steps == OptimConfig.warmup_steps,
              f"optim.warmup_steps={o.warmup_steps} is longer than the run (train.steps={steps}): the LR would "
              "never reach train.lr; shorten the warmup or raise train.steps")
-
-
-def _validate_zero(p: ParallelConfig, c: CompressionConfig) -> None:
-    """The distributed optimizer reduce-scatters each bucket: a method that needs the whole bucket (a codec,
-    PowerSGD, 1-bit Adam's momentum) or a per-step stage change cannot run there."""
-    _require(p.zero in (0, 1), f"parallel.zero must be 0 (off) or 1 (the distributed optimizer), got {p.zero}")
-    _require(p.zero == 1 or not p.overlap_param_gather, "parallel.overlap_param_gather=true overlaps the "
-             "distributed optimizer's parameter all-gather: it needs parallel.zero=1")
-    if p.zero == 0:
-        return
-    from hybrid.compression.zero import ZERO_METHODS
-
-    _require(c.method in ZERO_METHODS, f"parallel.zero=1 reduce-scatters the gradients, which "
-             f"compression={c.method} cannot do (it needs each bucket whole): use compression="
-             f"{'|'.join(ZERO_METHODS)}, or parallel.zero=0")
-    _require(c.schedule == "fixed" and c.warmup_steps == 0, "parallel.zero=1 runs one reduce-scatter dtype for "
-             f"the whole run: compression.schedule={c.schedule} with warmup_steps={c.warmup_steps} needs "
-             "schedule=fixed and warmup_steps=0")
-
-
-def _validate_block_size(c: CompressionConfig, bucket_mb: float, dp: int) -> None:
-    """A scale block of int8/sign is at most one DP rank's chunk of a full bucket: each chunk is padded to
-    a whole number of blocks, so a larger block only allocates padding (at most doubling a chunk here)."""
-    limit = max(1, int(bucket_mb * 2**20 / 4) // dp)
-    _require(c.block_size <= limit, f"compression.block_size={c.block_size} exceeds one DP rank's chunk of a "
-             f"bucket ({limit} fp32 elements = parallel.bucket_mb={bucket_mb} MB / dp={dp}); each chunk is "
-             "padded to whole blocks")
 
 
 def _validate_compression(c: CompressionConfig) -> None:

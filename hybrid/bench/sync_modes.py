@@ -144,7 +144,7 @@ def mode_rank(rank: int, world: int, cfg: Config, corpus: Corpus) -> dict[str, A
         wire += C.COUNTER.wire_bytes("dp_inter")
         dp += sum(C.COUNTER.group_bytes(g) for g in ("dp", "dp_intra", "dp_inter"))
     wall = time.perf_counter() - start
-    p2p = getattr(trainer.outer, "inter_bytes", 0)  # gossip, PS: their point-to-point bytes across nodes
+    p2p = getattr(trainer.dp.replica, "inter_bytes", 0)  # gossip, PS: their point-to-point bytes across nodes
     model = 4 * sum(p.numel() for p in trainer.model.parameters())
     return {"eval": trainer.evaluate(), "inter": inter + p2p, "wire": wire + p2p, "dp": dp,
             "s_per_step": wall / cfg.train.steps, "model": model}

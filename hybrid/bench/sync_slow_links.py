@@ -93,11 +93,11 @@ def block(args: argparse.Namespace, trainer: Trainer, condition: str, rank: int)
     start = time.perf_counter()
     for _ in range(args.steps):
         C.COUNTER.reset()
-        gossip_before = getattr(trainer.outer, "inter_bytes", 0)
+        gossip_before = getattr(trainer.dp.replica, "inter_bytes", 0)
         trainer.train_step()
         calls = sum(n for (g, _), n in C.COUNTER.calls.items() if g == "dp_inter")
-        sent = C.COUNTER.group_bytes("dp_inter") + getattr(trainer.outer, "inter_bytes", 0) - gossip_before
-        if getattr(trainer.outer, "inter_bytes", 0) > gossip_before:
+        sent = C.COUNTER.group_bytes("dp_inter") + getattr(trainer.dp.replica, "inter_bytes", 0) - gossip_before
+        if getattr(trainer.dp.replica, "inter_bytes", 0) > gossip_before:
             calls += 1
         time.sleep(delay(args, condition, rank, sent, calls))
     return time.perf_counter() - start

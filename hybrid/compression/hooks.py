@@ -134,6 +134,15 @@ class Compression:
         the line announcing a switch, else None."""
         return self.schedule.observe(step, loss) if self.schedule is not None else None
 
+    def run_state(self) -> Optional[dict[str, Any]]:
+        """The auto schedule's decisions: run-level state, the same on every rank and layout-independent (the
+        trainer's part of a checkpoint, not the per-rank blob); None without an auto schedule."""
+        return self.schedule.state_dict() if self.schedule is not None else None
+
+    def load_run_state(self, state: dict[str, Any]) -> None:
+        if self.schedule is not None:
+            self.schedule.load_state_dict(state)
+
     def exact_steps(self) -> int:
         """Steps of the exact stage (1-bit Adam's warm-up, whose variance it freezes): decided or configured."""
         if self.schedule is not None and self.schedule.bounds:

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import nn
 
-from hybrid.compression.onebit_adam import MomentumExchange
 from hybrid.optim.adamw import ModelOptimizer, adamw, clip_grads, global_grad_norm, lr_at, param_groups
 from hybrid.optim.distributed import DistributedOptimizer
 from hybrid.optim.mixed import MainWeightsOptimizer, to_low_precision
@@ -23,6 +22,7 @@ from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.data import GradSync
 
 if TYPE_CHECKING:
+    from hybrid.compression.hooks import Compression
     from hybrid.config import OptimConfig
 
 __all__ = ["DistributedOptimizer", "MainWeightsOptimizer", "ModelOptimizer", "to_low_precision",
@@ -31,17 +31,17 @@ __all__ = ["DistributedOptimizer", "MainWeightsOptimizer", "ModelOptimizer", "to
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float, ctx: ParallelContext, grad_sync: GradSync,
-                    main: Optional[dict[nn.Parameter, torch.Tensor]] = None, overlap_param_gather: bool = False
-                    ) -> ModelOptimizer | DistributedOptimizer:
+                    main: Optional[dict[nn.Parameter, torch.Tensor]] = None, overlap_param_gather: bool = False,
+                    onebit: Optional[Compression] = None) -> ModelOptimizer | DistributedOptimizer:
     """The optimizer of `model`, whose gradients `grad_sync` owns: AdamW with clipping at `cfg.grad_clip`;
     the distributed optimizer (ZeRO-1) when `grad_sync` reduce-scatters (`parallel.zero=1`); AdamW over the fp32
     `main` weights of bf16 parameters (`to_low_precision`'s answer) when given (ZeRO-1 too; it leaves its
-    parameter all-gather in flight for the next forward with `overlap_param_gather`); 1-bit Adam's
-    (`compression=onebit_adam`, fp32 parameters only) when the DP hook's state is its momentum exchange."""
+    parameter all-gather in flight for the next forward with `overlap_param_gather`); 1-bit Adam's when given
+    `onebit`, the hook state of `compression=onebit_adam` whose momentum exchange it drives (fp32 parameters)."""
     if grad_sync.sharded:
         return DistributedOptimizer(model, cfg, lr, ctx, grad_sync, main, overlap_param_gather)
     if main is not None:
         return MainWeightsOptimizer(grad_sync.parameters(), main, cfg, lr, ctx)
-    if isinstance(getattr(grad_sync.state, "state", None), MomentumExchange):
-        return OneBitAdam(adamw(model, cfg, lr), grad_sync.buckets, ctx, cfg.grad_clip, grad_sync.state)
+    if onebit is not None:
+        return OneBitAdam(adamw(model, cfg, lr), grad_sync.buckets, ctx, cfg.grad_clip, onebit)
     return ModelOptimizer(adamw(model, cfg, lr), grad_sync.parameters(), ctx, cfg.grad_clip)

@@ -1,4 +1,5 @@
-"""What a sync mode holds on a rank beyond synchronous DP: the memory estimate's sync terms (`hybrid.memory`).
+"""What a sync mode holds on a rank: the memory estimate's sync terms (`hybrid.memory`), as each mode's
+`footprint` answers them (synchronous DP: its exchange's copies in flight and its codec's state).
 
 In elements of the rank's trained parameters `numel`, fp32 (4 bytes each):
 
@@ -18,18 +19,9 @@ In elements of the rank's trained parameters `numel`, fp32 (4 bytes each):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
-
-from hybrid.config import optimizer_moments
-from hybrid.sync.gossip import neighbours
-from hybrid.sync.outer import largest_share
-
-if TYPE_CHECKING:
-    import torch
-
-    from hybrid.config import Config
+from typing import Optional
 
 F32 = 4
 
@@ -52,34 +44,3 @@ class Footprint:
         compression hook keeps for an exchange of that many elements over that many ranks."""
         optimizer = 0 if self.no_inner else inner_optimizer + self.outer_optimizer
         return optimizer, self.transient, self.state + (codec(*self.outer) if self.outer else 0)
-
-
-def footprint(cfg: Config, params: Sequence[torch.Tensor], dp: int, share: int, device: str, host: bool = True
-              ) -> Footprint:
-    """The terms of `cfg.sync.mode` for a rank training `params` (in the model's order; meta tensors will do),
-    `dp` replicas, `share` DP ranks in its node (scope=inter's split) on `device`; `host`: it hosts a
-    parameter-server shard."""
-    sizes = [p.numel() for p in params]
-    s, numel = cfg.sync, sum(sizes)
-    if s.mode == "diloco":
-        r = share if s.scope == "inter" else 1
-        mine = largest_share(sizes, r)  # the outer exchange's elements on the rank with the most
-        outer = (1 + (s.outer_momentum > 0)) * F32 * numel
-        in_flight = F32 * mine if s.overlap_steps else 0  # overlapped: held across steps (at most all of it)
-        landing = (0 if s.overlap_steps else mine) + (numel if r > 1 else 0)  # the share itself: in flight
-        return Footprint(outer, False, in_flight, F32 * landing, (mine, dp // r))
-    if s.mode == "gossip":
-        peers = max(len(neighbours(s.topology, dp, i)) for i in range(dp))
-        return Footprint(transient=(2 * peers + 3) * F32 * numel if dp > 1 else 0)
-    if s.mode == "ps":
-        return Footprint(0, True, server_bytes(cfg, numel, dp) if device == "cpu" and host else 0,
-                         4 * F32 * numel if device == "cpu" else 0)
-    return Footprint()
-
-
-def server_bytes(cfg: Config, numel: int, dp: int) -> int:
-    """A server shard's host (the largest shard): parameters, moments, k + 1 snapshots, the queued pushes of
-    k + 1 clocks from every worker (each with its 4-element header) and the step's mean."""
-    s, shard = cfg.sync, -(-numel // cfg.sync.servers)
-    k = s.max_staleness if s.asynchronous else 0
-    return F32 * (shard * (1 + optimizer_moments(cfg.optim) + (k + 1) + 1) + (k + 1) * dp * (shard + 4))

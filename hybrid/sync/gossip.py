@@ -20,25 +20,37 @@ replicas are averaged exactly (one all-reduce over DP), so the run ends with one
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybrid.config import SyncConfig
+from hybrid.config import Config, ConfigError, SyncConfig
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.params import param_info
+from hybrid.sync.footprint import F32, Footprint
+from hybrid.sync.plan import DPPlan, register_sync_mode
 from hybrid.sync.replica import (
     Weights,
+    check_replica_mode,
     flat_weights,
+    inner_group,
+    inner_optimizer,
+    inner_sync,
     load_replica_state,
+    node_of,
     over_ranks,
     replica_state,
     set_flat_weights,
+    single_replica_note,
+    trained,
 )
+
+if TYPE_CHECKING:
+    from hybrid.parallel.context import Layout, ParallelContext
 
 TOPOLOGIES = ("ring", "exponential", "one_peer", "complete")
 
@@ -144,3 +156,45 @@ class Gossip:
         self.events, self.bytes, self.last_step = int(sd["events"]), int(sd["bytes"]), int(sd["last_step"])
         self.inter_bytes = int(sd["inter_bytes"])
         self.weights.loaded()
+
+
+class GossipMode:
+    """`sync.mode=gossip`: each replica steps on its own gradients, then mixes parameters with its neighbours."""
+
+    name = "gossip"
+
+    def check(self, cfg: Config, layout: Layout) -> None:
+        s = cfg.sync
+        check_replica_mode(cfg)
+        _require(s.topology in TOPOLOGIES, f"sync.topology={s.topology!r} is not one of {', '.join(TOPOLOGIES)}")
+        _require(fits(s.topology, layout.dp), f"sync.topology={s.topology} pairs replicas by XOR and needs a DP "
+                 f"size that is a power of two, got dp={layout.dp}")
+        _require(s.scope == "dp" and s.fragments == 1, "sync=gossip exchanges whole replicas over DP: sync.scope=dp "
+                 "and sync.fragments=1")
+        _require(cfg.compression.method == "none", f"sync=gossip exchanges fp32 parameters; compression="
+                 f"{cfg.compression.method} applies to gradients (sync=dp) and outer steps (sync=diloco)")
+
+    def build(self, cfg: Config, ctx: ParallelContext, model: nn.ModuleList, main: Optional[dict],
+              hook: Any) -> DPPlan:
+        grad_sync = inner_sync(cfg, ctx, model, main)
+        optimizer = inner_optimizer(cfg, ctx, model, grad_sync, main)
+        gossip = Gossip(cfg.sync, trained(model), ctx.dp_group, optimizer, ctx.tp_group, ctx.pp_group, node_of(ctx))
+        return DPPlan(grad_sync, optimizer, replica=gossip, replicas_group=inner_group(cfg, ctx), same_norm=False)
+
+    def footprint(self, cfg: Config, params: Sequence[torch.Tensor], sizes: Sequence[int], dp: int, share: int,
+                  device: str, host: bool) -> Footprint:
+        """While a round runs: the flat parameters, each neighbour's, their stack and the mean."""
+        peers = max(len(neighbours(cfg.sync.topology, dp, i)) for i in range(dp))
+        numel = sum(p.numel() for p in params)
+        return Footprint(transient=(2 * peers + 3) * F32 * numel if dp > 1 else 0)
+
+    def startup(self, cfg: Config, layout: Layout) -> list[str]:
+        return single_replica_note(cfg, layout.dp)
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+GOSSIP = register_sync_mode(GossipMode())

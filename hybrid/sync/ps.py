@@ -31,147 +31,35 @@ parameters (the sync blob).
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections import defaultdict
-from collections.abc import Callable
-from typing import Any, Optional
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybrid.config import Config
-from hybrid.optim.adamw import clip_grads, finite, global_grad_norm, optimizer_over
+from hybrid.config import Config, ConfigError, optimizer_moments
+from hybrid.optim.adamw import clip_grads, finite, global_grad_norm
 from hybrid.parallel import collectives as C
-from hybrid.parallel.context import ParallelContext
+from hybrid.parallel.context import ParallelContext, more_groups
 from hybrid.parallel.grads import grad_of
-from hybrid.sync.replica import over_ranks
+from hybrid.sync.footprint import F32, Footprint
+from hybrid.sync.plan import DPPlan, register_sync_mode
+from hybrid.sync.replica import (
+    check_replica_mode,
+    inner_group,
+    inner_sync,
+    node_of,
+    over_ranks,
+    single_replica_note,
+    trained,
+)
+from hybrid.sync.server import STOP, Server, shard_bounds
 
-STOP = -1.0
-
-
-def shard_bounds(numel: int, servers: int) -> list[tuple[int, int]]:
-    """The S contiguous [lo, hi) shards of a flat vector of `numel` elements (sizes differ by at most one)."""
-    return [(s * numel // servers, (s + 1) * numel // servers) for s in range(servers)]
-
-
-class Server:
-    """Shard `bounds` of one coordinate's parameters and its optimizer; `run` is the thread's loop."""
-
-    def __init__(self, cfg: Config, params: list[nn.Parameter], flat: torch.Tensor, bounds: tuple[int, int],
-                 workers: int, push: dist.ProcessGroup, pull: dist.ProcessGroup, me: int) -> None:
-        self.s, self.workers, self.push, self.pull, self.me = cfg.sync, workers, push, pull, me
-        lo, hi = bounds
-        self.slices: list[nn.Parameter] = []
-        decay, plain, offset = [], [], 0
-        for p in params:  # the shard's part of each parameter, a leaf of its own (decay as the parameter's)
-            a, b = max(lo, offset), min(hi, offset + p.numel())
-            if a < b:
-                piece = nn.Parameter(flat[a:b].clone())
-                self.slices.append(piece)
-                (decay if p.ndim >= 2 else plain).append(piece)
-            offset += p.numel()
-        self.optimizer = optimizer_over([{"params": decay, "weight_decay": cfg.optim.weight_decay},
-                                         {"params": plain, "weight_decay": 0.0}], cfg.optim, cfg.train.lr)
-        self.numel, self.version = hi - lo, 0
-        self.keep = cfg.sync.max_staleness if cfg.sync.asynchronous else 0
-        self.snapshots: dict[int, torch.Tensor] = {0: self.params()}  # version → the shard's parameters
-        self.pushes: dict[int, dict[int, tuple[torch.Tensor, int, float]]] = defaultdict(dict)
-        self.waiting: list[tuple[int, int]] = []  # (worker, the version it needs) owed a reply
-        self.staleness: list[int] = []  # every applied push's
-        self.inbox: queue.Queue = queue.Queue()  # (worker, push): the host's own worker's and `receive`'s
-        self.local_out: queue.Queue = queue.Queue()  # replies to the host's own worker
-        self.changed = threading.Condition()
-        self.error: Optional[BaseException] = None
-
-    def params(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self.slices])
-
-    def run(self) -> None:
-        try:
-            self._loop()
-        except BaseException as e:  # noqa: BLE001 - the worker raises it at its next exchange
-            self.error = e
-            self.local_out.put(None)
-            with self.changed:
-                self.changed.notify_all()
-
-    def _loop(self) -> None:
-        """Handle pushes from the inbox (the host's own worker puts its own there; `receive` the others') until
-        every worker has said stop; reply as versions allow."""
-        stopped = 0
-        while stopped < self.workers:
-            stopped += self._handle(*self.inbox.get())
-
-    def receive(self) -> None:
-        """The receiving thread's loop: every remote worker's pushes (an any-source receive on the push group,
-        blocking) into the inbox, until each has sent its stop."""
-        try:
-            left, buf = self.workers - 1, torch.empty(4 + self.numel)
-            while left:
-                src = dist.recv(buf, group=self.push)
-                left -= int(float(buf[0]) == STOP)
-                self.inbox.put((dist.get_group_rank(self.push, src), buf.clone()))
-        except BaseException as e:  # noqa: BLE001 - the worker raises it at its next exchange
-            self.error = e
-            self.local_out.put(None)
-
-    def _handle(self, worker: int, msg: torch.Tensor) -> int:
-        """One push: kept for its clock; the versions it completes applied; replies sent. 1 for a stop."""
-        clock, version, lr, need = float(msg[0]), int(msg[1]), float(msg[2]), int(msg[3])
-        if clock == STOP:
-            return 1
-        self.pushes[int(clock)][worker] = (msg[4:], int(clock) - version, lr)
-        self.waiting.append((worker, need))
-        while len(self.pushes.get(self.version, {})) == self.workers:
-            self._apply(self.pushes.pop(self.version))
-        self._answer()
-        return 0
-
-    @torch.no_grad()
-    def _apply(self, pushes: dict[int, tuple[torch.Tensor, int, float]]) -> None:
-        """One optimizer step on the clock's mean gradient (DP-rank order), then the next version."""
-        mean = torch.zeros(self.numel)
-        for w in sorted(pushes):  # the sum, then one division: as the DP all-reduce's mean
-            grad, stale, lr = pushes[w]
-            mean.add_(grad, alpha=1.0 / (1 + stale) if self.s.staleness_weighting else 1.0)
-            self.staleness.append(stale)
-        mean.div_(self.workers)
-        offset = 0
-        for piece in self.slices:
-            piece.grad = mean[offset: offset + piece.numel()].view_as(piece)
-            offset += piece.numel()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        with self.changed:
-            self.version += 1
-            self.snapshots[self.version] = self.params()
-            for old in [v for v in self.snapshots if v < self.version - self.keep]:  # no push needs them now
-                del self.snapshots[old]
-            self.changed.notify_all()
-
-    def _answer(self) -> None:
-        """Reply to every push whose needed version is reached: [that version] and the shard's parameters then —
-        exactly that version, so every shard of a replica (and its TP and PP peers) computes on one model, and
-        an asynchronous run repeats bit for bit whatever the timing."""
-        due = [(w, need) for w, need in self.waiting if need <= self.version]
-        self.waiting = [x for x in self.waiting if x not in due]
-        for w, need in due:
-            reply = torch.cat([torch.tensor([float(need)]), self.snapshots[need]])
-            if w == self.me:
-                self.local_out.put(reply)
-            else:  # its receive was posted before its push: the send completes
-                C.COUNTER.record(C.group_name(self.pull), "send", reply)
-                dist.send(reply, group=self.pull, group_dst=w)
-
-    def wait_version(self, version: int) -> None:
-        with self.changed:
-            while self.version < version and self.error is None:
-                self.changed.wait(timeout=1.0)
-        if self.error is not None:
-            raise RuntimeError(f"parameter server thread failed: {self.error}") from self.error
+if TYPE_CHECKING:
+    from hybrid.parallel.context import Layout
 
 
 class PSWorker:
@@ -179,7 +67,6 @@ class PSWorker:
     when its DP rank is below `sync.servers`."""
 
     moments: tuple[str, ...] = ()  # the optimizer's state lives on the servers
-    steps_the_model = True  # it replaces the trainer's optimizer
 
     def __init__(self, cfg: Config, ctx: ParallelContext, params: list[nn.Parameter], push: dist.ProcessGroup,
                  pull: dist.ProcessGroup, node_of: Callable[[int], int] = lambda r: 0) -> None:
@@ -324,3 +211,60 @@ class PSWorker:
             self.server.optimizer.load_state_dict(sd["server"]["optim"])
             self.server.version, self.server.staleness = int(sd["server"]["version"]), sd["server"]["staleness"]
             self.server.snapshots = {int(v): t for v, t in sd["server"]["snapshots"].items()}
+
+
+class ParameterServer:
+    """`sync.mode=ps` (`sync=ps`, `sync=ps_async`): the workers' `PSWorker` is the optimizer (see the module doc)."""
+
+    name = "ps"
+
+    def check(self, cfg: Config, layout: Layout) -> None:
+        s, t = cfg.sync, cfg.train
+        check_replica_mode(cfg)
+        _require(s.servers >= 1, f"sync.servers must be >= 1, got {s.servers}")
+        _require(s.servers <= layout.dp, f"sync.servers={s.servers} is more than the DP ranks that host them "
+                 f"(dp={layout.dp}): each server shard lives on one DP rank of each (pp, tp) coordinate")
+        _require(s.max_staleness >= 0, f"sync.max_staleness must be >= 0, got {s.max_staleness}")
+        _require(s.scope == "dp" and s.fragments == 1 and s.inner_steps == 1, "sync=ps exchanges every step over "
+                 "DP: sync.scope=dp, sync.fragments=1, sync.inner_steps=1")
+        _require(cfg.compression.method == "none", f"sync=ps pushes fp32 gradients; compression="
+                 f"{cfg.compression.method} applies to sync=dp and sync=diloco")
+        _require(t.precision != "bf16_params", "sync=ps keeps fp32 parameters on the servers: use train.precision="
+                 "bf16 (autocast) or fp32")
+        _require(t.on_nonfinite == "stop", f"sync=ps stops on a non-finite gradient (the servers have applied the "
+                 f"step's others): train.on_nonfinite={t.on_nonfinite} is not available with it")
+
+    def build(self, cfg: Config, ctx: ParallelContext, model: nn.ModuleList, main: Optional[dict],
+              hook: Any) -> DPPlan:
+        """Pushes and replies each on groups of their own over the DP ranks (gloo: CPU, beside NCCL too)."""
+        grad_sync = inner_sync(cfg, ctx, model, main)
+        push, pull = (more_groups(ctx, "dp", "ps", backend="gloo") for _ in range(2))
+        worker = PSWorker(cfg, ctx, trained(model), push, pull, node_of(ctx))
+        return DPPlan(grad_sync, worker, replica=worker, replicas_group=inner_group(cfg, ctx), same_norm=False)
+
+    def footprint(self, cfg: Config, params: Sequence[torch.Tensor], sizes: Sequence[int], dp: int, share: int,
+                  device: str, host: bool) -> Footprint:
+        """No optimizer on the worker; on CPU, while it pushes, the flat gradient, the pushes, the replies and
+        their concatenation; on the host of a server shard (CPU runs only) the shard's `server_bytes`."""
+        numel = sum(p.numel() for p in params)
+        return Footprint(0, True, server_bytes(cfg, numel, dp) if device == "cpu" and host else 0,
+                         4 * F32 * numel if device == "cpu" else 0)
+
+    def startup(self, cfg: Config, layout: Layout) -> list[str]:
+        return single_replica_note(cfg, layout.dp)
+
+
+def server_bytes(cfg: Config, numel: int, dp: int) -> int:
+    """A server shard's host (the largest shard): parameters, moments, k + 1 snapshots, the queued pushes of
+    k + 1 clocks from every worker (each with its 4-element header) and the step's mean."""
+    s, shard = cfg.sync, -(-numel // cfg.sync.servers)
+    k = s.max_staleness if s.asynchronous else 0
+    return F32 * (shard * (1 + optimizer_moments(cfg.optim) + (k + 1) + 1) + (k + 1) * dp * (shard + 4))
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+PARAMETER_SERVER = register_sync_mode(ParameterServer())

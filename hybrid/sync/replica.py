@@ -1,14 +1,31 @@
-"""What a replica-level sync mode keeps of each replica: the inner optimizer's view of the weights (`Weights`),
+"""What the replica-level sync modes share (DiLoCo, gossip, the parameter server): a replica's own per-step
+gradient sync and optimizer, the options they refuse, the inner optimizer's view of the weights (`Weights`),
 and the replica's own state for checkpoints — its parameters and inner optimizer state, which differ between
 replicas between syncs (the checkpoint's DCP part, deduplicated over DP, holds only one replica's)."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from hybrid.compression.hooks import make_hook
+from hybrid.config import CompressionConfig, Config, ConfigError
+from hybrid.optim import build_optimizer
+from hybrid.parallel.collectives import Group
+from hybrid.parallel.data import GradSync, SyncReport
+
+if TYPE_CHECKING:
+    from hybrid.parallel.context import ParallelContext
+
+INCOMPATIBLE = {"compression.method": ("hierarchical", "onebit_adam"), "compression.schedule": ("auto",),
+                "parallel.zero": (1,)}
+"""Options a replica-level mode refuses: hierarchical compression (use `sync.scope=inter`), 1-bit Adam (an
+optimizer-side gradient compression), the auto compression schedule (it watches every step's gradient
+exchange), the distributed optimizer (its shards assume replicas that agree)."""
 
 
 class Weights(Protocol):
@@ -67,3 +84,52 @@ def over_ranks(values: list[float], device: torch.device, op: dist.ReduceOp.RedO
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op)
     return (t / dist.get_world_size() if op == dist.ReduceOp.SUM else t).tolist()
+
+
+def check_replica_mode(cfg: Config) -> None:
+    """The options no replica-level mode runs with (`INCOMPATIBLE`). Raises ConfigError (one line)."""
+    for key, bad in INCOMPATIBLE.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value in bad:
+            raise ConfigError(f"sync.mode={cfg.sync.mode} cannot run with {key}={value}"
+                              + (" (use sync.scope=inter)" if value == "hierarchical" else ""))
+
+
+def inner_group(cfg: Config, ctx: ParallelContext) -> Group:
+    """The group a replica-level mode averages gradients over every step: the node's DP ranks under
+    `sync.scope=inter`, else none (a replica alone)."""
+    return ctx.dp_intra_group if cfg.sync.scope == "inter" else None
+
+
+def inner_sync(cfg: Config, ctx: ParallelContext, model: nn.Module, main: Optional[dict]) -> GradSync:
+    """A replica's per-step gradient sync: exact over `inner_group` (no communication when that is none)."""
+    group = inner_group(cfg, ctx)
+    exact, exact_state = make_hook(CompressionConfig(method="none"), group)
+    return GradSync(list(model.parameters()), group, exact, exact_state, cfg.parallel.bucket_mb,
+                    SyncReport(exact=True), main_grads=main is not None)
+
+
+def inner_optimizer(cfg: Config, ctx: ParallelContext, model: nn.Module, grad_sync: GradSync,
+                    main: Optional[dict]) -> Any:
+    """A replica's own optimizer (AdamW or SGD; over fp32 main weights under bf16 parameters)."""
+    return build_optimizer(model, cfg.optim, cfg.train.lr, ctx, grad_sync, main)
+
+
+def trained(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters a replica-level sync keeps in agreement: those trained, in the model's order."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def node_of(ctx: ParallelContext) -> Callable[[int], int]:
+    """A DP rank (in this rank's DP group) → its node."""
+    def node(dp_rank: int) -> int:
+        return ctx.layout.node(ctx.layout.rank(pp=ctx.pp_rank, dp=dp_rank, tp=ctx.tp_rank, cp=ctx.cp_rank))
+    return node
+
+
+def single_replica_note(cfg: Config, dp: int) -> list[str]:
+    """The start-up note of a mode with nothing to exchange: one replica (dp=1)."""
+    if dp > 1:
+        return []
+    return [f"note: sync.mode={cfg.sync.mode} has nothing to exchange at dp=1: the run trains one replica"]

@@ -174,7 +174,7 @@ def _codec_state(comp: Any) -> int:
 
 def _outer_state(trainer: Trainer) -> tuple[int, int]:
     """(DiLoCo's anchors and momentum, the codec state of the sync's hook: DP's or the outer exchange's)."""
-    outer = trainer.outer
+    outer = trainer.dp.replica
     if outer is None or not hasattr(outer, "anchor"):
         return 0, _codec_state(trainer.grad_sync.state if outer is None else None)
     return _bytes(outer.anchor) + _bytes(outer.momentum), _codec_state(outer.state)
@@ -204,7 +204,7 @@ def measure_sync(rank: int, world: int) -> list[dict[str, Any]]:
                           torch.device("cpu"), hook, state)
         for _ in range(warm):
             trainer.train_step()
-        pending = getattr(trainer.outer, "pending", {}).values()  # an overlapped exchange's buffers, in flight
+        pending = getattr(trainer.dp.replica, "pending", {}).values()  # an overlapped exchange's buffers, in flight
         flight = sum(_bytes([b.buffer() for b in launched[0]]) for _, launched in pending)
         peak = tracked_peak(trainer.train_step)
         with torch.device("meta"):
@@ -215,7 +215,7 @@ def measure_sync(rank: int, world: int) -> list[dict[str, Any]]:
         grads = sum(4 * b.buffer().numel() for b in trainer.grad_sync.buckets)
         inner = 0 if cfg.sync.mode == "ps" else moment_bytes(trainer.optimizer)[1]
         outer, codec = _outer_state(trainer)
-        server = _server_state(trainer.outer)
+        server = _server_state(trainer.dp.replica)
         out.append({"mode": extra[0], "est": est, "optimizer": inner + outer, "server": server > 0,
                     "real": params + grads + inner + outer + codec + server + flight + peak})
     return out

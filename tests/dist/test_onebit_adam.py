@@ -56,7 +56,7 @@ def build(world: int, model: nn.Module) -> tuple[GradSync, OneBitAdam]:
     ctx = ParallelContext.build(Layout.create(world, dp=world))
     hook, state = make_hook(compression(), ctx.dp_group)
     sync = GradSync(list(model.parameters()), ctx.dp_group, hook, state, BUCKET_MB)
-    return sync, build_optimizer(model, OPTIM, LR, ctx, sync)
+    return sync, build_optimizer(model, OPTIM, LR, ctx, sync, onebit=state)
 
 
 def train(rank: int, model: nn.Module, sync: GradSync, opt: OneBitAdam, steps: range) -> list[list[torch.Tensor]]:

@@ -63,7 +63,7 @@ def train_modes(rank: int, world: int, case: Case, modes: list[tuple[str, ...]],
             dp_bytes.append({g: C.COUNTER.group_bytes(g) for g in ("dp", "dp_intra", "dp_inter", "tp", "pp")})
         numel = sum(p.numel() for p in trainer.grad_sync.parameters())
         out.append({"losses": losses, "weights": _weights(trainer), "bytes": dp_bytes, "numel": numel,
-                    "record": trainer.outer.record(steps) if trainer.outer else {}})
+                    "record": trainer.dp.replica_record(steps)})
     return out
 
 

@@ -37,8 +37,10 @@ class Hook:
 def guard(tmp: Path, mode: str, limit: int) -> tuple[Guard, SimpleNamespace, nn.ModuleList]:
     cfg = SimpleNamespace(on_nonfinite=mode, max_skipped_steps=limit)
     checkpointer = SimpleNamespace(root=tmp, wait=lambda: None)
-    g = Guard(cfg, SimpleNamespace(rank=0), checkpointer, lambda line: None)  # type: ignore[arg-type]
-    trainer = SimpleNamespace(step=0, grad_sync=SimpleNamespace(state=Hook()))
+    hook = Hook()
+    g = Guard(cfg, SimpleNamespace(rank=0), checkpointer, lambda line: None,  # type: ignore[arg-type]
+              hook_state=lambda: hook)
+    trainer = SimpleNamespace(step=0, hook=hook)
     return g, trainer, nn.ModuleList([nn.Linear(2, 2)])
 
 
@@ -90,9 +92,9 @@ def test_stop_names_the_parameter_and_rewind_needs_a_checkpoint(tmp_path: Path) 
 
 def test_a_skip_drops_the_hook_entries_the_bad_gradient_spoilt(tmp_path: Path) -> None:
     g, trainer, model = guard(tmp_path, "skip", 5)
-    before = trainer.grad_sync.state.sd
+    before = trainer.hook.sd
     step(g, trainer, model, True)
-    after = trainer.grad_sync.state.sd
+    after = trainer.hook.sd
     kept = {k: [i for i, v in before[k].items() if bool(torch.isfinite(torch.stack(list(v) if isinstance(v, list)
                                                                                    else [v])).all())]
             for k in ("residual", "q")}

@@ -1,0 +1,84 @@
+"""`sync.mode=dp`: synchronous data parallelism, every step's gradients averaged over the DP group.
+
+The gradient sync is `parallel.data.GradSync` over the DP group through the compression hook
+(`compression=`): an all-reduce per bucket launched inside the backward, or under `parallel.zero=1` a
+reduce-scatter (in a 16-bit dtype, or int8-encoded) that the distributed optimizer's all-gather completes.
+The optimizer is AdamW or SGD over the parameters (over fp32 main weights under bf16 parameters), the
+distributed optimizer under ZeRO-1, or 1-bit Adam's under `compression=onebit_adam` (its hook state is the
+momentum exchange). The auto compression schedule watches every step's loss (`Compression.observe`); its
+decisions are run state. Nothing runs after the optimizer's step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import nn
+
+from hybrid.compression.hooks import Compression, make_hook
+from hybrid.compression.schedule import exact_kinds, exact_param_ids
+from hybrid.compression.zero import REDUCE_SCATTER_DTYPES, encoded_reduce_scatter
+from hybrid.config import Config, ConfigError
+from hybrid.optim import build_optimizer
+from hybrid.parallel.data import CommHook, GradSync, SyncReport
+from hybrid.sync import exchange
+from hybrid.sync.footprint import Footprint
+from hybrid.sync.plan import DPPlan, register_sync_mode
+
+if TYPE_CHECKING:
+    from hybrid.parallel.context import Layout, ParallelContext
+
+
+def dp_hook(cfg: Config, ctx: ParallelContext, hook: Optional[tuple[CommHook, Any]]) -> tuple[CommHook, Any]:
+    """The DP compression hook and its state: `hook` when the caller brings one, else `compression=`'s."""
+    return hook or make_hook(cfg.compression, ctx.dp_group, ctx.dp_intra_group, ctx.dp_inter_group)
+
+
+def kept_exact(cfg: Config, model: nn.Module) -> frozenset[int]:
+    """The ids of the parameters the hook keeps exact (`compression.exact_params`)."""
+    c = cfg.compression
+    return exact_param_ids(model.named_parameters(), exact_kinds(c.exact_params, c.schedule))
+
+
+class SynchronousDP:
+    """Every step's gradients averaged over DP through the compression hook (see the module doc)."""
+
+    name = "dp"
+
+    def check(self, cfg: Config, layout: Layout) -> None:
+        s = cfg.sync
+        if not (s.inner_steps == 1 and s.fragments == 1 and s.scope == "dp"):
+            raise ConfigError("sync.inner_steps, sync.fragments and sync.scope apply to sync=diloco or "
+                              "sync=local_sgd, not to synchronous DP (sync.mode=dp)")
+
+    def build(self, cfg: Config, ctx: ParallelContext, model: nn.ModuleList,
+              main: Optional[dict[nn.Parameter, torch.Tensor]], hook: Optional[tuple[CommHook, Any]]) -> DPPlan:
+        c = cfg.compression
+        run, state = dp_hook(cfg, ctx, hook)
+        apart = kept_exact(cfg, model)
+        watcher = state if isinstance(state, Compression) else None
+        if watcher is not None:
+            watcher.exact_params = apart
+        report = SyncReport(error=c.measure_error, exact=c.method == "none", inter_node=c.method == "hierarchical")
+        grad_sync = GradSync(list(model.parameters()), ctx.dp_group, run, state, cfg.parallel.bucket_mb, report,
+                             apart=apart, main_grads=main is not None, sharded=cfg.parallel.zero == 1,
+                             encoded_reduce_scatter=encoded_reduce_scatter(c),
+                             reduce_dtype=REDUCE_SCATTER_DTYPES.get(c.method, torch.float32))
+        onebit = state if c.method == "onebit_adam" else None  # 1-bit Adam's optimizer drives its momentum exchange
+        optimizer = build_optimizer(model, cfg.optim, cfg.train.lr, ctx, grad_sync, main,
+                                    cfg.parallel.overlap_param_gather, onebit=onebit)
+        return DPPlan(grad_sync, optimizer, watcher=watcher, replicas_group=ctx.dp_group)
+
+    def footprint(self, cfg: Config, params: Sequence[torch.Tensor], sizes: Sequence[int], dp: int, share: int,
+                  device: str, host: bool) -> Footprint:
+        """The DP exchange's copies in flight and its codec's state (`exchange.exchange_bytes`)."""
+        copies, state = exchange.exchange_bytes(cfg, sizes, dp, device)
+        return Footprint(state=state, transient=copies)
+
+    def startup(self, cfg: Config, layout: Layout) -> list[str]:
+        return exchange.startup_lines(cfg, layout)
+
+
+SYNCHRONOUS_DP = register_sync_mode(SynchronousDP())

@@ -1,0 +1,129 @@
+"""What every sync mode's exchange shares: the rules the compression options must satisfy against the rest
+of the run, the start-up line that describes the hook, and the bytes its collectives and codecs hold.
+
+The compression library (`hybrid.compression`) knows codecs and hooks; whether a run's DP exchange can use one
+— with ZeRO-1's reduce-scatter, 1-bit Adam's optimizer, bf16 parameters, the run's length — is decided here,
+once, for every mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from hybrid.compression.codecs import CODECS
+from hybrid.compression.schedule import exact_kinds
+from hybrid.compression.zero import ZERO_METHODS
+from hybrid.config import CompressionConfig, Config, ConfigError, ParallelConfig
+
+if TYPE_CHECKING:
+    from hybrid.parallel.context import Layout
+
+F32 = 4
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def check(cfg: Config, layout: Layout) -> None:
+    """The compression options against the optimizer, ZeRO-1, the precision, the buckets and the run's length.
+    Raises ConfigError (one line)."""
+    p, t, c = cfg.parallel, cfg.train, cfg.compression
+    _require(cfg.optim.name == "adamw" or (p.zero == 0 and c.method != "onebit_adam"),
+             f"optim.name={cfg.optim.name} cannot run with parallel.zero=1 or compression=onebit_adam (AdamW's)")
+    check_zero(p, c)
+    _require(t.precision != "bf16_params" or c.method != "onebit_adam", "train.precision=bf16_params "
+             "keeps fp32 main weights that compression=onebit_adam's optimizer does not: use train.precision=bf16 "
+             "(autocast) or fp32 with it")
+    check_block_size(c, p.bucket_mb, layout.dp)
+    _require(c.method == "none" or c.warmup_steps < t.steps, f"compression.warmup_steps={c.warmup_steps} is not "
+             f"shorter than the run (train.steps={t.steps}): compression={c.method} would never start")
+    first = max(2 * c.settle_window, c.warmup_steps)  # the first step the auto schedule may switch after
+    _require(c.schedule != "auto" or first < t.steps, f"compression.settle_window={c.settle_window} leaves no step "
+             f"to compress: the auto schedule compares two windows ({first} steps at least) and the run has "
+             f"train.steps={t.steps}")
+    _require(c.method != "dgc" or c.sparsity_warmup_steps < t.steps, f"compression.sparsity_warmup_steps="
+             f"{c.sparsity_warmup_steps} is not shorter than the run (train.steps={t.steps})")
+
+
+def check_zero(p: ParallelConfig, c: CompressionConfig) -> None:
+    """The distributed optimizer reduce-scatters each bucket: a method that needs the whole bucket (a codec,
+    PowerSGD, 1-bit Adam's momentum) or a per-step stage change cannot run there."""
+    _require(p.zero in (0, 1), f"parallel.zero must be 0 (off) or 1 (the distributed optimizer), got {p.zero}")
+    _require(p.zero == 1 or not p.overlap_param_gather, "parallel.overlap_param_gather=true overlaps the "
+             "distributed optimizer's parameter all-gather: it needs parallel.zero=1")
+    if p.zero == 0:
+        return
+    _require(c.method in ZERO_METHODS, f"parallel.zero=1 reduce-scatters the gradients, which "
+             f"compression={c.method} cannot do (it needs each bucket whole): use compression="
+             f"{'|'.join(ZERO_METHODS)}, or parallel.zero=0")
+    _require(c.schedule == "fixed" and c.warmup_steps == 0, "parallel.zero=1 runs one reduce-scatter dtype for "
+             f"the whole run: compression.schedule={c.schedule} with warmup_steps={c.warmup_steps} needs "
+             "schedule=fixed and warmup_steps=0")
+
+
+def check_block_size(c: CompressionConfig, bucket_mb: float, dp: int) -> None:
+    """A scale block of int8/sign is at most one DP rank's chunk of a full bucket: each chunk is padded to
+    a whole number of blocks, so a larger block only allocates padding (at most doubling a chunk here)."""
+    limit = max(1, int(bucket_mb * 2**20 / 4) // dp)
+    _require(c.block_size <= limit, f"compression.block_size={c.block_size} exceeds one DP rank's chunk of a "
+             f"bucket ({limit} fp32 elements = parallel.bucket_mb={bucket_mb} MB / dp={dp}); each chunk is "
+             "padded to whole blocks")
+
+
+def compression_summary(c: CompressionConfig, layout: Layout) -> str:
+    """One start-up line: the DP hook, and under hierarchical how the DP groups split over nodes."""
+    line = f"compression: {c.method} over dp={layout.dp}"
+    if c.schedule == "auto":
+        line += (f", schedule auto: exact, then {' → '.join([*c.stages, c.method])}, each stage once the loss's "
+                 f"{c.settle_window}-step mean falls < {c.settle_tol:.1%}" +
+                 (f" (after {c.warmup_steps} steps at least)" if c.warmup_steps else ""))
+    elif c.warmup_steps:
+        line += f", exact for the first {c.warmup_steps} steps"
+    kinds = exact_kinds(c.exact_params, c.schedule)
+    if kinds and c.method != "none":
+        line += f"; kept exact: {', '.join(kinds)}"
+    if c.method == "onebit_adam":
+        line += " (AdamW), then the momentum sent as signs with the variance frozen"
+    if c.method == "dgc" and c.sparsity_warmup_steps:
+        line += f", density from 1 down to {c.fraction} over {c.sparsity_warmup_steps} steps"
+    if c.method != "hierarchical":
+        return line + ("" if layout.dp > 1 else " (dp=1: nothing to exchange)")
+    return line + hierarchical_split(c, layout)
+
+
+def hierarchical_split(c: CompressionConfig, layout: Layout) -> str:
+    """How hierarchical sync's two hops fall on the nodes (with a warning when one of them is a single rank)."""
+    intra, inter = len(layout.dp_intra_node_groups()[0]), len(layout.dp_inter_node_groups()[0])
+    line = f": exact inside a node ({intra} DP ranks), {c.inner} between nodes ({inter} DP ranks)"
+    if intra == 1 or inter == 1:
+        line += (f" — warning: with {layout.ranks_per_node} ranks per node one of the two hops is a single "
+                 "rank, so this is plain " + ("exact sync" if inter == 1 else c.inner) +
+                 " (set parallel.ranks_per_node to emulate nodes)")
+    return line
+
+
+def startup_lines(cfg: Config, layout: Layout) -> list[str]:
+    """The compression hook's start-up line, when the exchange is compressed."""
+    return [compression_summary(cfg.compression, layout)] if cfg.compression.method != "none" else []
+
+
+def exchange_bytes(cfg: Config, sizes: Sequence[int], dp: int, device: str) -> tuple[int, int]:
+    """(copies, state) of the DP exchange for buckets of `sizes` elements: the copies its collectives hold
+    while the buckets are in flight (a 16-bit copy of each for fp16/bf16; under ZeRO-1 on CPU, gloo's copy
+    of each reduce-scatter's input, or int8's encoded shards sent and received), and the compression state
+    kept across steps (docs/memory.md)."""
+    c = cfg.compression
+    if dp == 1 or not sizes:
+        return 0, 0
+    if c.method in ("none", "fp16", "bf16", "torch_fp16", "torch_bf16"):
+        cast = 2 * sum(sizes) if c.method != "none" else 0
+        return max(cast, F32 * sum(sizes) if cfg.parallel.zero == 1 and device != "cuda" else 0), 0
+    if cfg.parallel.zero == 1:  # int8's encoded reduce-scatter: the sent and the received shards, then gone
+        return 2 * sum(n + 4 * n // c.block_size for n in sizes), 0
+    residuals = int(c.error_feedback and (c.method not in CODECS or CODECS[c.method].error_feedback))
+    if c.method in ("powersgd", "torch_powersgd"):
+        return 0, F32 * sum(sizes) * residuals
+    return 0, F32 * (sum(sizes) * (1 + residuals) + sum(sizes) // dp * residuals)  # buffer, worker's, own chunk's
