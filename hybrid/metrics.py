@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 __all__ = [
-    "LineProgress", "StepTimer", "format_bytes", "format_count", "format_duration", "jsonable", "mfu",
+    "LineProgress", "format_bytes", "format_count", "format_duration", "jsonable", "mfu",
     "model_flops_per_token", "peak_flops", "progress_postfix",
 ]
 
@@ -89,53 +89,6 @@ def jsonable(value: Any) -> Any:
     if hasattr(value, "tolist") and callable(value.tolist):  # numpy array
         return jsonable(value.tolist())
     return str(value)
-
-
-class StepTimer:
-    """Wall time of one step and the resulting throughput; synchronizes CUDA so GPU work is included.
-
-    Usage: `timer.start(); ...step...; dt = timer.stop(tokens)`; or `with timer: ...` and set `timer.tokens`.
-    `elapsed` and `tokens_per_s` refer to the last stopped step.
-    """
-
-    def __init__(self, device: torch.device | None = None) -> None:
-        dev = torch.device(device) if device is not None else None
-        self.sync = dev is not None and dev.type == "cuda" and torch.cuda.is_available()
-        self.tokens = 0
-        self.elapsed = 0.0
-        self._t0: float | None = None
-
-    def _synchronize(self) -> None:
-        if self.sync:
-            torch.cuda.synchronize()
-
-    def start(self) -> None:
-        """Mark the beginning of a step (after waiting for queued GPU work)."""
-        self._synchronize()
-        self._t0 = time.perf_counter()
-
-    def stop(self, tokens: int | None = None) -> float:
-        """End the step that processed `tokens` tokens (all ranks' tokens for a global rate); return seconds."""
-        if self._t0 is None:
-            raise RuntimeError("StepTimer.stop() called before start()")
-        self._synchronize()
-        self.elapsed = time.perf_counter() - self._t0
-        self._t0 = None
-        if tokens is not None:
-            self.tokens = tokens
-        return self.elapsed
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Tokens per second of the last stopped step (0.0 before any)."""
-        return self.tokens / self.elapsed if self.elapsed > 0 else 0.0
-
-    def __enter__(self) -> StepTimer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def progress_postfix(metrics: dict[str, Any]) -> str:

@@ -129,7 +129,7 @@ class GradSync:
                 p.register_post_accumulate_grad_hook(on_ready)
             self.buckets.append(bucket)
         self._metered = False  # whether this step meters the compression error (`meter`)
-        self.launch_log: list[tuple[int, bool]] = []  # (bucket index, launched inside the backward)
+        self.launch_log: list[tuple[int, bool]] = []  # (bucket index, launched by the gradient-ready hook)
         self.last_launch_log: list[tuple[int, bool]] = []  # the previous step's, kept by finish()
         self.begin_step(1)
 
@@ -162,7 +162,7 @@ class GradSync:
     def _launch(self, i: int, in_backward: bool) -> None:
         self._pending[i] = 0
         self._next = i + 1
-        self.launch_log.append((i, in_backward and torch._C._current_graph_task_id() != -1))
+        self.launch_log.append((i, in_backward))  # from the gradient-ready hook: autograd runs it in the backward
         if self.enabled:
             self._futures[i] = self._start(self.buckets[i])
 

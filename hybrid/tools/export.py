@@ -51,9 +51,9 @@ from hybrid.tools.export_files import (
     finish_config,
     staging,
 )
+from hybrid.tools.keys import boolean, key_values
 
 KEYS = ("checkpoint", "out", "force", "dtype", "verify")
-BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 EOS_TOKEN = "<|endoftext|>"
 VERIFY_IDS = (2, 16)  # the batch of random token ids the verification runs
 # max |Δlogits| allowed, relative to max(1, max |logits|): a conversion bug is O(1); bf16 weights and
@@ -92,25 +92,11 @@ class Report:
 
 def parse_args(argv: list[str]) -> Options:
     """Turn `key=value` words into Options; raise UsageError on anything else."""
-    seen: dict[str, str] = {}
-    for word in argv:
-        key, sep, value = word.partition("=")
-        if not sep or not key:
-            raise UsageError(f"expected key=value, got {word!r}")
-        if key not in KEYS:
-            raise UsageError(f"unknown key {key!r}; expected one of {', '.join(KEYS)}")
-        if key in seen:
-            raise UsageError(f"{key} given twice")
-        seen[key] = value
+    seen = key_values(argv, KEYS)
     for key in ("checkpoint", "out"):
         if not seen.get(key):
             raise UsageError(f"{key}= is required (python -m hybrid.tools.export checkpoint=<dir> out=<dir>)")
-    flags = {}
-    for key in ("force", "verify"):
-        if key in seen:
-            if seen[key].lower() not in BOOLS:
-                raise UsageError(f"{key} must be true or false, got {seen[key]!r}")
-            flags[key] = BOOLS[seen[key].lower()]
+    flags = {key: boolean(key, seen[key]) for key in ("force", "verify") if key in seen}
     dtype = seen.get("dtype", "fp32")
     if dtype not in DTYPES:
         raise UsageError(f"dtype must be {' or '.join(DTYPES)}, got {dtype!r}")

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from hybrid.cli import EXIT_BAD_INPUT, UsageError, run_tool
 from hybrid.parallel.schedules import Action, Op, ScheduleError, build_schedule, steps
 from hybrid.parallel.simulator import Simulation, simulate
+from hybrid.tools.keys import boolean, key_values
 
 ALIASES = {"m": "microbatches", "v": "virtual_stages"}
 INTS = ("pp", "microbatches", "virtual_stages")
 FLOATS = ("forward", "backward", "weight", "comm")
 KEYS = ("schedule", *INTS, *FLOATS, "forward_only", "png", "deferrals")
-BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 @dataclass
@@ -50,17 +50,8 @@ class Options:
 
 def parse_args(argv: list[str]) -> Options:
     """Turn `key=value` words into Options; raise UsageError on anything else."""
-    opts, seen = Options(), set()
-    for word in argv:
-        key, sep, value = word.partition("=")
-        key = ALIASES.get(key, key)
-        if not sep or not key:
-            raise UsageError(f"expected key=value, got {word!r}")
-        if key not in KEYS:
-            raise UsageError(f"unknown key {key!r}; expected one of {', '.join(KEYS)} (m= and v= are aliases)")
-        if key in seen:
-            raise UsageError(f"{key} given twice")
-        seen.add(key)
+    opts = Options()
+    for key, value in key_values(argv, KEYS, ALIASES, " (m= and v= are aliases)").items():
         setattr(opts, key, _convert(key, value))
     if opts.forward <= 0 or opts.backward <= 0 or opts.comm < 0:
         raise UsageError(f"need forward > 0, backward > 0, comm >= 0, got {opts.forward}, {opts.backward}, {opts.comm}")
@@ -80,9 +71,7 @@ def _convert(key: str, value: str) -> str | int | float | bool | list[int | None
         kind = "an integer" if key in INTS else "a number"
         raise UsageError(f"{key} must be {kind}, got {value!r}") from None
     if key == "forward_only":
-        if value.lower() not in BOOLS:
-            raise UsageError(f"forward_only must be true or false, got {value!r}")
-        return BOOLS[value.lower()]
+        return boolean(key, value)
     if key == "deferrals":
         return _deferrals(value)
     if key == "png" and not value:

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from hybrid.metrics import StepTimer, format_count, jsonable, mfu, model_flops_per_token, peak_flops
+from hybrid.metrics import format_count, jsonable, mfu, model_flops_per_token, peak_flops
 from hybrid.sinks import MetricsLogger
 
 REPO = Path(__file__).resolve().parents[2]
@@ -187,21 +186,6 @@ def test_progress_and_messages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
     assert "3/4" in out
     if not tty:
         assert "\r" not in out and out.splitlines()[0].startswith("step 2/4 loss=2.346")
-
-
-def test_step_timer() -> None:
-    """Elapsed wall time and tokens/s of one step."""
-    timer = StepTimer(torch.device("cpu"))
-    with pytest.raises(RuntimeError):
-        timer.stop()
-    timer.start()
-    time.sleep(0.05)
-    dt = timer.stop(tokens=1000)
-    assert dt >= 0.05 and timer.elapsed == dt
-    assert timer.tokens_per_s == pytest.approx(1000 / dt)
-    with timer:
-        timer.tokens = 10
-    assert 0 < timer.elapsed < dt
 
 
 def _run_python(code: str, cwd: Path, home: Path, timeout: float = 60) -> subprocess.CompletedProcess:
