@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hybrid.config import ConfigError, compose_config
+from hybrid.sync import startup_lines
 from hybrid.sync.gossip import neighbours
 from hybrid.validation import validate
 
@@ -41,3 +42,23 @@ def test_group_files_name_their_modes() -> None:
     assert (cfg.outer_lr, cfg.outer_momentum, cfg.nesterov) == (1.0, 0.0, False)  # plain averaging
     assert compose_config(["sync=gossip"]).sync.mode == "gossip"
     assert compose_config([]).sync.mode == "dp"
+
+
+@pytest.mark.parametrize("group", ["gossip", "ps"])
+def test_a_mode_with_nothing_to_exchange_says_so_at_start_up(group: str) -> None:
+    """At dp=1 a replica-level mode trains one replica: one note line instead of running silently."""
+    one, two = (compose_config([f"sync={group}"]) for _ in range(2))
+    note = f"note: sync.mode={group} has nothing to exchange at dp=1: the run trains one replica"
+    assert startup_lines(one, validate(one, 1)) == [note]
+    assert startup_lines(two, validate(two, 2)) == []
+
+
+def test_the_exchange_line_names_the_hook_and_its_split_over_nodes() -> None:
+    """The start-up line of a compressed exchange (sync=dp and sync=diloco alike); none when it is exact."""
+    plain = compose_config([])
+    assert startup_lines(plain, validate(plain, 2)) == []
+    cfg = compose_config(["compression=hierarchical-powersgd", "parallel.ranks_per_node=2"])
+    (line,) = startup_lines(cfg, validate(cfg, 4))
+    assert line.startswith("compression: hierarchical over dp=4") and "exact inside a node (2 DP ranks), powersgd" in line
+    diloco = compose_config(["sync=diloco", "compression=int8"])
+    assert startup_lines(diloco, validate(diloco, 2)) == ["compression: int8 over dp=2"]
