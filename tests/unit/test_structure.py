@@ -7,6 +7,8 @@
   so a lower room states in its hints which config it reads without depending on config at run time.
 - No module outside `hybrid/bench/` is longer than `MAX_LINES`.
 - No run of `DUP_LINES` significant lines appears twice in `hybrid/` (argparse boilerplate aside).
+- docs/architecture.md's room table names every room of `RULES` once, and each row's "may import" cell
+  names exactly the rooms `RULES` grants its rooms: the page cannot drift from the rules.
 """
 
 from __future__ import annotations
@@ -236,3 +238,44 @@ def test_the_duplicate_finder_sees_a_copy(tmp_path: Path) -> None:
 
 def test_no_copied_logic() -> None:
     assert duplicate_runs(MODULES, DUP_LINES) == []
+
+
+# ---- docs/architecture.md's room table is held to RULES ----------------------------------------
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def _room(name: str) -> str | None:
+    """A room as the page names it (`parallel/`, `config.py`) → its RULES key; None for what is no module."""
+    key = "hybrid." + name.removesuffix("/").removesuffix(".py").replace("/", ".")
+    return key if key in RULES else None
+
+
+def table_rows() -> list[tuple[list[str], str]]:
+    """Each row of the page's room table: its rooms (RULES keys) and its 'may import' cell."""
+    lines = ARCHITECTURE.read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| room |"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = line.strip().strip("|").split(" | ")
+        rooms = [r for r in map(_room, re.findall(r"`([^`]+)`", cells[0])) if r]
+        rows.append((rooms, cells[-1]))
+    return rows
+
+
+def test_the_architecture_table_names_every_room_once() -> None:
+    named = [room for rooms, _ in table_rows() for room in rooms]
+    assert sorted(named) == sorted(RULES), "docs/architecture.md's room table and RULES name different rooms"
+
+
+@pytest.mark.parametrize("row", range(len(table_rows())))
+def test_the_architecture_table_says_what_each_room_may_import(row: int) -> None:
+    """A row's 'may import' cell names exactly the rooms RULES lets its rooms import (`hybrid` = anything)."""
+    rooms, cell = table_rows()[row]
+    granted = {r for room in rooms for r in RULES[room]}
+    allowed = {"anything"} if granted == {"hybrid"} else {r.removeprefix("hybrid.") for r in granted}
+    known = {r.removeprefix("hybrid.") for r in (*RULES, *(x for v in RULES.values() for x in v))}
+    named = {n for n in re.findall(r"`([^`]+)`", cell) if n in known} | ({"anything"} if "anything" in cell else set())
+    assert named == allowed, f"docs/architecture.md, row of {', '.join(rooms)}"
