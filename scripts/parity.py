@@ -4,7 +4,7 @@
 
 Each run is launched from each tree's own folder (`PYTHONPATH` = that tree), one tree after the other, into
 DIR/<tree>/<run>; then every record of the two metrics.jsonl files is compared field by field, the timing
-fields aside (`TIMED`: wall-clock and throughput figures that differ between any two runs). The last run
+fields aside (`timed`: wall-clock and throughput figures that differ between any two runs). The last run
 resumes the BEFORE tree's step-3 checkpoint of `dp4-powersgd` with the AFTER tree and compares its steps 4–6
 with the BEFORE run's. Prints one line per run (identical, or the first field that differs) and exits 1
 when any differs.
@@ -40,8 +40,8 @@ RUNS = {
                              "parallel.ranks_per_node=2", "train.steps=6", "train.micro_batch_size=4",
                              "train.global_batch_size=16", "train.eval_every=3"],
 }
-TIMED = ("tokens_per_s", "step_time_s", "gflops", "mfu", "time/", "_time", "busy", "elapsed", "wall", "_ms", "overlap",
-         "memory", "peak")
+TIMED_SUFFIXES = ("_s", "/s", "_gbps")  # seconds and bandwidths (bytes over a measured time)
+TIMED_PARTS = ("time/", "overlap", "tokens_per_s", "gflops", "mfu", "memory", "peak")
 
 
 def launch(tree: Path, argv: list[str], run_dir: Path, extra: list[str] = ()) -> None:
@@ -59,7 +59,8 @@ def records(run_dir: Path) -> list[dict]:
 
 
 def timed(key: str) -> bool:
-    return any(t in key for t in TIMED)
+    """A wall-clock figure: seconds, a bandwidth, an overlap share, throughput, memory peaks."""
+    return key.endswith(TIMED_SUFFIXES) or any(t in key for t in TIMED_PARTS)
 
 
 def first_difference(a: list[dict], b: list[dict]) -> str | None:
@@ -105,7 +106,7 @@ def main() -> int:
 def resume(args: argparse.Namespace) -> int:
     """The AFTER tree resumes the BEFORE tree's step-3 checkpoint of dp4-powersgd; steps 4–6 against BEFORE's."""
     before = (args.out / args.before.name / "dp4-powersgd").resolve()
-    step3 = next(p for p in sorted((before / "checkpoints").iterdir()) if p.name.endswith("3"))
+    step3 = next((before / "checkpoints").glob("*/step_0000003"))
     run_dir = (args.out / args.after.name / "resume-before-step3").resolve()
     launch(args.after.resolve(), RUNS["dp4-powersgd"], run_dir, [f"checkpoint.resume={step3}"])
     tail = [r for r in records(before) if r.get("step", 0) > 3]
