@@ -59,6 +59,7 @@ def test_the_exchange_line_names_the_hook_and_its_split_over_nodes() -> None:
     assert startup_lines(plain, validate(plain, 2)) == []
     cfg = compose_config(["compression=hierarchical-powersgd", "parallel.ranks_per_node=2"])
     (line,) = startup_lines(cfg, validate(cfg, 4))
-    assert line.startswith("compression: hierarchical over dp=4") and "exact inside a node (2 DP ranks), powersgd" in line
+    assert line.startswith("compression: hierarchical over dp=4")
+    assert "exact inside a node (2 DP ranks), powersgd" in line
     diloco = compose_config(["sync=diloco", "compression=int8"])
     assert startup_lines(diloco, validate(diloco, 2)) == ["compression: int8 over dp=2"]
