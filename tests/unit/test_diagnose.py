@@ -8,13 +8,15 @@ import io
 import itertools
 import json
 import math
+import statistics
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from hybrid.diagnostics import advice as A
-from hybrid.diagnostics import heatmap, system
+from hybrid.diagnostics import heatmap, pairwise, system
 from hybrid.diagnostics.pairwise import bandwidth_gbs, rounds, summarize
 from hybrid.diagnostics.report import Probe, Report, render, size_text, spans
 from hybrid.parallel.context import Layout
@@ -50,6 +52,22 @@ def test_rounds_meet_every_pair_once_with_each_rank_in_at_most_one_pair_per_roun
 def test_bandwidth_is_one_way_bytes_per_second_of_a_ping_pong() -> None:
     # 1e9 bytes there and back in 2 s: 1 GB/s each way
     assert bandwidth_gbs(10**9, 2.0) == pytest.approx(1.0)
+
+
+def test_a_delay_in_an_exchange_is_in_its_time_and_lowers_its_cell(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`time_pair` times each exchange after untimed warm-ups: an exchange that sleeps DELAY seconds takes at least
+    that (a lower bound, whatever else runs on the machine), so its link's cell is at most size there and back in
+    DELAY."""
+    delay, calls = 0.02, []
+
+    def sleepy(buf: torch.Tensor, peer: int, leader: bool) -> None:
+        calls.append((peer, leader))
+        time.sleep(delay)
+
+    monkeypatch.setattr(pairwise, "exchange", sleepy)
+    times = pairwise.time_pair(torch.zeros(8, dtype=torch.uint8), 1, True, iters=2, warmup=1)
+    assert calls == [(1, True)] * 3 and len(times) == 2 and min(times) >= delay
+    assert bandwidth_gbs(8, statistics.median(times)) <= bandwidth_gbs(8, delay)
 
 
 def test_summary_splits_links_by_node() -> None:
@@ -93,6 +111,14 @@ def test_a_slow_rank_is_flagged() -> None:
     found = A.slow_rank_findings(layout, m)
     assert codes(found) == ["slow_rank"] and found[0].ranks == (3,)
     assert A.slow_rank_findings(layout, crafted(4, [{0, 1, 2, 3}])) == []
+
+
+def test_a_slow_rank_of_four_needs_links_below_a_third_of_the_others() -> None:
+    """Rank 3's three links are half of a world of four's six, so the median lies halfway between its links (s)
+    and the others' (f): it is flagged when s < 0.5 · (s + f) / 2, that is when s < f / 3."""
+    layout = Layout.create(4)
+    assert [f.ranks for f in A.slow_rank_findings(layout, crafted(4, [{0, 1, 2}], fast=3.0, slow=0.99))] == [(3,)]
+    assert A.slow_rank_findings(layout, crafted(4, [{0, 1, 2}], fast=3.0, slow=1.01)) == []
 
 
 def test_suggestion_keeps_tp_inside_the_fast_clique() -> None:
