@@ -1,8 +1,11 @@
 """Health checks on gloo ranks (hybrid/health.py): a slowed rank is named; replicas that drift apart stop the run.
 
-- Straggler (dp2, then pp2·dp2): one rank sleeps in each of its forward steps; the check every 2 steps names
-  exactly that rank (its coordinate), in a warning line and in `health/slowest_rank`, and reports a ratio
-  above the threshold. Under pp2·dp2 the slowed rank is compared with the other rank of its stage.
+- Straggler (dp2, then pp2·dp2): one rank sleeps in each of its forward steps, and its measured compute time
+  holds those sleeps (a lower bound, whatever else runs on the machine). The check every 2 steps is fed made-up
+  compute times, so its verdict does not hang on this machine's load: equal times for steps 1-2 (no warning),
+  then 10× on the slowed rank for steps 3-4, which the check names (its coordinate) in one warning line and in
+  `health/slowest_rank`, with the ratio those times make. Under pp2·dp2 the slowed rank is compared with the
+  other rank of its stage (`_compare`, also on its own without processes).
 - Divergence (tp2·dp2, with ZeRO-1 and overlapped parameter gathers, which the check waits for): after clean
   steps that pass the check, one element of a DP-replicated weight on one rank, and of a TP-replicated norm
   on one rank, is nudged; the next check raises ReplicaDivergence on every rank, naming the parameter, the
@@ -12,6 +15,7 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,11 +25,13 @@ from pp_helpers import VOCAB, Case, layout_context, make_cfg
 from test_dp import synthetic_corpus
 
 from hybrid.compression.hooks import make_hook
-from hybrid.health import ReplicaDivergence
+from hybrid.health import ReplicaDivergence, _compare
+from hybrid.parallel.context import Layout
 from hybrid.trainer import Trainer, build_chunks
 
 TIMEOUT = 240
-SLEEP_S = 0.15  # per forward step of the slowed rank: several times a tiny microbatch's compute, also on a busy box
+SLEEP_S = 0.02  # per forward step of the slowed rank
+FAST_S, SLOW_S = 0.1, 1.0  # made-up compute seconds per step handed to the check; SLOW_S: the slowed rank's, steps 3-4
 
 
 def _trainer(case: Case, world: int, lines: list[str], *extra: str) -> Trainer:
@@ -37,26 +43,53 @@ def _trainer(case: Case, world: int, lines: list[str], *extra: str) -> Trainer:
 
 
 def slowed(rank: int, world: int, case: Case, slow: int) -> dict[str, Any]:
+    """Four steps checked every 2: rank `slow` sleeps in each forward step; the check gets made-up compute times
+    (SLOW_S on rank `slow` after step 2, FAST_S otherwise) and this rank's measured ones are returned."""
     lines: list[str] = []
     trainer = _trainer(case, world, lines, "health.straggler_every=2", "health.straggler_threshold=0.5")
-    if rank == slow:
-        step = trainer.forward_step
-        trainer.forward_step = lambda *a: (time.sleep(SLEEP_S), step(*a))[1]  # type: ignore[method-assign]
+    forwards, measured = [0], []
+    step, check = trainer.forward_step, trainer.health.after_step
+
+    def forward(*a: Any) -> Any:
+        forwards[0] += 1
+        if rank == slow:
+            time.sleep(SLEEP_S)
+        return step(*a)
+
+    def after_step(n: int, busy_s: float) -> None:
+        measured.append(busy_s)
+        check(n, SLOW_S if rank == slow and n > 2 else FAST_S)
+
+    trainer.forward_step = forward  # type: ignore[method-assign]
+    trainer.health.after_step = after_step  # type: ignore[method-assign]
     for _ in range(4):
         trainer.train_step()
-    return {"record": trainer.health.record(), "lines": lines}
+    return {"record": trainer.health.record(), "lines": lines, "forwards": forwards[0], "busy": measured}
 
 
 @pytest.mark.parametrize("case,slow", [(Case(), 1), (Case(pp=2), 2)], ids=["dp2", "pp2dp2"])
 def test_a_slowed_rank_is_named(case: Case, slow: int) -> None:
     world = 2 * case.pp
     results = run_ranks(slowed, world, case, slow, timeout=TIMEOUT)
-    for r in results:  # every rank gathered the same times
+    per_step = results[slow]["forwards"] // 4
+    assert per_step >= 1 and min(results[slow]["busy"]) >= per_step * SLEEP_S  # the sleeps are compute time
+    for r in results:  # every rank gathered the same times: the slowed rank over the median of its group of two
         assert r["record"]["health/slowest_rank"] == slow
-        assert r["record"]["health/straggler_ratio"] > 1.5
+        assert r["record"]["health/straggler_ratio"] == pytest.approx(SLOW_S / ((SLOW_S + FAST_S) / 2))
     warnings = [line for line in results[0]["lines"] if "straggler" in line]
-    assert len(warnings) == 2 and all(f"warning: straggler: rank {slow} (" in w for w in warnings), warnings
-    print("\n" + warnings[-1])
+    assert len(warnings) == 1 and f"warning: straggler: rank {slow} (" in warnings[0], warnings
+    assert "computed 1.82× the median" in warnings[0] and "over steps 3..4" in warnings[0], warnings
+    print("\n" + warnings[0])
+
+
+def test_a_rank_is_compared_with_its_stage_or_with_every_rank() -> None:
+    """`_compare`: (time over its group's median, rank, median) of each group's slowest rank; the groups are the
+    pipeline stages, or the whole world when each stage has one rank."""
+    times = [1.0, 1.0, 3.0, 1.0]
+    staged = SimpleNamespace(layout=Layout.create(4, pp=2))  # stages: ranks 0, 1 and ranks 2, 3
+    assert _compare(times, staged) == [(1.0, 0, 1.0), (1.5, 2, 2.0)]  # type: ignore[arg-type]
+    assert _compare(times, SimpleNamespace(layout=Layout.create(4))) == [(3.0, 2, 1.0)]  # type: ignore[arg-type]
+    assert _compare([2.0, 1.0], SimpleNamespace(layout=Layout.create(2, pp=2))) == [(4 / 3, 0, 1.5)]  # type: ignore
 
 
 def _run_checked(rank: int, world: int, case: Case, nudge: tuple[str, int] | None) -> str | None:
