@@ -11,6 +11,7 @@ factors below are those fractions written out per n, not read from the code.
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -116,6 +117,15 @@ def test_over_median_flags_only_what_exceeds_the_threshold() -> None:
     assert pf.over_median([1.0, 1.1, 0.9, 1.15], 20) == []
     assert pf.over_median([1.0, math.nan], 20) == []  # one finite value: nothing to compare with
     assert pf.excess([1.0, 2.0, 3.0], 2) == pytest.approx(50.0)
+
+
+def test_a_slow_gemm_is_in_its_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gemm_seconds` times each GEMM after the warm-ups: a matmul that sleeps DELAY seconds takes at least that (a
+    lower bound, whatever else runs on the machine)."""
+    delay, real = 0.02, torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda a, b: (time.sleep(delay), real(a, b))[1])
+    plan = pf.Plan(small=4, large=4, link=4, gemm=4, dtype=torch.float32, iters=2, warmup=1)
+    assert pf.gemm_seconds(plan, torch.device("cpu")) >= delay
 
 
 @pytest.mark.parametrize("n", range(2, 10))
