@@ -109,6 +109,7 @@ class Trainer:
         self._held: list[str] = []
         self._say = log or self._held.append
         self.step = 0
+        self.tally = Tally(self.step)  # the summary's sink; `start` makes it again at the step it resumes
         bf16 = t.precision == "bf16" or (t.precision == "auto" and device.type == "cuda")
         self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
         self._microbatches: list[tuple[torch.Tensor, torch.Tensor]] = []
