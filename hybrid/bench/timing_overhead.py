@@ -7,7 +7,9 @@ Per model: one trainer on --world forked gloo ranks (--parallel's layout), --war
 (on-off, off-on, …) so neither setting always runs first. A step's time is the slowest rank's
 `train_step` wall time (the timed step includes resolving its marks and the breakdown's vector; the
 record's all-reduce is the logging the run does anyway). The figure is the median over pairs of the
-paired ratio on/off; overhead = that ratio − 1 (tokens/s drop).
+paired ratio on/off; overhead = that ratio − 1 (tokens/s drop). Beside it, the share of a timed step the
+breakdown leaves unattributed (`time/other_s` / `time/step_s` of its record, median over the timed steps): the
+code between the timed phases.
 """
 
 from __future__ import annotations
@@ -37,16 +39,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def rank_steps(rank: int, world: int, cfg_overrides: list[str], vocab: Optional[int], warmup: int,
-               pairs: int) -> dict[bool, list[float]]:
-    """One rank: warm-up, then `pairs` on/off pairs in alternating order; step seconds by setting."""
+               pairs: int) -> dict[Any, list[float]]:
+    """One rank: warm-up, then `pairs` on/off pairs in alternating order; step seconds by setting, and each timed
+    step's unattributed share ("other"; its record is collective, so every rank takes it)."""
     trainer = bench_trainer(world, cfg_overrides, vocab)
     for _ in range(warmup):
         trainer.train_step()
-    times: dict[bool, list[float]] = {True: [], False: []}
+    times: dict[Any, list[float]] = {True: [], False: [], "other": []}
     for k in range(pairs):
         for on in ((True, False) if k % 2 == 0 else (False, True)):
             C.COUNTER.reset()
-            times[on].append(trainer.train_step(timed=on).step_time_s)
+            result = trainer.train_step(timed=on)
+            times[on].append(result.step_time_s)
+            if on:
+                record = trainer.step_metrics(result)
+                times["other"].append(record["time/other_s"] / record["time/step_s"])
     return times
 
 
@@ -56,16 +63,17 @@ def measure(args: argparse.Namespace, model: str) -> dict[str, Any]:
     on = [max(r[True][k] for r in per_rank) for k in range(args.pairs)]  # the slowest rank sets the step
     off = [max(r[False][k] for r in per_rank) for k in range(args.pairs)]
     ratio = statistics.median(a / b for a, b in zip(on, off))
-    return {"model": model, "on_s": statistics.median(on), "off_s": statistics.median(off), "ratio": ratio}
+    return {"model": model, "on_s": statistics.median(on), "off_s": statistics.median(off), "ratio": ratio,
+            "other": statistics.median(per_rank[0]["other"])}  # a record's figures: the same on every rank
 
 
 def section(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[str, Any]]:
     rows = [measure(args, m) for m in args.models]
     tokens = args.micro_batch * args.microbatches * args.world * args.seq_len  # per step, all ranks
     out("\n".join(table(
-        ["model", "pairs", "tokens/s off", "tokens/s on", "median paired ratio on/off", "overhead"],
+        ["model", "pairs", "tokens/s off", "tokens/s on", "median paired ratio on/off", "overhead", "unattributed"],
         [[r["model"], args.pairs, f"{tokens / r['off_s']:,.0f}", f"{tokens / r['on_s']:,.0f}", f"{r['ratio']:.4f}",
-          f"{(r['ratio'] - 1) * 100:+.2f}%"] for r in rows])))
+          f"{(r['ratio'] - 1) * 100:+.2f}%", f"{r['other'] * 100:.1f}%"] for r in rows])))
     return rows
 
 

@@ -1,7 +1,11 @@
 """Communication timing on gloo ranks: exposed time lands on the rank that waited, DP overlap is measured
-(and exactly 0 when the sync runs after the backward), the step breakdown leaves little unattributed, the
-`comm/` bytes are the counter's, the traffic map's rows are the counter's wire bytes, and profiler traces
-name collectives by group."""
+(and exactly 0 when the sync runs after the backward), the step breakdown puts a delay inside a phase in that
+phase and a delay outside every phase in `other`, the `comm/` bytes are the counter's, the traffic map's rows
+are the counter's wire bytes, and profiler traces name collectives by group.
+
+Timed assertions are lower bounds on injected sleeps (load can only lengthen them), or split a late rank's
+DELAY_S at its half, far above the scheduling noise of a loaded machine. How much of a real step the
+breakdown leaves unattributed is a measurement: `hybrid.bench.timing_overhead` reports it."""
 
 from __future__ import annotations
 
@@ -23,15 +27,17 @@ from hybrid.parallel.context import GROUP_KINDS as GROUPS
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.trainer import Trainer, build_chunks
 
-DELAY_S = 0.3
+DELAY_S = 0.4  # rank 1's lateness; each side of DELAY_S / 2 leaves 0.2 s for the scheduler's noise
+PHASE_DELAY_S = 0.02  # slept in the optimizer step and outside every phase, each training step
 
 
 def delayed_collectives(rank: int, world: int) -> dict:
-    """Rank 1 joins a blocking all-reduce and then an async one DELAY_S late."""
+    """Rank 1 joins a blocking all-reduce and then an async one DELAY_S late (both ranks leave a barrier first)."""
     group = dist.new_group(list(range(world)))
     C.name_group(group, "tp")
     out = {}
     for kind in ("blocking", "async"):
+        dist.barrier(group)
         C.TIMER.begin_step(True)
         t = torch.ones(1024)
         if rank == 1:
@@ -49,7 +55,7 @@ def delayed_collectives(rank: int, world: int) -> dict:
 def test_injected_delay_is_exposed_on_the_waiting_rank_only() -> None:
     waiting, late = run_ranks(delayed_collectives, 2, timeout=120)
     for kind in ("blocking", "async"):
-        assert waiting[kind] >= 0.8 * DELAY_S, (kind, waiting)
+        assert waiting[kind] > 0.5 * DELAY_S, (kind, waiting)
         assert late[kind] < 0.5 * DELAY_S, (kind, late)
 
 
@@ -65,9 +71,20 @@ def make_trainer(tp: int, pp: int, extra: tuple[str, ...] = (), world: int = 2) 
     return Trainer(cfg, ctx, build_chunks(cfg, corpus.vocab_size, ctx), corpus, torch.device("cpu"), hook, state)
 
 
-def timed_records(rank: int, world: int, tp: int, pp: int, run_dir: str, in_backward: bool = True) -> dict:
+def delayed_phases(trainer: Trainer, delay_s: float) -> None:
+    """Sleep `delay_s` at the start of each optimizer step (inside the optimizer phase) and in `model.train()`,
+    which `train_step` calls between the step's start and its data phase (outside every phase)."""
+    step, train = trainer.optimizer.step, trainer.model.train
+    trainer.optimizer.step = lambda *a, **k: (time.sleep(delay_s), step(*a, **k))[1]  # type: ignore[method-assign]
+    trainer.model.train = lambda *a: (time.sleep(delay_s), train(*a))[1]  # type: ignore[method-assign]
+
+
+def timed_records(rank: int, world: int, tp: int, pp: int, run_dir: str, in_backward: bool = True,
+                  delay_s: float = 0.0) -> dict:
     trainer = make_trainer(tp, pp, (f"logging.dir={run_dir}",))
     trainer.grad_sync.in_backward = in_backward
+    if delay_s:
+        delayed_phases(trainer, delay_s)
     records = []
     for _ in range(3):
         C.COUNTER.reset()
@@ -87,10 +104,12 @@ def test_dp_overlap_is_measured_and_zero_after_the_backward(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)], ids=["dp2", "tp2", "pp2"])
 def test_breakdown_comm_bytes_and_traffic_map(tp: int, pp: int, tmp_path: Path) -> None:
-    results = run_ranks(timed_records, 2, tp, pp, str(tmp_path), timeout=240)
+    results = run_ranks(timed_records, 2, tp, pp, str(tmp_path), True, PHASE_DELAY_S, timeout=240)
     records = results[0]["records"]
-    other = sorted(r["time/other_s"] / r["time/step_s"] for r in records)
-    assert abs(other[1]) < 0.05, other  # the median step leaves under 5% of its time unattributed
+    for r in records:  # each rank slept PHASE_DELAY_S in its optimizer phase and as much outside every phase
+        assert r["time/optimizer_s"] >= PHASE_DELAY_S and r["time/other_s"] >= PHASE_DELAY_S, r
+        parts = [v for k, v in r.items() if k.startswith("time/") and k not in ("time/step_s", "time/other_s")]
+        assert sum(parts) + r["time/other_s"] == pytest.approx(r["time/step_s"])
     for r in records:  # comm/ bytes are the counter's bytes (both averaged over the ranks)
         for g in ("tp", "pp", "embedding"):
             counted = sum(v for k, v in r.items() if k.startswith(f"comm/{g}/") and k.endswith("/bytes"))

@@ -53,7 +53,8 @@ def test_model_size_counts_match_the_formula(capsys: pytest.CaptureFixture[str])
 
 def test_timing_overhead_runs_both_settings(capsys: pytest.CaptureFixture[str]) -> None:
     assert timing_overhead.main(["--quick"]) == 0
-    assert "median paired ratio on/off" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "median paired ratio on/off" in out and "| unattributed |" in out
 
 
 def test_health_cost_times_both_checks(capsys: pytest.CaptureFixture[str]) -> None:
