@@ -1,12 +1,15 @@
 """A torchrun entry for the fault-tolerance tests: `python -m killer <hybrid.train overrides>`
 (with tests/e2e on PYTHONPATH) runs `hybrid.train.main()`, and on the first attempt only
-(`TORCHELASTIC_RESTART_COUNT == 0`) rank `HYBRID_KILL_RANK` (default 1) SIGKILLs itself:
+(`TORCHELASTIC_RESTART_COUNT == 0`) rank `HYBRID_KILL_RANK` (default 1) SIGKILLs itself, or stops or holds:
 
 - `HYBRID_KILL=step:N`: at the start of optimizer step N (after steps 1..N-1 completed);
 - `HYBRID_KILL=save:N`: while writing its shard file of checkpoint `step_%07d` % N, after its
   first item is in the file (flushed), so the shard is cut short and `.metadata` never written;
 - `HYBRID_KILL=stop:N`: SIGSTOP instead of SIGKILL at the start of step N: a hung rank, alive but silent,
   that the others must detect by their collective timeout (`parallel.timeout_s`).
+- `HYBRID_KILL=hold:N`: no kill: at the start of step N the rank waits until it has caught a signal of
+  `checkpoint.save_on_signal` (the flag its handler sets; at most HOLD_S), so a signal the test sends once
+  step N − 1 is logged lands before step N + 1 however fast or slow the machine runs the steps.
 
 A real SIGKILL, not an exception: no `finally`, no atexit, no flush. Every rank prints one
 `killer: attempt A rank R` line on stderr at start so the test can count attempts.
@@ -17,7 +20,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from typing import Any
+
+HOLD_S = 120.0  # `hold`: the longest wait for the signal (then the run goes on, and the test fails on it)
 
 
 def _say(line: str) -> None:
@@ -39,6 +45,22 @@ def _kill_at_step(step: int, sig: signal.Signals = signal.SIGKILL) -> None:
     def train_step(self: Trainer, *args: Any, **kwargs: Any) -> Any:
         if self.step == step - 1:
             _die(f"at the start of step {step}", sig)
+        return original(self, *args, **kwargs)
+
+    Trainer.train_step = train_step  # type: ignore[method-assign]
+
+
+def _hold_at_step(step: int) -> None:
+    from hybrid.trainer import Trainer
+
+    original = Trainer.train_step
+
+    def train_step(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+        if self.step == step - 1:
+            _say(f"rank {os.environ.get('RANK', '0')} holds at the start of step {step} until a signal")
+            deadline = time.monotonic() + HOLD_S
+            while not self.checkpointer.preemption.caught and time.monotonic() < deadline:
+                time.sleep(0.01)
         return original(self, *args, **kwargs)
 
     Trainer.train_step = train_step  # type: ignore[method-assign]
@@ -68,7 +90,7 @@ def arm() -> None:
     if not spec or attempt != "0" or rank != os.environ.get("HYBRID_KILL_RANK", "1"):
         return
     kind, step = spec.split(":")
-    {"step": _kill_at_step, "save": _kill_mid_save,
+    {"step": _kill_at_step, "save": _kill_mid_save, "hold": _hold_at_step,
      "stop": lambda n: _kill_at_step(n, signal.SIGSTOP)}[kind](int(step))
 
 

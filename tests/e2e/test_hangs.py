@@ -3,8 +3,9 @@ ends with one line naming the group, its ranks, the operation and the step (hybr
 
 - `collective_fault` on forked gloo ranks where rank 1 never joins: a blocking all_reduce (the group is
   the call's argument) and an async one waited for through an object holding the group (a DP bucket).
-- The real entry point under torchrun: rank 1 SIGSTOPped mid-training; rank 0 exits 1 within the timeout
-  and a margin, with the line and no Python traceback of its own.
+- The real entry point under torchrun: rank 1 SIGSTOPped mid-training; rank 0 exits 1 within 10× the timeout
+  (it takes the timeout and a little more; the bound only tells a detected hang from an undetected one), with
+  the line and no Python traceback of its own.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def rank_pid(launcher: int, rank: int) -> int:
 
 def test_a_stopped_rank_ends_the_run_naming_the_group(tmp_path: Path, env: dict[str, str]) -> None:
     timeout_s = 5
+    bound_s = 10 * timeout_s  # detection takes timeout_s and a little more; a loaded machine is still far below
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "hybrid.train",
            *QUICK, "parallel=dp", f"parallel.timeout_s={timeout_s}", "train.steps=100000", "train.eval_every=0",
            "model.hidden=64", "model.n_layers=2", f"logging.dir={tmp_path / 'run'}"]
@@ -94,7 +96,7 @@ def test_a_stopped_rank_ends_the_run_naming_the_group(tmp_path: Path, env: dict[
         stopped = rank_pid(p.pid, 1)
         os.kill(stopped, signal.SIGSTOP)
         start = time.monotonic()
-        wait_for(lambda: "hybrid: error:" in (tmp_path / "err").read_text(), timeout_s + 30, "rank 0's error line")
+        wait_for(lambda: "hybrid: error:" in (tmp_path / "err").read_text(), bound_s, "rank 0's error line")
         took = time.monotonic() - start
     finally:
         if stopped:
@@ -107,7 +109,7 @@ def test_a_stopped_rank_ends_the_run_naming_the_group(tmp_path: Path, env: dict[
     # at dp=2 the step's collectives are the gradients' (dp) and the metrics' (world): either may be waiting
     assert re.search(r" on the (dp|world) group \(ranks \[0, 1\]\) failed (in|after) step \d+: Timed out", errors[0])
     assert "Traceback" not in text.split("hybrid: error:")[0]  # the rank's own line, not a traceback wall
-    assert took < timeout_s + 30
+    assert took < bound_s
     flight = tmp_path / "run" / "flight"
     assert errors[0].endswith(f"this rank's last collectives: {flight / 'rank0.txt'}")
     assert sorted(p.name for p in flight.iterdir()) == ["rank0.txt"]  # the stopped rank wrote nothing

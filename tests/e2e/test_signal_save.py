@@ -2,12 +2,16 @@
 and resumes to the loss curve of an uninterrupted run.
 
 - SIGUSR1 to ONE worker (rank 1's pid, found under /proc as the torchrun agent's child whose
-  environment says RANK=1) a few steps in: both ranks agree at the next step boundary, save that
+  environment says RANK=1) once step 3 is logged: both ranks agree at the next step boundary, save that
   step, rank 0 logs one line, and torchrun exits 0 (no restart: every worker exited 0). Then
   `checkpoint.resume=auto` finishes the run; every step is logged once and the losses, gradient
   norms and eval losses equal the uninterrupted run's bit for bit (fp32 on CPU, dropout on).
 - SIGTERM to the torchrun agent (the usual preemption): the agent forwards it to the workers, which
   save and exit 0; the agent itself exits non-zero (torch re-raises the signal as SignalException).
+
+In the signalled runs rank 1 holds at the start of step HOLD until the signal has reached it (killer.py's
+`hold`), so the save lands at step HOLD − 1 or HOLD however fast the machine runs the steps; the reference
+and the resumed runs are plain `hybrid.train`.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_fault_tolerance import RUN, TINY, TORCHRUN, dirs
+from test_fault_tolerance import RUN, TINY, TORCHRUN, dirs, killer_env
 from test_torchrun import ROOT, read_metrics
 from test_torchrun import env as env  # noqa: F401  (the shared fixture)
 
@@ -29,16 +33,18 @@ from hybrid.checkpoint import find_latest, list_steps, problem, step_path
 
 pytestmark = pytest.mark.slow
 
-STEPS = 24  # enough that a signal sent after step 3 lands well before the end
+STEPS = 8
+HOLD = 4  # rank 1 waits at the start of this step until the signal has reached it
 ARGS = [*TINY, f"train.steps={STEPS}", "checkpoint.every=0"]
 TIMEOUT = 240
 SAVED = re.compile(r"checkpoint: saved step (\d+) on (SIG\w+); exiting \(resume with checkpoint\.resume=auto\)")
 
 
-def start(tmp: Path, env: dict[str, str], *extra: str) -> subprocess.Popen:
-    """torchrun (2 ranks) in its own session, so a timeout can kill the agent and its workers together."""
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=0", "-m", "hybrid.train", *ARGS,
-           *dirs(tmp), *extra]
+def start(tmp: Path, env: dict[str, str], *extra: str, hold: bool = False) -> subprocess.Popen:
+    """torchrun (2 ranks) in its own session, so a timeout can kill the agent and its workers together; `hold`:
+    through killer.py, rank 1 holding at the start of step HOLD until it has caught a signal."""
+    module, env = (["-m", "killer"], killer_env(env, f"hold:{HOLD}")) if hold else (["-m", "hybrid.train"], env)
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=0", *module, *ARGS, *dirs(tmp), *extra]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
@@ -92,7 +98,7 @@ def saved(out: str, sig: str, tmp: Path) -> int:
     assert len(lines) == 1 and lines[0][1] == sig, out[-4000:]
     step = int(lines[0][0])
     root = tmp / "ck" / RUN
-    assert 3 <= step < STEPS
+    assert HOLD - 1 <= step <= HOLD  # the boundary after the logged step, or after the held one
     assert [s for s, _ in list_steps(root)] == [step] and problem(step_path(root, step)) is None
     assert find_latest(root, print) == step_path(root, step)
     assert [s["step"] for s in read_metrics(tmp / "run")[0]] == list(range(1, step + 1))
@@ -110,8 +116,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> 
 
 def test_sigusr1_to_one_rank_saves_exits_0_and_resumes_bit_exact(
         tmp_path: Path, env: dict[str, str], reference: tuple[list[dict], list[dict]]) -> None:
-    p = start(tmp_path, env)
-    wait_for_step(p, tmp_path / "run", 3)
+    p = start(tmp_path, env, hold=True)
+    wait_for_step(p, tmp_path / "run", HOLD - 1)
     pid = worker_pid(p.pid, 1)
     assert pid is not None, "rank 1's process not found under /proc"
     os.kill(pid, signal.SIGUSR1)  # rank 1 only: rank 0 learns of it through the per-step all_reduce
@@ -131,8 +137,8 @@ def test_sigusr1_to_one_rank_saves_exits_0_and_resumes_bit_exact(
 
 
 def test_sigterm_to_the_agent_saves_on_every_rank(tmp_path: Path, env: dict[str, str]) -> None:
-    p = start(tmp_path, env)
-    wait_for_step(p, tmp_path / "run", 3)
+    p = start(tmp_path, env, hold=True)
+    wait_for_step(p, tmp_path / "run", HOLD - 1)
     os.kill(p.pid, signal.SIGTERM)  # the agent sends SIGTERM to both workers and waits for them
     rc, out = finish(p)
     assert rc != 0 and "SignalException" in out  # torchrun re-raises the signal it got ...
