@@ -36,10 +36,10 @@ from torch import nn
 from hybrid.config import optimizer_moments
 from hybrid.metrics import format_bytes
 from hybrid.model.family import family_of, ffn_hidden, kv_heads
-from hybrid.parallel.actions import Op
-from hybrid.parallel.buckets import assign_buckets, padded_numel
 from hybrid.parallel.context import Layout, ParallelContext
-from hybrid.parallel.schedules import SCHEDULES, Schedule, ScheduleError, build_schedule, most_waiting
+from hybrid.parallel.dp.buckets import assign_buckets, padded_numel
+from hybrid.parallel.pp.actions import Op
+from hybrid.parallel.pp.schedules import SCHEDULES, Schedule, ScheduleError, build_schedule, most_waiting
 from hybrid.sync import mode_footprint
 from hybrid.sync.exchange import exchange_bytes
 
@@ -167,7 +167,7 @@ def held_bytes(schedule: Schedule, rank: int, per_chunk: Sequence[int],
 
 def weight_pass_bytes(cfg: ModelConfig, m: Micro, layers: int, vocab_local: int, first: bool, last: bool
                       ) -> Optional[tuple[int, int]]:
-    """What a split backward holds of one microbatch between its input and weight pass (`parallel.split_backward`
+    """What a split backward holds of one microbatch between its input and weight pass (`parallel.pp.split_backward`
     frees the rest): (the weight nodes' inputs — each norm's input, each projection's input, on the last part
     the final norm's and the head's —, the gradient that flowed into each weight node — of each norm's and
     projection's output, on the last part the logits'). None on the first part: no input pass, its weight pass

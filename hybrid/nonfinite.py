@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from hybrid.checkpoint.files import list_steps, problem, read_manifest
 from hybrid.checkpoint.state import named_parameters
-from hybrid.parallel.grads import grad_of
+from hybrid.parallel.dp.grads import grad_of
 
 if TYPE_CHECKING:
     from torch import nn

@@ -26,9 +26,9 @@ from hybrid.metrics import model_flops_per_token, peak_flops
 from hybrid.parallel import collectives as C
 from hybrid.parallel import comm_report, traffic_map
 from hybrid.parallel.context import ParallelContext
-from hybrid.parallel.data import GradSync
-from hybrid.parallel.pipeline import PipelineStats, schedule_idle_s
-from hybrid.parallel.schedules import Schedule
+from hybrid.parallel.dp.data import GradSync
+from hybrid.parallel.pp.pipeline import PipelineStats, schedule_idle_s
+from hybrid.parallel.pp.schedules import Schedule
 from hybrid.parallel.timing import StepTiming
 
 

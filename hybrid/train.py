@@ -30,7 +30,7 @@ from hybrid.validation import validate
 if TYPE_CHECKING:
     from hybrid.data import Corpus
     from hybrid.parallel.context import Layout
-    from hybrid.parallel.schedules import Schedule
+    from hybrid.parallel.pp.schedules import Schedule
     from hybrid.trainer import Trainer
 
 
@@ -196,8 +196,8 @@ def use_job_folder(cfg: Config, folder: str, overrides: list[str]) -> None:
 
 def pipeline_summary(schedule: Schedule, cfg: Config) -> str:
     """One start-up line: schedule, layers per part, and the simulator's bubble at unit costs."""
-    from hybrid.parallel.pipeline import partition_layers
-    from hybrid.parallel.simulator import simulate
+    from hybrid.parallel.pp.pipeline import partition_layers
+    from hybrid.parallel.pp.simulator import simulate
 
     parts = partition_layers(cfg.model.n_layers, schedule.num_parts, cfg.parallel.stage_layers)
     sim = simulate(schedule)

@@ -37,12 +37,12 @@ from hybrid.model import build_model
 from hybrid.nonfinite import Guard
 from hybrid.optim import lr_at, to_low_precision
 from hybrid.parallel import collectives as C
-from hybrid.parallel.actions import part_of
 from hybrid.parallel.context import ParallelContext, pp_streams
-from hybrid.parallel.data import CommHook, finalize_grads
+from hybrid.parallel.dp.data import CommHook, finalize_grads
 from hybrid.parallel.params import count_params
-from hybrid.parallel.pipeline import P2P, PipelineStats, partition_layers, run_schedule
-from hybrid.parallel.schedules import SCHEDULES, Schedule, build_schedule
+from hybrid.parallel.pp.actions import part_of
+from hybrid.parallel.pp.pipeline import P2P, PipelineStats, partition_layers, run_schedule
+from hybrid.parallel.pp.schedules import SCHEDULES, Schedule, build_schedule
 from hybrid.parallel.timing import clock_for
 from hybrid.profiling import StepProfiler
 from hybrid.report import StepReport

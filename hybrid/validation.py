@@ -22,7 +22,7 @@ from hybrid.config import (
     OptimConfig,
     ParallelConfig,
 )
-from hybrid.parallel.schedules import SCHEDULES, ScheduleError, check_sizes
+from hybrid.parallel.pp.schedules import SCHEDULES, ScheduleError, check_sizes
 from hybrid.sync import check as check_sync
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
 def _validate_pipeline(p: ParallelConfig, m: ModelConfig, microbatches: int, compiled: bool) -> None:
     """Schedule sizes (interleaving needs pp >= 2 and microbatches divisible by pp), stage_layers, and what a
     zero-bubble schedule needs: a backward it can split (not compiled), zbv equal parts."""
-    from hybrid.parallel.pipeline import partition_layers
+    from hybrid.parallel.pp.pipeline import partition_layers
 
     spec = SCHEDULES[p.schedule]
     _require(not (spec.split_backward and compiled and p.pp > 1), f"parallel.schedule={p.schedule} splits each "

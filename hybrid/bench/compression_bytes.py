@@ -40,9 +40,9 @@ from hybrid.bench.compression_common import (
 from hybrid.bench.memory import proc_status_kb
 from hybrid.compression.hooks import Hook, make_hook
 from hybrid.parallel import collectives as C
-from hybrid.parallel.buckets import GradBucket
 from hybrid.parallel.context import Layout, ParallelContext
-from hybrid.parallel.data import DP_GROUPS
+from hybrid.parallel.dp.buckets import GradBucket
+from hybrid.parallel.dp.data import DP_GROUPS
 from hybrid.testing.ranks import launch
 
 if TYPE_CHECKING:

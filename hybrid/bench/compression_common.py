@@ -13,7 +13,7 @@ from hybrid.compression.hierarchical import piece_shapes, row_ranges
 from hybrid.compression.hooks import REGISTRY
 from hybrid.config import CompressionConfig, compose_config
 from hybrid.model import build_model
-from hybrid.parallel.buckets import assign_buckets
+from hybrid.parallel.dp.buckets import assign_buckets
 
 MIB, GIB, GB = 2**20, 2**30, 1e9
 

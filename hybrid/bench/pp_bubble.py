@@ -35,9 +35,9 @@ from hybrid.bench.pp_common import (
     pp_context,
 )
 from hybrid.parallel.context import pp_streams
-from hybrid.parallel.pipeline import P2P, PipelineStats, run_schedule
-from hybrid.parallel.schedules import SCHEDULES, build_schedule
-from hybrid.parallel.simulator import simulate
+from hybrid.parallel.pp.pipeline import P2P, PipelineStats, run_schedule
+from hybrid.parallel.pp.schedules import SCHEDULES, build_schedule
+from hybrid.parallel.pp.simulator import simulate
 from hybrid.testing.ranks import launch
 from hybrid.trainer import build_chunks
 

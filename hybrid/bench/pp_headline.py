@@ -29,7 +29,7 @@ from hybrid.bench.memory import proc_status_kb, sample_peaks
 from hybrid.config import Config, compose_config
 from hybrid.model import build_model
 from hybrid.parallel.context import Layout, ParallelContext
-from hybrid.parallel.pipeline import partition_layers
+from hybrid.parallel.pp.pipeline import partition_layers
 from hybrid.testing.ranks import launch
 
 MODULE = "hybrid.bench.pp_headline"

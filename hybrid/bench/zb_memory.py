@@ -32,8 +32,8 @@ from hybrid.bench.common import reproduce_command, table, timed
 from hybrid.memory import meta_stages, micro_of, rank_memory, training_schedule
 from hybrid.metrics import format_bytes
 from hybrid.parallel.context import pp_streams
-from hybrid.parallel.pipeline import P2P, PipelineStats, run_schedule
-from hybrid.parallel.simulator import simulate
+from hybrid.parallel.pp.pipeline import P2P, PipelineStats, run_schedule
+from hybrid.parallel.pp.simulator import simulate
 from hybrid.testing.activations import tracked_peak
 from hybrid.testing.ranks import launch
 from hybrid.trainer import build_chunks

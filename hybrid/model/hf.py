@@ -38,7 +38,7 @@ from torch import nn
 from hybrid.model.family import HFCounterpart, ModelConfigError, family_names, get_family
 from hybrid.parallel import collectives as C
 from hybrid.parallel.params import full_state_dict, param_info
-from hybrid.parallel.tensor import padded_vocab
+from hybrid.parallel.tp.tensor import padded_vocab
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -43,7 +43,7 @@ from hybrid.parallel.collectives import Group
 from hybrid.parallel.params import Init, annotate, init_parameters, param_info
 from hybrid.parallel.recompute import recompute
 from hybrid.parallel.rng import TPRandom, derive_seed
-from hybrid.parallel.tensor import (
+from hybrid.parallel.tp.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,

@@ -23,7 +23,7 @@ from hybrid.model.family import (
     register_family,
 )
 from hybrid.model.hf import Rule
-from hybrid.parallel.tensor import padded_vocab
+from hybrid.parallel.tp.tensor import padded_vocab
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

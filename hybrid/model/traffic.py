@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hybrid.model.family import family_of
-from hybrid.parallel.actions import part_of, place_of
+from hybrid.parallel.pp.actions import part_of, place_of
 
 if TYPE_CHECKING:
     from hybrid.config import ModelConfig

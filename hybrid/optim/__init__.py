@@ -19,7 +19,7 @@ from hybrid.optim.distributed import DistributedOptimizer
 from hybrid.optim.mixed import MainWeightsOptimizer, to_low_precision
 from hybrid.optim.onebit_adam import OneBitAdam
 from hybrid.parallel.context import ParallelContext
-from hybrid.parallel.data import GradSync
+from hybrid.parallel.dp.data import GradSync
 
 if TYPE_CHECKING:
     from hybrid.compression.hooks import Compression

@@ -30,7 +30,7 @@ from torch import nn
 
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
-from hybrid.parallel.grads import grad_of
+from hybrid.parallel.dp.grads import grad_of
 from hybrid.parallel.params import param_info
 
 if TYPE_CHECKING:

@@ -47,8 +47,8 @@ from hybrid.parallel.context import ParallelContext
 
 if TYPE_CHECKING:
     from hybrid.config import OptimConfig
-    from hybrid.parallel.buckets import GradBucket
-    from hybrid.parallel.data import GradSync
+    from hybrid.parallel.dp.buckets import GradBucket
+    from hybrid.parallel.dp.data import GradSync
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

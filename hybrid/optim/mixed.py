@@ -4,7 +4,7 @@ The model's parameters (and so its activations, and the pipeline's hidden states
 keeps an fp32 *main* copy of every parameter, updates it and writes it back to the bf16 parameter after each
 step (Megatron's `Float16OptimizerWithFloat16Params`). The gradients accumulate in fp32 all along: GradSync
 keeps them in its fp32 buckets as each parameter's `main_grad` (`GradSync(main_grads=True)`), the DP sync
-runs on those buckets, and the norm, the clipping and AdamW read them (`parallel.grads.grad_of`).
+runs on those buckets, and the norm, the clipping and AdamW read them (`parallel.dp.grads.grad_of`).
 
 Per parameter: 2 bytes of bf16 weight, 4 of fp32 main gradient, 4 of fp32 main weight and 8 of moments —
 18, against 16 in fp32 (Megatron's figure); with ZeRO-1 the main weight and the moments are the rank's 1/dp.
@@ -22,7 +22,7 @@ from torch import nn
 
 from hybrid.optim.adamw import ModelOptimizer, fresh_state, optimizer_over
 from hybrid.parallel.context import ParallelContext
-from hybrid.parallel.grads import grad_of
+from hybrid.parallel.dp.grads import grad_of
 
 if TYPE_CHECKING:
     from hybrid.config import OptimConfig

@@ -28,8 +28,8 @@ from hybrid.parallel import collectives as C
 
 if TYPE_CHECKING:
     from hybrid.compression.hooks import Compression
-    from hybrid.parallel.buckets import GradBucket
     from hybrid.parallel.context import ParallelContext
+    from hybrid.parallel.dp.buckets import GradBucket
 
 
 class OneBitAdam(ModelOptimizer):

@@ -21,7 +21,7 @@ Sequence-parallel pair (activations [b, s, h] split along s outside the TP regio
   gather_from_sequence       forward all-gather (seq),     backward reduce-scatter (entering a TP region)
   reduce_scatter_to_sequence forward reduce-scatter (seq), backward all-gather     (leaving row-parallel)
 (The column-parallel layer fuses the first with its matmul to keep only the input chunk:
-`hybrid.parallel.tensor._SequenceParallelLinear`.)
+`hybrid.parallel.tp.tensor._SequenceParallelLinear`.)
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def all_gather_seq(t: torch.Tensor, group: Group, op: str = "all_gather") -> tor
     """Concatenate every rank's [b, s/n, …] chunk into a contiguous [b, s, …] (group rank order).
 
     `op` labels the count: "regather" marks the backward re-gather of a sequence-parallel
-    linear layer's input (see `hybrid.parallel.tensor.column_linear`).
+    linear layer's input (see `hybrid.parallel.tp.tensor.column_linear`).
     """
     n = size(group)
     if n == 1:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from hybrid.parallel.collectives import CommCounter, bus_factor
 from hybrid.parallel.context import GROUP_KINDS as GROUPS
-from hybrid.parallel.data import DP_GROUPS
+from hybrid.parallel.dp.data import DP_GROUPS
 from hybrid.parallel.timing import StepTiming, union_length
 
 LOSS = "loss"  # the op label of the loss's metrics-only broadcast / mean

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hybrid.parallel.pp.split_backward import edges_of, needed
 from hybrid.parallel.rng import TPRandom
-from hybrid.parallel.split_backward import edges_of, needed
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 replica as they are, and is one module registered here (`plan.register_sync_mode`):
 
 - `dp` (`dp.py`): synchronous data parallelism: every step's gradients averaged over the DP group through the
-  compression hook (`parallel.data.GradSync`), ZeRO-1's reduce-scatter, 1-bit Adam's optimizer.
+  compression hook (`parallel.dp.data.GradSync`), ZeRO-1's reduce-scatter, 1-bit Adam's optimizer.
 - `diloco` (`diloco.py`; `sync=diloco`, `sync=local_sgd`): H local steps per replica, then an outer step on the
   averaged pseudo-gradient (`outer.OuterSync`). Under `sync.scope=inter` the DP ranks of a node still average
   their gradients every step (exactly); only the exchange between nodes waits H steps.
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from hybrid.config import Config, ConfigError
-from hybrid.parallel.data import CommHook
+from hybrid.parallel.dp.data import CommHook
 from hybrid.sync import exchange
 from hybrid.sync.diloco import DILOCO
 from hybrid.sync.dp import SYNCHRONOUS_DP

@@ -20,7 +20,7 @@ from hybrid.compression.hooks import SERIAL, make_hook
 from hybrid.config import Config, ConfigError
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import more_groups
-from hybrid.parallel.data import CommHook
+from hybrid.parallel.dp.data import CommHook
 from hybrid.sync import exchange
 from hybrid.sync.dp import dp_hook, kept_exact
 from hybrid.sync.footprint import F32, Footprint

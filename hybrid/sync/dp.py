@@ -1,6 +1,6 @@
 """`sync.mode=dp`: synchronous data parallelism, every step's gradients averaged over the DP group.
 
-The gradient sync is `parallel.data.GradSync` over the DP group through the compression hook
+The gradient sync is `parallel.dp.data.GradSync` over the DP group through the compression hook
 (`compression=`): an all-reduce per bucket launched inside the backward, or under `parallel.zero=1` a
 reduce-scatter (in a 16-bit dtype, or int8-encoded) that the distributed optimizer's all-gather completes.
 The optimizer is AdamW or SGD over the parameters (over fp32 main weights under bf16 parameters), the
@@ -22,7 +22,7 @@ from hybrid.compression.schedule import exact_kinds, exact_param_ids
 from hybrid.compression.zero import REDUCE_SCATTER_DTYPES, encoded_reduce_scatter
 from hybrid.config import Config, ConfigError
 from hybrid.optim import build_optimizer
-from hybrid.parallel.data import CommHook, GradSync, SyncReport
+from hybrid.parallel.dp.data import CommHook, GradSync, SyncReport
 from hybrid.sync import exchange
 from hybrid.sync.footprint import Footprint
 from hybrid.sync.plan import DPPlan, register_sync_mode

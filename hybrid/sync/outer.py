@@ -39,9 +39,9 @@ from torch import nn
 
 from hybrid.config import SyncConfig
 from hybrid.parallel import collectives as C
-from hybrid.parallel.buckets import GradBucket, assign_buckets
 from hybrid.parallel.collectives import Group
-from hybrid.parallel.data import CommHook, write_back
+from hybrid.parallel.dp.buckets import GradBucket, assign_buckets
+from hybrid.parallel.dp.data import CommHook, write_back
 from hybrid.parallel.params import param_info
 from hybrid.sync.replica import Weights, load_replica_state, over_ranks, replica_state
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from hybrid.parallel.collectives import Group
-from hybrid.parallel.data import CommHook, GradSync
+from hybrid.parallel.dp.data import CommHook, GradSync
 
 if TYPE_CHECKING:
     from hybrid.config import Config

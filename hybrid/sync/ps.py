@@ -44,7 +44,7 @@ from hybrid.config import Config, ConfigError, optimizer_moments
 from hybrid.optim.adamw import clip_grads, finite, global_grad_norm
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext, more_groups
-from hybrid.parallel.grads import grad_of
+from hybrid.parallel.dp.grads import grad_of
 from hybrid.sync.footprint import F32, Footprint
 from hybrid.sync.plan import DPPlan, register_sync_mode
 from hybrid.sync.replica import (

@@ -16,7 +16,7 @@ from hybrid.compression.hooks import make_hook
 from hybrid.config import CompressionConfig, Config, ConfigError
 from hybrid.optim import build_optimizer
 from hybrid.parallel.collectives import Group
-from hybrid.parallel.data import GradSync, SyncReport
+from hybrid.parallel.dp.data import GradSync, SyncReport
 
 if TYPE_CHECKING:
     from hybrid.parallel.context import ParallelContext

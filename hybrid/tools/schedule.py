@@ -21,8 +21,8 @@ import sys
 from dataclasses import dataclass
 
 from hybrid.cli import EXIT_BAD_INPUT, UsageError, run_tool
-from hybrid.parallel.schedules import Action, Op, ScheduleError, build_schedule, steps
-from hybrid.parallel.simulator import Simulation, simulate
+from hybrid.parallel.pp.schedules import Action, Op, ScheduleError, build_schedule, steps
+from hybrid.parallel.pp.simulator import Simulation, simulate
 from hybrid.tools.keys import boolean, key_values
 
 ALIASES = {"m": "microbatches", "v": "virtual_stages"}

@@ -26,9 +26,9 @@ from hybrid.compression.hierarchical import piece_shapes, row_ranges
 from hybrid.compression.hooks import make_hook
 from hybrid.config import CompressionConfig
 from hybrid.parallel import collectives as C
-from hybrid.parallel.buckets import GradBucket
 from hybrid.parallel.context import Layout
-from hybrid.parallel.data import GradSync
+from hybrid.parallel.dp.buckets import GradBucket
+from hybrid.parallel.dp.data import GradSync
 
 SHAPES = [[(64, 48), (48,)], [(100, 3), (20, 30), (7,)], [(16, 8, 4), (32,)]]
 """Three buckets: a matrix and its bias; a tall thin matrix PowerSGD sends exactly, a small matrix it

@@ -28,7 +28,7 @@ from hybrid.compression import codecs, hierarchical, powersgd
 from hybrid.compression.hooks import make_hook
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext
-from hybrid.parallel.data import DP_GROUPS
+from hybrid.parallel.dp.data import DP_GROUPS
 from hybrid.trainer import Trainer, build_chunks
 
 STEPS = 6

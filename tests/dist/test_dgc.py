@@ -24,9 +24,9 @@ from hybrid.compression.hooks import make_hook
 from hybrid.config import CompressionConfig, OptimConfig
 from hybrid.optim import build_optimizer
 from hybrid.parallel import collectives as C
-from hybrid.parallel.buckets import GradBucket
 from hybrid.parallel.context import Layout, ParallelContext
-from hybrid.parallel.data import GradSync
+from hybrid.parallel.dp.buckets import GradBucket
+from hybrid.parallel.dp.data import GradSync
 
 TIMEOUT = 120
 MOMENTUM, CLIP, FRACTION = 0.9, 6.0, 0.25

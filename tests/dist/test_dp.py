@@ -15,7 +15,7 @@ from hybrid.config import compose_config
 from hybrid.data import Corpus
 from hybrid.model import build_model
 from hybrid.parallel.context import Layout, ParallelContext
-from hybrid.parallel.data import GradSync
+from hybrid.parallel.dp.data import GradSync
 from hybrid.trainer import Trainer
 
 SEQ = 16

@@ -34,8 +34,8 @@ from hybrid.memory import (
 from hybrid.model import build_model
 from hybrid.optim import MainWeightsOptimizer, to_low_precision
 from hybrid.parallel.context import Layout, ParallelContext
-from hybrid.parallel.schedules import build_schedule
-from hybrid.parallel.simulator import simulate
+from hybrid.parallel.pp.schedules import build_schedule
+from hybrid.parallel.pp.simulator import simulate
 from hybrid.testing.activations import saved_tally, tracked_peak
 from hybrid.trainer import Trainer, build_chunks
 

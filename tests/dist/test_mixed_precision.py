@@ -30,7 +30,7 @@ from test_dp import SEQ
 from hybrid.checkpoint import load_weights, step_path
 from hybrid.model.traffic import pp_bytes_per_step, tp_bytes_per_step
 from hybrid.parallel.context import ParallelContext
-from hybrid.parallel.data import GradSync
+from hybrid.parallel.dp.data import GradSync
 from hybrid.trainer import build_chunks
 
 BF16 = ("train.precision=bf16_params",)

@@ -27,9 +27,9 @@ from hybrid.checkpoint.state import init_optimizer_state
 from hybrid.compression.hooks import make_hook
 from hybrid.config import CompressionConfig, OptimConfig
 from hybrid.optim import OneBitAdam, build_optimizer
-from hybrid.parallel.buckets import assign_buckets
 from hybrid.parallel.context import Layout, ParallelContext
-from hybrid.parallel.data import GradSync
+from hybrid.parallel.dp.buckets import assign_buckets
+from hybrid.parallel.dp.data import GradSync
 
 BLOCK, WARMUP, STEPS, LR, BUCKET_MB = 16, 3, 8, 3e-3, 0.003
 OPTIM = OptimConfig(weight_decay=0.1, grad_clip=0.5)

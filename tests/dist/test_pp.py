@@ -47,8 +47,8 @@ from pp_helpers import (
 )
 
 from hybrid.model.traffic import pp_bytes_per_step
-from hybrid.parallel.actions import place_of
-from hybrid.parallel.schedules import SCHEDULES
+from hybrid.parallel.pp.actions import place_of
+from hybrid.parallel.pp.schedules import SCHEDULES
 
 ALL = ("gpipe", "1f1b")
 BIT_IDENTICAL_TO_1F1B = ("gpipe", "zb1p")  # the same partition and the same per-chunk gradient order

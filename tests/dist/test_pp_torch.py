@@ -39,8 +39,8 @@ from torch.distributed.pipelining import (
 
 from hybrid.model import build_model
 from hybrid.parallel import collectives as C
-from hybrid.parallel.pipeline import P2P, partition_layers, run_schedule
-from hybrid.parallel.schedules import build_schedule
+from hybrid.parallel.pp.pipeline import P2P, partition_layers, run_schedule
+from hybrid.parallel.pp.schedules import build_schedule
 from hybrid.sampler import batch_from
 
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,

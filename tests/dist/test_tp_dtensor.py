@@ -29,9 +29,9 @@ from tp_helpers import FFN, TIMEOUT, B, H, S, assert_ranks, detached, leaf, load
 
 from hybrid.model.layers import Norm
 from hybrid.parallel import collectives as C
-from hybrid.parallel.grads import sync_sequence_parallel_grads
+from hybrid.parallel.dp.grads import sync_sequence_parallel_grads
 from hybrid.parallel.params import param_info
-from hybrid.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from hybrid.parallel.tp.tensor import ColumnParallelLinear, RowParallelLinear
 
 
 class NormMLP(nn.Module):

@@ -43,9 +43,9 @@ from hybrid.config import ModelConfig
 from hybrid.model import build_model
 from hybrid.model.hf import export_hf_state_dict, from_hf_state_dict, hf_config, load_hf_into
 from hybrid.parallel.context import Layout, ParallelContext
-from hybrid.parallel.grads import sync_sequence_parallel_grads
+from hybrid.parallel.dp.grads import sync_sequence_parallel_grads
 from hybrid.parallel.params import param_info
-from hybrid.parallel.tensor import padded_vocab
+from hybrid.parallel.tp.tensor import padded_vocab
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_models import GRAD_TOL, LOGITS_TOL, LOSS_TOL, hf_class, hf_model, ids_for, small_cfg  # noqa: E402

@@ -54,10 +54,10 @@ from hybrid.config import ModelConfig
 from hybrid.model.family import family_of
 from hybrid.model.layers import Block, rope_tables
 from hybrid.parallel import collectives as C
-from hybrid.parallel.grads import sync_sequence_parallel_grads
+from hybrid.parallel.dp.grads import sync_sequence_parallel_grads
 from hybrid.parallel.params import Shard, init_parameters, param_info
 from hybrid.parallel.rng import TPRandom
-from hybrid.parallel.tensor import (
+from hybrid.parallel.tp.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,

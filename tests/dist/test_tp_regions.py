@@ -54,7 +54,7 @@ from hybrid.config import ModelConfig
 from hybrid.model.layers import CausalLM
 from hybrid.parallel import collectives as C
 from hybrid.parallel.params import Init, Shard, annotate, full_state_dict, full_tensor, param_info
-from hybrid.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from hybrid.parallel.tp.tensor import ColumnParallelLinear, RowParallelLinear
 
 # ----------------------------------------------------------------------------------------- 1: region ops
 

@@ -28,8 +28,8 @@ from test_checkpoint import SAVE_AT, STEPS, _cfg, _check_resharded, _resume, _sa
 
 from hybrid.checkpoint import step_path
 from hybrid.compression.codecs import Int8Codec
-from hybrid.parallel.buckets import SHARD_ALIGN
 from hybrid.parallel.context import ParallelContext
+from hybrid.parallel.dp.buckets import SHARD_ALIGN
 
 OVERLAP = ("parallel.overlap_param_gather=true",)
 ZERO = [Case(zero=1), Case(tp=2, zero=1), Case("llama", tp=2, zero=1), Case(tp=2, sp=True, zero=1),

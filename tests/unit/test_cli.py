@@ -11,7 +11,7 @@ import pytest
 from hybrid import cli
 from hybrid.compression import CompressionError
 from hybrid.config import ConfigError, compose_config
-from hybrid.parallel.schedules import ScheduleError
+from hybrid.parallel.pp.schedules import ScheduleError
 
 CODES = (((cli.UsageError, ScheduleError), cli.EXIT_BAD_INPUT), (RuntimeError, cli.EXIT_FAILED))
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from hybrid.config import OptimConfig
 from hybrid.optim import ModelOptimizer, adamw, build_optimizer, clip_grads, global_grad_norm
-from hybrid.parallel.data import GradSync, MeteredState, SyncReport, finalize_grads
+from hybrid.parallel.dp.data import GradSync, MeteredState, SyncReport, finalize_grads
 from hybrid.parallel.params import ParamInfo
 
 OPTIM = OptimConfig(weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip=0.05)

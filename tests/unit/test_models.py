@@ -23,7 +23,7 @@ from hybrid.config import ModelConfig
 from hybrid.model import analytic_param_count, build_model, family_of
 from hybrid.model.hf import conversion_rules, from_hf_state_dict, hf_config, load_hf_into, to_hf_state_dict
 from hybrid.parallel.params import Init, Shard, annotate
-from hybrid.parallel.tensor import padded_vocab
+from hybrid.parallel.tp.tensor import padded_vocab
 
 LOGITS_TOL = {"gpt": {"atol": 1e-10, "rtol": 1e-10}, "llama": {"atol": 1e-5, "rtol": 1e-5}}
 LOSS_TOL = {"atol": 1e-7, "rtol": 1e-6}

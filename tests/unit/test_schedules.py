@@ -1,4 +1,4 @@
-"""Pipeline schedules as data (hybrid/parallel/schedules.py) and the `python -m hybrid.tools.schedule` tool.
+"""Pipeline schedules as data (hybrid/parallel/pp/schedules.py) and the `python -m hybrid.tools.schedule` tool.
 
 No process group: the schedules are pure functions and the simulator a virtual clock. References: the
 analytic bubble (p−1)/(v·m+p−1), and torch.distributed.pipelining's own interleaved 1F1B order.
@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from hybrid.parallel.schedules import (
+from hybrid.parallel.pp.schedules import (
     SCHEDULES,
     Action,
     Op,
@@ -22,7 +22,7 @@ from hybrid.parallel.schedules import (
     gpipe_order,
     steps,
 )
-from hybrid.parallel.simulator import simulate, validate
+from hybrid.parallel.pp.simulator import simulate, validate
 from hybrid.tools import schedule as tool
 
 COSTS = [(1.0, 2.0), (1.0, 1.0), (1.5, 4.0), (2.0, 1.0)]

@@ -30,8 +30,8 @@ DUP_LINES = 6
 RULES: dict[str, tuple[str, ...]] = {
     "hybrid.parallel": (),
     "hybrid.compression": ("hybrid.parallel.collectives",),
-    "hybrid.model": ("hybrid.parallel.collectives", "hybrid.parallel.params", "hybrid.parallel.tensor",
-                     "hybrid.parallel.rng", "hybrid.parallel.recompute", "hybrid.parallel.actions"),
+    "hybrid.model": ("hybrid.parallel.collectives", "hybrid.parallel.params", "hybrid.parallel.tp.tensor",
+                     "hybrid.parallel.rng", "hybrid.parallel.recompute", "hybrid.parallel.pp.actions"),
     "hybrid.testing": (),
     "hybrid.config": (),
     "hybrid.lifeline": (),

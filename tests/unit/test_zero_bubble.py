@@ -17,10 +17,10 @@ import torch
 from hybrid.config import compose_config
 from hybrid.memory import meta_stages, micro_of, rank_memory, training_schedule
 from hybrid.model import build_model
-from hybrid.parallel.actions import Op, place_of
-from hybrid.parallel.schedules import ScheduleError, build_schedule, most_waiting
-from hybrid.parallel.simulator import simulate
-from hybrid.parallel.split_backward import SavedTensors, backward_input
+from hybrid.parallel.pp.actions import Op, place_of
+from hybrid.parallel.pp.schedules import ScheduleError, build_schedule, most_waiting
+from hybrid.parallel.pp.simulator import simulate
+from hybrid.parallel.pp.split_backward import SavedTensors, backward_input
 from hybrid.trainer import build_chunks
 from hybrid.validation import validate
 

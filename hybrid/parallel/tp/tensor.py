@@ -38,8 +38,8 @@ from torch import nn
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.params import Init, Shard, annotate
+from hybrid.parallel.pp.split_backward import edges_of, needed
 from hybrid.parallel.recompute import act_linear
-from hybrid.parallel.split_backward import edges_of, needed
 
 
 def _split_parts(parts: Sequence[int], tp: int, what: str) -> int:

@@ -18,7 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
 
-from hybrid.parallel.actions import Action, Op, Schedule, ScheduleError, steps
+from hybrid.parallel.pp.actions import Action, Op, Schedule, ScheduleError, steps
 
 F, B = Op.FORWARD, Op.FULL_BACKWARD
 IN, WT = Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT  # the split backward's input and weight passes

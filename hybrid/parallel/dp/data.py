@@ -40,9 +40,9 @@ import torch
 from torch import nn
 
 from hybrid.parallel import collectives as C
-from hybrid.parallel.buckets import GradBucket, assign_buckets, padded_numel
 from hybrid.parallel.collectives import Group
-from hybrid.parallel.grads import sync_sequence_parallel_grads, sync_tied_grads
+from hybrid.parallel.dp.buckets import GradBucket, assign_buckets, padded_numel
+from hybrid.parallel.dp.grads import sync_sequence_parallel_grads, sync_tied_grads
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 EncodedReduceScatter = Callable[[torch.Tensor, Group], Any]

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 from hybrid.parallel import collectives as C
-from hybrid.parallel.actions import Action, Op, Schedule, steps
 from hybrid.parallel.collectives import Group
-from hybrid.parallel.simulator import simulate
-from hybrid.parallel.split_backward import SavedTensors, WeightGrads, backward_input, run_backward
+from hybrid.parallel.pp.actions import Action, Op, Schedule, steps
+from hybrid.parallel.pp.simulator import simulate
+from hybrid.parallel.pp.split_backward import SavedTensors, WeightGrads, backward_input, run_backward
 from hybrid.parallel.timing import Clock, HostClock, Mark, Span
 
 ForwardStep = Callable[[int, int, Optional[torch.Tensor]], torch.Tensor]

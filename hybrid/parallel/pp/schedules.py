@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from hybrid.parallel.actions import Action, Op, Schedule, ScheduleError, steps
+from hybrid.parallel.pp.actions import Action, Op, Schedule, ScheduleError, steps
 
 __all__ = ["SCHEDULES", "Action", "Op", "Schedule", "ScheduleError", "ScheduleSpec", "build_schedule",
            "cap_weight_passes", "check_sizes", "most_waiting", "steps", "with_comm"]
