@@ -34,12 +34,12 @@ import torch
 from torch import nn
 
 from hybrid.config import optimizer_moments
-from hybrid.metrics import format_bytes
 from hybrid.model.family import family_of, ffn_hidden, kv_heads
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.parallel.dp.buckets import assign_buckets, padded_numel
 from hybrid.parallel.pp.actions import Op
 from hybrid.parallel.pp.schedules import SCHEDULES, Schedule, ScheduleError, build_schedule, most_waiting
+from hybrid.record.metrics import format_bytes
 from hybrid.sync import mode_footprint
 from hybrid.sync.exchange import exchange_bytes
 

@@ -47,9 +47,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from hybrid.checkpoint import run_root
 from hybrid.cli import warn
 from hybrid.config import ConfigError
-from hybrid.metrics import format_bytes
-from hybrid.runlog import command_line
-from hybrid.sinks import WandbSettings
+from hybrid.record.metrics import format_bytes
+from hybrid.record.runlog import command_line
+from hybrid.record.sinks import WandbSettings
 
 if TYPE_CHECKING:
     from hybrid.config import Config

@@ -23,7 +23,7 @@ from hybrid.health import ReplicaDivergence
 from hybrid.nonfinite import NonFiniteStop
 from hybrid.parallel import collectives as C
 from hybrid.parallel.timeouts import CollectiveFault, collective_fault, timeout_of
-from hybrid.runlog import RunLog, command_line, save_hydra_files
+from hybrid.record.runlog import RunLog, command_line, save_hydra_files
 from hybrid.startup import WriteFault, hold_run_folders, write_fault
 from hybrid.validation import validate
 
@@ -93,10 +93,10 @@ def _start(cfg: Config, log: Optional[RunLog], layout: Layout, device: torch.dev
     from hybrid.checkpoint import plan_resume
     from hybrid.memory import default_memory
     from hybrid.memory import summary as memory_summary
-    from hybrid.metrics import format_count
     from hybrid.model import analytic_param_count
     from hybrid.parallel.context import ParallelContext
     from hybrid.parallel.rng import derive_seed
+    from hybrid.record.metrics import format_count
     from hybrid.sync import startup_lines
     from hybrid.trainer import Trainer, build_chunks
 
@@ -225,7 +225,7 @@ def _hydra_main(cfg: Config) -> None:
 
 def main() -> None:
     register_configs()
-    if env_int("RANK", 0) != 0:  # only rank 0 writes the run's .hydra/ files and train.log (hybrid.runlog)
+    if env_int("RANK", 0) != 0:  # only rank 0 writes the run's .hydra/ files and train.log (hybrid.record.runlog)
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
     precheck(sys.argv[1:], App.of(__name__, __file__))  # bad overrides: one line and exit 2, before Hydra
     _hydra_main()

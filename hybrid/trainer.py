@@ -44,11 +44,11 @@ from hybrid.parallel.pp.actions import part_of
 from hybrid.parallel.pp.pipeline import P2P, PipelineStats, partition_layers, run_schedule
 from hybrid.parallel.pp.schedules import SCHEDULES, Schedule, build_schedule
 from hybrid.parallel.timing import clock_for
-from hybrid.profiling import StepProfiler
-from hybrid.report import StepReport
-from hybrid.runlog import Tally, gather, open_metrics, peak_memory, summary, summary_line, write_summary
+from hybrid.record.profiling import StepProfiler
+from hybrid.record.report import StepReport
+from hybrid.record.runlog import Tally, gather, open_metrics, peak_memory, summary, summary_line, write_summary
+from hybrid.record.sinks import MetricsLogger
 from hybrid.sampler import StepSampler, batch_from, eval_indices
-from hybrid.sinks import MetricsLogger
 from hybrid.sync import build_plan
 
 if TYPE_CHECKING:

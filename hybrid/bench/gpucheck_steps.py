@@ -14,8 +14,8 @@ from hybrid.bench.step_vs_hf import build_sides, synthetic_corpus
 from hybrid.compression.hooks import make_hook
 from hybrid.config import Config, compose_config
 from hybrid.memory import largest_micro_batch, meta_stages, stage_estimates
-from hybrid.metrics import mfu, peak_flops
 from hybrid.parallel.context import Layout, ParallelContext
+from hybrid.record.metrics import mfu, peak_flops
 from hybrid.trainer import Trainer, build_chunks
 from hybrid.validation import validate
 

@@ -4,7 +4,7 @@
 
 Each model is built whole (tp=1, one stage) on the meta device, so no weights are allocated:
 the counted parameters are the real module's (a tied head counted once). The analytic count is
-`hybrid.model.analytic_param_count`; FLOPs/token = 6N + 12·L·h·s (`hybrid.metrics.model_flops_per_token`).
+`hybrid.model.analytic_param_count`; FLOPs/token = 6N + 12·L·h·s (`hybrid.record.metrics.model_flops_per_token`).
 The vocabulary is `model.vocab_size`, or the default BPE's `data.vocab_size` where the config leaves it
 to the tokenizer (the tiny models); it is padded to a multiple of `make_vocab_size_divisible_by`.
 """
@@ -20,8 +20,8 @@ from typing import Any, Optional
 import torch
 
 from hybrid.config import CONFIG_DIR, ModelConfig, compose_config
-from hybrid.metrics import format_count, model_flops_per_token
 from hybrid.model import analytic_param_count, build_model
+from hybrid.record.metrics import format_count, model_flops_per_token
 
 
 def model_names() -> list[str]:

@@ -37,11 +37,11 @@ from hybrid.bench.model_size import model_names
 from hybrid.compression.hooks import make_hook
 from hybrid.config import Config, ConfigError, compose_config
 from hybrid.data import Corpus
-from hybrid.metrics import format_count, model_flops_per_token
 from hybrid.model import analytic_param_count, build_model
 from hybrid.model.hf import hf_config, to_hf_state_dict
 from hybrid.optim import lr_at, param_groups
 from hybrid.parallel.context import ParallelContext
+from hybrid.record.metrics import format_count, model_flops_per_token
 from hybrid.sampler import StepSampler, batch_from
 from hybrid.trainer import Trainer
 from hybrid.validation import validate

@@ -39,8 +39,8 @@ from hybrid.bench.common import add_quick, check_models, parse_with_quick, repro
 from hybrid.bench.gpucheck_steps import Setting, config, timed, trainer, vocab_of
 from hybrid.bench.plain_gpt import PlainGPT, hf_to_plain
 from hybrid.bench.step_vs_hf import ReferenceLoop
-from hybrid.metrics import mfu, peak_flops
 from hybrid.model.hf import export_hf_state_dict
+from hybrid.record.metrics import mfu, peak_flops
 
 SIDES = ("hybrid", "hybrid_compiled", "plain", "plain_compiled")
 QUICK = {"model": "gpt-tiny", "seq_len": 128, "micro_batch": 2, "rounds": 4, "steps": 3, "profile_steps": 2}

@@ -30,10 +30,10 @@ import torch.distributed as dist
 from hybrid.bench import pp_common as pc
 from hybrid.bench.common import reproduce_command, table, timed
 from hybrid.memory import meta_stages, micro_of, rank_memory, training_schedule
-from hybrid.metrics import format_bytes
 from hybrid.parallel.context import pp_streams
 from hybrid.parallel.pp.pipeline import P2P, PipelineStats, run_schedule
 from hybrid.parallel.pp.simulator import simulate
+from hybrid.record.metrics import format_bytes
 from hybrid.testing.activations import tracked_peak
 from hybrid.testing.ranks import launch
 from hybrid.trainer import build_chunks

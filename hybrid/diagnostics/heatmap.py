@@ -4,7 +4,7 @@ enough to read them; NaN cells (the diagonal of a bandwidth matrix) stay blank; 
 lines mark where one node's ranks end and the next one's begin.
 
 matplotlib (a core dependency) is imported inside `write_heatmap`, not at module level, so importing this
-module (the trainer does, through `hybrid.report`) costs no start-up time; it draws on the Agg canvas (no
+module (the trainer does, through `hybrid.record.report`) costs no start-up time; it draws on the Agg canvas (no
 display, no pyplot state).
 """
 

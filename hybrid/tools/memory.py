@@ -24,9 +24,9 @@ import torch
 from hybrid.cli import EXIT_BAD_INPUT, UsageError, run_tool
 from hybrid.config import ConfigError, compose_config
 from hybrid.memory import default_memory, largest_micro_batch, meta_stages, micro_of, stage_estimates, training_schedule
-from hybrid.metrics import format_bytes
 from hybrid.overrides import App, check
 from hybrid.parallel.context import Layout
+from hybrid.record.metrics import format_bytes
 from hybrid.validation import validate
 
 if TYPE_CHECKING:

@@ -22,9 +22,9 @@ from test_dp import synthetic_corpus
 from hybrid.compression.hooks import make_hook
 from hybrid.config import compose_config
 from hybrid.parallel import collectives as C
-from hybrid.parallel import traffic_map
 from hybrid.parallel.context import GROUP_KINDS as GROUPS
 from hybrid.parallel.context import Layout, ParallelContext
+from hybrid.record import traffic_map
 from hybrid.trainer import Trainer, build_chunks
 
 DELAY_S = 0.4  # rank 1's lateness; each side of DELAY_S / 2 leaves 0.2 s for the scheduler's noise

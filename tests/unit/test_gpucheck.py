@@ -12,7 +12,7 @@ import torch
 
 from hybrid.bench import gpucheck, gpucheck_steps
 from hybrid.bench.gpucheck_steps import Setting
-from hybrid.metrics import model_flops_per_token
+from hybrid.record.metrics import model_flops_per_token
 
 
 def test_dry_run_measures_every_part_and_writes_its_figures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

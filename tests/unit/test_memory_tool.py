@@ -7,8 +7,8 @@ import torch
 
 from hybrid.config import compose_config
 from hybrid.memory import largest_micro_batch, meta_stages, stage_estimates
-from hybrid.metrics import format_bytes
 from hybrid.parallel.context import Layout
+from hybrid.record.metrics import format_bytes
 from hybrid.tools.memory import main, parse_size
 from hybrid.trainer import build_chunks
 

@@ -1,4 +1,4 @@
-"""Tests for hybrid.metrics: FLOPs formula, JSONL sink semantics, wandb folders, lazy wandb import."""
+"""Tests for hybrid.record.metrics: FLOPs formula, JSONL sink semantics, wandb folders, lazy wandb import."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from hybrid.metrics import format_count, jsonable, mfu, model_flops_per_token, peak_flops
-from hybrid.sinks import MetricsLogger
+from hybrid.record.metrics import format_count, jsonable, mfu, model_flops_per_token, peak_flops
+from hybrid.record.sinks import MetricsLogger
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -209,7 +209,7 @@ def test_wandb_offline_keeps_its_files_in_run_dir(sandbox: tuple[Path, Path, Pat
     """An offline wandb run writes under run_dir only: nothing lands in the CWD or in HOME."""
     cwd, home, run = sandbox
     proc = _run_python(f"""
-        from hybrid.sinks import MetricsLogger
+        from hybrid.record.sinks import MetricsLogger
         with MetricsLogger({str(run)!r}, {{"model": {{"hidden": 32}}}}, True, 3, wandb_mode="offline",
                            progress=False, run_name="t") as m:
             for step in range(1, 4):
@@ -227,7 +227,7 @@ def test_wandb_online_without_credentials_is_one_clear_error(sandbox: tuple[Path
     """Online mode with no API key fails fast with a RuntimeError instead of prompting or hanging."""
     cwd, home, run = sandbox
     proc = _run_python(f"""
-        from hybrid.sinks import MetricsLogger
+        from hybrid.record.sinks import MetricsLogger
         try:
             MetricsLogger({str(run)!r}, {{}}, True, 3, wandb_mode="online", progress=False)
         except RuntimeError as e:
@@ -243,7 +243,7 @@ def test_disabled_mode_and_non_writers_never_import_wandb(sandbox: tuple[Path, P
     cwd, home, run = sandbox
     proc = _run_python(f"""
         import sys
-        from hybrid.sinks import MetricsLogger
+        from hybrid.record.sinks import MetricsLogger
         with MetricsLogger({str(run)!r}, {{}}, True, 2, wandb_mode="disabled", progress=False) as m:
             m.log(0, {{"loss": 1.0}})
         with MetricsLogger({str(run)!r} + "-r1", {{}}, False, 2, wandb_mode="offline") as m:

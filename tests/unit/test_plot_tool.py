@@ -177,7 +177,7 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, real: Pa
 def test_matplotlib_loads_only_when_a_figure_is_drawn() -> None:
     """matplotlib is a core dependency, imported inside the drawing functions: importing the trainer's report
     and the drawing tools (start-up of every run and tool) does not load it."""
-    code = ("import sys, hybrid.report, hybrid.tools.plot, hybrid.tools.schedule, hybrid.tools.traffic, "
+    code = ("import sys, hybrid.record.report, hybrid.tools.plot, hybrid.tools.schedule, hybrid.tools.traffic, "
             "hybrid.tools.diagnose; print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})

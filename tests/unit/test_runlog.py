@@ -1,4 +1,4 @@
-"""hybrid.runlog: train.log as a tee of rank 0's stderr (held until the run is accepted, appended across
+"""hybrid.record.runlog: train.log as a tee of rank 0's stderr (held until the run is accepted, appended across
 starts), the summary (Tally, summary.json, its line) and the end-of-run gather over forked gloo ranks."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from hybrid.cli import say, warn
-from hybrid.metrics import format_bytes, format_duration
-from hybrid.runlog import RunLog, Tally, gather, peak_memory, summary, summary_line, write_summary
-from hybrid.sinks import MetricsLogger
+from hybrid.record.metrics import format_bytes, format_duration
+from hybrid.record.runlog import RunLog, Tally, gather, peak_memory, summary, summary_line, write_summary
+from hybrid.record.sinks import MetricsLogger
 from hybrid.testing.ranks import launch
 
 

@@ -1,4 +1,4 @@
-"""hybrid.sinks: grouped metric names, the wandb settings' precedence, wandb's folders and run id (a fake
+"""hybrid.record.sinks: grouped metric names, the wandb settings' precedence, wandb's folders and run id (a fake
 wandb module records what wandb.init and run.log get), and TensorBoard read back against metrics.jsonl."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from hybrid.config import WandbConfig
-from hybrid.sinks import (
+from hybrid.record.sinks import (
     TENSORBOARD_MISSING,
     WANDB_DIRS,
     MetricsLogger,

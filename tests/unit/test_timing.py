@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from hybrid.parallel import comm_report
 from hybrid.parallel.collectives import CommCounter, bus_factor
 from hybrid.parallel.timing import CommTimer, HostClock, Span, resolve, union_length
+from hybrid.record import comm_report
 
 
 def brute_union(intervals: list[tuple[float, float]], step: float = 1e-3) -> float:

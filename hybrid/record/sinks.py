@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
-from hybrid.metrics import LineProgress, jsonable, progress_postfix
+from hybrid.record.metrics import LineProgress, jsonable, progress_postfix
 
 if TYPE_CHECKING:
     from hybrid.config import WandbConfig

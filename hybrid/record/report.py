@@ -2,11 +2,11 @@
 
 `StepReport` turns a step into its metrics.jsonl record: loss, throughput and MFU; the bytes per group
 counted at the collectives; the DP figures of `GradSync` (bytes, compression ratio and error); and, when
-the step was timed (`logging.timing`), the `comm/` and `time/` keys of `hybrid.parallel.comm_report`.
+the step was timed (`logging.timing`), the `comm/` and `time/` keys of `hybrid.record.comm_report`.
 All of it comes from one float64 all-reduce over the world (metrics only, uncounted), its elements in a
 fixed order (gloo's ring sums each element in an order set by its position).
 
-`traffic` sums every rank's row of the step's bytes rank → rank (`hybrid.parallel.traffic_map`) over the
+`traffic` sums every rank's row of the step's bytes rank → rank (`hybrid.record.traffic_map`) over the
 world (one more all-reduce, once per run) and rank 0 writes `traffic.json` and `traffic.png`.
 """
 
@@ -22,14 +22,14 @@ import torch
 import torch.distributed as dist
 
 from hybrid.config import Config
-from hybrid.metrics import model_flops_per_token, peak_flops
 from hybrid.parallel import collectives as C
-from hybrid.parallel import comm_report, traffic_map
 from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.dp.data import GradSync
 from hybrid.parallel.pp.pipeline import PipelineStats, schedule_idle_s
 from hybrid.parallel.pp.schedules import Schedule
 from hybrid.parallel.timing import StepTiming
+from hybrid.record import comm_report, traffic_map
+from hybrid.record.metrics import model_flops_per_token, peak_flops
 
 
 class StepReport:

@@ -12,7 +12,7 @@
 - `save_hydra_files`: Hydra's `.hydra/{config,hydra,overrides}.yaml`, written by the run itself
   (hydra.output_subdir is null in config.yaml, so Hydra writes them for no run) once it is accepted.
 - `open_metrics`: the run's `MetricsLogger` (metrics.jsonl, wandb, TensorBoard, progress) from its config.
-- `Tally` (a `hybrid.sinks.Sink`) keeps what the summary needs; `summary` builds `summary.json`.
+- `Tally` (a `hybrid.record.sinks.Sink`) keeps what the summary needs; `summary` builds `summary.json`.
   Collective: `gather` — one all_gather_object over the world at the end of the run.
 """
 
@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from hybrid.config import ConfigError
-from hybrid.metrics import format_bytes, format_count, format_duration
-from hybrid.sinks import TENSORBOARD_MISSING, MetricsLogger, WandbSettings, tensorboard_installed, write_atomic
+from hybrid.record.metrics import format_bytes, format_count, format_duration
+from hybrid.record.sinks import TENSORBOARD_MISSING, MetricsLogger, WandbSettings, tensorboard_installed, write_atomic
 
 if TYPE_CHECKING:
     from hybrid.config import Config

@@ -1,6 +1,6 @@
 """Run metrics: model FLOPs and MFU, a step timer, JSON-safe values, and the formats of the lines a run
 prints (counts, durations, byte sizes, the progress line). Where metrics go (metrics.jsonl, wandb,
-TensorBoard) is `hybrid.sinks`; the run's log file and summary are `hybrid.runlog`.
+TensorBoard) is `hybrid.record.sinks`; the run's log file and summary are `hybrid.record.runlog`.
 """
 
 from __future__ import annotations
