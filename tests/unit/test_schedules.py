@@ -101,8 +101,11 @@ def test_peak_in_flight_interleaved(p, m, v):
 
 @pytest.mark.parametrize("forward_only", [False, True])
 def test_grid_validates_and_simulates(forward_only):
+    """Every schedule at every size up to p=6, m=12, v=4 validates and replays with each rank busy for its work.
+    The grid holds every edge the builders branch on (m < p, m = p, m not a multiple of p, one rank, v up to 4);
+    larger p and m only repeat the steady phase."""
     count = 0
-    for name, p, m, v in valid_sizes():
+    for name, p, m, v in valid_sizes(max_p=6, max_m=12):
         sched = build_schedule(name, p, m, v, forward_only=forward_only)
         sim = simulate(sched)  # validates first, then replays; raises ScheduleError on either failure
         work = m * (1.0 if forward_only else 3.0)

@@ -128,10 +128,12 @@ def test_every_deferral_between_1f1b_and_zb_h1_runs(p):
         assert build_schedule("zb1p", p, m, deferrals=[None] * p).actions == plain.actions
 
 
-@pytest.mark.parametrize("p,m", [(2, 4), (3, 5), (4, 8)])
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 5), (4, 6)])
 def test_every_zbv_cap_runs_and_keeps_each_chunks_weight_passes_in_order(p, m):
     """zbv capped per rank (0 up to the order's own, or unsplit): no deadlock, every microbatch's passes once, each
-    chunk's weight passes in microbatch order (gradients accumulate as uncapped); its own cap is the order."""
+    chunk's weight passes in microbatch order (gradients accumulate as uncapped); its own cap is the order.
+    At pp4 m=6 the own caps are 0, 1, 3, 4 (40 combinations): ranks with none, small and large caps; m=8's
+    0, 3, 5, 6 (168) only adds more values of the same kinds."""
     zbv = build_schedule("zbv", p, m, 2)
     own = [most_waiting(a) for a in zbv.actions]
     assert build_schedule("zbv", p, m, 2, deferrals=own).actions == zbv.actions
