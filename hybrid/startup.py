@@ -14,7 +14,9 @@ every rank before anything of the run is written; and a write that fails while t
   the lock lives in it and two new runs must meet on one file; a probe file is created and removed there,
   and the checkpoint folder's free space must hold one checkpoint (`checkpoint_bytes`).
 - wandb: `logging.wandb.mode=online` needs an API key where wandb looks for one (`wandb_key_source`),
-  found without contacting the network.
+  found without contacting the network. A single process (no rank to share the answer with) checks it
+  before its data step too (`check_wandb_key` in `hybrid.train.run`): refused at once, not after the
+  tokenizer and the token cache were built.
 
 Collective: `hold_run_folders` is one broadcast_object_list over the world (rank 0's answer: None or the
 error line), as `hybrid.checkpoint.plan_resume`, so every rank raises the same ConfigError.
@@ -240,6 +242,11 @@ def check_wandb(mode: str, env: Mapping[str, str], home: Path) -> None:
                           "logging.wandb.mode=offline")
 
 
+def check_wandb_key(cfg: Config) -> None:
+    """`check_wandb` for the run's `logging.wandb` settings, this process's environment and home."""
+    check_wandb(WandbSettings.of(cfg.logging.wandb).mode, os.environ, Path.home())
+
+
 class RunFolders:
     """The locks rank 0 holds on the run's folders (none on the other ranks); a context manager whose exit
     releases them."""
@@ -250,7 +257,7 @@ class RunFolders:
     def take(self, cfg: Config, n_params: int) -> None:
         """The wandb key, then logging.dir and (when the run saves checkpoints) the checkpoint run folder:
         created, probed, locked; the checkpoint folder's free space. Raises ConfigError, holding nothing."""
-        check_wandb(WandbSettings.of(cfg.logging.wandb).mode, os.environ, Path.home())
+        check_wandb_key(cfg)
         try:
             log_dir = Path(os.path.abspath(cfg.logging.dir))
             self.locks.append(lock_folder(log_dir, "logging.dir", "logging.dir (or run_name)"))

@@ -24,7 +24,7 @@ from hybrid.nonfinite import NonFiniteStop
 from hybrid.parallel import collectives as C
 from hybrid.parallel.timeouts import CollectiveFault, collective_fault, timeout_of
 from hybrid.record.runlog import RunLog, command_line, save_hydra_files
-from hybrid.startup import WriteFault, hold_run_folders, write_fault
+from hybrid.startup import WriteFault, check_wandb_key, hold_run_folders, write_fault
 from hybrid.validation import validate
 
 if TYPE_CHECKING:
@@ -69,6 +69,8 @@ def run(cfg: Config, log: Optional[RunLog] = None) -> None:
     place_sweep_job(cfg)
     world, rank = env_int("WORLD_SIZE", 1), env_int("RANK", 0)
     layout = validate(cfg, world, env_int("LOCAL_WORLD_SIZE", world))
+    if world == 1:  # rank 0's answer needs no broadcast: a missing wandb key is refused before the data is built
+        check_wandb_key(cfg)
     device = _device(cfg)
     corpus = prepare_data(cfg.data, init_from=cfg.model.init_from)
     vocab = cfg.model.vocab_size or corpus.vocab_size

@@ -11,6 +11,10 @@ a fork would break (a test process with OMP_NUM_THREADS=1 and no process group).
 `run_forked_ranks` starts `world` such children at once, each with the environment torchrun gives its
 ranks (RANK, WORLD_SIZE, LOCAL_*, MASTER_ADDR/MASTER_PORT on a free local port): one multi-rank run of
 the real entry point, each rank's exit status and output apart, without torchrun's seconds of start-up.
+
+`refusal` is the in-process counterpart for bad input that composition or validation refuses: the message
+`hybrid.train` would print after `hybrid: error:`, without a process (the edge that prints it is the same
+for every such message, and forked runs check it).
 """
 
 from __future__ import annotations
@@ -119,3 +123,19 @@ def _wait(pid: int, timeout_s: float) -> int:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     return -9
+
+
+def refusal(argv: Sequence[str], world: int = 1) -> Optional[str]:
+    """The ConfigError message `hybrid.train` refuses `argv` with on `world` ranks of one node before its data
+    step, found in this process: the pre-check's composition (`hybrid.overrides.check` with hybrid.train's App,
+    as `hybrid.cli.precheck` calls it: Hydra's errors, keys the schema lacks), then `validate` on each composed
+    job, as `hybrid.train.run` calls it. None when both accept it."""
+    from hybrid.config import ConfigError
+    from hybrid.overrides import App, check
+    from hybrid.validation import validate
+
+    try:
+        check(list(argv), App("hybrid.train", None), lambda cfg: validate(cfg, world, world))
+    except ConfigError as e:
+        return str(e)
+    return None

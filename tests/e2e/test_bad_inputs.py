@@ -1,13 +1,22 @@
 """Every bad input of the command line is one `hybrid: error:` line, exit status 2, no traceback, and nothing
-written: a table of command lines, each run through the real entry point `hybrid.train.main` in a forked
-child (hybrid.testing.cli_runs: a real process, without seconds of imports each) working in an empty folder
-that must stay empty. One case also runs as a fresh `python -m hybrid.train`, the reference the fork must
-match. To cover a new bad input, add a row to CASES.
+written: a table of command lines (CASES on one process, RANKED on two torchrun ranks), each row one bad input
+and a piece of its one line. To cover a new bad input, add a row.
+
+Each row is checked once. Its message is found in this process the way `hybrid.train` finds it
+(hybrid.testing.cli_runs' `refusal`): the pre-check's composition of the command line (`hybrid.overrides.check`:
+Hydra's own errors, keys the schema lacks), then `hybrid.validation.validate` for the row's world, as `run`
+calls it. The edge that turns such a ConfigError into the line, the status and nothing written
+(`hybrid.cli.exit_on_error` → `fail`) is one mechanism for all of them, so it runs for real for one row of each
+way a refusal is reached (FORKED, RANKED_FORKED): the real entry point `hybrid.train.main` in a forked child
+(hybrid.testing.cli_runs: a real process, without seconds of imports each) working in an empty folder that must
+stay empty. Rows refused only after validation (the tokenizer folders on the file system, wandb's key) must be
+in FORKED. One case also runs as a fresh `python -m hybrid.train`, the reference the fork must match.
 
 Before launch: `python -m hybrid.tools.check` (what launch/local.sh, multinode.sh and slurm.sbatch run in one
 process before torchrun) gives the same one line, once and without a `[rankN]` prefix, for every RANKED case
-and the CASES in CHECKED; each launch script, with a stand-in torchrun on PATH, stops there with that line
-and exit 2, and never starts torchrun. A good command line passes the check and reaches torchrun.
+and the CASES in CHECKED (its `main` called in this process, in an empty folder that must stay empty); each
+launch script, with a stand-in torchrun on PATH, runs the real check process, stops there with that line and
+exit 2, and never starts torchrun. A good command line passes the check and reaches torchrun.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import pytest
 
 import hybrid.tools.check
 import hybrid.train
-from hybrid.testing.cli_runs import CliRun, run_forked
+from hybrid.testing.cli_runs import CliRun, refusal, run_forked
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -149,14 +158,24 @@ RANKED: list[tuple[str, list[str], str]] = [  # the same, as rank 0 and rank 1 o
     ("sgd-sharded-optimizer", ["optim=sgd", "parallel.zero=1"],
      "optim.name=sgd cannot run with parallel.zero=1 or compression=onebit_adam"),
 ]
-"""Checks made before the process group exists run alike on every rank: each forked child gets torchrun's
-RANK/WORLD_SIZE (no MASTER_ADDR: nothing to wait for) and must print its own `[rankN]` line.
-(tests/e2e/test_torchrun.py runs the real torchrun for a bad layout and a bad override.)"""
-
 
 CHECKED = ["steps-0", "warmup-longer-than-run", "on-nonfinite", "max-skipped-steps", "rewind-without-checkpoints",
            "llama-seq-len", "tokenizer-garbled", "unknown-key"]
 """CASES also run through the check before launch (RANKED all are: the world matters there)."""
+
+FORKED = ["unknown-key", "eps", "rewind-without-checkpoints", "topk-fraction", "sync-mode", "tokenizer-empty",
+          "tokenizer-garbled", "wandb-online-no-key"]
+"""CASES run for real through `hybrid.train.main`, one per way a refusal is reached: the pre-check's unknown key
+(hybrid.overrides), validate's own rule, its checkpoint rule, the compression package's check, the sync modes'
+check, the data's tokenizer folders (the file system, after validate), wandb's key (the start-up check). These
+are the rows the in-process check leaves out: their refusal may need the whole run's start."""
+RANKED_FORKED = ["tp-heads"]
+"""RANKED run for real as rank 0 and rank 1: the `[rankN]` prefix is the same for every message."""
+
+
+def rows(table: list[tuple[str, list[str], str]], ids: list[str], forked: bool) -> list[tuple[str, list[str], str]]:
+    """The rows of `table` whose id is (`forked`) or is not in `ids`."""
+    return [row for row in table if (row[0] in ids) == forked]
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +185,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (root / "empty").mkdir()
     (root / "garbled").mkdir()
     (root / "garbled" / "tokenizer.json").write_text("{not json")
-    (root / "home").mkdir()  # HOME without a netrc or wandb settings: no wandb key
-    return {"empty": str(root / "empty"), "garbled": str(root / "garbled"), "home": str(root / "home")}
+    return {"empty": str(root / "empty"), "garbled": str(root / "garbled")}
 
 
 def assert_refused(r: CliRun, needle: str, cwd: Path) -> None:
@@ -177,16 +195,45 @@ def assert_refused(r: CliRun, needle: str, cwd: Path) -> None:
     assert list(cwd.iterdir()) == [], sorted(p.name for p in cwd.iterdir())  # nothing written
 
 
-@pytest.mark.parametrize(("overrides", "needle"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_every_forked_row_is_a_row() -> None:
+    ids = [c[0] for c in CASES + RANKED]
+    assert len(set(ids)) == len(ids) and set(FORKED) <= {c[0] for c in CASES}, FORKED
+    assert set(RANKED_FORKED) <= {c[0] for c in RANKED} and set(CHECKED) <= {c[0] for c in CASES}
+
+
+IN_PROCESS = [(*row, 1) for row in rows(CASES, FORKED, forked=False)] + [(*row, 2) for row in RANKED]
+
+
+@pytest.mark.parametrize(("overrides", "needle", "world"), [c[1:] for c in IN_PROCESS], ids=[c[0] for c in IN_PROCESS])
+def test_bad_input_is_refused_with_its_one_line(overrides: list[str], needle: str, world: int,
+                                                folders: dict[str, str]) -> None:
+    """A row that is not in FORKED (and every RANKED row, on 2 ranks), in this process (hybrid.testing.cli_runs'
+    `refusal`: composed and validated as hybrid.train does). A row refused only later belongs in FORKED."""
+    message = refusal([*B, *(o.format(**folders) for o in overrides)], world)
+    assert message is not None and needle in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [c[1:] for c in rows(CASES, FORKED, forked=True)],
+                         ids=[c[0] for c in rows(CASES, FORKED, forked=True)])
 def test_bad_input_is_one_line_exit_2_nothing_written(overrides: list[str], needle: str, folders: dict[str, str],
-                                                      tmp_path: Path) -> None:
+                                                      tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A FORKED row through the real entry point. HOME is a fresh folder without a netrc or wandb settings (no
+    wandb key), holding the default data cache (~/.cache/hybrid): a row refused before the data step (all but
+    the data's own tokenizer rows; wandb's key among them) never starts building it."""
     argv = [*B, *(o.format(**folders) for o in overrides)]
-    env = {"OMP_NUM_THREADS": "1", "HOME": folders["home"], "WANDB_API_KEY": ""}
+    home = tmp_path_factory.mktemp("home")
+    env = {"OMP_NUM_THREADS": "1", "HOME": str(home), "WANDB_API_KEY": "", "HYBRID_CACHE": ""}
     assert_refused(run_forked(hybrid.train.main, argv, tmp_path, env), needle, tmp_path)
+    if not any(o.startswith("data.tokenizer=") for o in overrides):
+        assert not (home / ".cache" / "hybrid").exists(), sorted(str(p) for p in home.rglob("*"))
 
 
-@pytest.mark.parametrize(("overrides", "needle"), [c[1:] for c in RANKED], ids=[c[0] for c in RANKED])
+@pytest.mark.parametrize(("overrides", "needle"), [c[1:] for c in rows(RANKED, RANKED_FORKED, forked=True)],
+                         ids=[c[0] for c in rows(RANKED, RANKED_FORKED, forked=True)])
 def test_bad_input_is_one_line_on_every_rank(overrides: list[str], needle: str, tmp_path: Path) -> None:
+    """Checks made before the process group exists run alike on every rank: each forked child gets torchrun's
+    RANK/WORLD_SIZE (no MASTER_ADDR: nothing to wait for) and must print its own `[rankN]` line.
+    (tests/e2e/test_torchrun.py runs the real torchrun for a bad layout and a bad override.)"""
     for rank in (0, 1):
         env = {"OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "LOCAL_WORLD_SIZE": "2"}
@@ -212,23 +259,37 @@ LAUNCH_CASES = [(c[0], ["--world", "2", *c[1]], c[2]) for c in RANKED] + [c for 
     ("check-world-layout", ["--world", "3", "parallel=tp2"], "does not divide world size 3")]
 
 
+def run_check(argv: list[str], cwd: Path, capsys: pytest.CaptureFixture[str],
+              monkeypatch: pytest.MonkeyPatch) -> CliRun:
+    """`python -m hybrid.tools.check *argv` in this process, working in `cwd`: its `main`, one process without
+    torchrun's variables, as the launch scripts run it (they run the real process, test below)."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    code = hybrid.tools.check.main(argv)
+    out = capsys.readouterr()
+    return CliRun(code, out.out, out.err)
+
+
 @pytest.mark.parametrize(("argv", "needle"), [c[1:] for c in LAUNCH_CASES], ids=[c[0] for c in LAUNCH_CASES])
-def test_the_check_before_launch_says_it_once(argv: list[str], needle: str, folders: dict[str, str],
-                                              tmp_path: Path) -> None:
+def test_the_check_before_launch_says_it_once(argv: list[str], needle: str, folders: dict[str, str], tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     args = [a.format(**folders) for a in argv]
     split = 2 if args[0] == "--world" else 0
-    argv = [*args[:split], *B, *args[split:]]
-    r = run_forked(lambda: sys.exit(hybrid.tools.check.main()), argv, tmp_path, {"OMP_NUM_THREADS": "1"})
+    r = run_check([*args[:split], *B, *args[split:]], tmp_path, capsys, monkeypatch)
     assert_refused(r, needle, tmp_path)
     assert r.error_lines()[0].startswith("hybrid: error: "), r.error_lines()  # one process: no rank prefix
 
 
-def test_the_check_before_launch_reads_every_job_of_a_sweep(tmp_path: Path) -> None:
+def test_the_check_before_launch_reads_every_job_of_a_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A `-m` sweep: the second value of a key is composed and validated too (hybrid.overrides.sweep_jobs)."""
-    check = lambda argv: run_forked(lambda: sys.exit(hybrid.tools.check.main()), argv, tmp_path)  # noqa: E731
-    assert_refused(check(["--world", "2", "-m", *B, "train.steps=4,0"]), "train.steps must be >= 1", tmp_path)
-    assert_refused(check(["--world", "2", *B, "-m", "train.steps=4,0"]), "is not a command line hybrid.train parses",
-                   tmp_path)  # Hydra's parser takes its flags before the overrides only
+    r = run_check(["--world", "2", "-m", *B, "train.steps=4,0"], tmp_path, capsys, monkeypatch)
+    assert_refused(r, "train.steps must be >= 1", tmp_path)
+    r = run_check(["--world", "2", *B, "-m", "train.steps=4,0"], tmp_path, capsys, monkeypatch)
+    assert_refused(r, "is not a command line hybrid.train parses", tmp_path)  # Hydra's flags go before the overrides
 
 
 def stand_in_torchrun(tmp: Path) -> tuple[dict[str, str], Path]:

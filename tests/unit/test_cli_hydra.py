@@ -8,8 +8,8 @@
   `BasicSweeper.split_arguments` (every job one of the sweep's, every value of the sweep in some job).
 - Keys the schema lacks (`+train.foo=1`, `++model.hiden=3`, `train.lrr=1`) are one line naming the
   nearest key of that schema node (difflib), or that node's keys when none is close.
-- Two real runs of `python -m hybrid.train`: a user's model file from a search-path folder trains one
-  step; a misspelt key is one line with the suggestion and exit status 2.
+- A real run of `python -m hybrid.train`: a user's model file from a search-path folder trains one step; and
+  the real entry point (forked): a misspelt key is one line with the suggestion and exit status 2.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import pytest
 
 from hybrid import cli, overrides
 from hybrid.config import CONFIG_DIR
+from hybrid.testing.cli_runs import run_forked
 
 ROOT = Path(__file__).resolve().parents[2]
 MY_TINY = "name: my-tiny\nn_layers: 2\nhidden: 64\nn_heads: 2\nmax_seq_len: 64\n"
@@ -169,7 +170,12 @@ def test_a_users_model_from_a_search_path_folder_trains(user_configs: Path, tmp_
 @pytest.mark.parametrize("argv,needle", [(["train.lrr=1"], "did you mean train.lr?"),
                                          (["-m", "model=gpt-tiny,gpt-tinny"], "did you mean gpt-tiny?")])
 def test_a_misspelt_override_is_one_line_and_exit_2(argv: list[str], needle: str, tmp_path: Path) -> None:
-    r = run_train(*argv, *QUICK, f"logging.dir={tmp_path / 'run'}", cwd=tmp_path)
+    """The real entry point in a forked child (hybrid.testing.cli_runs; tests/e2e/test_bad_inputs.py checks
+    that a fork refuses as a fresh process does)."""
+    import hybrid.train
+
+    r = run_forked(hybrid.train.main, [*argv, *QUICK, f"logging.dir={tmp_path / 'run'}"], tmp_path,
+                   {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"})
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("hybrid: error: "), r.stderr[-3000:]
     assert lines[0].endswith(needle)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hybrid.config import CONFIG_DIR, ConfigError, compose_config, config_dir
-from hybrid.testing.cli_runs import CliRun, run_forked
+from hybrid.testing.cli_runs import CliRun, refusal, run_forked
 from hybrid.validation import validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,7 +137,7 @@ def run_train(*args: str, cwd: Path = ROOT) -> CliRun:
     return run_forked(hybrid.train.main, list(args), cwd, {"OMP_NUM_THREADS": "1"})
 
 
-@pytest.mark.parametrize("args,needle", [
+BAD_INPUT = [
     (["model=nope"], "Could not find 'model/nope'"),
     (["train.foo=1"], "Could not override 'train.foo'"),
     (["train.steps=abc"], "could not be converted to Integer"),
@@ -147,7 +147,20 @@ def run_train(*args: str, cwd: Path = ROOT) -> CliRun:
     (["compression=nope"], "Could not find 'compression/nope'"),
     (["data=local"], "data.path is required by data=local"),
     (["train.steps=4", "profile.steps=[3,9]"], "profile.steps=[3, 9] must be"),
-])
+]
+FORKED = ["model=nope", "train.steps=abc", "model.hidden=250", "data.path=/nonexistent/corpus.txt"]
+"""BAD_INPUT rows (by their first override) also run through the real entry point: Hydra's group option and
+value errors (the pre-check), validate's rule, a path on the file system; the edge is the same for the rest."""
+
+
+@pytest.mark.parametrize("args,needle", BAD_INPUT)
+def test_bad_input_is_refused_with_its_line(args: list[str], needle: str) -> None:
+    """Each row in this process (hybrid.testing.cli_runs' `refusal`: composed and validated as hybrid.train does)."""
+    message = refusal([*args, "logging.wandb.mode=disabled"])
+    assert message is not None and needle in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("args,needle", [row for row in BAD_INPUT if row[0][0] in FORKED])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, tmp_path: Path) -> None:
     r = run_train(*args, f"logging.dir={tmp_path}", "logging.wandb.mode=disabled", cwd=tmp_path)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
