@@ -1,12 +1,16 @@
 """A torchrun entry for the fault-tolerance tests: `python -m killer <hybrid.train overrides>`
-(with tests/e2e on PYTHONPATH) runs `hybrid.train.main()`, and on the first attempt only
-(`TORCHELASTIC_RESTART_COUNT == 0`) rank `HYBRID_KILL_RANK` (default 1) SIGKILLs itself, or stops or holds:
+(with tests/e2e on PYTHONPATH) runs `hybrid.train.main()`, and rank `HYBRID_KILL_RANK` (default 1) SIGKILLs
+itself, or stops, hangs or holds. `HYBRID_KILL` is a comma-separated list, one fault per attempt: its A-th item
+acts on attempt A (`TORCHELASTIC_RESTART_COUNT`), so one torchrun launch can meet several faults in a row;
+attempts past the list (and empty items) run clean.
 
 - `HYBRID_KILL=step:N`: at the start of optimizer step N (after steps 1..N-1 completed);
 - `HYBRID_KILL=save:N`: while writing its shard file of checkpoint `step_%07d` % N, after its
   first item is in the file (flushed), so the shard is cut short and `.metadata` never written;
 - `HYBRID_KILL=stop:N`: SIGSTOP instead of SIGKILL at the start of step N: a hung rank, alive but silent,
   that the others must detect by their collective timeout (`parallel.timeout_s`).
+- `HYBRID_KILL=hang:N`: a hung rank as `stop`, but sleeping with SIGTERM's default action, so torchrun's SIGTERM
+  ends it at once (a SIGSTOPped worker ignores it until torchrun's 30 s shutdown grace ends in SIGKILL).
 - `HYBRID_KILL=hold:N`: no kill: at the start of step N the rank waits until it has caught a signal of
   `checkpoint.save_on_signal` (the flag its handler sets; at most HOLD_S), so a signal the test sends once
   step N − 1 is logged lands before step N + 1 however fast or slow the machine runs the steps.
@@ -50,6 +54,22 @@ def _kill_at_step(step: int, sig: signal.Signals = signal.SIGKILL) -> None:
     Trainer.train_step = train_step  # type: ignore[method-assign]
 
 
+def _hang_at_step(step: int) -> None:
+    from hybrid.trainer import Trainer
+
+    original = Trainer.train_step
+
+    def train_step(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+        if self.step == step - 1:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # checkpoint.save_on_signal's handler would outlive it
+            _say(f"hang rank {os.environ.get('RANK', '0')} at the start of step {step}")
+            while True:
+                signal.pause()
+        return original(self, *args, **kwargs)
+
+    Trainer.train_step = train_step  # type: ignore[method-assign]
+
+
 def _hold_at_step(step: int) -> None:
     from hybrid.trainer import Trainer
 
@@ -83,14 +103,15 @@ def _kill_mid_save(step: int) -> None:
 
 
 def arm() -> None:
-    """Patch the kill point named by HYBRID_KILL into this process (first attempt, chosen rank only)."""
+    """Patch the kill point HYBRID_KILL names for this attempt into this process (chosen rank only)."""
     attempt, rank = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), os.environ.get("RANK", "0")
     _say(f"attempt {attempt} rank {rank}")
-    spec = os.environ.get("HYBRID_KILL", "")
-    if not spec or attempt != "0" or rank != os.environ.get("HYBRID_KILL_RANK", "1"):
+    specs = os.environ.get("HYBRID_KILL", "").split(",")
+    spec = specs[int(attempt)] if int(attempt) < len(specs) else ""
+    if not spec or rank != os.environ.get("HYBRID_KILL_RANK", "1"):
         return
     kind, step = spec.split(":")
-    {"step": _kill_at_step, "save": _kill_mid_save, "hold": _hold_at_step,
+    {"step": _kill_at_step, "save": _kill_mid_save, "hold": _hold_at_step, "hang": _hang_at_step,
      "stop": lambda n: _kill_at_step(n, signal.SIGSTOP)}[kind](int(step))
 
 

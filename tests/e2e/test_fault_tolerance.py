@@ -1,13 +1,18 @@
-"""Fault tolerance with the real torchrun: a rank SIGKILLed mid-run, or mid-save, and the run still
+"""Fault tolerance with the real torchrun: ranks SIGKILLed mid-run or mid-save, or hung, and the run still
 ends with the loss curve of an uninterrupted run, each step logged once.
 
-- The reference: 2 ranks (dp2), 8 steps, a checkpoint every 3 steps (3, 6, 8), keep 2.
-- Kill mid-run: `launch/local.sh` with its defaults (`--max-restarts=3`, `checkpoint.resume=auto`, a
-  fresh TCPStore per attempt) runs `killer.py`, which SIGKILLs rank 1 at the start of step 6 on the
-  first attempt; torchrun restarts both ranks, which resume step 3 by themselves and finish.
-- Kill mid-save: rank 1 is SIGKILLed while writing its shard of step 6 (`--max-restarts=0`): the folder
-  has no `.metadata`, `problem()` says so, and a new `checkpoint.resume=auto` run skips it with a
-  warning, resumes step 3 and finishes.
+- The reference: conftest's `tiny_reference`, 2 ranks (dp2), 8 steps, a checkpoint every 2 steps, keep 2.
+- One launch meets three faults in a row (killer.py, one fault per attempt, always rank 1): `launch/local.sh`
+  with its defaults (`--max-restarts=3`, `checkpoint.resume=auto`, a fresh TCPStore per attempt) runs
+  `killer.py`, and torchrun restarts both ranks after each fault:
+  1. SIGKILL at the start of step 4: the restart resumes step 2 by itself;
+  2. SIGKILL while writing its shard of step 6: that folder has no `.metadata`, so the restart skips it with
+     a warning saying so (`problem()`) and resumes step 4;
+  3. a hang at the start of step 6: rank 0's collective times out after `parallel.timeout_s`, it exits with
+     the one line naming the group and writes its flight recorder; the last restart again skips the
+     incomplete step 6, resumes step 4 and finishes. (The hang comes last: rank 0 also writes a flight
+     recorder when a peer dies, so a later fault would overwrite the hang's.)
+  Each test below reads one part of that launch's output; the last compares its metrics with the reference.
 - The launch scripts' defaults, checked without starting anything (`TORCHRUN=echo`).
 """
 
@@ -19,32 +24,34 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
-from test_torchrun import QUICK, ROOT, read_metrics
+from test_torchrun import ROOT, TINY, read_metrics
 from test_torchrun import env as env  # noqa: F401  (the shared fixture)
 
 from hybrid.checkpoint import METADATA, list_steps, problem, step_path
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-# dropout on: a resume is bit-exact only if every rank's RNG streams come back too
-TINY = [*QUICK, "model.hidden=64", "model.n_layers=2", "model.dropout=0.1", "train.steps=8", "checkpoint.every=3",
-        "checkpoint.keep=2"]
 RUN = "gpt-tiny-dp"  # run_name of the default model and parallel groups
 TIMEOUT = 240
+FAULTS = "step:4,save:6,hang:6"  # attempt 0, 1, 2 (killer.py); attempt 3 runs clean
+HANG_TIMEOUT_S = 5  # parallel.timeout_s: far above a step's collectives (milliseconds), so only the hang trips it
 
 
-def run(cmd: list[str], env: dict[str, str], timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
-    """Run `cmd` in its own session; on timeout kill its whole process group (torchrun and its ranks)."""
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+def run(cmd: list[str], env: dict[str, str], timeout: int = TIMEOUT, merge: bool = False
+        ) -> subprocess.CompletedProcess:
+    """Run `cmd` in its own session; on timeout kill its whole process group (torchrun and its ranks). `merge`:
+    stderr into stdout, one pipe, so the lines of all attempts and ranks keep the order they were written in."""
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT if merge else subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         out, err = p.communicate()
-        pytest.fail(f"timed out after {timeout} s: {' '.join(cmd)}\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+        pytest.fail(f"timed out after {timeout} s: {' '.join(cmd)}\n{(err or out)[-3000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err or "")
 
 
 def dirs(tmp: Path) -> list[str]:
@@ -64,86 +71,87 @@ def latest(tmp: Path) -> str:
     return os.readlink(tmp / "ck" / RUN / "latest")
 
 
+def resumed(tmp: Path, step: int) -> str:
+    return f"checkpoint: resumed {step_path(tmp / 'ck' / RUN, step)} at step {step}"
+
+
+def after(out: str, *needles: str) -> int:
+    """Where the last of `needles` starts, each found after the one before it (fails on the first missing)."""
+    at = 0
+    for needle in needles:
+        found = out.find(needle, at)
+        assert found >= 0, f"{needle!r} not after position {at}:\n{out[at:][-4000:]}"
+        at = found
+    return at
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> tuple[list[dict], list[dict]]:
-    """The uninterrupted run: (step records, eval records)."""
-    tmp = tmp_path_factory.mktemp("reference")
-    r = run([*TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "hybrid.train", *TINY, *dirs(tmp)], env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert folders(tmp) == {"step_0000006": None, "step_0000008": None}  # keep=2
-    assert latest(tmp) == "step_0000008"
-    return read_metrics(tmp / "run")
+def faulted(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> tuple[Path, str]:
+    """The launch meeting FAULTS: (its folder, everything it printed in order); it must end with status 0."""
+    tmp = tmp_path_factory.mktemp("faulted")
+    e = killer_env(env, FAULTS) | {"TORCHRUN": " ".join(TORCHRUN), "HYBRID_MODULE": "killer", "PYTHONUNBUFFERED": "1"}
+    e.pop("MAX_RESTARTS", None)
+    r = run(["bash", str(ROOT / "launch" / "local.sh"), "2", *TINY, *dirs(tmp),
+             f"parallel.timeout_s={HANG_TIMEOUT_S}"], e, merge=True)
+    assert r.returncode == 0, r.stdout[-4000:]
+    return tmp, r.stdout
 
 
-def assert_same_run(tmp: Path, reference: tuple[list[dict], list[dict]]) -> None:
+def test_each_fault_restarts_both_ranks_once(faulted: tuple[Path, str]) -> None:
+    attempts = sorted(re.findall(r"killer: attempt (\d+) rank (\d+)", faulted[1]))
+    assert attempts == [(str(a), str(r)) for a in range(4) for r in range(2)]  # 3 faults, 3 restarts of both
+
+
+def test_rank_killed_mid_run_restarts_and_resumes(faulted: tuple[Path, str]) -> None:
+    tmp, out = faulted
+    assert out.count("killer: SIGKILL rank 1 at the start of step 4") == 1
+    assert out.count(resumed(tmp, 2)) == 1
+    after(out, "killer: attempt 0 rank 1", "killer: SIGKILL rank 1 at the start of step 4", "killer: attempt 1",
+          resumed(tmp, 2))
+
+
+def test_rank_hung_mid_run_is_timed_out_restarted_and_resumes(faulted: tuple[Path, str]) -> None:
+    """A hung rank (silent at step 6): rank 0's collective times out after parallel.timeout_s, it exits with the
+    one line naming the group and writes its flight recorder; torchrun ends the hung rank, restarts both,
+    they resume step 4."""
+    tmp, out = faulted
+    assert out.count("killer: hang rank 1 at the start of step 6") == 1
+    at = after(out, "killer: attempt 2 rank 1", "killer: hang rank 1 at the start of step 6",
+               "hybrid: error: collective")
+    line = out[at:].splitlines()[0]
+    assert re.search(r"on the (dp|world) group \(ranks \[0, 1\]\) failed (in|after) step \d+: ", line), line
+    flight = tmp / "run" / "flight" / "rank0.txt"
+    assert f"parallel.timeout_s={HANG_TIMEOUT_S} s" in line and f"last collectives: {flight}" in line
+    recorder = flight.read_text()
+    assert "flight recorder of rank 0" in recorder and re.search(r" (dp|world) .* (running|failed)\n", recorder)
+    after(out, line, "killer: attempt 3", resumed(tmp, 4))
+
+
+def test_rank_killed_mid_save_leaves_the_previous_checkpoint(faulted: tuple[Path, str]) -> None:
+    tmp, out = faulted
+    partial = step_path(tmp / "ck" / RUN, 6)
+    killed = f"killer: SIGKILL rank 1 mid-write of {partial}"
+    assert out.count(killed) == 1 and out.count(resumed(tmp, 4)) == 2
+    warning = f"hybrid: warning: checkpoint {partial} is incomplete: {METADATA} is missing (the save did not finish)"
+    assert out.count("warning: checkpoint") == 2 and out.count(f"{warning}; skipping it") == 2  # attempts 2 and 3
+    after(out, "killer: attempt 1 rank 1", resumed(tmp, 2), killed, "killer: attempt 2", warning, resumed(tmp, 4),
+          "killer: attempt 3", warning, resumed(tmp, 4))
+
+
+def test_the_faulted_run_ends_as_the_uninterrupted_one(faulted: tuple[Path, str], tiny_reference: Any) -> None:
     """Each step (and eval) logged exactly once, and the loss curve bit-equal to the reference's."""
+    tmp = faulted[0]
     steps, evals = read_metrics(tmp / "run")
     assert [s["step"] for s in steps] == list(range(1, 9))
     assert [e["step"] for e in evals] == [4, 8]
-    assert [s["loss"] for s in steps] == [s["loss"] for s in reference[0]]
-    assert [s["grad_norm"] for s in steps] == [s["grad_norm"] for s in reference[0]]
-    assert [e["eval_loss"] for e in evals] == [e["eval_loss"] for e in reference[1]]
-
-
-def test_rank_killed_mid_run_restarts_and_resumes(tmp_path: Path, env: dict[str, str],
-                                                  reference: tuple[list[dict], list[dict]]) -> None:
-    e = killer_env(env, "step:6") | {"TORCHRUN": " ".join(TORCHRUN), "HYBRID_MODULE": "killer"}
-    e.pop("MAX_RESTARTS", None)
-    r = run(["bash", str(ROOT / "launch" / "local.sh"), "2", *TINY, *dirs(tmp_path)], e)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert out.count("killer: SIGKILL rank 1 at the start of step 6") == 1
-    attempts = sorted(re.findall(r"killer: attempt (\d+) rank (\d+)", r.stderr))
-    assert attempts == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]  # exactly one restart of both ranks
-    assert f"checkpoint: resumed {step_path(tmp_path / 'ck' / RUN, 3)} at step 3" in out
-    assert_same_run(tmp_path, reference)
-    # keep=2 keeps steps 6 and 8, and also step 3: the checkpoint this session resumed from
-    assert folders(tmp_path) == {"step_0000003": None, "step_0000006": None, "step_0000008": None}
-    assert latest(tmp_path) == "step_0000008"
-
-
-def test_rank_stopped_mid_run_is_timed_out_restarted_and_resumes(tmp_path: Path, env: dict[str, str],
-                                                                reference: tuple[list[dict], list[dict]]) -> None:
-    """A hung rank (SIGSTOP at step 6): rank 0's collective times out after parallel.timeout_s, it exits with the
-    one line naming the group and writes its flight recorder; torchrun kills the stopped rank, restarts both,
-    they resume step 3 and end with the uninterrupted loss curve."""
-    e = killer_env(env, "stop:6") | {"TORCHRUN": " ".join(TORCHRUN), "HYBRID_MODULE": "killer"}
-    e.pop("MAX_RESTARTS", None)
-    r = run(["bash", str(ROOT / "launch" / "local.sh"), "2", *TINY, *dirs(tmp_path), "parallel.timeout_s=5"], e)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert out.count("killer: SIGSTOP rank 1 at the start of step 6") == 1
-    line = next(x for x in out.splitlines() if "hybrid: error: collective" in x)
-    assert re.search(r"on the (dp|world) group \(ranks \[0, 1\]\) failed (in|after) step \d+: ", line), line
-    assert "parallel.timeout_s=5 s" in line and f"last collectives: {tmp_path / 'run' / 'flight' / 'rank0.txt'}" in line
-    recorder = (tmp_path / "run" / "flight" / "rank0.txt").read_text()
-    assert "flight recorder of rank 0" in recorder and re.search(r" (dp|world) .* (running|failed)\n", recorder)
-    assert f"checkpoint: resumed {step_path(tmp_path / 'ck' / RUN, 3)} at step 3" in out
-    assert_same_run(tmp_path, reference)
-
-
-def test_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path: Path, env: dict[str, str],
-                                                             reference: tuple[list[dict], list[dict]]) -> None:
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=0"]
-    r = run([*cmd, "-m", "killer", *TINY, *dirs(tmp_path), "checkpoint.resume=auto"], killer_env(env, "save:6"))
-    assert r.returncode != 0
-    assert f"killer: SIGKILL rank 1 mid-write of {step_path(tmp_path / 'ck' / RUN, 6)}" in r.stderr, r.stderr[-3000:]
-    partial = step_path(tmp_path / "ck" / RUN, 6)
-    assert not (partial / METADATA).exists()
-    assert folders(tmp_path) == {"step_0000003": None,
-                                 "step_0000006": f"is incomplete: {METADATA} is missing (the save did not finish)"}
-    assert latest(tmp_path) == "step_0000003"
-    assert [s["step"] for s in read_metrics(tmp_path / "run")[0]] == list(range(1, 7))
-
-    r = run([*cmd, "-m", "hybrid.train", *TINY, *dirs(tmp_path), "checkpoint.resume=auto"], env)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, r.stderr[-4000:]
-    warning = f"hybrid: warning: checkpoint {partial} is incomplete: {METADATA} is missing (the save did not finish)"
-    assert r.stderr.count("warning: checkpoint") == 1 and r.stderr.count(f"{warning}; skipping it") == 1, r.stderr
-    assert f"checkpoint: resumed {step_path(tmp_path / 'ck' / RUN, 3)} at step 3" in out
-    assert_same_run(tmp_path, reference)
-    assert folders(tmp_path) == {"step_0000003": None, "step_0000006": None, "step_0000008": None}
-    assert latest(tmp_path) == "step_0000008"
+    assert [s["loss"] for s in steps] == [s["loss"] for s in tiny_reference.steps]
+    assert [s["grad_norm"] for s in steps] == [s["grad_norm"] for s in tiny_reference.steps]
+    assert [e["eval_loss"] for e in evals] == [e["eval_loss"] for e in tiny_reference.evals]
+    # keep=2 keeps steps 6 and 8, and also step 4: the checkpoint the last attempt resumed from
+    assert folders(tmp) == {"step_0000004": None, "step_0000006": None, "step_0000008": None}
+    assert latest(tmp) == "step_0000008"
+    assert folders(tiny_reference.tmp) == {"step_0000006": None, "step_0000008": None}
+    assert latest(tiny_reference.tmp) == "step_0000008"
 
 
 # ---- the launch scripts' defaults, without launching (TORCHRUN=echo, srun and scontrol faked) ----
@@ -173,7 +181,10 @@ SCRIPTS = ["local.sh", "multinode.sh", "slurm.sbatch"]
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_launch_scripts_restart_and_resume_by_default(script: str, tmp_path: Path) -> None:
-    argv = launch(script, ["model=gpt-1b", "train.steps=5"], tmp_path)
+    # the configuration check before launch (launch/precheck.sh, one Python process) runs under local.sh only:
+    # the three scripts share it, and it is not what this test reads
+    check = {} if script == "local.sh" else {"HYBRID_CHECK": "0"}
+    argv = launch(script, ["model=gpt-1b", "train.steps=5"], tmp_path, **check)
     assert argv[0] == "share=1"  # a fresh TCPStore per attempt: restarts work (see launch/local.sh)
     assert {"--max-restarts=3", "--max_restarts=3"} & set(argv), argv
     module = argv.index("-m")

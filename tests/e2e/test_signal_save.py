@@ -1,5 +1,6 @@
 """Save on a signal with the real torchrun: a preempted run saves the step it reached, exits cleanly,
-and resumes to the loss curve of an uninterrupted run.
+and resumes to the loss curve of an uninterrupted run (conftest's `tiny_reference`: the same settings with
+checkpoints every 2 steps, which change no number of the run).
 
 - SIGUSR1 to ONE worker (rank 1's pid, found under /proc as the torchrun agent's child whose
   environment says RANK=1) once step 3 is logged: both ranks agree at the next step boundary, save that
@@ -10,8 +11,8 @@ and resumes to the loss curve of an uninterrupted run.
   save and exit 0; the agent itself exits non-zero (torch re-raises the signal as SignalException).
 
 In the signalled runs rank 1 holds at the start of step HOLD until the signal has reached it (killer.py's
-`hold`), so the save lands at step HOLD − 1 or HOLD however fast the machine runs the steps; the reference
-and the resumed runs are plain `hybrid.train`.
+`hold`), so the save lands at step HOLD − 1 or HOLD however fast the machine runs the steps; the resumed runs
+are plain `hybrid.train`.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
-from test_fault_tolerance import RUN, TINY, TORCHRUN, dirs, killer_env
-from test_torchrun import ROOT, read_metrics
+from test_fault_tolerance import RUN, TORCHRUN, dirs, killer_env
+from test_torchrun import ROOT, TINY, read_metrics
 from test_torchrun import env as env  # noqa: F401  (the shared fixture)
 
 from hybrid.checkpoint import find_latest, list_steps, problem, step_path
@@ -105,17 +107,8 @@ def saved(out: str, sig: str, tmp: Path) -> int:
     return step
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> tuple[list[dict], list[dict]]:
-    """The uninterrupted run of STEPS steps: (step records, eval records)."""
-    tmp = tmp_path_factory.mktemp("reference")
-    rc, out = finish(start(tmp, env))
-    assert rc == 0, out[-3000:]
-    return read_metrics(tmp / "run")
-
-
-def test_sigusr1_to_one_rank_saves_exits_0_and_resumes_bit_exact(
-        tmp_path: Path, env: dict[str, str], reference: tuple[list[dict], list[dict]]) -> None:
+def test_sigusr1_to_one_rank_saves_exits_0_and_resumes_bit_exact(tmp_path: Path, env: dict[str, str],
+                                                                  tiny_reference: Any) -> None:
     p = start(tmp_path, env, hold=True)
     wait_for_step(p, tmp_path / "run", HOLD - 1)
     pid = worker_pid(p.pid, 1)
@@ -130,7 +123,8 @@ def test_sigusr1_to_one_rank_saves_exits_0_and_resumes_bit_exact(
     assert f"checkpoint: resumed {step_path(tmp_path / 'ck' / RUN, step)} at step {step}" in out
     steps, evals = read_metrics(tmp_path / "run")
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
-    assert [e["step"] for e in evals] == [e["step"] for e in reference[1]]
+    reference = tiny_reference.steps, tiny_reference.evals
+    assert [e["step"] for e in evals] == [e["step"] for e in reference[1]] == [4, 8]
     assert [s["loss"] for s in steps] == [s["loss"] for s in reference[0]]
     assert [s["grad_norm"] for s in steps] == [s["grad_norm"] for s in reference[0]]
     assert [e["eval_loss"] for e in evals] == [e["eval_loss"] for e in reference[1]]
