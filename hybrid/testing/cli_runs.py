@@ -123,19 +123,3 @@ def _wait(pid: int, timeout_s: float) -> int:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     return -9
-
-
-def refusal(argv: Sequence[str], world: int = 1) -> Optional[str]:
-    """The ConfigError message `hybrid.train` refuses `argv` with on `world` ranks of one node before its data
-    step, found in this process: the pre-check's composition (`hybrid.overrides.check` with hybrid.train's App,
-    as `hybrid.cli.precheck` calls it: Hydra's errors, keys the schema lacks), then `validate` on each composed
-    job, as `hybrid.train.run` calls it. None when both accept it."""
-    from hybrid.config import ConfigError
-    from hybrid.overrides import App, check
-    from hybrid.validation import validate
-
-    try:
-        check(list(argv), App("hybrid.train", None), lambda cfg: validate(cfg, world, world))
-    except ConfigError as e:
-        return str(e)
-    return None

@@ -16,6 +16,7 @@ itself or a checkpoint (the vocabulary, `checkpoint.resume`'s checkpoint) is sti
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -68,6 +69,18 @@ def body(argv: list[str]) -> str:
     check(rest, App("hybrid.train", None), lambda cfg: check_job(cfg, flags, seen))  # every job of a sweep
     jobs = f" ({len(seen)} jobs)" if len(seen) > 1 else ""
     return f"hybrid: config ok: {seen[0] if seen else 'nothing to compose'}{jobs}"
+
+
+def refusal(argv: Sequence[str], world: int = 1) -> Optional[str]:
+    """The ConfigError message `hybrid.train` refuses `argv` with on `world` ranks of one node before its data
+    step, found in this process: the pre-check's composition (`hybrid.overrides.check` with hybrid.train's App,
+    as `hybrid.cli.precheck` calls it: Hydra's errors, keys the schema lacks), then `validate` on each composed
+    job, as `hybrid.train.run` calls it. None when both accept it."""
+    try:
+        check(list(argv), App("hybrid.train", None), lambda cfg: validate(cfg, world, world))
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def main(argv: Optional[list[str]] = None) -> int:

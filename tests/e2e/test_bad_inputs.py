@@ -3,7 +3,7 @@ written: a table of command lines (CASES on one process, RANKED on two torchrun 
 and a piece of its one line. To cover a new bad input, add a row.
 
 Each row is checked once. Its message is found in this process the way `hybrid.train` finds it
-(hybrid.testing.cli_runs' `refusal`): the pre-check's composition of the command line (`hybrid.overrides.check`:
+(hybrid.tools.check's `refusal`): the pre-check's composition of the command line (`hybrid.overrides.check`:
 Hydra's own errors, keys the schema lacks), then `hybrid.validation.validate` for the row's world, as `run`
 calls it. The edge that turns such a ConfigError into the line, the status and nothing written
 (`hybrid.cli.exit_on_error` → `fail`) is one mechanism for all of them, so it runs for real for one row of each
@@ -30,7 +30,8 @@ import pytest
 
 import hybrid.tools.check
 import hybrid.train
-from hybrid.testing.cli_runs import CliRun, refusal, run_forked
+from hybrid.testing.cli_runs import CliRun, run_forked
+from hybrid.tools.check import refusal
 
 ROOT = Path(__file__).resolve().parents[2]
 

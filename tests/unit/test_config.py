@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from hybrid.config import CONFIG_DIR, ConfigError, compose_config, config_dir
-from hybrid.testing.cli_runs import CliRun, refusal, run_forked
+from hybrid.testing.cli_runs import CliRun, run_forked
+from hybrid.tools.check import refusal
 from hybrid.validation import validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -155,7 +156,7 @@ value errors (the pre-check), validate's rule, a path on the file system; the ed
 
 @pytest.mark.parametrize("args,needle", BAD_INPUT)
 def test_bad_input_is_refused_with_its_line(args: list[str], needle: str) -> None:
-    """Each row in this process (hybrid.testing.cli_runs' `refusal`: composed and validated as hybrid.train does)."""
+    """Each row in this process (hybrid.tools.check's `refusal`: composed and validated as hybrid.train does)."""
     message = refusal([*args, "logging.wandb.mode=disabled"])
     assert message is not None and needle in message and "\n" not in message, message
 
