@@ -29,6 +29,7 @@ from hybrid.parallel.dp.data import CommHook
 from hybrid.sync import exchange
 from hybrid.sync.diloco import DILOCO
 from hybrid.sync.dp import SYNCHRONOUS_DP
+from hybrid.sync.exchange import require
 from hybrid.sync.footprint import Footprint
 from hybrid.sync.gossip import GOSSIP
 from hybrid.sync.plan import DPPlan, ReplicaSync, SyncMode, get_sync_mode, register_sync_mode, sync_mode_names
@@ -77,21 +78,17 @@ def check(cfg: Config, layout: Layout) -> None:
     then the mode's own rules. Raises ConfigError (one line)."""
     s = cfg.sync
     mode = mode_of(cfg)
-    _require(s.scope in SCOPES, f"sync.scope={s.scope!r} is not one of {', '.join(SCOPES)}")
-    _require(s.inner_steps >= 1, f"sync.inner_steps must be >= 1, got {s.inner_steps}")
-    _require(1 <= s.fragments <= s.inner_steps,
+    require(s.scope in SCOPES, f"sync.scope={s.scope!r} is not one of {', '.join(SCOPES)}")
+    require(s.inner_steps >= 1, f"sync.inner_steps must be >= 1, got {s.inner_steps}")
+    require(1 <= s.fragments <= s.inner_steps,
              f"sync.fragments must be between 1 and sync.inner_steps={s.inner_steps}, got {s.fragments}")
-    _require(s.mode == "ps" or (s.servers == 1 and not s.asynchronous and s.max_staleness == 0 and not
+    require(s.mode == "ps" or (s.servers == 1 and not s.asynchronous and s.max_staleness == 0 and not
                                 s.staleness_weighting), "sync.servers, sync.asynchronous, sync.max_staleness and "
              "sync.staleness_weighting apply to sync=ps (the parameter server)")
-    _require(s.mode == "diloco" or (s.overlap_steps == 0 and s.overlap_mix == 0), "sync.overlap_steps and "
+    require(s.mode == "diloco" or (s.overlap_steps == 0 and s.overlap_mix == 0), "sync.overlap_steps and "
              "sync.overlap_mix apply to sync=diloco or sync=local_sgd (the outer exchange)")
-    _require(s.max_staleness == 0 or s.asynchronous, f"sync.max_staleness={s.max_staleness} needs "
+    require(s.max_staleness == 0 or s.asynchronous, f"sync.max_staleness={s.max_staleness} needs "
              "sync.asynchronous=true (a synchronous server has none)")
     exchange.check(cfg, layout)
     mode.check(cfg, layout)
 
-
-def _require(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ConfigError(msg)

@@ -17,12 +17,13 @@ import torch
 from torch import nn
 
 from hybrid.compression.hooks import SERIAL, make_hook
-from hybrid.config import Config, ConfigError
+from hybrid.config import Config
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import more_groups
 from hybrid.parallel.dp.data import CommHook
 from hybrid.sync import exchange
 from hybrid.sync.dp import dp_hook, kept_exact
+from hybrid.sync.exchange import require
 from hybrid.sync.footprint import F32, Footprint
 from hybrid.sync.outer import OuterSync, largest_share
 from hybrid.sync.plan import DPPlan, register_sync_mode
@@ -30,11 +31,6 @@ from hybrid.sync.replica import check_replica_mode, inner_group, inner_optimizer
 
 if TYPE_CHECKING:
     from hybrid.parallel.context import Layout, ParallelContext
-
-
-def _require(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ConfigError(msg)
 
 
 def outer_group(cfg: Config, ctx: ParallelContext) -> Any:
@@ -50,20 +46,20 @@ class DiLoCo:
     def check(self, cfg: Config, layout: Layout) -> None:
         s = cfg.sync
         check_replica_mode(cfg)
-        _require(s.outer_lr > 0, f"sync.outer_lr must be > 0, got {s.outer_lr}")
-        _require(0 <= s.outer_momentum < 1, f"sync.outer_momentum must be in [0, 1), got {s.outer_momentum}")
-        _require(0 <= s.overlap_steps < s.inner_steps, f"sync.overlap_steps must be in [0, sync.inner_steps="
+        require(s.outer_lr > 0, f"sync.outer_lr must be > 0, got {s.outer_lr}")
+        require(0 <= s.outer_momentum < 1, f"sync.outer_momentum must be in [0, 1), got {s.outer_momentum}")
+        require(0 <= s.overlap_steps < s.inner_steps, f"sync.overlap_steps must be in [0, sync.inner_steps="
                  f"{s.inner_steps}): an exchange lands before its fragment's next one; got {s.overlap_steps}")
-        _require(0 <= s.overlap_mix < 1 and (s.overlap_mix == 0 or s.overlap_steps > 0), f"sync.overlap_mix must "
+        require(0 <= s.overlap_mix < 1 and (s.overlap_mix == 0 or s.overlap_steps > 0), f"sync.overlap_mix must "
                  f"be in [0, 1), and 0 unless sync.overlap_steps > 0; got {s.overlap_mix}")
-        _require(not (s.overlap_steps and cfg.compression.method in SERIAL), f"sync.overlap_steps cannot run with "
+        require(not (s.overlap_steps and cfg.compression.method in SERIAL), f"sync.overlap_steps cannot run with "
                  f"compression={cfg.compression.method}: its hook starts collectives from callbacks, which must not "
                  "run across steps (use compression=powersgd)")
         if s.scope == "inter":
-            _require(layout.num_nodes > 1, f"sync.scope=inter needs DP replicas on more than one node; this layout "
+            require(layout.num_nodes > 1, f"sync.scope=inter needs DP replicas on more than one node; this layout "
                      f"has {layout.num_nodes} node (set parallel.ranks_per_node to emulate nodes)")
             sizes = {len(g) for g in layout.dp_inter_node_groups()}
-            _require(sizes != {1}, "sync.scope=inter needs DP ranks on more than one node: every DP group here "
+            require(sizes != {1}, "sync.scope=inter needs DP ranks on more than one node: every DP group here "
                      "lies inside one node")
 
     def build(self, cfg: Config, ctx: ParallelContext, model: nn.ModuleList,

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 F32 = 4
 
 
-def _require(ok: bool, msg: str) -> None:
+def require(ok: bool, msg: str) -> None:
+    """A sync or compression rule: ConfigError with `msg` (one line) unless `ok`."""
     if not ok:
         raise ConfigError(msg)
 
@@ -31,35 +32,35 @@ def check(cfg: Config, layout: Layout) -> None:
     """The compression options against the optimizer, ZeRO-1, the precision, the buckets and the run's length.
     Raises ConfigError (one line)."""
     p, t, c = cfg.parallel, cfg.train, cfg.compression
-    _require(cfg.optim.name == "adamw" or (p.zero == 0 and c.method != "onebit_adam"),
+    require(cfg.optim.name == "adamw" or (p.zero == 0 and c.method != "onebit_adam"),
              f"optim.name={cfg.optim.name} cannot run with parallel.zero=1 or compression=onebit_adam (AdamW's)")
     check_zero(p, c)
-    _require(t.precision != "bf16_params" or c.method != "onebit_adam", "train.precision=bf16_params "
+    require(t.precision != "bf16_params" or c.method != "onebit_adam", "train.precision=bf16_params "
              "keeps fp32 main weights that compression=onebit_adam's optimizer does not: use train.precision=bf16 "
              "(autocast) or fp32 with it")
     check_block_size(c, p.bucket_mb, layout.dp)
-    _require(c.method == "none" or c.warmup_steps < t.steps, f"compression.warmup_steps={c.warmup_steps} is not "
+    require(c.method == "none" or c.warmup_steps < t.steps, f"compression.warmup_steps={c.warmup_steps} is not "
              f"shorter than the run (train.steps={t.steps}): compression={c.method} would never start")
     first = max(2 * c.settle_window, c.warmup_steps)  # the first step the auto schedule may switch after
-    _require(c.schedule != "auto" or first < t.steps, f"compression.settle_window={c.settle_window} leaves no step "
+    require(c.schedule != "auto" or first < t.steps, f"compression.settle_window={c.settle_window} leaves no step "
              f"to compress: the auto schedule compares two windows ({first} steps at least) and the run has "
              f"train.steps={t.steps}")
-    _require(c.method != "dgc" or c.sparsity_warmup_steps < t.steps, f"compression.sparsity_warmup_steps="
+    require(c.method != "dgc" or c.sparsity_warmup_steps < t.steps, f"compression.sparsity_warmup_steps="
              f"{c.sparsity_warmup_steps} is not shorter than the run (train.steps={t.steps})")
 
 
 def check_zero(p: ParallelConfig, c: CompressionConfig) -> None:
     """The distributed optimizer reduce-scatters each bucket: a method that needs the whole bucket (a codec,
     PowerSGD, 1-bit Adam's momentum) or a per-step stage change cannot run there."""
-    _require(p.zero in (0, 1), f"parallel.zero must be 0 (off) or 1 (the distributed optimizer), got {p.zero}")
-    _require(p.zero == 1 or not p.overlap_param_gather, "parallel.overlap_param_gather=true overlaps the "
+    require(p.zero in (0, 1), f"parallel.zero must be 0 (off) or 1 (the distributed optimizer), got {p.zero}")
+    require(p.zero == 1 or not p.overlap_param_gather, "parallel.overlap_param_gather=true overlaps the "
              "distributed optimizer's parameter all-gather: it needs parallel.zero=1")
     if p.zero == 0:
         return
-    _require(c.method in ZERO_METHODS, f"parallel.zero=1 reduce-scatters the gradients, which "
+    require(c.method in ZERO_METHODS, f"parallel.zero=1 reduce-scatters the gradients, which "
              f"compression={c.method} cannot do (it needs each bucket whole): use compression="
              f"{'|'.join(ZERO_METHODS)}, or parallel.zero=0")
-    _require(c.schedule == "fixed" and c.warmup_steps == 0, "parallel.zero=1 runs one reduce-scatter dtype for "
+    require(c.schedule == "fixed" and c.warmup_steps == 0, "parallel.zero=1 runs one reduce-scatter dtype for "
              f"the whole run: compression.schedule={c.schedule} with warmup_steps={c.warmup_steps} needs "
              "schedule=fixed and warmup_steps=0")
 
@@ -68,7 +69,7 @@ def check_block_size(c: CompressionConfig, bucket_mb: float, dp: int) -> None:
     """A scale block of int8/sign is at most one DP rank's chunk of a full bucket: each chunk is padded to
     a whole number of blocks, so a larger block only allocates padding (at most doubling a chunk here)."""
     limit = max(1, int(bucket_mb * 2**20 / 4) // dp)
-    _require(c.block_size <= limit, f"compression.block_size={c.block_size} exceeds one DP rank's chunk of a "
+    require(c.block_size <= limit, f"compression.block_size={c.block_size} exceeds one DP rank's chunk of a "
              f"bucket ({limit} fp32 elements = parallel.bucket_mb={bucket_mb} MB / dp={dp}); each chunk is "
              "padded to whole blocks")
 

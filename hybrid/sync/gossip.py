@@ -27,10 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybrid.config import Config, ConfigError, SyncConfig
+from hybrid.config import Config, SyncConfig
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.params import param_info
+from hybrid.sync.exchange import require
 from hybrid.sync.footprint import F32, Footprint
 from hybrid.sync.plan import DPPlan, register_sync_mode
 from hybrid.sync.replica import (
@@ -166,12 +167,12 @@ class GossipMode:
     def check(self, cfg: Config, layout: Layout) -> None:
         s = cfg.sync
         check_replica_mode(cfg)
-        _require(s.topology in TOPOLOGIES, f"sync.topology={s.topology!r} is not one of {', '.join(TOPOLOGIES)}")
-        _require(fits(s.topology, layout.dp), f"sync.topology={s.topology} pairs replicas by XOR and needs a DP "
+        require(s.topology in TOPOLOGIES, f"sync.topology={s.topology!r} is not one of {', '.join(TOPOLOGIES)}")
+        require(fits(s.topology, layout.dp), f"sync.topology={s.topology} pairs replicas by XOR and needs a DP "
                  f"size that is a power of two, got dp={layout.dp}")
-        _require(s.scope == "dp" and s.fragments == 1, "sync=gossip exchanges whole replicas over DP: sync.scope=dp "
+        require(s.scope == "dp" and s.fragments == 1, "sync=gossip exchanges whole replicas over DP: sync.scope=dp "
                  "and sync.fragments=1")
-        _require(cfg.compression.method == "none", f"sync=gossip exchanges fp32 parameters; compression="
+        require(cfg.compression.method == "none", f"sync=gossip exchanges fp32 parameters; compression="
                  f"{cfg.compression.method} applies to gradients (sync=dp) and outer steps (sync=diloco)")
 
     def build(self, cfg: Config, ctx: ParallelContext, model: nn.ModuleList, main: Optional[dict],
@@ -190,11 +191,6 @@ class GossipMode:
 
     def startup(self, cfg: Config, layout: Layout) -> list[str]:
         return single_replica_note(cfg, layout.dp)
-
-
-def _require(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ConfigError(msg)
 
 
 GOSSIP = register_sync_mode(GossipMode())

@@ -40,11 +40,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybrid.config import Config, ConfigError, optimizer_moments
+from hybrid.config import Config, optimizer_moments
 from hybrid.optim.adamw import clip_grads, finite, global_grad_norm
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext, more_groups
 from hybrid.parallel.dp.grads import grad_of
+from hybrid.sync.exchange import require
 from hybrid.sync.footprint import F32, Footprint
 from hybrid.sync.plan import DPPlan, register_sync_mode
 from hybrid.sync.replica import (
@@ -221,17 +222,17 @@ class ParameterServer:
     def check(self, cfg: Config, layout: Layout) -> None:
         s, t = cfg.sync, cfg.train
         check_replica_mode(cfg)
-        _require(s.servers >= 1, f"sync.servers must be >= 1, got {s.servers}")
-        _require(s.servers <= layout.dp, f"sync.servers={s.servers} is more than the DP ranks that host them "
+        require(s.servers >= 1, f"sync.servers must be >= 1, got {s.servers}")
+        require(s.servers <= layout.dp, f"sync.servers={s.servers} is more than the DP ranks that host them "
                  f"(dp={layout.dp}): each server shard lives on one DP rank of each (pp, tp) coordinate")
-        _require(s.max_staleness >= 0, f"sync.max_staleness must be >= 0, got {s.max_staleness}")
-        _require(s.scope == "dp" and s.fragments == 1 and s.inner_steps == 1, "sync=ps exchanges every step over "
+        require(s.max_staleness >= 0, f"sync.max_staleness must be >= 0, got {s.max_staleness}")
+        require(s.scope == "dp" and s.fragments == 1 and s.inner_steps == 1, "sync=ps exchanges every step over "
                  "DP: sync.scope=dp, sync.fragments=1, sync.inner_steps=1")
-        _require(cfg.compression.method == "none", f"sync=ps pushes fp32 gradients; compression="
+        require(cfg.compression.method == "none", f"sync=ps pushes fp32 gradients; compression="
                  f"{cfg.compression.method} applies to sync=dp and sync=diloco")
-        _require(t.precision != "bf16_params", "sync=ps keeps fp32 parameters on the servers: use train.precision="
+        require(t.precision != "bf16_params", "sync=ps keeps fp32 parameters on the servers: use train.precision="
                  "bf16 (autocast) or fp32")
-        _require(t.on_nonfinite == "stop", f"sync=ps stops on a non-finite gradient (the servers have applied the "
+        require(t.on_nonfinite == "stop", f"sync=ps stops on a non-finite gradient (the servers have applied the "
                  f"step's others): train.on_nonfinite={t.on_nonfinite} is not available with it")
 
     def build(self, cfg: Config, ctx: ParallelContext, model: nn.ModuleList, main: Optional[dict],
@@ -260,11 +261,6 @@ def server_bytes(cfg: Config, numel: int, dp: int) -> int:
     s, shard = cfg.sync, -(-numel // cfg.sync.servers)
     k = s.max_staleness if s.asynchronous else 0
     return F32 * (shard * (1 + optimizer_moments(cfg.optim) + (k + 1) + 1) + (k + 1) * dp * (shard + 4))
-
-
-def _require(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ConfigError(msg)
 
 
 PARAMETER_SERVER = register_sync_mode(ParameterServer())
