@@ -36,7 +36,7 @@ class Report:
     node_source: str  # where the node size comes from ("hosts", "parallel.ranks_per_node=2", …)
     matrix: Matrix  # GB/s, NaN diagonal
     probe: Probe
-    compression: str  # compression.method of the layout
+    compression: str  # what cuts the DP bytes (`hybrid.sync.bytes_cut_by`): a compression method, sync=<mode>, or none
     warnings: list[Finding]
     suggestion: Optional[Suggestion]  # None for a world of one
     thresholds: Thresholds = Thresholds()

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 BUILT_IN = (SYNCHRONOUS_DP, DILOCO, GOSSIP, PARAMETER_SERVER)
 SCOPES = ("dp", "inter")
 
-__all__ = ["BUILT_IN", "DPPlan", "ReplicaSync", "SyncMode", "build_plan", "check", "mode_footprint",
+__all__ = ["BUILT_IN", "DPPlan", "ReplicaSync", "SyncMode", "build_plan", "bytes_cut_by", "check", "mode_footprint",
            "register_sync_mode", "startup_lines", "sync_mode_names"]
 
 
@@ -71,6 +71,12 @@ def mode_footprint(cfg: Config, params: Sequence[torch.Tensor], sizes: Sequence[
                    device: str, host: bool = True) -> Footprint:
     """What the mode holds on a rank training `params` (buckets of `sizes` elements) for the memory estimate."""
     return mode_of(cfg).footprint(cfg, params, sizes, dp, share, device, host)
+
+
+def bytes_cut_by(cfg: Config) -> str:
+    """What already cuts the DP exchange's bytes: the compression method under `sync=dp` ('none': an exact
+    all-reduce every step), else the sync mode (DiLoCo, gossip and the parameter server exchange otherwise)."""
+    return cfg.compression.method if cfg.sync.mode == "dp" else f"sync={cfg.sync.mode}"
 
 
 def check(cfg: Config, layout: Layout) -> None:

@@ -1,21 +1,7 @@
-"""What a sync mode holds on a rank: the memory estimate's sync terms (`hybrid.memory`), as each mode's
-`footprint` answers them (synchronous DP: its exchange's copies in flight and its codec's state).
-
-In elements of the rank's trained parameters `numel`, fp32 (4 bytes each):
-
-- `diloco`: the anchors (a copy of the parameters) and, with outer momentum, the momentum (another) — outer
-  optimizer state, beside the inner optimizer's; while an outer step runs, the pseudo-gradient of the rank's
-  share (about numel / r, r = the node's DP ranks under `sync.scope=inter`, else 1: the largest part of
-  `outer.even_parts`'s split) and, when r > 1, the node's combined vector (numel); the outer hook's codec
-  state is over the share (`outer`); with `sync.overlap_steps`, the share's pseudo-gradient in flight is held
-  across steps (counted whole).
-- `gossip`: while a round runs, the flat parameters, each neighbour's, their stack and the mean.
-- `ps`: no optimizer on the worker (the servers hold it); on CPU, while it pushes, the flat gradient, the
-  pushes, the replies and their concatenation (on CUDA those are host memory); the host of a server shard
-  (DP ranks below `sync.servers`, host memory, so CPU runs only) keeps the shard's parameters, its optimizer
-  moments, the snapshots of the versions a worker may still need (k + 1) and the pushes of up to k + 1 clocks
-  of every worker, plus their mean while it steps.
-"""
+"""What a sync mode holds on a rank: the memory estimate's sync terms (`hybrid.memory`), in bytes (fp32
+elements of the rank's trained parameters). Each mode's `footprint` says what it counts (`dp.py`: the
+exchange's copies in flight and the codec's state; `diloco.py`: anchors, momentum and the pseudo-gradient;
+`gossip.py`: a round's flat copies; `ps.py`: the push buffers and the server shard's host)."""
 
 from __future__ import annotations
 

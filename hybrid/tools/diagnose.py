@@ -47,6 +47,7 @@ from hybrid.diagnostics.pairwise import measure
 from hybrid.diagnostics.report import Probe, Report, render, size_text
 from hybrid.diagnostics.system import Facts, gather_facts, node_size, rank_facts
 from hybrid.parallel.context import Layout, LayoutError
+from hybrid.sync import bytes_cut_by
 from hybrid.validation import validate
 
 KNOWN_ERRORS = (ConfigError, DiagnosticsError, LayoutError)
@@ -206,7 +207,7 @@ def diagnose(opts: Options, cfg: Config) -> Report:
     layout, source, notes = resolve_layout(cfg, facts)
     probe = Probe(opts.size or DEFAULT_SIZE[device.type], opts.iters, opts.warmup, opts.serial)
     matrix = measure(probe.size, probe.iters, probe.warmup, device, probe.serial)
-    method = cfg.compression.method
+    method = bytes_cut_by(cfg)
     found = (notes + A.node_findings(layout, [f["hostname"] for f in facts])
              + A.version_findings([f["versions"] for f in facts]) + A.findings(layout, matrix, method))
     return Report(facts, layout, source, matrix, probe, method, found,

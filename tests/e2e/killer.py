@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 HOLD_S = 120.0  # `hold`: the longest wait for the signal (then the run goes on, and the test fails on it)
@@ -41,49 +42,42 @@ def _die(what: str, sig: signal.Signals = signal.SIGKILL) -> None:
     os.kill(os.getpid(), sig)
 
 
-def _kill_at_step(step: int, sig: signal.Signals = signal.SIGKILL) -> None:
+def _at_step(step: int, act: Callable[[Any], None]) -> None:
+    """Patch `Trainer.train_step` so that `act(trainer)` runs at the start of optimizer step `step`."""
     from hybrid.trainer import Trainer
 
     original = Trainer.train_step
 
     def train_step(self: Trainer, *args: Any, **kwargs: Any) -> Any:
         if self.step == step - 1:
-            _die(f"at the start of step {step}", sig)
+            act(self)
         return original(self, *args, **kwargs)
 
     Trainer.train_step = train_step  # type: ignore[method-assign]
 
 
-def _hang_at_step(step: int) -> None:
-    from hybrid.trainer import Trainer
-
-    original = Trainer.train_step
-
-    def train_step(self: Trainer, *args: Any, **kwargs: Any) -> Any:
-        if self.step == step - 1:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # checkpoint.save_on_signal's handler would outlive it
-            _say(f"hang rank {os.environ.get('RANK', '0')} at the start of step {step}")
-            while True:
-                signal.pause()
-        return original(self, *args, **kwargs)
-
-    Trainer.train_step = train_step  # type: ignore[method-assign]
+def _kill(step: int, sig: signal.Signals = signal.SIGKILL) -> None:
+    _at_step(step, lambda _: _die(f"at the start of step {step}", sig))
 
 
-def _hold_at_step(step: int) -> None:
-    from hybrid.trainer import Trainer
+def _hang(step: int) -> None:
+    def hang(_: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # checkpoint.save_on_signal's handler would outlive it
+        _say(f"hang rank {os.environ.get('RANK', '0')} at the start of step {step}")
+        while True:
+            signal.pause()
 
-    original = Trainer.train_step
+    _at_step(step, hang)
 
-    def train_step(self: Trainer, *args: Any, **kwargs: Any) -> Any:
-        if self.step == step - 1:
-            _say(f"rank {os.environ.get('RANK', '0')} holds at the start of step {step} until a signal")
-            deadline = time.monotonic() + HOLD_S
-            while not self.checkpointer.preemption.caught and time.monotonic() < deadline:
-                time.sleep(0.01)
-        return original(self, *args, **kwargs)
 
-    Trainer.train_step = train_step  # type: ignore[method-assign]
+def _hold(step: int) -> None:
+    def hold(trainer: Any) -> None:
+        _say(f"rank {os.environ.get('RANK', '0')} holds at the start of step {step} until a signal")
+        deadline = time.monotonic() + HOLD_S
+        while not trainer.checkpointer.preemption.caught and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    _at_step(step, hold)
 
 
 def _kill_mid_save(step: int) -> None:
@@ -111,8 +105,8 @@ def arm() -> None:
     if not spec or rank != os.environ.get("HYBRID_KILL_RANK", "1"):
         return
     kind, step = spec.split(":")
-    {"step": _kill_at_step, "save": _kill_mid_save, "hold": _hold_at_step, "hang": _hang_at_step,
-     "stop": lambda n: _kill_at_step(n, signal.SIGSTOP)}[kind](int(step))
+    {"step": _kill, "save": _kill_mid_save, "hold": _hold, "hang": _hang,
+     "stop": lambda n: _kill(n, signal.SIGSTOP)}[kind](int(step))
 
 
 if __name__ == "__main__":

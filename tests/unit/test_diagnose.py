@@ -105,6 +105,16 @@ def test_slow_inter_node_without_compression_warns_and_compression_silences_it()
     assert A.inter_node_findings(dp_across, crafted(4, [{0, 1}, {2, 3}], slow=FAST / 3), "none") == []  # 1/3 >= 1/4
 
 
+@pytest.mark.parametrize("overrides, cut", [([], "none"), (["compression=powersgd"], "powersgd"),
+                                            (["sync=diloco"], "sync=diloco"), (["sync=ps"], "sync=ps")])
+def test_what_cuts_the_dp_bytes_is_named_by_the_sync_owner(overrides: list[str], cut: str) -> None:
+    """The advice's "exact gradient sync" test reads `hybrid.sync.bytes_cut_by`: a slow-link mode counts too."""
+    from hybrid.config import compose_config
+    from hybrid.sync import bytes_cut_by
+
+    assert bytes_cut_by(compose_config(overrides)) == cut
+
+
 def test_a_slow_rank_is_flagged() -> None:
     m = crafted(4, [{0, 1, 2}])  # every link of rank 3 is slow
     layout = Layout.create(4)
