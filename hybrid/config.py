@@ -10,6 +10,7 @@ everything knowable before a process group exists, and raises `ConfigError` with
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -282,11 +283,26 @@ def derived_label(tp: int, pp: int, virtual_stages: int, dp: Optional[int]) -> s
     return label or ("single" if dp == 1 else "dp")
 
 
+_COMPOSED: dict[tuple[str, ...], bytes] = {}  # overrides → the composed config, pickled (see compose_config)
+
+
 def compose_config(overrides: Sequence[str] = ()) -> Config:
     """The composed config for `overrides` (as on the command line), without running Hydra's app.
 
-    Tools, benchmarks and tests use it; `hybrid.train` uses @hydra.main on the same files.
+    Tools, benchmarks and tests use it; `hybrid.train` uses @hydra.main on the same files. Composing takes
+    Hydra ~0.2 s, so each list of overrides is composed once per process (and inherited by forked children)
+    and every call gets its own copy; overrides naming `hydra.*` (a search path: files that may change) are
+    composed every time.
     """
+    key = tuple(overrides)
+    if any(o.lstrip("+~").startswith("hydra.") for o in key):
+        return _compose(key)
+    if key not in _COMPOSED:
+        _COMPOSED[key] = pickle.dumps(_compose(key))
+    return cast(Config, pickle.loads(_COMPOSED[key]))
+
+
+def _compose(overrides: tuple[str, ...]) -> Config:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 

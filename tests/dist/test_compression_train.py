@@ -97,11 +97,23 @@ def expected_step(c: Any, step: int, buckets: list[Any], ctx: ParallelContext) -
     return payload, wire
 
 
+def method_cfg(case: Case, world: int, ranks_per_node: int, overrides: list[str]) -> Any:
+    return make_cfg(case, world, bucket_mb=BUCKET_MB,
+                    extra=[*COMMON, f"parallel.ranks_per_node={ranks_per_node}", *overrides])
+
+
+def composed_before_the_fork(world: int, runs: dict[str, tuple[Case, int, list[str]]], steps: int) -> None:
+    """Compose every run's config in this process, so the forked ranks inherit them (`compose_config`'s
+    memo) instead of each rank composing each one."""
+    for case, rpn, overrides in runs.values():
+        layout = Layout.create(world, tp=case.tp, pp=case.pp, ranks_per_node=rpn)
+        method_cfg(case, world, layout.ranks_per_node, [*overrides, f"train.steps={steps}"])
+
+
 def train_method(ctx: ParallelContext, case: Case, world: int, overrides: list[str], steps: int = STEPS,
                  measure_last: bool = True) -> dict[str, Any]:
     """Train one method from scratch on this rank; record per step what the hook and the counter saw."""
-    cfg = make_cfg(case, world, bucket_mb=BUCKET_MB,
-                   extra=[*COMMON, f"parallel.ranks_per_node={ctx.layout.ranks_per_node}", *overrides])
+    cfg = method_cfg(case, world, ctx.layout.ranks_per_node, overrides)
     model = build_chunks(cfg, VOCAB, ctx)
     hook, state = make_hook(cfg.compression, ctx.dp_group, ctx.dp_intra_group, ctx.dp_inter_group)
     calls: list[int] = []
@@ -155,6 +167,7 @@ def train_runs(rank: int, world: int, runs: dict[str, tuple[Case, int, list[str]
 def world8() -> dict[str, list[dict[str, Any]]]:
     """label → results by rank, from the one world-8 launch (run once per session)."""
     torch.set_num_threads(1)
+    composed_before_the_fork(8, RUNS, STEPS)
     results = run_ranks(train_runs, 8, RUNS, timeout=TIMEOUT)
     return {label: [r[label] for r in results] for label in RUNS}
 
@@ -252,6 +265,7 @@ PAIR_STEPS = 6  # sign-warm3: 3 exact steps, then compressed steps to tell apart
 @functools.cache
 def world2() -> dict[str, list[dict[str, Any]]]:
     torch.set_num_threads(1)
+    composed_before_the_fork(2, PAIR_RUNS, PAIR_STEPS)
     results = run_ranks(train_runs, 2, PAIR_RUNS, PAIR_STEPS, timeout=TIMEOUT)
     return {label: [r[label] for r in results] for label in PAIR_RUNS}
 
@@ -340,6 +354,8 @@ def replicas_worker(rank: int, world: int, case: Case, methods: tuple[str, ...])
 def test_lossy_sync_keeps_model_parallel_replicas_equal(case: Case, methods: tuple[str, ...]) -> None:
     """A norm's copies on the TP ranks, and the tied embedding's on the first and last stage, get the same
     update although the DP exchange rounds: each sits in a bucket of its own kind (`sync_class`)."""
+    for method in methods:  # composed here once, inherited by the forked ranks
+        make_cfg(case, 4, extra=["train.steps=5", f"compression={method}", "compression.warmup_steps=2"])
     runs = {r["coord"]: r for r in run_ranks(replicas_worker, 4, case, methods, timeout=TIMEOUT)}
     for method in methods:
         for (pp, dp, tp), r in runs.items():

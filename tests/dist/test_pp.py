@@ -108,6 +108,8 @@ def launched(name: str) -> list[tuple[Case, list[dict[str, Any]]]]:
     """Every case of launch `name` with its results by rank (the launch runs once per session)."""
     torch.set_num_threads(1)
     world, launch_cases = LAUNCHES[name]
+    for case in launch_cases:  # composed here once, inherited by the forked ranks (compose_config's memo)
+        make_cfg(case, world)
     results = run_ranks(train_cases, world, launch_cases, timeout=TIMEOUT)
     return [(c, [r[i] for r in results]) for i, c in enumerate(launch_cases)]
 
