@@ -21,7 +21,7 @@ from hybrid.config import ConfigError
 from hybrid.data.build import build_stream
 from hybrid.data.cache import build_once, cache_key, cache_root
 from hybrid.data.sources import Source, cfg_path, resolve_source
-from hybrid.data.tokenize import load_tokenizer, resolve_tokenizer
+from hybrid.data.tokenize import SavedTokenizer, load_tokenizer, resolve_tokenizer
 from hybrid.data.tokens import id_range, is_token_file, open_tokens
 
 if TYPE_CHECKING:
@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 class Corpus:
     """A tokenized corpus packed into samples of `seq_len + 1` tokens (inputs = s[:-1], labels = s[1:])."""
 
-    tokenizer: Any  # transformers.PreTrainedTokenizerFast; None for a token file without data.tokenizer
+    tokenizer: Any  # transformers.PreTrainedTokenizerFast (a SavedTokenizer: loaded on first use); None for a
+    # token file without data.tokenizer
     vocab_size: int  # len(tokenizer); for a token file without one, the largest id + 1
     eos_id: Optional[int]  # the document separator (None: a token file's own business)
     train: np.ndarray  # [n_train, seq_len + 1], a read-only memmap view
@@ -72,8 +73,11 @@ def _build(cfg: DataConfig, source: Source, tokenizer_dir: Optional[str], entry:
 def _load(cfg: DataConfig, entry: Path, tokenizer_dir: Optional[str]) -> Corpus:
     """Open a valid cache entry and pack its token stream."""
     meta = {**json.loads((entry / "meta.json").read_text()), "cache": str(entry)}
-    tokenizer = load_tokenizer(entry / "tokenizer" if tokenizer_dir is None else Path(tokenizer_dir))
     tokens = np.load(entry / "tokens.npy", mmap_mode="r")
+    if tokenizer_dir is None and "vocab_size" in meta:  # the entry's own tokenizer: loaded when first used
+        return _pack(cfg, tokens, SavedTokenizer(entry / "tokenizer"), int(meta["vocab_size"]), int(meta["eos_id"]),
+                     meta)
+    tokenizer = load_tokenizer(entry / "tokenizer" if tokenizer_dir is None else Path(tokenizer_dir))
     return _pack(cfg, tokens, tokenizer, len(tokenizer), int(tokenizer.eos_token_id), meta)
 
 
