@@ -18,7 +18,7 @@ run: ready        ## the default job: gpt-tiny on the embedded corpus, data para
 
 test: ready       ## the whole test suite (what .ci/run calls)
 	$(PYTHON) -m ruff check hybrid tests
-	$(PYTHON) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile tests
+	$(PYTHON) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 lint:
 	$(PYTHON) -m ruff check hybrid tests

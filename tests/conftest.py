@@ -20,6 +20,15 @@ from omegaconf import OmegaConf
 from hybrid.config import CONFIG_DIR, ModelConfig
 
 CONFIGS = Path(CONFIG_DIR)
+FIRST = ("e2e", "dist", "unit")  # the folders by the cost of their files: the long files start first
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """End-to-end files first, then the multi-rank ones, then the unit files: `make test` hands whole files to
+    its xdist workers in this order (`--no-loadscope-reorder`), so the run ends on short files, not on a
+    two-minute one that started last."""
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.parent.name, len(FIRST)))
 
 
 def load_model_config(name: str, **overrides: Any) -> ModelConfig:
