@@ -51,7 +51,7 @@ from hybrid.cli import warn
 from hybrid.config import ConfigError
 from hybrid.record.metrics import format_bytes
 from hybrid.record.runlog import command_line
-from hybrid.record.sinks import WandbSettings
+from hybrid.record.wandb_run import WandbSettings
 
 if TYPE_CHECKING:
     from hybrid.config import Config

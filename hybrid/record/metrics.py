@@ -1,21 +1,26 @@
-"""Run metrics: model FLOPs and MFU, a step timer, JSON-safe values, and the formats of the lines a run
-prints (counts, durations, byte sizes, the progress line). Where metrics go (metrics.jsonl, wandb,
+"""Run metrics: model FLOPs and MFU, a step timer, JSON-safe values, the formats of the lines a run
+prints (counts, durations, byte sizes, the progress line), the grouped names wandb and TensorBoard show
+(`metric_name`), and the atomic write every record file goes through. Where metrics go (metrics.jsonl, wandb,
 TensorBoard) is `hybrid.record.sinks`; the run's log file and summary are `hybrid.record.runlog`.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
 __all__ = [
-    "LineProgress", "format_bytes", "format_count", "format_duration", "jsonable", "mfu",
-    "model_flops_per_token", "peak_flops", "progress_postfix",
+    "LineProgress", "format_bytes", "format_count", "format_duration", "grouped", "jsonable", "metric_name", "mfu",
+    "model_flops_per_token", "peak_flops", "progress_postfix", "write_atomic",
 ]
+PERF_KEYS = frozenset({"tokens_per_s", "step_time_s", "gflops_per_rank", "mfu"})
 
 # Dense bf16 tensor-core peak per GPU (FLOP/s, NVIDIA's data sheets without sparsity), matched in this order as a
 # substring of the device name: the PCIe and NVL H100s before the SXM one ("NVIDIA H100 80GB HBM3").
@@ -132,3 +137,33 @@ class LineProgress:
     def close(self) -> None:
         if self._shown != self.n:
             self._emit(time.perf_counter())
+
+
+def metric_name(key: str) -> str:
+    """The grouped name of a metrics.jsonl key for wandb and TensorBoard."""
+    if "/" in key:
+        return key
+    if key.startswith("eval_"):
+        return "eval/" + key.removeprefix("eval_")
+    if key in PERF_KEYS:
+        return "perf/" + key
+    if key.startswith("bytes_"):
+        return "traffic/" + key
+    return "train/" + key
+
+
+def grouped(record: Mapping[str, Any]) -> dict[str, float]:
+    """The numeric values of a record under their grouped names (`step` and nulls left out)."""
+    return {metric_name(k): v for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a tmp file and a rename: a reader sees the old or the new file."""
+    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

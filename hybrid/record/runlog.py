@@ -36,8 +36,9 @@ import torch
 import torch.distributed as dist
 
 from hybrid.config import ConfigError
-from hybrid.record.metrics import format_bytes, format_count, format_duration
-from hybrid.record.sinks import TENSORBOARD_MISSING, MetricsLogger, WandbSettings, tensorboard_installed, write_atomic
+from hybrid.record.metrics import format_bytes, format_count, format_duration, write_atomic
+from hybrid.record.sinks import TENSORBOARD_MISSING, MetricsLogger, tensorboard_installed
+from hybrid.record.wandb_run import WandbSettings
 
 if TYPE_CHECKING:
     from hybrid.config import Config

@@ -13,15 +13,9 @@ from typing import Any
 import pytest
 
 from hybrid.config import WandbConfig
-from hybrid.record.sinks import (
-    TENSORBOARD_MISSING,
-    WANDB_DIRS,
-    MetricsLogger,
-    TensorBoardSink,
-    WandbSettings,
-    grouped,
-    metric_name,
-)
+from hybrid.record.metrics import grouped, metric_name
+from hybrid.record.sinks import TENSORBOARD_MISSING, MetricsLogger, TensorBoardSink
+from hybrid.record.wandb_run import WANDB_DIRS, WandbSettings
 
 WANDB_VARS = ("WANDB_MODE", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_GROUP", "WANDB_DIR", *WANDB_DIRS)
 

@@ -45,8 +45,9 @@ RULES: dict[str, tuple[str, ...]] = {
     "hybrid.sampler": (),
     "hybrid.record": (),  # the run record's package; its modules are rooms of their own below
     "hybrid.record.metrics": (),
-    "hybrid.record.sinks": ("hybrid.record.metrics",),
-    "hybrid.record.runlog": ("hybrid.config", "hybrid.record.metrics", "hybrid.record.sinks"),
+    "hybrid.record.wandb_run": ("hybrid.record.metrics",),
+    "hybrid.record.sinks": ("hybrid.record.metrics", "hybrid.record.wandb_run"),
+    "hybrid.record.runlog": ("hybrid.config", "hybrid.record.metrics", "hybrid.record.sinks", "hybrid.record.wandb_run"),
     "hybrid.optim": ("hybrid.parallel", "hybrid.compression"),
     "hybrid.checkpoint": ("hybrid.config", "hybrid.parallel", "hybrid.model"),
     "hybrid.memory": ("hybrid.config", "hybrid.parallel", "hybrid.model", "hybrid.record.metrics", "hybrid.sync"),
@@ -61,7 +62,7 @@ RULES: dict[str, tuple[str, ...]] = {
                        "hybrid.record.metrics", "hybrid.optim", "hybrid.checkpoint", "hybrid.record.profiling",
                        "hybrid.record.report", "hybrid.record.sinks", "hybrid.record.runlog", "hybrid.nonfinite",
                        "hybrid.health", "hybrid.memory", "hybrid.sync"),
-    "hybrid.startup": ("hybrid.cli", "hybrid.config", "hybrid.record.metrics", "hybrid.record.sinks",
+    "hybrid.startup": ("hybrid.cli", "hybrid.config", "hybrid.record.metrics", "hybrid.record.wandb_run",
                        "hybrid.record.runlog", "hybrid.checkpoint"),
     "hybrid.train": ("hybrid.cli", "hybrid.config", "hybrid.validation", "hybrid.parallel", "hybrid.sync",
                      "hybrid.model", "hybrid.data", "hybrid.record.metrics", "hybrid.checkpoint", "hybrid.trainer",
@@ -69,7 +70,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "hybrid.diagnostics": ("hybrid.parallel",),
     "hybrid.tools": ("hybrid.cli", "hybrid.config", "hybrid.validation", "hybrid.parallel", "hybrid.model",
                      "hybrid.checkpoint", "hybrid.data", "hybrid.trainer", "hybrid.diagnostics", "hybrid.memory",
-                     "hybrid.record.metrics", "hybrid.overrides"),
+                     "hybrid.record.metrics", "hybrid.overrides", "hybrid.sync"),
     "hybrid.bench": ("hybrid",),
 }
 
