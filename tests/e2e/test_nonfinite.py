@@ -1,9 +1,12 @@
 """`train.on_nonfinite`: a gradient that is not finite never trains the model, and every rank does the same.
 
-Each run is the real entry point `hybrid.train.main` as 2 ranks forked from the test process
-(`hybrid.testing.cli_runs.run_forked_ranks`: torchrun's environment, gloo over a local port, each rank's
-exit status and output apart). The fault: on ONE rank, at the start of step k, a hook on that rank's first
-parameter adds inf to its gradient for that step (`inject`; once per process, so a rewound run does
+Each run is `hybrid.train`'s run as `main` runs it (train.log's RunLog, `run` under `exit_on_error` with
+RUN_ERRORS, the clean shutdown) as 2 ranks forked from the test process (`hybrid.testing.cli_runs.
+run_forked_ranks`: torchrun's environment, gloo over a local port, each rank's exit status and output
+apart), on a config composed once in the test process (`compose_config`'s memo: the ranks inherit it
+instead of composing it three times each; what is tested here comes after composition). The model is
+gpt-tiny at width 64 with 2 layers. The fault: on ONE rank, at the start of step k, a hook on that rank's
+first parameter adds inf to its gradient for that step (`inject`; once per process, so a rewound run does
 not meet it again). The references:
 
 - stop (pp2, the parameter on stage 1 only): every rank exits 1 with the same one line naming step k,
@@ -26,10 +29,12 @@ Bit-for-bit: the same layout, seed and data give identical floats (tests/dist/te
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,58 +42,96 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-import hybrid.train
 from hybrid.checkpoint import MANIFEST, step_path
 from hybrid.checkpoint.state import named_parameters
+from hybrid.cli import env_int, exit_on_error
+from hybrid.config import Config, compose_config
+from hybrid.record.runlog import RunLog, command_line
 from hybrid.testing.cli_runs import CliRun, run_forked_ranks
+from hybrid.train import RUN_ERRORS
+from hybrid.train import _shutdown as shutdown
+from hybrid.train import run as train_run
 
-B = ["model=gpt-tiny", "model.n_layers=2", "data.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=4",
-     "logging.wandb.mode=disabled", "logging.progress=false", "train.eval_every=0", "optim.warmup_steps=2",
-     "logging.traffic_map=false", "run_name=nf"]
+B = ["model=gpt-tiny", "model.n_layers=2", "model.hidden=64", "data.seq_len=64", "train.global_batch_size=8",
+     "train.micro_batch_size=4", "logging.wandb.mode=disabled", "logging.progress=false", "train.eval_every=0",
+     "optim.warmup_steps=2", "logging.traffic_map=false", "run_name=nf"]
 ENV = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="module", autouse=True)
 def warm() -> None:
-    """Load here, once, what every run would load (transformers' tokenizer classes, AdamW's kernels): the
-    forked ranks inherit them instead of importing them again (seconds per run)."""
+    """Load here, once, what every run would load (transformers' tokenizer classes, AdamW's kernels, the
+    trainer's and the data's modules, numpy.ma for the sampler): the forked ranks inherit them instead of
+    importing them again (about a second per run)."""
+    import numpy.ma  # noqa: F401
     from transformers import AutoTokenizer  # noqa: F401
+
+    import hybrid.data  # noqa: F401
+    import hybrid.memory  # noqa: F401
+    import hybrid.trainer  # noqa: F401
 
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], fused=True)
 
 
-def inject(step: int, rank: int, record: Path) -> Callable[[], None]:
-    """`hybrid.train.main` with an inf added to the gradient of rank `rank`'s first parameter during step
-    `step` (the first time that step runs); the parameter's global name is written to `record`."""
+@contextmanager
+def frozen_gc() -> Iterator[None]:
+    """This process's objects out of the collector's sight while ranks are forked: a rank's collection (the
+    clean shutdown collects) scans only its own objects, instead of touching, and so copying, every page of
+    the inherited heap."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def entry(cfg: Config) -> Callable[[], None]:
+    """What `hybrid.train.main` runs once Hydra has composed `cfg`: rank 0's RunLog, `run` with RUN_ERRORS
+    turned into one line and an exit status (hybrid.cli), the clean shutdown."""
     def main() -> None:
-        from hybrid.trainer import Trainer
-
-        original, fired = Trainer.train_step, []
-
-        def train_step(self: Trainer, *args: Any, **kwargs: Any) -> Any:
-            if self.step != step - 1 or self.ctx.rank != rank or fired:
-                return original(self, *args, **kwargs)
-            fired.append(True)
-            name, p = next(iter(named_parameters(self.model, False)))
-            record.write_text(name)
-            handle = p.register_hook(lambda g: g + math.inf)
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                handle.remove()
-
-        Trainer.train_step = train_step  # type: ignore[method-assign]
-        hybrid.train.main()
+        with RunLog(env_int("RANK", 0) == 0, command_line()) as log:
+            exit_on_error(lambda: train_run(cfg, log), RUN_ERRORS)
+        shutdown()
     return main
 
 
-def run(tmp: Path, name: str, extra: list[str], main: Callable[[], None] = hybrid.train.main) -> list[CliRun]:
-    """One 2-rank run in `tmp/name` (its own run and checkpoint folders)."""
+def inject(step: int, rank: int, record: Path) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    """A wrapper of a rank's main that adds an inf to the gradient of rank `rank`'s first parameter during
+    step `step` (the first time that step runs); the parameter's global name is written to `record`."""
+    def wrap(main: Callable[[], None]) -> Callable[[], None]:
+        def injected() -> None:
+            from hybrid.trainer import Trainer
+
+            original, fired = Trainer.train_step, []
+
+            def train_step(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+                if self.step != step - 1 or self.ctx.rank != rank or fired:
+                    return original(self, *args, **kwargs)
+                fired.append(True)
+                name, p = next(iter(named_parameters(self.model, False)))
+                record.write_text(name)
+                handle = p.register_hook(lambda g: g + math.inf)
+                try:
+                    return original(self, *args, **kwargs)
+                finally:
+                    handle.remove()
+
+            Trainer.train_step = train_step  # type: ignore[method-assign]
+            main()
+        return injected
+    return wrap
+
+
+def run(tmp: Path, name: str, extra: list[str],
+        fault: Callable[[Callable[[], None]], Callable[[], None]] = lambda main: main) -> list[CliRun]:
+    """One 2-rank run in `tmp/name` (its own run and checkpoint folders), `fault` wrapped around its main."""
     folder = tmp / name
     folder.mkdir()
     argv = [*B, f"logging.dir={folder / 'run'}", f"checkpoint.dir={folder / 'ck'}", *extra]
-    return run_forked_ranks(main, argv, folder, 2, ENV, timeout_s=TIMEOUT_S)
+    main = fault(entry(compose_config(argv)))
+    with frozen_gc():
+        return run_forked_ranks(main, argv, folder, 2, ENV, timeout_s=TIMEOUT_S)
 
 
 def records(tmp: Path, name: str) -> list[dict[str, Any]]:

@@ -1,8 +1,10 @@
 """hybrid.startup: the folder lock, the writability and free-space probes, the checkpoint size estimate,
 where a wandb key is found, a failed write as one line; then the run's edge (`hybrid.train.run` under
 `exit_on_error`, as `main` runs it, in this process): a second run on folders a forked holder holds, an
-unwritable folder, a save failing while training (exit 1); and wandb online without a key under
-torchrun. Each refusal is one line (one per rank), exit status 2, no traceback, nothing written.
+unwritable folder, a save failing while training (exit 1); and wandb online without a key on 2 ranks
+(the same run body as 2 ranks forked with torchrun's environment, hybrid.testing.cli_runs: rank 0's answer
+reaches every rank; tests/e2e/test_torchrun.py runs the real torchrun for a refusal on every rank). Each
+refusal is one line (one per rank), exit status 2, no traceback, nothing written.
 """
 
 from __future__ import annotations
@@ -19,8 +21,7 @@ from typing import Any
 import pytest
 import torch
 from omegaconf import OmegaConf
-from test_torchrun import env as env  # noqa: F401  (the shared fixture)
-from test_torchrun import torchrun
+from test_nonfinite import entry, frozen_gc
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hybrid.checkpoint import run_root
@@ -37,6 +38,7 @@ from hybrid.startup import (
     wandb_key_source,
     write_fault,
 )
+from hybrid.testing.cli_runs import run_forked_ranks
 
 B = ["model=gpt-tiny", "data.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=4",
      "logging.wandb.mode=disabled", "logging.progress=false"]
@@ -248,16 +250,23 @@ def test_a_save_that_fails_while_training_is_one_line_and_exit_1(tmp_path: Path,
                                  "with checkpoint.resume=auto"])
 
 
-def test_wandb_online_without_a_key_is_one_line_on_every_rank(tmp_path: Path, env: dict[str, str]) -> None:
+def test_wandb_online_without_a_key_is_one_line_on_every_rank(tmp_path: Path, e2e_cache: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks (forked, torchrun's environment): rank 0 finds no key and every rank prints its answer."""
+    for name in [k for k in os.environ if k.startswith("WANDB_") or k == "NETRC"]:
+        monkeypatch.delenv(name)  # the ranks inherit this environment: no key from it
     home = tmp_path / "home"
     home.mkdir()
-    no_key = {k: v for k, v in env.items() if not k.startswith("WANDB_") and k != "NETRC"} | {"HOME": str(home)}
-    r = torchrun(2, *B, "train.steps=2", "logging.wandb.mode=online", f"logging.dir={tmp_path / 'run'}",
-                 f"checkpoint.dir={tmp_path / 'ck'}", env=no_key, timeout=180)
-    assert r.returncode != 0
-    lines = sorted(ln for ln in r.stderr.splitlines() if "hybrid: error:" in ln)
-    assert [ln.split(" ", 1)[0] for ln in lines] == ["[rank0]", "[rank1]"], r.stderr[-3000:]
-    assert lines[0].split(" ", 1)[1] == lines[1].split(" ", 1)[1]
-    assert "logging.wandb.mode=online needs a wandb API key" in lines[0]
-    assert "Connection closed" not in r.stderr and "Traceback" not in r.stderr.split("hybrid: error:")[0]
+    monkeypatch.setenv("HOME", str(home))  # no netrc, no wandb settings
+    argv = [*B, "train.steps=2", "logging.wandb.mode=online", f"logging.dir={tmp_path / 'run'}",
+            f"checkpoint.dir={tmp_path / 'ck'}"]
+    with frozen_gc():
+        runs = run_forked_ranks(entry(compose_config(argv)), argv, tmp_path, 2,
+                                {"OMP_NUM_THREADS": "1", "HYBRID_CACHE": e2e_cache}, timeout_s=120)
+    lines = [r.error_lines() for r in runs]
+    assert [r.code for r in runs] == [2, 2] and [len(ln) for ln in lines] == [1, 1], [r.stderr[-3000:] for r in runs]
+    assert [ln[0].split(" ", 1)[0] for ln in lines] == ["[rank0]", "[rank1]"]
+    assert lines[0][0].split(" ", 1)[1] == lines[1][0].split(" ", 1)[1]
+    assert "logging.wandb.mode=online needs a wandb API key" in lines[0][0]
+    assert all("Connection closed" not in r.stderr and "Traceback" not in r.stderr for r in runs)
     assert not (tmp_path / "run").exists() and not (tmp_path / "ck").exists()
