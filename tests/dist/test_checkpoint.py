@@ -13,8 +13,11 @@ One world-8 launch:
    steps 4..6 must match the uninterrupted run within float tolerance.
 The test process itself then resumes the same checkpoint in a single process (no process group).
 
-A world-2 launch repeats the same-layout check with dropout and a stateful compression hook
-(PowerSGD with error feedback at dp2): bit-exact only if RNG streams and hook state are restored.
+One world-2 launch (`run2`) checkpoints three runs, each in its own folder: the same-layout check with dropout
+and a stateful compression hook (PowerSGD with error feedback at dp2: bit-exact only if RNG streams and hook
+state are restored), the zero-bubble placements, and 1-bit Adam. A world-4 launch checks the async save.
+Every launch's configs are composed in the test process before the ranks fork (`resume_cfgs`, `async_cfgs`):
+the ranks inherit them (`compose_config`'s memo).
 """
 
 from __future__ import annotations
@@ -88,11 +91,23 @@ def _record(trainer: Trainer, losses: list[float], loaded: dict[str, torch.Tenso
     return {"coord": (c.pp, c.dp, c.tp), "losses": losses, "loaded": loaded if c.tp == 0 and c.dp == 0 else None}
 
 
+def resume_cfgs(world: int, root: Path, base: Case, resharded: list[Case], extra: tuple[str, ...] = ()
+                ) -> dict[str, Any]:
+    """The configs `resume_runs` trains under, by run name ("base", "same", then each resharded case). Called in
+    the test process before the ranks fork, it composes them once for every rank (`compose_config`'s memo)."""
+    return {"base": _cfg(base, world, root, "base", f"checkpoint.every={SAVE_AT}", *extra),
+            "same": _cfg(base, world, root, "same", *extra)} | {
+        str(case): _cfg(case, world, root, f"resharded{i}", *extra) for i, case in enumerate(resharded)}
+
+
 def resume_runs(rank: int, world: int, root: Path, base: Case, resharded: list[Case],
                 extra: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Rank function: the uninterrupted run, the same-layout resume, then each resharded resume."""
+    """Rank function: the uninterrupted run, the same-layout resume, then each resharded resume; "log": this
+    call's checkpoint messages."""
+    LOG.clear()
+    cfgs = resume_cfgs(world, root, base, resharded, extra)
     ctx = layout_context(world, base)
-    first = _trainer(_cfg(base, world, root, "base", f"checkpoint.every={SAVE_AT}", *extra), ctx)
+    first = _trainer(cfgs["base"], ctx)
     saved: dict[str, torch.Tensor] = {}
     losses = []
     while first.step < STEPS:
@@ -103,22 +118,55 @@ def resume_runs(rank: int, world: int, root: Path, base: Case, resharded: list[C
     first.checkpointer.wait()
     out: dict[str, Any] = {"base": _record(first, losses, saved), "final": _weights(first)}
     path = step_path(root / "base", SAVE_AT)
-    again = _resume(_cfg(base, world, root, "same", *extra), ctx, path)
+    again = _resume(cfgs["same"], ctx, path)
     out["same"] = _record(again, _train(again), {})
     out["same_final"] = _weights(again)
     for case in resharded:
         cctx = layout_context(world, case)
-        trainer = _resume(_cfg(case, world, root, str(case), *extra), cctx, path)
+        trainer = _resume(cfgs[str(case)], cctx, path)
         loaded, consumed = _weights(trainer), trainer.sampler.consumed_samples
         out[str(case)] = _record(trainer, _train(trainer), loaded) | {"consumed": consumed}
     out["log"] = list(LOG)
     return out
 
 
+def resume_each(rank: int, world: int, runs: dict[str, tuple[Path, Case, list[Case], tuple[str, ...]]]
+                ) -> dict[str, dict[str, Any]]:
+    """Rank function: `resume_runs` of each run (root, base, resharded, extra), one after another, by name."""
+    return {name: resume_runs(rank, world, *run) for name, run in runs.items()}
+
+
+def launch_resumes(world: int, runs: dict[str, tuple[Path, Case, list[Case], tuple[str, ...]]]
+                   ) -> dict[str, list[dict[str, Any]]]:
+    """`resume_each` on `world` ranks, every config composed here first; each run's results by rank."""
+    torch.set_num_threads(1)
+    for run in runs.values():
+        resume_cfgs(world, *run)
+    results = run_ranks(resume_each, world, runs, timeout=TIMEOUT)
+    return {name: [r[name] for r in results] for name in runs}
+
+
 @pytest.fixture(scope="module")
 def run8(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     root = tmp_path_factory.mktemp("ckpt")
-    return root, run_ranks(resume_runs, 8, root, Case(tp=2, pp=2), RESHARDED, timeout=TIMEOUT)
+    return root, launch_resumes(8, {"run8": (root, Case(tp=2, pp=2), RESHARDED, ())})["run8"]
+
+
+# The world-2 and world-4 runs train smaller models: 2 layers, 4 for zbv (a layer per part at pp2 × 2)
+TWO, FOUR = ("model.n_layers=2",), ("model.n_layers=4",)
+ZBV = Case(pp=2, schedule="zbv", v=2, extra=("parallel.zb_memory=none",))  # its own order: split
+ZB_OTHERS = [Case(pp=2, schedule="zb1p"), Case()]
+RNG_HOOK = (*TWO, "model.dropout=0.1", "compression=powersgd", "compression.rank=2")
+ONEBIT = (*TWO, "compression=onebit_adam", "compression.warmup_steps=2")
+
+
+@pytest.fixture(scope="module")
+def run2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """The world-2 launch: each run's results by rank."""
+    root = tmp_path_factory.mktemp("ckpt2")
+    return launch_resumes(2, {"rng": (root / "rng", Case(), [Case(tp=2)], RNG_HOOK),
+                              "zb": (root / "zb", ZBV, ZB_OTHERS, FOUR),
+                              "onebit": (root / "onebit", Case(), [Case(tp=2)], ONEBIT)})
 
 
 def _saved(results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -172,11 +220,10 @@ def test_single_process_resume(run8: tuple[Path, list[dict[str, Any]]]) -> None:
     _check_resharded("single", loaded, _train(trainer), results)
 
 
-def test_same_layout_resume_restores_rng_and_hook_state(tmp_path: Path) -> None:
+def test_same_layout_resume_restores_rng_and_hook_state(run2: dict[str, list[dict[str, Any]]]) -> None:
     """Dropout draws and PowerSGD's residuals and warm-started factors continue exactly; under another
     DP size the hook state is dropped with a warning (and training goes on)."""
-    extra = ("model.dropout=0.1", "compression=powersgd", "compression.rank=2")
-    results = run_ranks(resume_runs, 2, tmp_path, Case(), [Case(tp=2)], extra, timeout=TIMEOUT)
+    results = run2["rng"]
     for r in results:
         assert r["same"]["losses"] == r["base"]["losses"][SAVE_AT:]
     log = " ".join(results[0]["log"])
@@ -184,17 +231,16 @@ def test_same_layout_resume_restores_rng_and_hook_state(tmp_path: Path) -> None:
     assert "dropped" not in " ".join(m for m in results[0]["log"] if "/same" in m)
 
 
-def test_zero_bubble_checkpoints_resume_exactly_and_under_other_placements(tmp_path: Path) -> None:
+def test_zero_bubble_checkpoints_resume_exactly_and_under_other_placements(
+        run2: dict[str, list[dict[str, Any]]]) -> None:
     """Saved under zbv (the V placement: rank 0 holds the embedding, the last part and the tied head's copy),
     resumed bit-exactly in the same layout, and by global names under zb1p's loop placement and at pp=1."""
-    others = [Case(pp=2, schedule="zb1p"), Case()]
-    zbv = Case(pp=2, schedule="zbv", v=2, extra=("parallel.zb_memory=none",))  # its own order: split
-    results = run_ranks(resume_runs, 2, tmp_path, zbv, others, timeout=TIMEOUT)
+    results = run2["zb"]
     for r in results:
         assert r["same"]["losses"] == r["base"]["losses"][SAVE_AT:]
         for name, w in r["final"].items():
             assert torch.equal(r["same_final"][name], w), name
-    for case in map(str, others):
+    for case in map(str, ZB_OTHERS):
         loaded: dict[str, torch.Tensor] = {}
         for r in results:
             loaded.update(r[case]["loaded"] or {})
@@ -202,13 +248,23 @@ def test_zero_bubble_checkpoints_resume_exactly_and_under_other_placements(tmp_p
             _check_resharded(case, dict(loaded), r[case]["losses"], results)
 
 
+ASYNC = Case(tp=2, extra=TWO)  # TP-sharded fused parameters: their part views are staged too
+
+
+def async_cfgs(world: int, root: Path) -> dict[str, Any]:
+    """The configs of `async_runs` by run name (composed in the test process before the ranks fork)."""
+    return {"async": _cfg(ASYNC, world, root, "async", "checkpoint.every=2", "checkpoint.keep=2",
+                          "checkpoint.async=true"),
+            "check": _cfg(ASYNC, world, root, "check"), "again": _cfg(ASYNC, world, root, "again")}
+
+
 def async_runs(rank: int, world: int, root: Path) -> dict[str, Any]:
     """Async saves every 2 steps (keep 2) while training goes on; then a same-layout resume of the one before
     the last."""
-    case = Case(tp=2)  # TP-sharded fused parameters: their part views are staged too
-    ctx = layout_context(world, case)
-    first = _trainer(_cfg(case, world, root, "async", "checkpoint.every=2", "checkpoint.keep=2",
-                          "checkpoint.async=true"), ctx)
+    LOG.clear()
+    cfgs = async_cfgs(world, root)
+    ctx = layout_context(world, ASYNC)
+    first = _trainer(cfgs["async"], ctx)
     losses = _train(first)
     before = _weights(first)
     first.checkpointer.save()  # the last step once more; then change every weight while it is written
@@ -216,9 +272,9 @@ def async_runs(rank: int, world: int, root: Path) -> dict[str, Any]:
         for p in first.model.parameters():
             p.add_(1.0)
     first.checkpointer.wait()
-    check = _resume(_cfg(case, world, root, "check"), ctx, step_path(root / "async", STEPS))
+    check = _resume(cfgs["check"], ctx, step_path(root / "async", STEPS))
     unchanged = all(torch.equal(w, before[n]) for n, w in _weights(check).items())
-    again = _resume(_cfg(case, world, root, "again"), ctx, step_path(root / "async", STEPS - 2))
+    again = _resume(cfgs["again"], ctx, step_path(root / "async", STEPS - 2))
     return {"losses": losses, "resumed": _train(again), "log": list(LOG), "unchanged": unchanged}
 
 
@@ -226,6 +282,8 @@ def test_async_save_snapshots_the_step_it_was_started_at(tmp_path: Path) -> None
     """Training runs on (and changes every weight) while the background thread writes step 4: the
     checkpoint still holds step 4's state exactly, so resuming it reproduces steps 5..6 bit for bit.
     keep=2 leaves the newest two, step 4 and step 6."""
+    torch.set_num_threads(1)
+    async_cfgs(4, tmp_path)
     results = run_ranks(async_runs, 4, tmp_path, timeout=TIMEOUT)
     for r in results:
         assert r["resumed"] == r["losses"][STEPS - 2:]
@@ -237,13 +295,12 @@ def test_async_save_snapshots_the_step_it_was_started_at(tmp_path: Path) -> None
     assert sum("async" in m and "saved" in m for m in log) == STEPS // 2 + 1
 
 
-def test_onebit_adam_resumes_exactly_and_under_another_dp_size(tmp_path: Path) -> None:
+def test_onebit_adam_resumes_exactly_and_under_another_dp_size(run2: dict[str, list[dict[str, Any]]]) -> None:
     """1-bit Adam's state through the real checkpoint: the same layout continues bit for bit (momentum,
     frozen variance and the per-rank residuals restored); dp2 → tp2 (dp1) loads the same weights and goes on
     from the saved momentum and frozen variance: at dp1 the momentum is exact, not sign-compressed, so the
     losses differ (the update itself is checked against the reference in test_onebit_adam.py)."""
-    extra = ("compression=onebit_adam", "compression.warmup_steps=2")
-    results = run_ranks(resume_runs, 2, tmp_path, Case(), [Case(tp=2)], extra, timeout=TIMEOUT)
+    results = run2["onebit"]
     for r in results:
         assert r["same"]["losses"] == r["base"]["losses"][SAVE_AT:]
         assert all(torch.equal(r["same_final"][name], w) for name, w in r["final"].items())

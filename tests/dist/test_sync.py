@@ -1,10 +1,20 @@
 """Replica-level sync modes (`hybrid.sync`) on gloo ranks, against references: synchronous DP (DiLoCo with H=1,
 outer lr 1 and no momentum under a linear inner optimizer is gradient averaging), a DiLoCo loop written here from
-the paper's pseudo-code over single-process trainers, and the byte counts of the DP exchanges they replace."""
+the paper's pseudo-code over single-process trainers, and the byte counts of the DP exchanges they replace.
+
+The model has 2 layers (`SMALL`). One launch per world size, each run once per session and read by several
+tests; every config is composed in the test process before the ranks fork (`compose_config`'s memo):
+  - world 4 (`four`): the averaging modes and the parameter servers against one synchronous-DP run, the
+    asynchronous server with a slow worker, and gossip on a 4-rank ring of toy quadratics;
+  - world 2: DiLoCo against the paper's loop (the references computed in the test process);
+  - world 8, tp2pp2dp2 (`eight`): the byte counts of every outer step, and the DiLoCo, gossip and parameter
+    server checkpoints (each saved, resumed and exported in its own folder).
+"""
 
 from __future__ import annotations
 
 import copy
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +24,7 @@ import torch.distributed as dist
 from harness import run_ranks
 from pp_helpers import VOCAB, Case, make_cfg
 from safetensors.torch import load_file
-from test_checkpoint import SAVE_AT, STEPS, resume_runs
+from test_checkpoint import SAVE_AT, STEPS, resume_cfgs, resume_runs
 from test_dp import synthetic_corpus
 
 from hybrid.checkpoint import step_path
@@ -32,6 +42,8 @@ TIMEOUT = 300
 LINEAR = ("optim=sgd", "optim.grad_clip=0")  # SGD with momentum, no clipping: linear in the gradients
 AVERAGE = ("sync=diloco", "sync.inner_steps=1", "sync.outer_lr=1", "sync.outer_momentum=0", "sync.nesterov=false")
 DILOCO = ("sync=diloco", "sync.inner_steps=3")  # the paper's outer optimizer: Nesterov, lr 0.7, momentum 0.9
+SMALL = ("model.n_layers=2",)  # every trained model here (a layer per pipeline stage)
+DP_ONLY, TP2PP2 = Case(extra=SMALL), Case(tp=2, pp=2, extra=SMALL)
 
 
 def _trainer(cfg: Any, ctx: ParallelContext) -> Trainer:
@@ -48,13 +60,24 @@ def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     return out
 
 
+def mode_cfg(case: Case, world: int, extra: tuple[str, ...], ranks_per_node: int, steps: int) -> Any:
+    """The config `train_modes` trains mode `extra` under."""
+    return make_cfg(case, world, extra=[*extra, f"train.steps={steps}", f"parallel.ranks_per_node={ranks_per_node}"])
+
+
+def modes_composed(case: Case, world: int, modes: list[tuple[str, ...]], ranks_per_node: int, steps: int) -> None:
+    """Compose every mode's config in the test process, so the forked ranks inherit them."""
+    for extra in modes:
+        mode_cfg(case, world, extra, ranks_per_node, steps)
+
+
 def train_modes(rank: int, world: int, case: Case, modes: list[tuple[str, ...]], ranks_per_node: int,
                 steps: int) -> list[dict[str, Any]]:
     """Rank function: each mode (its overrides) trained `steps` steps; losses, weights, DP bytes per step."""
     ctx = ParallelContext.build(Layout.create(world, tp=case.tp, pp=case.pp, ranks_per_node=ranks_per_node))
     out = []
     for extra in modes:
-        cfg = make_cfg(case, world, extra=[*extra, f"train.steps={steps}", f"parallel.ranks_per_node={ranks_per_node}"])
+        cfg = mode_cfg(case, world, extra, ranks_per_node, steps)
         trainer = _trainer(cfg, ctx)
         losses, dp_bytes = [], []
         for _ in range(steps):
@@ -67,16 +90,73 @@ def train_modes(rank: int, world: int, case: Case, modes: list[tuple[str, ...]],
     return out
 
 
+# ---- the world-4 and world-8 launches -------------------------------------------------------------------------
+
+AVERAGING = [(*LINEAR, *AVERAGE), (*LINEAR, *AVERAGE, "sync.scope=inter"),
+             (*LINEAR, "sync=gossip", "sync.topology=complete")]  # on 2 emulated nodes × 2
+SERVERS = [(*LINEAR, "sync=ps"), (*LINEAR, "sync=ps", "sync.servers=3"),
+           (*LINEAR, "sync=ps_async", "sync.max_staleness=0")]  # on one node of 4
+STALE_K, STALE_STEPS = 2, 8
+RING_ROUNDS, RING_LR = 3, 0.1  # each round shrinks the distance to 0.3×: 3 rounds stay far above fp32 round-off
+
+
+def four_ranks(rank: int, world: int) -> dict[str, Any]:
+    """Rank function of the world-4 launch: synchronous DP and the averaging modes (4 steps), the parameter
+    servers (4 steps), the asynchronous server with a slow worker, and ring gossip on toy quadratics."""
+    return {"averaging": train_modes(rank, world, DP_ONLY, [LINEAR, *AVERAGING], 2, 4),
+            "servers": train_modes(rank, world, DP_ONLY, SERVERS, 4, 4),
+            "stale": staleness_run(rank, world, STALE_K, STALE_STEPS),
+            "ring": ring_rounds(rank, world, RING_ROUNDS, RING_LR)}
+
+
+@functools.cache
+def four() -> list[dict[str, Any]]:
+    """The world-4 launch's results by rank (once per session)."""
+    torch.set_num_threads(1)
+    modes_composed(DP_ONLY, 4, [LINEAR, *AVERAGING], 2, 4)
+    modes_composed(DP_ONLY, 4, SERVERS, 4, 4)
+    stale_cfg(4, STALE_K, STALE_STEPS)
+    return run_ranks(four_ranks, 4, timeout=TIMEOUT)
+
+
+BYTES_STEPS = 5
+BYTES_MODES = [(), DILOCO, ("compression=int8",), (*DILOCO, "compression=int8"), ("sync=gossip",),
+               (*DILOCO, "compression=powersgd", "compression.rank=2")]
+# name → (mode, the layouts a resume restarts under); saved and resumed at tp2pp2dp2 in folder <root>/<name>
+RESUMED: dict[str, tuple[tuple[str, ...], list[Case]]] = {
+    "diloco": ((*DILOCO, "sync.fragments=3", "sync.overlap_steps=1", "compression=powersgd", "compression.rank=2"),
+               [Case(tp=1, pp=2, extra=SMALL)]),
+    "gossip": (("sync=gossip",), []),
+    "ps": (("sync=ps", "sync.servers=2"), []),
+}
+
+
+def eight_ranks(rank: int, world: int, root: Path) -> dict[str, Any]:
+    """Rank function of the world-8 launch (tp2pp2dp2): every byte-count mode, then each checkpointed mode."""
+    out = {"bytes": train_modes(rank, world, TP2PP2, BYTES_MODES, 8, BYTES_STEPS)}
+    for name, (mode, resharded) in RESUMED.items():
+        out[name] = resume_runs(rank, world, root / name, TP2PP2, resharded, mode)
+    return out
+
+
+@pytest.fixture(scope="module")
+def eight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """(the checkpoints' root, the world-8 launch's results by rank)."""
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("sync8")
+    modes_composed(TP2PP2, 8, BYTES_MODES, 8, BYTES_STEPS)
+    for name, (mode, resharded) in RESUMED.items():
+        resume_cfgs(8, root / name, TP2PP2, resharded, mode)
+    return root, run_ranks(eight_ranks, 8, root, timeout=2 * TIMEOUT)
+
+
 def test_diloco_with_one_inner_step_and_plain_averaging_is_synchronous_dp() -> None:
     """H=1, outer lr 1, no momentum, SGD inside: every step averages the replicas' updates, which is averaging
     their gradients — over all of DP, and hierarchically (the node's DP every step, the other node's at each
     outer step) on 2 emulated nodes × 2; gossip on the complete graph (uniform weights) averages too. All equal
     synchronous DP within fp32 rounding."""
-    modes = [LINEAR, (*LINEAR, *AVERAGE), (*LINEAR, *AVERAGE, "sync.scope=inter"),
-             (*LINEAR, "sync=gossip", "sync.topology=complete")]
-    results = run_ranks(train_modes, 4, Case(), modes, 2, 4, timeout=TIMEOUT)
-    for r in results:
-        dp, *others = r
+    for r in four():
+        dp, *others = r["averaging"]
         inter = others[1]["bytes"]  # the node's DP every step, the other node only at the outer steps
         assert all(b["dp"] == 0 and b["dp_intra"] > 0 and b["dp_inter"] > 0 for b in inter)
         for other in others:
@@ -85,15 +165,14 @@ def test_diloco_with_one_inner_step_and_plain_averaging_is_synchronous_dp() -> N
                 torch.testing.assert_close(other["weights"][name], w, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_every_outer_step_costs_one_dp_steps_bytes_and_only_on_its_steps() -> None:
+def test_every_outer_step_costs_one_dp_steps_bytes_and_only_on_its_steps(
+        eight: tuple[Path, list[dict[str, Any]]]) -> None:
     """At tp2pp2dp2, fp32 and int8: the outer exchange of a rank's parameters counts the bytes a synchronous DP
     step's gradient exchange of the same codec counts, on steps H, 2H, … (and the run's last) only; TP and PP
     traffic per step is synchronous DP's. Under PowerSGD (each stage's bucket compressed on its own) the tied
     embedding's two copies still end equal."""
-    case, steps = Case(tp=2, pp=2), 5
-    modes = [(), DILOCO, ("compression=int8",), (*DILOCO, "compression=int8"), ("sync=gossip",),
-             (*DILOCO, "compression=powersgd", "compression.rank=2")]
-    results = run_ranks(train_modes, 8, case, modes, 8, steps, timeout=TIMEOUT)
+    steps = BYTES_STEPS
+    results = [r["bytes"] for r in eight[1]]
     for first, last in zip(results[:4], results[4:]):  # (pp0, dp, tp) and (pp1, dp, tp): the tied copies agree
         assert torch.equal(first[5]["weights"]["tok_embed.weight"], last[5]["weights"]["head.weight"])
     syncs = sum(s % 3 == 0 or s == steps for s in range(1, steps + 1))
@@ -180,11 +259,11 @@ def test_diloco_matches_the_papers_loop() -> None:
              (*DILOCO, "sync.fragments=2", "sync.overlap_steps=1", "sync.overlap_mix=0.5"),
              (*DILOCO, "sync.overlap_steps=2")]
     steps = 8
-    results = run_ranks(train_modes, 2, Case(), modes, 2, steps, timeout=TIMEOUT)
     torch.set_num_threads(1)
+    modes_composed(DP_ONLY, 2, modes, 2, steps)
+    results = run_ranks(train_modes, 2, DP_ONLY, modes, 2, steps, timeout=TIMEOUT)
     for i, mode in enumerate(modes):
-        cfg = make_cfg(Case(), 2, extra=[*mode, f"train.steps={steps}"])
-        ref = replicas_reference(cfg, 2, steps)
+        ref = replicas_reference(mode_cfg(DP_ONLY, 2, mode, 2, steps), 2, steps)
         for r, want in zip(results, ref):
             for name, w in want.items():
                 torch.testing.assert_close(r[i]["weights"][name], w, rtol=1e-5, atol=1e-6, msg=(mode, name))
@@ -219,10 +298,8 @@ def test_parameter_server_synchronous_and_async_at_zero_staleness_are_synchronou
     shard, three, and the asynchronous protocol held to staleness 0 all train as synchronous DP (the servers
     apply the same optimizer to the mean gradient). AdamW would too, but its update divides by √v, and on the
     elements whose gradient is only rounding noise (a key's bias: softmax ignores it) two sum orders differ."""
-    modes = [LINEAR, (*LINEAR, "sync=ps"), (*LINEAR, "sync=ps", "sync.servers=3"),
-             (*LINEAR, "sync=ps_async", "sync.max_staleness=0")]
-    for r in run_ranks(train_modes, 4, Case(), modes, 4, 4, timeout=TIMEOUT):
-        dp, *others = r
+    for r in four():
+        dp, others = r["averaging"][0], r["servers"]  # the one synchronous-DP run of the launch
         for other in others:
             torch.testing.assert_close(torch.tensor(other["losses"]), torch.tensor(dp["losses"]), rtol=1e-5, atol=1e-6)
             for name, w in dp["weights"].items():
@@ -230,14 +307,17 @@ def test_parameter_server_synchronous_and_async_at_zero_staleness_are_synchronou
             assert all(b["dp"] == 0 for b in other["bytes"])  # no DP collective: pushes and replies only
 
 
+def stale_cfg(world: int, k: int, steps: int) -> Any:
+    return make_cfg(DP_ONLY, world, extra=["sync=ps_async", f"sync.max_staleness={k}", "sync.servers=2",
+                                           f"train.steps={steps}"])
+
+
 def staleness_run(rank: int, world: int, k: int, steps: int) -> dict[str, Any]:
     """Rank function: asynchronous PS with max_staleness k; rank 3 sleeps after each step (a slow worker)."""
     import time
 
     ctx = ParallelContext.build(Layout.create(world))
-    cfg = make_cfg(Case(), world, extra=["sync=ps_async", f"sync.max_staleness={k}", "sync.servers=2",
-                                         f"train.steps={steps}"])
-    trainer = _trainer(cfg, ctx)
+    trainer = _trainer(stale_cfg(world, k, steps), ctx)
     versions = []
     for _ in range(steps):
         trainer.train_step()
@@ -253,8 +333,8 @@ def test_async_parameter_server_never_applies_a_gradient_older_than_k_versions()
     """dp=4, 2 server shards, k=2, rank 3 slow: the fast workers run ahead (some gradients are stale), none is
     more than k versions old when applied, no worker ever holds parameters more than k versions behind its
     clock, and the last step waits for the final version: every replica ends with the same model."""
-    k, steps = 2, 8
-    results = run_ranks(staleness_run, 4, k, steps, timeout=TIMEOUT)
+    k, steps = STALE_K, STALE_STEPS
+    results = [r["stale"] for r in four()]
     applied = [s for r in results[:2] for s in r["staleness"]]  # the hosts of the two shards
     assert len(applied) == 2 * 4 * steps and max(applied) <= k and max(applied) > 0
     for r in results:
@@ -297,12 +377,13 @@ def ring_rounds(rank: int, world: int, rounds: int, lr: float) -> list[float]:
 
 
 def test_gossip_on_a_ring_shrinks_the_consensus_distance_as_theory_says() -> None:
-    """6 replicas on a ring (weights 1/3), disagreeing along the mixing matrix's slowest eigenvector (cos 2πi/n):
-    with a gradient step of lr η on the same quadratic, the consensus distance shrinks by exactly
-    (1 − η)·λ₂ per round, λ₂ = (1 + 2cos(2π/n))/3 (the ring's second eigenvalue)."""
-    n, eta = 6, 0.1
+    """4 replicas on a ring (weights 1/3; each mixes with 2 of the 3 others), disagreeing along the mixing
+    matrix's slowest eigenvector (cos 2πi/n): with a gradient step of lr η on the same quadratic, the consensus
+    distance shrinks by exactly (1 − η)·λ₂ per round, λ₂ = (1 + 2cos(2π/n))/3 (the ring's second eigenvalue)."""
+    n, eta = 4, RING_LR
     rate = (1 - eta) * (1 + 2 * torch.cos(torch.tensor(2 * torch.pi / n)).item()) / 3
-    dists = run_ranks(ring_rounds, n, 5, eta, timeout=TIMEOUT)[0]
+    dists = four()[0]["ring"]
+    assert len(dists) == RING_ROUNDS + 1
     assert dists[0] > 1
     for before, after in zip(dists, dists[1:]):
         assert after == pytest.approx(rate * before, rel=1e-5)
@@ -310,23 +391,23 @@ def test_gossip_on_a_ring_shrinks_the_consensus_distance_as_theory_says() -> Non
 
 # ---- checkpoints ----------------------------------------------------------------------------------------------
 
-def test_diloco_resumes_bit_exactly_between_outer_steps_and_restarts_under_another_layout(tmp_path: Path) -> None:
+def test_diloco_resumes_bit_exactly_between_outer_steps_and_restarts_under_another_layout(
+        eight: tuple[Path, list[dict[str, Any]]]) -> None:
     """tp2pp2dp2, H=3 in 3 fragments, each PowerSGD exchange overlapped with the next step: saved at step 3 with
     the third fragment's exchange in flight, resumed in the same layout: each replica's own parameters, inner
     AdamW moments, anchors, outer momentum, the exchange's result and PowerSGD's state after it come back
     (losses and weights bit for bit);
     under tp1pp2dp4 every replica restarts from the saved parameters (a note says so) and trains; the last
     checkpoint (after the final sync) exports to transformers as the run's one model."""
-    mode = (*DILOCO, "sync.fragments=3", "sync.overlap_steps=1", "compression=powersgd", "compression.rank=2")
-    results = run_ranks(resume_runs, 8, tmp_path, Case(tp=2, pp=2), [Case(tp=1, pp=2)], mode, timeout=TIMEOUT)
+    results = [r["diloco"] for r in eight[1]]
     for r in results:
         assert r["same"]["losses"] == r["base"]["losses"][SAVE_AT:]
         for name, w in r["final"].items():
             assert torch.equal(r["same_final"][name], w), name
-        other = r[str(Case(tp=1, pp=2))]["losses"]
+        other = r[str(RESUMED["diloco"][1][0])]["losses"]
         assert all(torch.isfinite(torch.tensor(other))) and other[-1] < r["base"]["losses"][0]
     assert any("holds no replica state" in line for line in results[0]["log"])
-    exports_the_final_model(tmp_path, results, mode)
+    exports_the_final_model(eight[0] / "diloco", results, RESUMED["diloco"][0])
 
 
 def exports_the_final_model(root: Path, results: list[dict[str, Any]], mode: tuple[str, ...]) -> None:
@@ -337,21 +418,21 @@ def exports_the_final_model(root: Path, results: list[dict[str, Any]], mode: tup
     final: dict[str, torch.Tensor] = {}
     for r in results:
         final.update(r["final"])
-    want = to_hf_state_dict(final, make_cfg(Case(tp=2, pp=2), 8, extra=list(mode)).model, VOCAB)
+    want = to_hf_state_dict(final, make_cfg(TP2PP2, 8, extra=list(mode)).model, VOCAB)
     got = load_file(root / "hf" / "model.safetensors")
     assert set(got) <= set(want) and got
     for name, t in got.items():
         assert torch.equal(t, want[name]), name
 
 
-@pytest.mark.parametrize("mode", [("sync=gossip",), ("sync=ps", "sync.servers=2")], ids=["gossip", "ps"])
-def test_gossip_and_parameter_server_resume_bit_exactly(tmp_path: Path, mode: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("mode", ["gossip", "ps"])
+def test_gossip_and_parameter_server_resume_bit_exactly(eight: tuple[Path, list[dict[str, Any]]], mode: str) -> None:
     """tp2pp2dp2, saved at step 3 and resumed in the same layout: gossip's replicas' parameters and AdamW
     moments, the parameter server's shards, AdamW state and version come back: losses and weights bit for bit;
     the last checkpoint (after the final average) exports to transformers as the run's one model."""
-    results = run_ranks(resume_runs, 8, tmp_path, Case(tp=2, pp=2), [], mode, timeout=TIMEOUT)
+    results = [r[mode] for r in eight[1]]
     for r in results:
         assert r["same"]["losses"] == r["base"]["losses"][SAVE_AT:]
         for name, w in r["final"].items():
             assert torch.equal(r["same_final"][name], w), name
-    exports_the_final_model(tmp_path, results, mode)
+    exports_the_final_model(eight[0] / mode, results, RESUMED[mode][0])
