@@ -1,6 +1,7 @@
 """Shared pieces of the pipeline-parallel rank tests (test_pp, test_pp_torch).
 
-One tiny model (8 layers so that pp=4 with 2 virtual stages has a layer per part), one corpus,
+One tiny model (8 layers so that pp=4 with 2 virtual stages has a layer per part; a case may ask for
+fewer, `Case.layers`, and is then held to the single-process run of that many), one corpus,
 one config builder for every (tp, pp, dp, schedule, virtual stages, sequence parallel) case,
 and `train_cases`: the rank function that trains a list of cases one after another in a single
 launch (each case builds a fresh model and Trainer; the process groups are built once per
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch._dynamo  # noqa: F401  (AdamW imports it lazily, ~3 CPU-s: once here, not in every forked rank)
 from test_dp import SEQ, synthetic_corpus
 
 from hybrid.compression.hooks import make_hook
@@ -57,22 +59,27 @@ class Case:
     stage_layers: Optional[tuple[int, ...]] = None  # parallel.stage_layers; None = balanced
     zero: int = 0  # parallel.zero: 1 = the distributed optimizer
     extra: tuple[str, ...] = ()  # more overrides
+    layers: int = LAYERS  # model.n_layers
 
     def __str__(self) -> str:
         sp = "sp" if self.sp else ""
         v = f"v{self.v}" if self.v > 1 else ""
         parts = "-" + "_".join(map(str, self.stage_layers)) if self.stage_layers else ""
-        return f"{self.family}-tp{self.tp}pp{self.pp}{sp}-{self.schedule}{v}{parts}{'-zero1' if self.zero else ''}" + (
-            f"-{','.join(self.extra)}" if self.extra else "")
+        layers = f"-{self.layers}L" if self.layers != LAYERS else ""
+        return (f"{self.family}{layers}-tp{self.tp}pp{self.pp}{sp}-{self.schedule}{v}{parts}"
+                f"{'-zero1' if self.zero else ''}" + (f"-{','.join(self.extra)}" if self.extra else ""))
 
 
 def make_cfg(case: Case, world: int, bucket_mb: float = 0.05, extra: Sequence[str] = ()) -> Any:
     """The composed (and validated) config of `case` on `world` ranks: fp32, no dropout, and clipping
-    at 0.05, below every step's gradient norm (~2-3), so each update is scaled by the global norm."""
+    at 0.05, below every step's gradient norm (~2-3), so each update is scaled by the global norm.
+
+    Each call gets its own copy (`compose_config`'s); the validation runs once per (overrides, world) in a
+    process, so a config made in the test process before the ranks fork costs them nothing."""
     dp = world // (case.tp * case.pp)
-    cfg = compose_config([
+    overrides = (
         f"model={MODEL_CONFIGS.get(case.family, 'gpt-tiny')}", f"model.family={case.family}",
-        f"model.n_layers={LAYERS}",
+        f"model.n_layers={case.layers}",
         "model.hidden=64", "model.n_heads=4", "model.ffn_hidden=128", "model.max_seq_len=32",
         "model.make_vocab_size_divisible_by=1", "model.dropout=0.0",
         f"data.seq_len={SEQ}", f"train.global_batch_size={GLOBAL_BATCH}", f"train.micro_batch_size={MICRO}",
@@ -84,9 +91,15 @@ def make_cfg(case: Case, world: int, bucket_mb: float = 0.05, extra: Sequence[st
         f"parallel.zero={case.zero}",
         "parallel.name=test", *case.extra, *extra,
         *([f"parallel.stage_layers=[{','.join(map(str, case.stage_layers))}]"] if case.stage_layers else []),
-    ])
-    validate(cfg, world)
-    return cfg
+    )
+    _validated(overrides, world)
+    return compose_config(overrides)
+
+
+@functools.cache
+def _validated(overrides: tuple[str, ...], world: int) -> None:
+    """`validate` the config of `overrides` on `world` ranks (raises ConfigError; a success is remembered)."""
+    validate(compose_config(overrides), world)
 
 
 def train_case(ctx: ParallelContext, case: Case, world: int) -> dict[str, Any]:
@@ -150,10 +163,10 @@ def train_cases(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]
 
 
 @functools.cache
-def reference(family: str) -> dict[str, Any]:
+def reference(family: str, layers: int = LAYERS) -> dict[str, Any]:
     """The single-process run (tp = pp = dp = 1: the global batch as 4 microbatches of MICRO)."""
     torch.set_num_threads(1)
-    r = train_case(ParallelContext.single(), Case(family), 1)
+    r = train_case(ParallelContext.single(), Case(family, layers=layers), 1)
     assert r["losses"][-1] < r["losses"][0], r["losses"]
     assert r["n_params"] == r["analytic_params"]
     return r
