@@ -2,8 +2,9 @@
 
 Reference: the same config trained by one process (tp=1, dp=1, the global batch as
 microbatches). Every layout trains the same model from the same initial weights on the same
-samples, so losses, reported gradient norms and the (gathered) weights after two AdamW
-steps (the second moved by the first's moments) must agree to fp32 round-off: rtol = atol = 1e-5 on losses, 1e-4 / 1e-5 on weights.
+samples, so losses, reported gradient norms and the (gathered) weights after two AdamW steps
+(the second moved by the first's moments) must agree to fp32 round-off: rtol = atol = 1e-5 on
+losses, 1e-4 / 1e-5 on weights.
 Clipping is set low (`optim.grad_clip=0.05`) so it acts on every step: a gradient norm
 that double-counted TP-replicated parameters would change every update.
 
@@ -19,8 +20,8 @@ Trainer each; the groups built once per layout), and the tests read its results 
     (dropout streams, saved activations);
   - world 4: tp4 and tp2dp2, GPT and Llama, with and without SP;
   - world 8: tp8 GPT (8 heads), with and without SP.
-Every config is composed in the test process before the ranks fork (`compose_config`'s memo), and
-each single-process reference is trained once (`reference`).
+Every config is composed in the test process before the ranks fork (`compose_config`'s memo), its heap
+frozen while they run (`run_frozen`), and each single-process reference is trained once (`reference`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from unittest import mock
 
 import pytest
 import torch
-from harness import run_ranks
 from test_dp import GLOBAL_BATCH, SEQ, synthetic_corpus, tiny_cfg
+from tp_helpers import run_frozen
 
 from hybrid.compression.hooks import make_hook
 from hybrid.model import build_model
@@ -216,7 +217,7 @@ def launched(world: int) -> list[dict[str, Any]]:
     if probes:
         for sp in SPS:
             model_cfg("gpt", world, 1, 2, sp)
-    results = run_ranks(launch_runs, world, runs, probes, timeout=TIMEOUT)
+    results = run_frozen(launch_runs, world, runs, probes, timeout=TIMEOUT)
     return [r | {"runs": dict(zip(runs, r["runs"]))} for r in results]
 
 
