@@ -4,23 +4,26 @@ reason, no traceback, and writes nothing: the checkpoints (files, sizes, mtimes)
 metrics.jsonl are as they were.
 
 One single-process run (4 steps, checkpoints at 2 and 4) provides the checkpoints and the run folder;
-each case resumes into a copy of that run folder, with the run's own checkpoint.dir.
+each case resumes into a copy of that run folder, with the run's own checkpoint.dir. Every run is the real
+entry point `hybrid.train.main` forked from the test process (hybrid.testing.cli_runs: `run_forked`, and
+`run_forked_ranks` with torchrun's environment for the 2 ranks; tests/e2e/test_torchrun.py runs the real
+torchrun for a refusal on every rank).
 """
 
 from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-from test_torchrun import QUICK, ROOT, torchrun
-from test_torchrun import env as env  # noqa: F401  (the shared fixture)
+from test_nonfinite import frozen_gc
+from test_rerun import env as env  # noqa: F401  (the shared fixture)
+from test_torchrun import QUICK, ROOT
 
 import hybrid.train
 from hybrid.checkpoint import METADATA, step_path
-from hybrid.testing.cli_runs import CliRun, run_forked
+from hybrid.testing.cli_runs import CliRun, run_forked, run_forked_ranks
 
 RUN = "gpt-tiny-dp"
 CONFIG = [*QUICK, "model.hidden=64", "model.n_layers=2", "train.steps=4", "train.eval_every=0",
@@ -40,7 +43,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> Path
 def train(tmp: Path, run_dir: Path, env: dict[str, str], *extra: str) -> CliRun:
     """`python -m hybrid.train` as a forked child of this process (hybrid.testing.cli_runs)."""
     argv = [*CONFIG, f"checkpoint.dir={tmp / 'ck'}", f"logging.dir={run_dir}", *extra]
-    return run_forked(hybrid.train.main, argv, ROOT, env, timeout_s=180)
+    with frozen_gc():
+        return run_forked(hybrid.train.main, argv, ROOT, env, timeout_s=180)
 
 
 def snapshot(*roots: Path) -> dict[str, tuple[int, int, bytes]]:
@@ -79,9 +83,9 @@ def bad_copy(saved: Path, tmp: Path, kind: str) -> tuple[Path, list[str], str]:
     return saved / "run", [], "is not a hybrid checkpoint (hybrid.json is missing)"  # a run folder, not a checkpoint
 
 
-def check_refused(r: CliRun | subprocess.CompletedProcess, path: Path, reason: str, ranks: list[str]) -> None:
-    """One `hybrid: error:` message per rank naming `path` and `reason`, no traceback before them.
-    (Found in the text, not per line: under PYTHONUNBUFFERED=1 two ranks' lines can interleave.)"""
+def check_refused(r: CliRun, path: Path, reason: str, ranks: list[str]) -> None:
+    """One `hybrid: error:` message per rank (of those whose output `r` holds) naming `path` and `reason`, no
+    traceback before them. (Found in the text, not per line: the ranks' lines could interleave.)"""
     found = re.findall(r"(\[rank\d+\] )?hybrid: error: (.*?)(?=\[rank\d+\] hybrid: error: |\n|$)", r.stderr)
     assert sorted(prefix.strip() for prefix, _ in found) == ranks, r.stderr[-3000:]
     for _, message in found:
@@ -106,13 +110,15 @@ def test_a_bad_checkpoint_is_one_line_and_writes_nothing(kind: str, saved: Path,
     assert snapshot(saved / "ck", tmp_path / "copy", run_dir / "metrics.jsonl") == before
 
 
-def test_a_bad_checkpoint_under_torchrun_is_one_line_per_rank(saved: Path, tmp_path: Path,
-                                                              env: dict[str, str]) -> None:
+def test_a_bad_checkpoint_on_two_ranks_is_one_line_per_rank(saved: Path, tmp_path: Path,
+                                                             env: dict[str, str]) -> None:
     path, _, reason = bad_copy(saved, tmp_path, "truncated")
     before = snapshot(saved / "ck", tmp_path / "copy")
-    r = torchrun(2, *CONFIG, f"checkpoint.dir={saved / 'ck'}", f"logging.dir={tmp_path / 'run'}",
-                 f"checkpoint.resume={path}", env=env, timeout=180)
-    assert r.returncode != 0
-    check_refused(r, path, reason, ["[rank0]", "[rank1]"])
+    argv = [*CONFIG, f"checkpoint.dir={saved / 'ck'}", f"logging.dir={tmp_path / 'run'}", f"checkpoint.resume={path}"]
+    with frozen_gc():
+        ranks = run_forked_ranks(hybrid.train.main, argv, ROOT, 2, env, timeout_s=180)
+    for rank, r in enumerate(ranks):
+        assert r.code == 2, r.stderr[-3000:]
+        check_refused(r, path, reason, [f"[rank{rank}]"])
     assert snapshot(saved / "ck", tmp_path / "copy") == before
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -59,11 +59,10 @@ ENV = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 TIMEOUT_S = 120
 
 
-@pytest.fixture(scope="module", autouse=True)
-def warm() -> None:
+def load_what_runs_load() -> None:
     """Load here, once, what every run would load (transformers' tokenizer classes, AdamW's kernels, the
-    trainer's and the data's modules, numpy.ma for the sampler): the forked ranks inherit them instead of
-    importing them again (about a second per run)."""
+    trainer's and the data's modules, numpy.ma for the sampler): runs forked from this process inherit them
+    instead of importing them again (about a second per run)."""
     import numpy.ma  # noqa: F401
     from transformers import AutoTokenizer  # noqa: F401
 
@@ -72,6 +71,11 @@ def warm() -> None:
     import hybrid.trainer  # noqa: F401
 
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], fused=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm() -> None:
+    load_what_runs_load()
 
 
 @contextmanager

@@ -3,39 +3,63 @@ either continues, has nothing to do, or refuses changed training settings — ne
 silently, never rewrites what an earlier run logged.
 
 Single-process `python -m hybrid.train` runs with the working directory in a temporary folder, so
-the default places (`runs/`, `checkpoints/`, `multirun/`) are what is tested; one torchrun run
-checks that a refusal is one line on every rank.
+the default places (`runs/`, `checkpoints/`, `multirun/`) are what is tested; one 2-rank run checks that
+a refusal is one line on every rank. Every run is the real entry point `hybrid.train.main` in children
+forked from the test process (hybrid.testing.cli_runs: `run_forked`, and `run_forked_ranks` with
+torchrun's environment for the ranks), on the default corpus the other end-to-end modules use.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+from test_nonfinite import frozen_gc, load_what_runs_load
 from test_torchrun import QUICK
-from test_torchrun import env as env  # noqa: F401  (the shared fixture)
 
 import hybrid.train
 from hybrid.checkpoint import MANIFEST, METADATA, read_manifest, run_root, step_path
 from hybrid.config import compose_config
 from hybrid.optim import lr_at
-from hybrid.testing.cli_runs import CliRun, run_forked
+from hybrid.testing.cli_runs import CliRun, run_forked, run_forked_ranks
 
-SMALL = [*QUICK, "model.hidden=64", "model.n_layers=2", "data.max_chars=200000", "train.eval_every=0"]
+SMALL = [*QUICK, "model.hidden=64", "model.n_layers=2", "train.eval_every=0"]
 TIMEOUT = 180
 
 
-def train(cwd: Path, env: dict[str, str], *args: str, nproc: int = 0) -> CliRun | subprocess.CompletedProcess:
-    """`python -m hybrid.train args` in `cwd`: under torchrun with `nproc` ranks when nproc > 0, else as a
-    forked child of this process (hybrid.testing.cli_runs: the same entry point, without the imports)."""
-    if not nproc:
+@pytest.fixture(scope="module")
+def env(e2e_cache: str) -> dict[str, str]:
+    """The environment of the runs (one thread, the session's data cache), and this process made ready to
+    fork them (test_nonfinite's `load_what_runs_load`)."""
+    load_what_runs_load()
+    return {"OMP_NUM_THREADS": "1", "HYBRID_CACHE": e2e_cache}
+
+
+def launched(main: Callable[[], None]) -> Callable[[], None]:
+    """`main` in a process whose `sys.orig_argv` is a torchrun rank's (`python -u -m hybrid.train <args>`): what
+    train.log's first line records (hybrid.record.runlog.command_line); a fork's own is pytest's."""
+    def rank() -> None:
+        sys.orig_argv = [sys.executable, "-u", "-m", "hybrid.train", *sys.argv[1:]]
+        main()
+    return rank
+
+
+def train(cwd: Path, env: dict[str, str], *args: str) -> CliRun:
+    """`python -m hybrid.train args` in `cwd`, as a forked child of this process (hybrid.testing.cli_runs: the
+    same entry point, without the imports)."""
+    with frozen_gc():
         return run_forked(hybrid.train.main, list(args), cwd, env, timeout_s=TIMEOUT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
-           "hybrid.train", *args]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def train_ranks(cwd: Path, env: dict[str, str], *args: str, world: int = 2) -> list[CliRun]:
+    """`hybrid.train args` as the `world` ranks of one run in `cwd` (forked, torchrun's environment and
+    command line); their results by rank."""
+    with frozen_gc():
+        return run_forked_ranks(launched(hybrid.train.main), list(args), cwd, world, env, timeout_s=TIMEOUT)
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -95,10 +119,11 @@ def test_a_rerun_continues_refuses_or_has_nothing_to_do(tmp_path: Path, env: dic
     assert "train.lr" in errors(r.stderr)[0] and "checkpoint.allow_changes=true" in errors(r.stderr)[0]
     assert snapshot(ck, run_dir / "metrics.jsonl") == before
 
-    r = train(tmp_path, env, *changed, nproc=2)  # the same refusal on every rank (another dp: allowed)
-    assert r.returncode != 0
-    assert sorted(ln.split()[0] for ln in errors(r.stderr)) == ["[rank0]", "[rank1]"], r.stderr[-3000:]
-    assert all("train.lr" in ln and "allow_changes" in ln for ln in errors(r.stderr))
+    ranks = train_ranks(tmp_path, env, *changed)  # the same refusal on every rank (another dp: allowed)
+    for rank, r in enumerate(ranks):
+        assert r.code == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert len(errors(r.stderr)) == 1 and errors(r.stderr)[0].startswith(f"[rank{rank}] "), r.stderr[-3000:]
+        assert "train.lr" in errors(r.stderr)[0] and "allow_changes" in errors(r.stderr)[0]
     assert snapshot(ck, run_dir / "metrics.jsonl") == before
 
     r = train(tmp_path, env, *first, "checkpoint.resume=auto")  # the same run again: finished

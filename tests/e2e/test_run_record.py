@@ -1,27 +1,31 @@
-"""What a run leaves in its folder, from the real command line (2 torchrun ranks): train.log with rank 0's
-lines, summary.json agreeing with metrics.jsonl, `.hydra/` — and a refused re-run that rewrites none of it."""
+"""What a run leaves in its folder, from the real entry point (`hybrid.train.main` as 2 ranks forked with
+torchrun's environment and command line, test_rerun's `train_ranks`): train.log with rank 0's lines,
+summary.json agreeing with metrics.jsonl, `.hydra/` — and a refused re-run that rewrites none of it."""
 
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 from pathlib import Path
 
-from test_rerun import train
+from test_rerun import env as env  # noqa: F401  (the shared fixture)
+from test_rerun import train, train_ranks
 from test_torchrun import QUICK
-from test_torchrun import env as env  # noqa: F401  (the shared fixture)
 
-RUN = [*QUICK, "data.max_chars=200000", "train.steps=4", "train.eval_every=2", "checkpoint.every=4",
+RUN = [*QUICK, "model.hidden=64", "model.n_layers=2", "train.steps=4", "train.eval_every=2", "checkpoint.every=4",
        "checkpoint.resume=auto"]
 
 
 def test_a_run_leaves_a_record_and_a_refused_rerun_keeps_it(tmp_path: Path, env: dict[str, str]) -> None:
     where = [f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ck'}"]
-    r = train(tmp_path, env, *RUN, *where, nproc=2)
-    assert r.returncode == 0, r.stderr[-3000:]
-    run = tmp_path / "run"
+    ranks = train_ranks(tmp_path, env, *RUN, *where)
+    assert [r.code for r in ranks] == [0, 0], "".join(r.stderr[-3000:] for r in ranks)
+    r, run = ranks[0], tmp_path / "run"
     log = (run / "train.log").read_text()
     lines = log.splitlines()
-    assert lines[0].startswith("==== ") and "hybrid.train" in lines[0] and "train.eval_every=2" in lines[0]
+    assert lines[0].startswith("==== ") and lines[0].endswith(shlex.join([sys.executable, "-u", "-m", "hybrid.train",
+                                                                          *RUN, *where]))  # the rank's command line
     assert "layout: world=2 = pp1 × dp2 × tp1" in log
     assert "step 2: eval_loss" in log and "step 4: eval_loss" in log and "checkpoint: saved" in log
     assert lines[-1].startswith("done: 4 steps (to step 4) in ") and f"log {run / 'train.log'}" in lines[-1]
