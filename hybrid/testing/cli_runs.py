@@ -19,6 +19,7 @@ for every such message, and forked runs check it).
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -56,7 +57,7 @@ def run_forked(main: Callable[[], None], argv: Sequence[str], cwd: Path, env: Op
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp) / "out", Path(tmp) / "err"
         sys.stdout.flush(), sys.stderr.flush()
-        pid = os.fork()
+        pid = _fork()
         if pid == 0:
             _child(main, [prog, *argv], cwd, env or {}, out, err)
         return CliRun(_wait(pid, timeout_s), out.read_text(errors="replace"), err.read_text(errors="replace"))
@@ -75,7 +76,7 @@ def run_forked_ranks(main: Callable[[], None], argv: Sequence[str], cwd: Path, w
             ranked = {**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             sys.stdout.flush(), sys.stderr.flush()
-            pid = os.fork()
+            pid = _fork()
             if pid == 0:
                 _child(main, ["hybrid", *argv], cwd, ranked, out, err)
             pids.append(pid)
@@ -83,6 +84,20 @@ def run_forked_ranks(main: Callable[[], None], argv: Sequence[str], cwd: Path, w
         codes = [_wait(pid, max(0.0, deadline - time.monotonic())) for pid in pids]
         return [CliRun(code, out.read_text(errors="replace"), err.read_text(errors="replace"))
                 for code, (out, err) in zip(codes, files)]
+
+
+def _fork() -> int:
+    """`os.fork` with the heap frozen (`gc.freeze`) across it: the child's collections skip the inherited
+    objects instead of copying every page of the parent's heap."""
+    gc.freeze()
+    try:
+        pid = os.fork()
+    except BaseException:
+        gc.unfreeze()
+        raise
+    if pid:  # the parent only: the child keeps the inherited heap frozen
+        gc.unfreeze()
+    return pid
 
 
 def _child(main: Callable[[], None], argv: list[str], cwd: Path, env: Mapping[str, str], out: Path,

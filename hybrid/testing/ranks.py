@@ -60,6 +60,18 @@ def _rank_main(fn: Callable, rank: int, world: int, port: int, q: Any, args: tup
         os._exit(0)
 
 
+def start_frozen(procs: list[Any]) -> None:
+    """Start `procs` with this process's heap frozen (`gc.freeze`): a forked child's collections — its own and
+    the clean shutdown's — then skip the inherited objects instead of touching, and so copying, every page of
+    the parent's heap (~0.3 CPU-s per rank forked from a pytest process)."""
+    gc.freeze()
+    try:
+        for proc in procs:
+            proc.start()
+    finally:
+        gc.unfreeze()
+
+
 def start_method() -> str:
     """fork (fast) unless CUDA is visible: then spawn (`torch.cuda.is_available` initialises no context)."""
     return "spawn" if torch.cuda.is_available() else "fork"
@@ -77,8 +89,7 @@ def launch(fn: Callable, world: int, *args: Any, timeout: float = 900.0, init_ti
     q, port = ctx.Queue(), _free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, q, args, kwargs, init_timeout_s), daemon=True)
              for r in range(world)]
-    for proc in procs:
-        proc.start()
+    start_frozen(procs)
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
