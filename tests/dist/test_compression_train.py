@@ -1,12 +1,13 @@
 """DP gradient compression inside the Trainer, on gloo ranks, against references.
 
-One world-8 launch trains every method (`compression=<method>`) at tp2pp2dp2, one after another
-with a fresh model and Trainer each (the process groups are built once), plus hierarchical at
-tp2dp4 where both the intra-node and the inter-node part of the DP group have two ranks. For
-every step of every method it records how often the hook ran per bucket, the bytes counted per DP
-group, and what the library's own payload formulas say those bytes must be (`codecs.payload_bytes`,
-`powersgd.payload_bytes`, `hierarchical.row_ranges`): they must agree exactly. The loss must fall
-under every method, and `StepReport.mean_bytes()` must report the ratio those counted bytes imply.
+One world-4 launch trains every method (`compression=<method>`) at pp2dp2, one after another with a
+fresh model and Trainer each (the process groups are built once per layout), plus hierarchical at dp4
+where both the intra-node and the inter-node part of the DP group have two ranks. For every step of
+every method it records how often the hook ran per bucket, the bytes counted per DP group, and what the
+library's own payload formulas say those bytes must be (`codecs.payload_bytes`, `powersgd.payload_bytes`,
+`hierarchical.row_ranges`): they must agree exactly. The loss must fall under every method, and
+`StepReport.mean_bytes()` must report the ratio those counted bytes imply. The same launch then trains
+lossy methods at tp2dp2 and pp2dp2 to check that model-parallel replicas stay equal.
 
 A world-2 launch (dp=2) checks the warm-up against an uncompressed run (bit for bit, then not) and
 PyTorch's own DDP hooks against ours: `torch_fp16` vs `fp16`, `torch_powersgd` vs `powersgd`.
@@ -31,23 +32,24 @@ from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.parallel.dp.data import DP_GROUPS
 from hybrid.trainer import Trainer, build_chunks
 
-STEPS = 4  # torch_powersgd: 2 exact warm-up steps, then 2 compressed
+STEPS = 3  # torch_powersgd: 2 exact warm-up steps, then 1 compressed
 TIMEOUT = 240
-BUCKET_MB = 0.02  # several buckets per stage of the 4-layer tp2 model (and per rank at pp=1)
+BUCKET_MB = 0.06  # several buckets per stage of the 4-layer model (and per rank at pp=1)
 # 8 training sequences = one global batch: every step sees the same batch (in another order), so the
 # loss falls steadily within STEPS steps instead of wandering with the batch.
 SAMPLES = 16
 COMMON = [f"train.steps={STEPS}", "train.lr=1e-2", "model.n_layers=4"]
 
-# label → (case, ranks per node, overrides); all on 8 ranks
+# label → (case, ranks per node, overrides); all on 4 ranks, nodes of 2
 RUNS: dict[str, tuple[Case, int, list[str]]] = {
-    m: (Case(tp=2, pp=2), 4, [f"compression={m}"])
+    m: (Case(pp=2), 2, [f"compression={m}"])
     for m in ("none", "fp16", "bf16", "int8", "sign", "topk", "powersgd", "torch_fp16", "torch_powersgd")
 }
-RUNS["hierarchical"] = (Case(tp=2, pp=2), 4, ["compression=hierarchical", "compression.inner=powersgd"])
-# tp2pp2dp2 on nodes of 4 keeps each DP pair inside a node (the inter-node part is one rank): there
-# hierarchical is exact. At tp2dp4 each DP group is 2 ranks on each of 2 nodes, so both hops are real.
-RUNS["hierarchical-tp2dp4"] = (Case(tp=2, pp=1), 4, ["compression=hierarchical", "compression.inner=powersgd"])
+RUNS["hierarchical"] = (Case(pp=2), 2, ["compression=hierarchical", "compression.inner=powersgd"])
+# pp2dp2 on nodes of 2 keeps each DP pair inside a node (the inter-node part is one rank): there
+# hierarchical is exact. At dp4 each DP group is 2 ranks on each of 2 nodes, so both hops are real.
+RUNS["hierarchical-dp4"] = (Case(), 2, ["compression=hierarchical", "compression.inner=powersgd"])
+WORLD = 4
 
 ALL_REDUCE, TWO_PHASE = "all_reduce", "two_phase"
 
@@ -163,18 +165,34 @@ def train_runs(rank: int, world: int, runs: dict[str, tuple[Case, int, list[str]
     return out
 
 
+def world4_runs(rank: int, world: int) -> dict[str, Any]:
+    """Rank function of the world-4 launch: every method (`train_runs`), then the replicas' runs."""
+    return {"runs": train_runs(rank, world, RUNS),
+            "replicas": {str(case): replicas_worker(rank, world, case, methods) for case, methods in REPLICAS}}
+
+
 @functools.cache
-def world8() -> dict[str, list[dict[str, Any]]]:
-    """label → results by rank, from the one world-8 launch (run once per session)."""
+def world4() -> dict[str, Any]:
+    """The one world-4 launch (run once per session): "runs": label → results by rank; "replicas": case →
+    results by rank."""
     torch.set_num_threads(1)
-    composed_before_the_fork(8, RUNS, STEPS)
-    results = run_ranks(train_runs, 8, RUNS, timeout=TIMEOUT)
-    return {label: [r[label] for r in results] for label in RUNS}
+    composed_before_the_fork(WORLD, RUNS, STEPS)
+    for case, methods in REPLICAS:
+        for method in methods:
+            replicas_cfg(case, WORLD, method)
+    results = run_ranks(world4_runs, WORLD, timeout=TIMEOUT)
+    return {"runs": {label: [r["runs"][label] for r in results] for label in RUNS},
+            "replicas": {str(case): [r["replicas"][str(case)] for r in results] for case, _ in REPLICAS}}
+
+
+def method_runs() -> dict[str, list[dict[str, Any]]]:
+    """label → results by rank of every method's run (`RUNS`)."""
+    return world4()["runs"]
 
 
 @pytest.mark.parametrize("label", list(RUNS))
 def test_hook_runs_once_per_bucket_per_step(label: str) -> None:
-    for r in world8()[label]:
+    for r in method_runs()[label]:
         assert r["buckets"] >= 3, (label, r["coord"], r["buckets"])  # several buckets per stage
         for step, calls in enumerate(r["calls"]):
             assert calls == list(range(r["buckets"])), (label, r["coord"], step, calls)
@@ -185,7 +203,7 @@ def test_hook_runs_once_per_bucket_per_step(label: str) -> None:
 
 @pytest.mark.parametrize("label", list(RUNS))
 def test_counted_dp_bytes_equal_the_method_formula(label: str) -> None:
-    results = world8()[label]
+    results = method_runs()[label]
     for r in results:
         for step in range(STEPS):
             assert r["bytes"][step] == r["expected"][step], (label, r["coord"], step)
@@ -193,20 +211,20 @@ def test_counted_dp_bytes_equal_the_method_formula(label: str) -> None:
     first, last = results[0]["bytes"][0], results[0]["bytes"][-1]
     if label.startswith("hierarchical"):
         assert first["dp"] == 0 and first["dp_intra"] > 0  # exact inside the node, by reduce-scatter/all-gather
-        if label == "hierarchical-tp2dp4":
+        if label == "hierarchical-dp4":
             assert 0 < first["dp_inter"] < first["dp_intra"] / 4  # the slow hop carries rank-4 factors of 1/2
         else:
             assert first["dp_inter"] == 0  # the DP pair lives inside one node: nothing crosses nodes
     elif label == "torch_powersgd":
         assert first["dp"] > 4 * last["dp"]  # 2 exact warm-up steps (start_powerSGD_iter), then compressed
     elif label != "none":
-        sent, exact = results[0]["wire"][-1], world8()["none"][0]["wire"][-1]
+        sent, exact = results[0]["wire"][-1], method_runs()["none"][0]["wire"][-1]
         assert 0 < sent <= exact / 2, (label, sent, exact)  # every method sends at most half of fp32's bytes
 
 
 @pytest.mark.parametrize("label", list(RUNS))
 def test_loss_falls_under_every_method(label: str) -> None:
-    results = world8()[label]
+    results = method_runs()[label]
     losses = results[0]["losses"]
     assert losses[-1] < losses[0] - 0.1, (label, losses)
     for r in results:  # the loss is the DP mean of the last stage's: the same number on every rank
@@ -215,7 +233,7 @@ def test_loss_falls_under_every_method(label: str) -> None:
 
 @pytest.mark.parametrize("label", list(RUNS))
 def test_mean_bytes_reports_the_counted_compression(label: str) -> None:
-    results = world8()[label]
+    results = method_runs()[label]
     world = len(results)
     plain = sum(r["plain_wire"] for r in results)
     wire = sum(r["expected_wire"][-1] for r in results)
@@ -259,7 +277,7 @@ PAIR_RUNS: dict[str, tuple[Case, int, list[str]]] = {
 }
 
 
-PAIR_STEPS = 6  # sign-warm3: 3 exact steps, then compressed steps to tell apart from the exact run
+PAIR_STEPS = 5  # sign-warm3: 3 exact steps, then 2 compressed steps to tell apart from the exact run
 
 
 @functools.cache
@@ -325,6 +343,13 @@ def test_torch_powersgd_hook_matches_ours() -> None:
 
 # ---- model-parallel replicas stay equal under lossy sync ----------------------------------------------
 
+REPLICAS = [(Case(tp=2), ("sign", "onebit_adam")), (Case(pp=2), ("onebit_adam",))]  # tp2dp2, pp2dp2
+
+
+def replicas_cfg(case: Case, world: int, method: str) -> Any:
+    return make_cfg(case, world, extra=["train.steps=4", f"compression={method}", "compression.warmup_steps=2"])
+
+
 def replicas_worker(rank: int, world: int, case: Case, methods: tuple[str, ...]) -> dict[str, Any]:
     """Train each method a few steps past its warm-up; return this rank's TP-replicated parameters and its
     copy of the tied embedding (first stage: tok_embed, last stage: head)."""
@@ -335,7 +360,7 @@ def replicas_worker(rank: int, world: int, case: Case, methods: tuple[str, ...])
     ctx = layout_context(world, case)
     out: dict[str, Any] = {"coord": (ctx.coord.pp, ctx.coord.dp, ctx.coord.tp)}
     for method in methods:
-        cfg = make_cfg(case, world, extra=["train.steps=5", f"compression={method}", "compression.warmup_steps=2"])
+        cfg = replicas_cfg(case, world, method)
         torch.manual_seed(1234 + ctx.pp_rank)
         hook, state = make_hook(cfg.compression, ctx.dp_group)
         trainer = Trainer(cfg, ctx, build_chunks(cfg, VOCAB, ctx), synthetic_corpus(vocab=VOCAB), torch.device("cpu"),
@@ -349,14 +374,11 @@ def replicas_worker(rank: int, world: int, case: Case, methods: tuple[str, ...])
     return out
 
 
-@pytest.mark.parametrize("case,methods", [(Case(tp=2), ("sign", "onebit_adam")), (Case(pp=2), ("onebit_adam",))],
-                         ids=["tp2dp2", "pp2dp2"])
+@pytest.mark.parametrize("case,methods", REPLICAS, ids=["tp2dp2", "pp2dp2"])
 def test_lossy_sync_keeps_model_parallel_replicas_equal(case: Case, methods: tuple[str, ...]) -> None:
     """A norm's copies on the TP ranks, and the tied embedding's on the first and last stage, get the same
     update although the DP exchange rounds: each sits in a bucket of its own kind (`sync_class`)."""
-    for method in methods:  # composed here once, inherited by the forked ranks
-        make_cfg(case, 4, extra=["train.steps=5", f"compression={method}", "compression.warmup_steps=2"])
-    runs = {r["coord"]: r for r in run_ranks(replicas_worker, 4, case, methods, timeout=TIMEOUT)}
+    runs = {r["coord"]: r for r in world4()["replicas"][str(case)]}
     for method in methods:
         for (pp, dp, tp), r in runs.items():
             if case.tp > 1:
