@@ -1,12 +1,18 @@
-"""Data parallelism on gloo ranks against references: a single process, and torch's own DDP."""
+"""Data parallelism on gloo ranks against references: a single process, and torch's own DDP.
+
+The rank work runs in one launch per world size (2, 4 and 8 ranks, each once per session: `launched`), with
+every config composed in the test process before the ranks fork; the single-process references run there too.
+"""
 
 from __future__ import annotations
 
 import copy
+import functools
 
 import numpy as np
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (AdamW imports it lazily, ~3 CPU-s: once here, not in every forked rank)
 import torch.distributed as dist
 from harness import run_ranks
 
@@ -57,13 +63,53 @@ def train_losses(rank: int, world: int, family: str, micro_batch: int, tp: int =
     return out
 
 
+@functools.cache
+def reference(family: str) -> dict:
+    """The single process: 4 microbatches of 2 = the global batch of 8."""
+    torch.set_num_threads(1)
+    return train_losses(0, 1, family, micro_batch=2)
+
+
+def run_jobs(rank: int, world: int, jobs: dict[str, tuple]) -> dict[str, object]:
+    """Rank function: each job `name: (fn, args)` in turn, `fn(rank, world, *args)` → its result by name."""
+    return {name: fn(rank, world, *args) for name, (fn, args) in jobs.items()}
+
+
+def jobs(world: int) -> dict[str, tuple]:
+    """What the launch on `world` ranks runs: DP (micro batch 2, or 1 at dp=4), TP at tp=2 (with DP on 4 ranks),
+    DP with one microbatch per rank (the launch log), torch's DDP beside our GradSync; on 8: the groups."""
+    if world == 8:
+        return {"groups": (groups_check, GROUPS_LAYOUT)}
+    out: dict[str, tuple] = {}
+    for family in ("gpt", "llama"):
+        out[f"dp-{family}"] = (train_losses, (family, 2 if world == 2 else 1, 1))
+        out[f"tp2-{family}"] = (train_losses, (family, 2, 2))
+    if world == 2:
+        out["one-microbatch"] = (train_losses, ("gpt", 4, 1))
+        out["ddp"] = (grads_vs_ddp, ())
+    return out
+
+
+@functools.cache
+def launched(world: int) -> dict[str, list]:
+    """job name → its results by rank, from the one launch on `world` ranks (configs composed here first)."""
+    torch.set_num_threads(1)
+    for fn, args in jobs(world).values():
+        if fn is train_losses:
+            family, micro, tp = args
+            tiny_cfg(family, world // tp, micro)
+        elif fn is grads_vs_ddp:
+            tiny_cfg("gpt", world, 2, bucket_mb=0.05)
+    results = run_ranks(run_jobs, world, jobs(world), timeout=120)
+    return {name: [r[name] for r in results] for name in jobs(world)}
+
+
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_dp_matches_single_process(family: str) -> None:
-    torch.set_num_threads(1)
-    ref = train_losses(0, 1, family, micro_batch=2)  # 4 microbatches of 2 = the global batch of 8
+    ref = reference(family)
     assert ref["losses"][-1] < ref["losses"][0]
-    for dp, micro in [(2, 2), (4, 1)]:
-        results = run_ranks(train_losses, dp, family, micro, timeout=120)
+    for world in (2, 4):  # dp=2 with micro batch 2, dp=4 with 1
+        results = launched(world)[f"dp-{family}"]
         for r in results:
             torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
         for name, w in ref["state"].items():
@@ -73,16 +119,14 @@ def test_dp_matches_single_process(family: str) -> None:
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_tp2_and_tp2dp2_match_single_process(family: str) -> None:
     """The TP layers (covered in full by tests/dist/test_tp*.py) already train like one process."""
-    torch.set_num_threads(1)
-    ref = train_losses(0, 1, family, micro_batch=2)
-    for world, micro in [(2, 2), (4, 2)]:
-        results = run_ranks(train_losses, world, family, micro, 2, timeout=120)
-        for r in results:
+    ref = reference(family)
+    for world in (2, 4):
+        for r in launched(world)[f"tp2-{family}"]:
             torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
 
 
 def test_first_bucket_launches_inside_backward() -> None:
-    results = run_ranks(train_losses, 2, "gpt", 4, timeout=120)
+    results = launched(2)["one-microbatch"]
     log = results[0]["launch_log"]
     assert results[0]["buckets"] > 2
     assert [i for i, _ in log] == list(range(results[0]["buckets"]))  # every bucket, in index order
@@ -107,12 +151,15 @@ def grads_vs_ddp(rank: int, world: int) -> dict:
 
 
 def test_gradsync_equals_torch_ddp() -> None:
-    results = run_ranks(grads_vs_ddp, 2, timeout=120)
+    results = launched(2)["ddp"]
     for r in results:
         for name, g in r["theirs"].items():
             torch.testing.assert_close(r["ours"][name], g, rtol=1e-5, atol=1e-7, msg=name)
     for name in results[0]["ours"]:  # synced: identical on every rank
         torch.testing.assert_close(results[0]["ours"][name], results[1]["ours"][name], rtol=0, atol=0)
+
+
+GROUPS_LAYOUT = (2, 2, 4)  # tp, pp, ranks per node on 8 ranks
 
 
 def groups_check(rank: int, world: int, tp: int, pp: int, rpn: int) -> dict:
@@ -129,9 +176,9 @@ def groups_check(rank: int, world: int, tp: int, pp: int, rpn: int) -> dict:
 
 
 def test_real_groups_on_8_ranks() -> None:
-    tp, pp, rpn = 2, 2, 4
+    tp, pp, rpn = GROUPS_LAYOUT
     layout = Layout.create(8, tp=tp, pp=pp, ranks_per_node=rpn)
-    results = run_ranks(groups_check, 8, tp, pp, rpn, timeout=120)
+    results = launched(8)["groups"]
     expected = {"tp": layout.tp_groups(), "dp": layout.dp_groups(), "pp": layout.pp_groups(),
                 "dp_intra": layout.dp_intra_node_groups(), "dp_inter": layout.dp_inter_node_groups(),
                 "embedding": layout.embedding_groups()}
