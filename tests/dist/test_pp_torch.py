@@ -14,18 +14,22 @@ after the step: (Σ_i ∇CE_i) / m. Same mean over the global batch; they differ
 every microbatch in the same order, so the gradients must be bit-identical; with another m they
 would agree to a few ulps (GRAD_TOL: rtol 1e-5, atol 1e-8 against gradients ~1e-4..1e-1). The
 per-microbatch losses (taken before any scaling) agree exactly either way.
+
+The cases run in one launch per pipeline size (2 and 4 ranks, once per session: `launched`), on the fewest
+layers that give each of the pp·v parts one (at least 4), with their configs composed before the ranks fork.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from harness import run_ranks
-from pp_helpers import GLOBAL_BATCH, LAYERS, MICRO, SEQ, TIMEOUT, VOCAB, Case, make_cfg
+from pp_helpers import GLOBAL_BATCH, MICRO, SEQ, TIMEOUT, VOCAB, Case, make_cfg
 from test_dp import synthetic_corpus
 from torch import nn
 from torch.distributed.pipelining import (
@@ -66,11 +70,17 @@ def mean_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tens
     return F.cross_entropy(logits.flatten(0, -2), target.flatten())
 
 
+def case_cfg(family: str, pp: int, schedule: str, v: int) -> object:
+    """The config of a case: untied embeddings, on the fewest layers that give each part one (at least 4)."""
+    case = Case(family, pp=pp, schedule=schedule, v=v, layers=max(4, pp * v))
+    return make_cfg(case, pp, extra=["model.tie_embeddings=false"])
+
+
 def grads_vs_torch(rank: int, world: int, family: str, schedule: str, v: int) -> dict:
     pp = world
-    cfg = make_cfg(Case(family, pp=pp, schedule=schedule, v=v), world, extra=["model.tie_embeddings=false"])
+    cfg = case_cfg(family, pp, schedule, v)
     m = GLOBAL_BATCH // MICRO
-    parts = partition_layers(LAYERS, pp * v)
+    parts = partition_layers(cfg.model.n_layers, pp * v)
     ours, theirs = [], []
     sched = build_schedule(schedule, pp, m, v)
     for c in range(v):
@@ -115,13 +125,32 @@ def grads_vs_torch(rank: int, world: int, family: str, schedule: str, v: int) ->
             "their_losses": [x.detach() for x in their_losses]}
 
 
-@pytest.mark.parametrize("family,pp,schedule,v", [
+CASES = [
     ("gpt", 2, "1f1b", 1), ("llama", 4, "1f1b", 1), ("gpt", 4, "1f1b", 1), ("llama", 2, "1f1b", 1),
     ("gpt", 2, "gpipe", 1), ("llama", 2, "interleaved", 2), ("gpt", 4, "interleaved", 2),
     ("gpt", 2, "zb1p", 1), ("llama", 4, "zb1p", 1), ("llama", 2, "zbv", 2), ("gpt", 4, "zbv", 2),
-])
+]
+
+
+def every_case(rank: int, world: int, cases: list[tuple[str, str, int]]) -> list[dict]:
+    """Rank function: `grads_vs_torch` of each (family, schedule, v) in turn."""
+    return [grads_vs_torch(rank, world, family, schedule, v) for family, schedule, v in cases]
+
+
+@functools.cache
+def launched(pp: int) -> dict[tuple[str, str, int], list[dict]]:
+    """(family, schedule, v) → results by rank of every case on `pp` ranks, from one launch."""
+    torch.set_num_threads(1)
+    cases = [(family, schedule, v) for family, p, schedule, v in CASES if p == pp]
+    for case in cases:
+        case_cfg(case[0], pp, *case[1:])
+    results = run_ranks(every_case, pp, cases, timeout=TIMEOUT)
+    return {case: [r[i] for r in results] for i, case in enumerate(cases)}
+
+
+@pytest.mark.parametrize("family,pp,schedule,v", CASES)
 def test_gradients_equal_torch_pipelining(family: str, pp: int, schedule: str, v: int) -> None:
-    results = run_ranks(grads_vs_torch, pp, family, schedule, v, timeout=TIMEOUT)
+    results = launched(pp)[(family, schedule, v)]
     m = GLOBAL_BATCH // MICRO
     tol = {"rtol": 0.0, "atol": 0.0} if m & (m - 1) == 0 else GRAD_TOL  # 1/m exact for a power of two
     for rank, r in enumerate(results):
