@@ -1,17 +1,20 @@
 """Megatron-style mixed precision (`train.precision=bf16_params`) on gloo ranks against references.
 
-One world-4 launch trains bf16 parameters at dp4 (plain optimizer and ZeRO-1), tp2 pp2 (1F1B: bf16 hidden
-states between stages), tp2dp2 with sequence parallelism and ZeRO-1, interleaved pp2dp2 with ZeRO-1, and
-the fp32 tp2 pp2 run beside them. References: the single-process bf16-parameter run (every layout reaches
+One world-4 launch trains a 4-layer model's bf16 parameters at dp4 (plain optimizer and ZeRO-1), tp2 pp2
+(1F1B: bf16 hidden states between stages), tp2dp2 with sequence parallelism and ZeRO-1, interleaved pp2dp2 with
+ZeRO-1, and the fp32 tp2 pp2 run beside them. References: the single-process bf16-parameter run (every layout reaches
 the same losses and weights within bf16's rounding of a weight: the fp32 main weights differ by fp32
 round-off between layouts, and one rounding of a bf16 weight more or less is 2⁻⁸ relative); the traffic
 formulas at 2-byte activations and residual stream, and the fp32 run's own byte counts (the pipeline's bytes
 halve, DP gradient traffic stays fp32, ZeRO-1's all-gather halves); ZeRO-1 against the plain optimizer.
 In one process: 25 steps of a 2-layer model track fp32 training; the main gradients accumulate in fp32.
 
-A second launch checkpoints a ZeRO-1 bf16-parameter run at dp4 and resumes it at dp4 (bit for bit), at tp2
+A second launch checkpoints a ZeRO-1 bf16-parameter run (2 layers) at dp4 and resumes it at dp4 (bit for bit), at tp2
 dp2 with and without ZeRO-1; the files hold the fp32 main weights (more than bf16's information), which an
 fp32 run resumes (`checkpoint.allow_changes=true`) as its weights exactly.
+
+Both launches' configs are composed in the test process before the ranks fork (`compose_config`'s memo), whose
+heap is frozen while they run (`run_frozen`).
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from typing import Any
 
 import pytest
 import torch
-from harness import run_ranks
 from pp_helpers import MICRO, TIMEOUT, VOCAB, Case, make_cfg, stage_states, train_case, train_cases
-from test_checkpoint import SAVE_AT, STEPS, _cfg, _resume, _saved, _train, _weights, resume_runs
+from test_checkpoint import SAVE_AT, STEPS, _cfg, _resume, _saved, _train, _weights, resume_cfgs, resume_runs
 from test_dp import SEQ
+from tp_helpers import run_frozen
 
 from hybrid.checkpoint import load_weights, step_path
 from hybrid.model.traffic import pp_bytes_per_step, tp_bytes_per_step
@@ -34,12 +37,15 @@ from hybrid.parallel.dp.data import GradSync
 from hybrid.trainer import build_chunks
 
 BF16 = ("train.precision=bf16_params",)
-CASES = [Case(extra=BF16), Case(zero=1, extra=BF16), Case(tp=2, pp=2, extra=BF16),
-         Case(tp=2, sp=True, zero=1, extra=BF16), Case(pp=2, schedule="interleaved", v=2, zero=1, extra=BF16),
-         Case(tp=2, pp=2)]
+L4 = ("model.n_layers=4",)  # the launch's model: a layer per part of the interleaved pp2 × 2
+L2 = ("model.n_layers=2",)  # the checkpoint's
+LOW = (*BF16, *L4)
+CASES = [Case(extra=LOW), Case(zero=1, extra=LOW), Case(tp=2, pp=2, extra=LOW),
+         Case(tp=2, sp=True, zero=1, extra=LOW), Case(pp=2, schedule="interleaved", v=2, zero=1, extra=LOW),
+         Case(tp=2, pp=2, extra=L4)]
 WORLD = 4
 LOSS_TOL = {"rtol": 2e-3, "atol": 2e-3}  # the losses of one model whose bf16 weights differ by an ulp here and there
-UPDATE_TOL = (0.4, 0.15)  # ‖w − w_ref‖ / ‖w_ref − w_0‖ per parameter, whole model (measured: 0.27, 0.06 at tp2)
+UPDATE_TOL = (0.4, 0.15)  # ‖w − w_ref‖ / ‖w_ref − w_0‖ per parameter, whole model (measured: 0.27, 0.05 at tp2)
 VOCAB_ROWS = ("tok_embed.weight", "head.weight")
 TRACK_STEPS = 25  # past Adam's warm-up into steady learning; a 2-layer model: depth adds only more of the same
 TRACK_TOL = 1e-2  # bf16 parameters against fp32 training, relative loss gap at any step
@@ -48,14 +54,16 @@ TRACK_TOL = 1e-2  # bf16 parameters against fp32 training, relative loss gap at 
 @functools.cache
 def launched() -> dict[str, list[dict[str, Any]]]:
     torch.set_num_threads(1)
-    results = run_ranks(train_cases, WORLD, CASES, timeout=TIMEOUT)
+    for case in CASES:  # composed here once, inherited by the forked ranks
+        make_cfg(case, WORLD)
+    results = run_frozen(train_cases, WORLD, CASES, timeout=TIMEOUT)
     return {str(c): [r[i] for r in results] for i, c in enumerate(CASES)}
 
 
 @functools.cache
 def single() -> dict[str, Any]:
     torch.set_num_threads(1)
-    return train_case(ParallelContext.single(), Case(extra=BF16), 1)
+    return train_case(ParallelContext.single(), Case(extra=LOW), 1)
 
 
 def _merged(results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -71,7 +79,7 @@ def _merged(results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 @functools.cache
 def initial() -> dict[str, torch.Tensor]:
     """The weights every run starts from (the same seed under any layout)."""
-    model = build_chunks(make_cfg(Case(extra=BF16), 1), VOCAB, ParallelContext.single())
+    model = build_chunks(make_cfg(Case(extra=LOW), 1), VOCAB, ParallelContext.single())
     return {name: t[:VOCAB] if name in VOCAB_ROWS else t for name, t in model[0].state_dict().items()}
 
 
@@ -151,7 +159,9 @@ def test_zero1_moments_are_the_plain_mixed_optimizers_split_over_dp() -> None:
 
 def test_checkpoint_holds_fp32_main_weights_and_resumes(tmp_path: Path) -> None:
     resharded = [Case(tp=2, zero=1), Case(tp=2)]
-    results = run_ranks(resume_runs, WORLD, tmp_path, Case(zero=1), resharded, BF16, timeout=TIMEOUT)
+    torch.set_num_threads(1)
+    resume_cfgs(WORLD, tmp_path, Case(zero=1), resharded, (*BF16, *L2))
+    results = run_frozen(resume_runs, WORLD, tmp_path, Case(zero=1), resharded, (*BF16, *L2), timeout=TIMEOUT)
     for r in results:
         assert r["same"]["losses"] == r["base"]["losses"][SAVE_AT:]
         assert all(torch.equal(r["same_final"][name], w) for name, w in r["final"].items())
@@ -165,11 +175,11 @@ def test_checkpoint_holds_fp32_main_weights_and_resumes(tmp_path: Path) -> None:
         for r in results:
             torch.testing.assert_close(torch.tensor(r[case]["losses"]), torch.tensor(r["base"]["losses"][SAVE_AT:]),
                                        **LOSS_TOL)
-    torch.set_num_threads(1)
     path = step_path(tmp_path / "base", SAVE_AT)
-    fp32 = _resume(_cfg(Case(), 1, tmp_path, "fp32", "checkpoint.allow_changes=true"), ParallelContext.single(), path)
+    fp32 = _resume(_cfg(Case(), 1, tmp_path, "fp32", *L2, "checkpoint.allow_changes=true"), ParallelContext.single(),
+                   path)
     weights = _weights(fp32)
-    cfg = _cfg(Case(), 1, tmp_path, "files")
+    cfg = _cfg(Case(), 1, tmp_path, "files", *L2)
     model = build_chunks(cfg, VOCAB, ParallelContext.single())
     load_weights(model, path)
     files = {n: t[:VOCAB] if n in VOCAB_ROWS else t for n, t in model[0].state_dict().items()}

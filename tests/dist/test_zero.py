@@ -1,44 +1,68 @@
 """The distributed optimizer (ZeRO-1, `parallel.zero=1`) on gloo ranks against references.
 
-One world-4 launch trains the distributed optimizer at dp4, tp2dp2 (GPT and Llama), tp2dp2 with sequence
-parallelism, pp2dp2 interleaved and, with the gradients reduce-scattered in bf16, dp4; beside them the same
-layouts with the plain optimizer. Each must match the single-process run (losses, gradient norms, weights: the
-pipeline tests' tolerances); the bf16 and the int8 (encoded all-to-all) reduce-scatters track the exact run as
-closely as the plain bf16 and two-phase int8 all-reduces do. Under ZeRO-1 each DP rank holds the Adam moments
+One world-4 launch trains a 4-layer model's distributed optimizer at dp4, tp2dp2 (GPT and Llama), tp2dp2 with
+sequence parallelism, pp2dp2 interleaved and, with the gradients reduce-scattered in bf16, dp4; beside them the
+same layouts with the plain optimizer. Each must match the single-process run (losses, gradient norms, weights:
+the pipeline tests' tolerances); the bf16 and the int8 (encoded all-to-all) reduce-scatters track the exact run
+as closely as the plain bf16 and two-phase int8 all-reduces do. Under ZeRO-1 each DP rank holds the Adam moments
 of its shard only: summed over DP ranks they are the plain optimizer's moments exactly; DP traffic is one
-reduce-scatter and one all-gather of every (padded) bucket per step. (tp2pp2dp2 and interleaved tp2pp2dp2 run
-in test_pp.py's world-8 launch; the checkpoint of an unsharded run resumed with ZeRO-1 at another DP size in
+reduce-scatter and one all-gather of every (padded) bucket per step. (tp2pp2dp2 and interleaved tp2pp2dp2 run in
+test_pp.py's world-8 launch; the checkpoint of an unsharded run resumed with ZeRO-1 at another DP size in
 test_checkpoint.py's.)
 
-A second launch saves a ZeRO-1 checkpoint at dp4 and resumes it at dp4 (bit for bit), at dp2 with ZeRO-1,
-at dp2 without it, and in a single process: the same loss curve.
+A second launch saves a ZeRO-1 checkpoint (2 layers) at dp4 and resumes it at dp4 (bit for bit), at dp2 with
+ZeRO-1, at dp2 without it, and in a single process: the same loss curve.
+
+Both launches' configs are composed in the test process before the ranks fork (`compose_config`'s memo), whose
+heap is frozen while they run (`run_frozen`).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from harness import run_ranks
-from pp_helpers import TIMEOUT, Case, assert_matches_reference, reference, train_cases
-from test_checkpoint import SAVE_AT, STEPS, _cfg, _check_resharded, _resume, _saved, _train, _weights, resume_runs
+from pp_helpers import TIMEOUT, Case, assert_matches_reference, make_cfg, train_case, train_cases
+from test_checkpoint import (
+    SAVE_AT,
+    STEPS,
+    _cfg,
+    _check_resharded,
+    _resume,
+    _saved,
+    _train,
+    _weights,
+    resume_cfgs,
+    resume_runs,
+)
+from tp_helpers import run_frozen
 
 from hybrid.checkpoint import step_path
 from hybrid.compression.codecs import Int8Codec
 from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.dp.buckets import SHARD_ALIGN
 
+L4 = ("model.n_layers=4",)  # the launch's model: a layer per part of the interleaved pp2 × 2
+L2 = ("model.n_layers=2",)  # the checkpoint's
+
+
+def case(family: str = "gpt", *extra: str, **layout: Any) -> Case:
+    """A run of the launch: the 4-layer `family` in `layout` (tp, pp, schedule, v, sp, zero), overrides `extra`."""
+    return Case(family, extra=(*extra, *L4), **layout)
+
+
 OVERLAP = ("parallel.overlap_param_gather=true",)
-ZERO = [Case(zero=1), Case(tp=2, zero=1), Case("llama", tp=2, zero=1), Case(tp=2, sp=True, zero=1),
-        Case(pp=2, schedule="interleaved", v=2, zero=1),
-        Case(zero=1, extra=OVERLAP), Case(pp=2, schedule="interleaved", v=2, zero=1, extra=OVERLAP)]
+ZERO = [case(zero=1), case(tp=2, zero=1), case("llama", tp=2, zero=1), case(tp=2, sp=True, zero=1),
+        case(pp=2, schedule="interleaved", v=2, zero=1),
+        case("gpt", *OVERLAP, zero=1), case("gpt", *OVERLAP, pp=2, schedule="interleaved", v=2, zero=1)]
 BF16 = ("compression=bf16",)
 INT8 = ("compression=int8", "compression.block_size=32")
-PLAIN = [Case(tp=2), Case(), Case(extra=BF16), Case(zero=1, extra=BF16),  # the plain optimizer; bf16 both ways
-         Case(extra=INT8), Case(zero=1, extra=INT8)]  # int8: two-phase all-reduce; encoded reduce-scatter
+PLAIN = [case(tp=2), case(), case("gpt", *BF16), case("gpt", *BF16, zero=1),  # the plain optimizer; bf16 both ways
+         case("gpt", *INT8), case("gpt", *INT8, zero=1)]  # int8: two-phase all-reduce; encoded reduce-scatter
 WORLD = 4
 
 
@@ -46,14 +70,26 @@ WORLD = 4
 def launched() -> dict[str, list[dict[str, Any]]]:
     torch.set_num_threads(1)
     cases = ZERO + PLAIN
-    results = run_ranks(train_cases, WORLD, cases, timeout=TIMEOUT)
+    for run in cases:  # composed here once, inherited by the forked ranks
+        make_cfg(run, WORLD)
+    results = run_frozen(train_cases, WORLD, cases, timeout=TIMEOUT)
     return {str(c): [r[i] for r in results] for i, c in enumerate(cases)}
 
 
-@pytest.mark.parametrize("case", ZERO, ids=str)
-def test_zero1_matches_single_process(case: Case) -> None:
-    results = launched()[str(case)]
-    assert_matches_reference(results, reference(case.family))
+@functools.cache
+def reference(family: str) -> dict[str, Any]:
+    """The single-process run of the launch's `family` model (the global batch as 4 microbatches)."""
+    torch.set_num_threads(1)
+    r = train_case(ParallelContext.single(), case(family), 1)
+    assert r["losses"][-1] < r["losses"][0], r["losses"]
+    assert r["n_params"] == r["analytic_params"]
+    return r
+
+
+@pytest.mark.parametrize("run", ZERO, ids=str)
+def test_zero1_matches_single_process(run: Case) -> None:
+    results = launched()[str(run)]
+    assert_matches_reference(results, reference(run.family))
 
 
 @pytest.mark.parametrize("method", ["bf16", "int8"])
@@ -66,26 +102,26 @@ def test_zero1_compressed_reduce_scatter_tracks_exact_training_as_the_all_reduce
     assert 0 < gap(zero) < 2e-2 and gap(zero) < 4 * gap(plain) + 1e-4, (zero, plain, exact)
 
 
-@pytest.mark.parametrize("case", ZERO[-2:], ids=str)
-def test_overlapped_parameter_gather_is_the_waited_one_bit_for_bit(case: Case) -> None:
+@pytest.mark.parametrize("run", ZERO[-2:], ids=str)
+def test_overlapped_parameter_gather_is_the_waited_one_bit_for_bit(run: Case) -> None:
     """With the all-gather left in flight after the step (each block's forward waits for its own buckets),
     every loss, norm, byte and weight equals the run that waits at the end of the step."""
-    waited = launched()[str(Case(case.family, case.tp, case.pp, case.schedule, case.v, zero=1))]
-    for a, b in zip(launched()[str(case)], waited):
+    waited = launched()[str(replace(run, extra=L4))]
+    for a, b in zip(launched()[str(run)], waited):
         assert a["inflight"] > 0 and b["inflight"] == 0, (a["inflight"], b["inflight"])
         assert (a["losses"], a["norms"], a["bytes"]) == (b["losses"], b["norms"], b["bytes"])
         if a["state"] is not None:
             assert all(torch.equal(a["state"][k], v) for k, v in b["state"].items())
 
 
-@pytest.mark.parametrize("case", [Case(tp=2, zero=1), Case(zero=1)], ids=str)
-def test_zero1_moments_are_the_plain_optimizers_split_over_dp(case: Case) -> None:
+@pytest.mark.parametrize("run", [case(tp=2, zero=1), case(zero=1)], ids=str)
+def test_zero1_moments_are_the_plain_optimizers_split_over_dp(run: Case) -> None:
     """Σ over DP ranks of the moments each rank updates = the plain optimizer's (a partition, exactly);
     each rank allocates 1/dp of them plus its share of the buckets' padding (< SHARD_ALIGN per bucket)."""
-    zero = launched()[str(case)]
-    plain = launched()[str(Case(case.family, case.tp))]
-    dp = WORLD // (case.tp * case.pp)
-    for coord_tp in range(case.tp):
+    zero = launched()[str(run)]
+    plain = launched()[str(replace(run, zero=0))]
+    dp = WORLD // (run.tp * run.pp)
+    for coord_tp in range(run.tp):
         ours = [r for r in zero if r["coord"][2] == coord_tp]
         full = next(r for r in plain if r["coord"][2] == coord_tp)["moments"][0]
         assert len(ours) == dp and sum(r["moments"][0] for r in ours) == full
@@ -95,37 +131,38 @@ def test_zero1_moments_are_the_plain_optimizers_split_over_dp(case: Case) -> Non
             assert padding < len(r["bucket_numel"]) * dp * SHARD_ALIGN
 
 
-@pytest.mark.parametrize("case", ZERO + PLAIN[3:4] + PLAIN[5:], ids=str)
-def test_zero1_dp_bytes_are_one_reduce_scatter_and_one_all_gather_per_bucket(case: Case) -> None:
+@pytest.mark.parametrize("run", ZERO + PLAIN[3:4] + PLAIN[5:], ids=str)
+def test_zero1_dp_bytes_are_one_reduce_scatter_and_one_all_gather_per_bucket(run: Case) -> None:
     """Per step and rank: the reduce-scatter counts its input (every padded bucket, in the reduce dtype; int8:
     the all-to-all's input, each of the dp shards encoded), the all-gather its output (every padded bucket in
     fp32), and the norm's one fp32 scalar is all-reduced."""
-    rs_bytes = 2 if BF16[0] in case.extra else 4
+    rs_bytes = 2 if BF16[0] in run.extra else 4
     codec = Int8Codec(32)
-    for r in launched()[str(case)]:
+    for r in launched()[str(run)]:
         padded = sum(p for _, p in r["bucket_numel"])
         want = {("dp", "reduce_scatter"): rs_bytes * padded, ("dp", "all_gather"): 4 * padded, ("dp", "all_reduce"): 4}
-        if INT8[0] in case.extra:
+        if INT8[0] in run.extra:
             encoded = sum(WORLD * codec.encoded_bytes(codec.chunk_len(p // WORLD)) for _, p in r["bucket_numel"])
             want = {("dp", "all_to_all"): encoded} | {k: v for k, v in want.items() if k[1] != "reduce_scatter"}
         for step in r["bytes"]:
-            assert {k: b for k, b in step.items() if k[0] == "dp"} == want, (str(case), r["coord"], step)
+            assert {k: b for k, b in step.items() if k[0] == "dp"} == want, (str(run), r["coord"], step)
 
 
 def test_zero1_checkpoint_resumes_across_dp_sizes_and_without_zero(tmp_path: Path) -> None:
     resharded = [Case(tp=2, zero=1), Case(tp=2)]
-    results = run_ranks(resume_runs, WORLD, tmp_path, Case(zero=1), resharded, timeout=TIMEOUT)
+    torch.set_num_threads(1)
+    resume_cfgs(WORLD, tmp_path, Case(zero=1), resharded, L2)
+    results = run_frozen(resume_runs, WORLD, tmp_path, Case(zero=1), resharded, L2, timeout=TIMEOUT)
     for r in results:  # the same layout: moments and step count restored through the gathered view
         assert r["same"]["losses"] == r["base"]["losses"][SAVE_AT:]
         assert all(torch.equal(r["same_final"][name], w) for name, w in r["final"].items())
-    for case in map(str, resharded):
+    for label in map(str, resharded):
         loaded: dict[str, torch.Tensor] = {}
         for r in results:
-            loaded.update(r[case]["loaded"] or {})
+            loaded.update(r[label]["loaded"] or {})
         for r in results:
-            _check_resharded(case, dict(loaded), r[case]["losses"], results)
-    torch.set_num_threads(1)
+            _check_resharded(label, dict(loaded), r[label]["losses"], results)
     path = step_path(tmp_path / "base", SAVE_AT)
-    single = _resume(_cfg(Case(), 1, tmp_path, "single"), ParallelContext.single(), path)
+    single = _resume(_cfg(Case(), 1, tmp_path, "single", *L2), ParallelContext.single(), path)
     _check_resharded("single", _weights(single), _train(single), results)
     assert _saved(results) and STEPS > SAVE_AT
