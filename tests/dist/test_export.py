@@ -1,7 +1,7 @@
 """transformers export (`python -m hybrid.tools.export`) and import (`model.init_from`) under any layout.
 
-One world-4 launch trains a tiny GPT (tied embeddings) and a tiny Llama (GQA, untied head) at tp2pp2
-for 2 steps each (fp32, VOCAB=201 with make_vocab_size_divisible_by=1: 202 embedding rows at tp=2,
+One world-4 launch trains a tiny GPT (tied embeddings) and a tiny Llama (GQA, untied head), 2 layers each,
+at tp2pp2 for 2 steps each (fp32, VOCAB=201 with make_vocab_size_divisible_by=1: 202 embedding rows at tp=2,
 so a padding row is stripped on export) with a 201-token WordLevel tokenizer whose EOS is
 `<|endoftext|>`, and saves a checkpoint at step 2; every stage also sends back its gathered weights.
 Then, in the test process:
@@ -35,9 +35,12 @@ Then, in the test process:
   one-line ModelConfigError naming the field (hybrid.train reports it as a ConfigError).
 - `load_pretrained` also reads a sharded `model.safetensors.index.json` folder with base-model names.
 
-Measured (fp32, logits of magnitude < 1): max |Δlogits| GPT 2.4e-7, Llama 1.8e-7 (the tool's own
-verification: 1.8e-7, 1.5e-7); import losses vs the single-process reference: 0 (tp1pp2dp2),
-4.8e-7 (tp2pp1dp2), while a run from random weights differs by ~0.3.
+Measured (fp32, logits of magnitude < 1): max |Δlogits| GPT 1.8e-7, Llama 1.5e-7 (the tool's own
+verification: 2.4e-7, 1.2e-7); import losses vs the single-process reference: 0 (tp1pp2dp2),
+0 (tp2pp1dp2), while a run from random weights differs by ~0.6.
+
+Both launches' configs are composed in the test process before the ranks fork (`compose_config`'s memo), whose
+heap is frozen while they run (`run_frozen`); the tokenizer is built there too (the ranks import no transformers).
 """
 
 from __future__ import annotations
@@ -52,9 +55,9 @@ from typing import Any
 
 import pytest
 import torch
-from harness import run_ranks
 from pp_helpers import VOCAB, Case, layout_context, make_cfg
 from test_dp import synthetic_corpus
+from tp_helpers import run_frozen
 
 from hybrid.checkpoint import METADATA, step_path
 from hybrid.compression.hooks import make_hook
@@ -72,7 +75,8 @@ TIMEOUT = 240
 SAVE_STEP = 2
 IMPORT_STEPS = 3
 EOS = "<|endoftext|>"
-FAMILIES = {"gpt": (), "llama": ("model.n_kv_heads=2", "model.tie_embeddings=false")}
+FAMILIES = {"gpt": ("model.n_layers=2",),
+            "llama": ("model.n_layers=2", "model.n_kv_heads=2", "model.tie_embeddings=false")}
 LOGITS_TOL = {"atol": 1e-5, "rtol": 1e-5}  # fp32, two implementations (ours vs transformers' sdpa)
 LOSS_TOL = {"rtol": 1e-5, "atol": 1e-5}  # as tests/dist/pp_helpers.py: the same math under another layout
 # bf16 keeps 8 significant bits (a rounding moves a value by up to 2^-9 ≈ 2e-3 relative); a bf16 forward
@@ -113,14 +117,19 @@ def _gathered(trainer: Trainer) -> dict[str, torch.Tensor] | None:
     return out if c.tp == 0 and c.dp == 0 else None
 
 
-def save_runs(rank: int, world: int, root: Path) -> dict[str, Any]:
-    """Rank function: train each family at tp2pp2 for SAVE_STEP steps and save a checkpoint."""
+def save_cfg(family: str, world: int, root: Path) -> Any:
+    """The config `save_runs` trains `family` under (composed in the test process before the ranks fork)."""
+    return _cfg(family, Case(tp=2, pp=2), world, f"checkpoint.dir={root}", f"run_name={family}",
+                f"train.steps={SAVE_STEP}", f"checkpoint.every={SAVE_STEP}")
+
+
+def save_runs(rank: int, world: int, root: Path, tokenizer: Any) -> dict[str, Any]:
+    """Rank function: train each family at tp2pp2 for SAVE_STEP steps and save a checkpoint (with `tokenizer`,
+    built in the test process: the ranks need not import transformers)."""
     ctx = layout_context(world, Case(tp=2, pp=2))
     out: dict[str, Any] = {}
     for family in FAMILIES:
-        cfg = _cfg(family, Case(tp=2, pp=2), world, f"checkpoint.dir={root}", f"run_name={family}",
-                   f"train.steps={SAVE_STEP}", f"checkpoint.every={SAVE_STEP}")
-        trainer = _trainer(cfg, ctx, word_tokenizer())
+        trainer = _trainer(save_cfg(family, world, root), ctx, tokenizer)
         while trainer.step < SAVE_STEP:
             trainer.train_step()
             trainer.checkpointer.after_step(trainer.step)
@@ -147,7 +156,10 @@ def _whole(family: str) -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     root = tmp_path_factory.mktemp("export")
-    return root, run_ranks(save_runs, 4, root / "ckpt", timeout=TIMEOUT)
+    torch.set_num_threads(1)
+    for family in FAMILIES:
+        save_cfg(family, 4, root / "ckpt")
+    return root, run_frozen(save_runs, 4, root / "ckpt", word_tokenizer(), timeout=TIMEOUT)
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -277,12 +289,16 @@ def test_a_failed_export_removes_the_parents_it_created(tmp_path: Path, saved: A
     assert list(tmp_path.iterdir()) == []
 
 
+def import_cfg(case: Case, world: int, folder: Path) -> Any:
+    return _cfg("llama", case, world, f"model.init_from={folder}", f"train.steps={IMPORT_STEPS}")
+
+
 def import_runs(rank: int, world: int, folder: Path, cases: list[Case]) -> list[dict[str, Any]]:
     """Rank function: per layout, a fresh Trainer initialised from `folder`, then IMPORT_STEPS steps."""
     out = []
     for case in cases:
         ctx = layout_context(world, case)
-        cfg = _cfg("llama", case, world, f"model.init_from={folder}", f"train.steps={IMPORT_STEPS}")
+        cfg = import_cfg(case, world, folder)
         trainer = _trainer(cfg, ctx)
         line = load_pretrained(trainer.model, cfg.model.init_from, cfg.model, VOCAB)
         loaded = _gathered(trainer)
@@ -304,8 +320,10 @@ def test_init_from_under_other_layouts_matches_single_process(exported: dict[str
     from safetensors.torch import load_file
 
     folder = exported["llama"]
-    results = run_ranks(import_runs, 4, folder, IMPORT_LAYOUTS, timeout=TIMEOUT)
     torch.set_num_threads(1)
+    for case in IMPORT_LAYOUTS:  # composed (and validated: init_from is read) here, inherited by the ranks
+        import_cfg(case, 4, folder)
+    results = run_frozen(import_runs, 4, folder, IMPORT_LAYOUTS, timeout=TIMEOUT)
     ref, fresh = single_process_losses(folder), single_process_losses(None)
     assert abs(ref[0] - fresh[0]) > 1e-3, (ref, fresh)  # the import changed the starting point
     cfg = _cfg("llama", Case(), 1).model

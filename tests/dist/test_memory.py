@@ -8,6 +8,9 @@
   estimated from its own chunks built on the meta device: parameters, gradients and optimizer state equal
   the trainer's tensors exactly; at tp=1 or 2 without a pipeline, the activations equal the tally; the
   total is within 10 % of the states plus the peak the profiler tracks over a training step.
+- Seven replica sync modes on the same 4 ranks: their state and exchange buffers.
+The launches' configs are composed in the test process before the ranks fork (`compose_config`'s memo), whose
+heap is frozen while they run (`run_frozen`); each rank builds the groups of a layout once.
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ from typing import Any
 
 import pytest
 import torch
-from harness import run_ranks
 from pp_helpers import VOCAB, Case, layout_context, make_cfg, moment_bytes
 from test_dp import synthetic_corpus
+from tp_helpers import run_frozen
 
 from hybrid.compression.hooks import make_hook
 from hybrid.config import compose_config
@@ -82,6 +85,7 @@ def test_held_microbatches_equal_the_simulators_peak(name: str, v: int) -> None:
         assert [held_bytes(schedule, r, [1] * v) for r in range(pp)] == peak, (name, pp, microbatches)
 
 
+LAYERS = ("model.n_layers=4",)  # the layouts' model: a layer per part of pp2 × 2 virtual stages
 COMBOS = [
     Case("gpt", tp=2),
     Case("gpt", zero=1, extra=("train.recompute=selective",)),
@@ -110,10 +114,12 @@ def _states(trainer: Trainer) -> tuple[int, int, int]:
 
 
 def measure(rank: int, world: int) -> list[dict[str, Any]]:
-    out = []
+    out, contexts = [], {}
     for case in COMBOS:
-        cfg = make_cfg(case, world)
-        ctx = layout_context(world, case)
+        cfg = make_cfg(case, world, extra=LAYERS)
+        if (case.tp, case.pp) not in contexts:  # the groups of a layout built once
+            contexts[case.tp, case.pp] = layout_context(world, case)
+        ctx = contexts[case.tp, case.pp]
         hook, state = make_hook(cfg.compression, ctx.dp_group)
         trainer = Trainer(cfg, ctx, build_chunks(cfg, VOCAB, ctx), synthetic_corpus(vocab=VOCAB),
                           torch.device("cpu"), hook, state)
@@ -133,7 +139,9 @@ def measure(rank: int, world: int) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def measured() -> list[list[dict[str, Any]]]:
     torch.set_num_threads(1)
-    return run_ranks(measure, 4, timeout=300)
+    for case in COMBOS:  # composed here once, inherited by the forked ranks
+        make_cfg(case, 4, extra=LAYERS)
+    return run_frozen(measure, 4, timeout=300)
 
 
 @pytest.mark.parametrize("i", range(len(COMBOS)), ids=[str(c) for c in COMBOS])
@@ -189,16 +197,21 @@ def _server_state(outer: Any) -> int:
     return _bytes(server.slices) + _bytes(server.snapshots) + _bytes(moments)
 
 
+def sync_cfg(world: int, extra: tuple[str, ...]) -> Any:
+    """A sync mode's config at dp4 on 2 nodes × 2; the measured step is a gossip round, not the final average."""
+    steps = 2 if extra == ("sync=ps",) else 4
+    return make_cfg(Case("gpt"), world, extra=[*LAYERS, *extra, "parallel.ranks_per_node=2", f"train.steps={steps}"])
+
+
 def measure_sync(rank: int, world: int) -> list[dict[str, Any]]:
     """Each sync mode at dp4 on 2 nodes × 2: the estimate's optimizer and total against the trainer's states,
     the mode's own, and the peak over a step that ends in an exchange (the outer step or, overlapped, its
     launch; a gossip round; a push)."""
-    out, case = [], Case("gpt")
+    out = []
+    ctx = ParallelContext.build(Layout.create(world, ranks_per_node=2))
     for extra in SYNC_MODES:
-        steps = 2 if extra == ("sync=ps",) else 4  # the measured step: a gossip round, not the final average
         warm = 2 if "sync.overlap_steps=1" in extra else 1  # overlapped: the step where the exchange lands
-        cfg = make_cfg(case, world, extra=[*extra, "parallel.ranks_per_node=2", f"train.steps={steps}"])
-        ctx = ParallelContext.build(Layout.create(world, ranks_per_node=2))
+        cfg = sync_cfg(world, extra)
         hook, state = make_hook(cfg.compression, ctx.dp_group, ctx.dp_intra_group, ctx.dp_inter_group)
         trainer = Trainer(cfg, ctx, build_chunks(cfg, VOCAB, ctx), synthetic_corpus(vocab=VOCAB),
                           torch.device("cpu"), hook, state)
@@ -226,7 +239,10 @@ def test_sync_modes_estimate_their_state_and_exchange() -> None:
     on a parameter-server worker); the total is within 10 % of everything measured (int8's and DiLoCo's codec
     state, a gossip round's neighbours, a worker's pushes and replies). A server's host: at least its shard
     (the pushes it queues live in its threads, which the profiler does not see)."""
-    for rank, results in enumerate(run_ranks(measure_sync, 4, timeout=300)):
+    torch.set_num_threads(1)
+    for extra in SYNC_MODES:  # composed here once, inherited by the forked ranks
+        sync_cfg(4, extra)
+    for rank, results in enumerate(run_frozen(measure_sync, 4, timeout=300)):
         for r in results:
             where, est = (r["mode"], rank), r["est"]
             assert est.optimizer == r["optimizer"], (where, est)

@@ -8,6 +8,8 @@
   `selective` what `none` keeps less, per layer, what PyTorch's own attention call and the MLP activation
   keep beyond their inputs and outputs (tallied on the same shapes).
 Training through the pipeline with recomputation is in test_pp.py's launches (against the single process).
+The tp=2 launch's configs are composed in the test process before the ranks fork (`compose_config`'s memo),
+whose heap is frozen while they run (`run_frozen`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import run_ranks
+from tp_helpers import run_frozen
 
 from hybrid.config import compose_config
 from hybrid.model import build_model
@@ -84,7 +86,9 @@ def tp_passes(rank: int, world: int) -> list[str]:
 
 
 def test_recompute_replays_every_dropout_stream_under_tp() -> None:
-    results = run_ranks(tp_passes, 2, timeout=120)
+    for family in ("gpt", "llama"):  # composed here once, inherited by the forked ranks
+        _cfg(family, 0.1)
+    results = run_frozen(tp_passes, 2, timeout=120)
     assert all(len(r) == 12 for r in results)
 
 
