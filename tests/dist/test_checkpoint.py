@@ -17,7 +17,7 @@ One world-2 launch (`run2`) checkpoints three runs, each in its own folder: the 
 and a stateful compression hook (PowerSGD with error feedback at dp2: bit-exact only if RNG streams and hook
 state are restored), the zero-bubble placements, and 1-bit Adam. A world-4 launch checks the async save.
 Every launch's configs are composed in the test process before the ranks fork (`resume_cfgs`, `async_cfgs`):
-the ranks inherit them (`compose_config`'s memo).
+the ranks inherit them (`compose_config`'s memo); its heap is frozen while they run (`run_frozen`).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from typing import Any
 
 import pytest
 import torch
-from harness import run_ranks
 from pp_helpers import VOCAB, Case, layout_context, make_cfg
 from test_dp import synthetic_corpus
+from tp_helpers import run_frozen
 
 from hybrid.checkpoint import plan_resume, step_path
 from hybrid.compression.hooks import make_hook
@@ -142,7 +142,7 @@ def launch_resumes(world: int, runs: dict[str, tuple[Path, Case, list[Case], tup
     torch.set_num_threads(1)
     for run in runs.values():
         resume_cfgs(world, *run)
-    results = run_ranks(resume_each, world, runs, timeout=TIMEOUT)
+    results = run_frozen(resume_each, world, runs, timeout=TIMEOUT)
     return {name: [r[name] for r in results] for name in runs}
 
 
@@ -284,7 +284,7 @@ def test_async_save_snapshots_the_step_it_was_started_at(tmp_path: Path) -> None
     keep=2 leaves the newest two, step 4 and step 6."""
     torch.set_num_threads(1)
     async_cfgs(4, tmp_path)
-    results = run_ranks(async_runs, 4, tmp_path, timeout=TIMEOUT)
+    results = run_frozen(async_runs, 4, tmp_path, timeout=TIMEOUT)
     for r in results:
         assert r["resumed"] == r["losses"][STEPS - 2:]
         assert r["unchanged"], "the async save wrote weights changed after it was started"

@@ -3,7 +3,8 @@ outer lr 1 and no momentum under a linear inner optimizer is gradient averaging)
 the paper's pseudo-code over single-process trainers, and the byte counts of the DP exchanges they replace.
 
 The model has 2 layers (`SMALL`). One launch per world size, each run once per session and read by several
-tests; every config is composed in the test process before the ranks fork (`compose_config`'s memo):
+tests; every config is composed in the test process before the ranks fork (`compose_config`'s memo), whose
+heap is frozen while they run (`run_frozen`):
   - world 4 (`four`): the averaging modes and the parameter servers against one synchronous-DP run, the
     asynchronous server with a slow worker, and gossip on a 4-rank ring of toy quadratics;
   - world 2: DiLoCo against the paper's loop (the references computed in the test process);
@@ -21,11 +22,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_ranks
 from pp_helpers import VOCAB, Case, make_cfg
 from safetensors.torch import load_file
 from test_checkpoint import SAVE_AT, STEPS, resume_cfgs, resume_runs
 from test_dp import synthetic_corpus
+from tp_helpers import run_frozen
 
 from hybrid.checkpoint import step_path
 from hybrid.compression.hooks import make_hook
@@ -116,7 +117,7 @@ def four() -> list[dict[str, Any]]:
     modes_composed(DP_ONLY, 4, [LINEAR, *AVERAGING], 2, 4)
     modes_composed(DP_ONLY, 4, SERVERS, 4, 4)
     stale_cfg(4, STALE_K, STALE_STEPS)
-    return run_ranks(four_ranks, 4, timeout=TIMEOUT)
+    return run_frozen(four_ranks, 4, timeout=TIMEOUT)
 
 
 BYTES_STEPS = 5
@@ -147,7 +148,7 @@ def eight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str
     modes_composed(TP2PP2, 8, BYTES_MODES, 8, BYTES_STEPS)
     for name, (mode, resharded) in RESUMED.items():
         resume_cfgs(8, root / name, TP2PP2, resharded, mode)
-    return root, run_ranks(eight_ranks, 8, root, timeout=2 * TIMEOUT)
+    return root, run_frozen(eight_ranks, 8, root, timeout=2 * TIMEOUT)
 
 
 def test_diloco_with_one_inner_step_and_plain_averaging_is_synchronous_dp() -> None:
@@ -261,7 +262,7 @@ def test_diloco_matches_the_papers_loop() -> None:
     steps = 8
     torch.set_num_threads(1)
     modes_composed(DP_ONLY, 2, modes, 2, steps)
-    results = run_ranks(train_modes, 2, DP_ONLY, modes, 2, steps, timeout=TIMEOUT)
+    results = run_frozen(train_modes, 2, DP_ONLY, modes, 2, steps, timeout=TIMEOUT)
     for i, mode in enumerate(modes):
         ref = replicas_reference(mode_cfg(DP_ONLY, 2, mode, 2, steps), 2, steps)
         for r, want in zip(results, ref):
