@@ -1,7 +1,7 @@
 """`compression.schedule=auto` through `Trainer.fit` on gloo ranks (tp2dp2), against references.
 
 One world-4 launch trains the same tiny model several times, each through the real loop (metrics.jsonl
-with a record per step):
+with a record per step), every config composed before the ranks fork:
 
 - exact (`compression=none`): the reference losses. The settling tolerance is then chosen from them, so
   that the rule, applied to them by a reference written here, first holds as late in the run as it can;
@@ -9,7 +9,7 @@ with a record per step):
   rank alike, announced in one line; each record names the step's method, and counts the bytes the
   library's formulas give (the vectors kept exact all along, the rest exact, then sign-coded);
 - fixed (sign, `warmup_steps` = the auto run's switch, vectors kept exact): the same run, bit for bit;
-- auto resumed from step 5 (mid-window): the same switch and losses; resumed after the switch under
+- auto resumed from step 3 (mid-window): the same switch and losses; resumed after the switch under
   tp1dp4: the decision kept (no second exact stage);
 - onebit_adam under auto against onebit_adam with `warmup_steps` at its switch: the same run, bit for bit.
 """
@@ -23,6 +23,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 from harness import run_ranks
+from omegaconf import OmegaConf
 from pp_helpers import VOCAB, Case, layout_context, make_cfg
 from test_compression_train import expected_step
 from test_dp import synthetic_corpus
@@ -31,8 +32,9 @@ from hybrid.checkpoint import plan_resume, step_path
 from hybrid.compression.hooks import make_hook
 from hybrid.parallel.context import ParallelContext
 from hybrid.trainer import Trainer, build_chunks
+from hybrid.validation import validate
 
-STEPS, WINDOW, EVERY = 14, 2, 5
+STEPS, WINDOW, EVERY = 10, 2, 3
 TIMEOUT = 300
 SIGN = ["compression=sign", "compression.block_size=64"]
 
@@ -59,15 +61,24 @@ def tolerance_for(losses: list[float]) -> float:
     raise AssertionError("unreachable: the first step always qualifies")
 
 
-def fit(ctx: ParallelContext, case: Case, root: Path, run: str, extra: list[str],
-        resume: Optional[Path] = None, every: int = 0) -> dict[str, Any]:
-    """Train a 2-layer model through `Trainer.fit` (a record per step, a checkpoint every `every` steps);
-    this rank's view of the run."""
+def fit_cfg(case: Case, world: int, root: Path, run: str, extra: list[str], every: int = 0) -> Any:
+    """The config of run `run`: a 2-layer model, a record per step, a checkpoint every `every` steps."""
+    return make_cfg(case, world, extra=[f"train.steps={STEPS}", "train.lr=1e-2", "model.n_layers=2",
+                                        f"logging.dir={root / run}", "logging.log_every=1", "logging.progress=false",
+                                        "logging.wandb.mode=disabled", f"checkpoint.dir={root}", f"run_name={run}",
+                                        f"checkpoint.every={every}", "compression.measure_error=false", *extra])
+
+
+def fit(ctx: ParallelContext, root: Path, run: str, found_in_run: dict[str, Any],
+        resume: Optional[Path] = None) -> dict[str, Any]:
+    """Train run `run` of `RUNS` through `Trainer.fit`, its config given the values `found_in_run` (what earlier
+    runs found: the tolerance, a switch step), validated again; this rank's view of the run."""
     world = ctx.layout.world
-    cfg = make_cfg(case, world, extra=[f"train.steps={STEPS}", "train.lr=1e-2", "model.n_layers=2",
-                                       f"logging.dir={root / run}", "logging.log_every=1", "logging.progress=false",
-                                       "logging.wandb.mode=disabled", f"checkpoint.dir={root}", f"run_name={run}",
-                                       f"checkpoint.every={every}", "compression.measure_error=false", *extra])
+    case, extra, every = RUNS[run]
+    cfg = fit_cfg(case, world, root, run, extra, every)
+    for key, value in found_in_run.items():
+        OmegaConf.update(cfg, key, value)
+    validate(cfg, world)
     torch.manual_seed(1234 + ctx.pp_rank)
     hook, state = make_hook(cfg.compression, ctx.dp_group)
     trainer = Trainer(cfg, ctx, build_chunks(cfg, VOCAB, ctx), synthetic_corpus(vocab=VOCAB, n=16),
@@ -107,32 +118,46 @@ def records(root: Path, run: str) -> list[dict[str, Any]]:
     return [r for r in rows if "loss" in r]
 
 
+TP2 = Case(tp=2)
+AUTO = [*SIGN, "compression.schedule=auto", f"compression.settle_window={WINDOW}"]  # + the tolerance found
+ONEBIT = ["compression=onebit_adam", "compression.block_size=64"]
+SWITCH = "compression.warmup_steps=1"  # a valid stand-in for the switch step an earlier run finds (set in `fit`)
+# run → (case, overrides, checkpoint.every); what depends on earlier runs (the tolerance, a switch step) is set
+# on the composed config (`fit`), so that every config is composed before the ranks fork
+RUNS: dict[str, tuple[Case, list[str], int]] = {
+    "exact": (TP2, ["compression=none"], 0),
+    "auto": (TP2, [*AUTO, f"checkpoint.keep={STEPS}"], EVERY),  # every checkpoint kept: two are resumed
+    "fixed": (TP2, [*SIGN, "compression.exact_params=[vectors]", SWITCH], 0),  # the auto run's switch
+    "resumed": (TP2, AUTO, 0),
+    "moved": (Case(), AUTO, 0),
+    "onebit": (TP2, [*ONEBIT, "compression.warmup_steps=0", "compression.schedule=auto",
+                     f"compression.settle_window={WINDOW}"], 0),
+    "onebit_fixed": (TP2, [*ONEBIT, "compression.exact_params=[vectors]", SWITCH], 0),  # the onebit run's switch
+}
+
+
 def schedule_runs(rank: int, world: int, root: Path) -> dict[str, Any]:
-    case = Case(tp=2)
-    ctx = layout_context(world, case)
-    out: dict[str, Any] = {"exact": fit(ctx, case, root, "exact", ["compression=none"])}
+    ctx = layout_context(world, TP2)
+    out: dict[str, Any] = {"exact": fit(ctx, root, "exact", {})}
     torch.distributed.barrier()
     tol = tolerance_for([r["loss"] for r in records(root, "exact")])
-    auto = [*SIGN, "compression.schedule=auto", f"compression.settle_window={WINDOW}", f"compression.settle_tol={tol}"]
+    settle = {"compression.settle_tol": tol}
     out["tol"] = tol
-    out["auto"] = fit(ctx, case, root, "auto", auto, every=EVERY)
+    out["auto"] = fit(ctx, root, "auto", settle)
     switch = out["auto"]["bounds"][0]
-    out["fixed"] = fit(ctx, case, root, "fixed", [*SIGN, f"compression.warmup_steps={switch}",
-                                                  "compression.exact_params=[vectors]"])
-    out["resumed"] = fit(ctx, case, root, "resumed", auto, step_path(root / "auto", EVERY))
+    out["fixed"] = fit(ctx, root, "fixed", {"compression.warmup_steps": switch})
+    out["resumed"] = fit(ctx, root, "resumed", settle, step_path(root / "auto", EVERY))
     after = EVERY * (switch // EVERY + 1)
     out["after"] = after
-    out["moved"] = fit(layout_context(world, Case()), Case(), root, "moved", auto, step_path(root / "auto", after))
-    onebit = ["compression=onebit_adam", "compression.block_size=64", "compression.warmup_steps=0"]
-    out["onebit"] = fit(ctx, case, root, "onebit", [*onebit, "compression.schedule=auto",
-                                                    f"compression.settle_window={WINDOW}",
-                                                    f"compression.settle_tol={tol}"])
-    out["onebit_fixed"] = fit(ctx, case, root, "onebit_fixed", [*onebit, "compression.exact_params=[vectors]",
-                                                                f"compression.warmup_steps={out['onebit']['bounds'][0]}"])
+    out["moved"] = fit(layout_context(world, Case()), root, "moved", settle, step_path(root / "auto", after))
+    out["onebit"] = fit(ctx, root, "onebit", settle)
+    out["onebit_fixed"] = fit(ctx, root, "onebit_fixed", {"compression.warmup_steps": out["onebit"]["bounds"][0]})
     return out
 
 
 def test_auto_schedule_switches_by_its_rule_and_equals_the_warm_up_it_found(tmp_path: Path) -> None:
+    for run, (case, extra, every) in RUNS.items():  # composed here once, inherited by the forked ranks
+        fit_cfg(case, 4, tmp_path, run, extra, every)
     results = run_ranks(schedule_runs, 4, tmp_path, timeout=TIMEOUT)
     exact = [r["loss"] for r in records(tmp_path, "exact")]
     tol = results[0]["tol"]
