@@ -8,17 +8,14 @@
   `BasicSweeper.split_arguments` (every job one of the sweep's, every value of the sweep in some job).
 - Keys the schema lacks (`+train.foo=1`, `++model.hiden=3`, `train.lrr=1`) are one line naming the
   nearest key of that schema node (difflib), or that node's keys when none is close.
-- A real run of `python -m hybrid.train`: a user's model file from a search-path folder trains one step; and
-  the real entry point (forked): a misspelt key is one line with the suggestion and exit status 2.
+- The real entry point of `python -m hybrid.train` (forked): a user's model file from a search-path folder
+  trains one step; a misspelt key is one line with the suggestion and exit status 2.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -105,6 +102,9 @@ def test_flags_that_only_print_skip_the_check(flags: list[str]) -> None:
 def test_a_sweep_with_a_bad_value_fails_at_once(sweep: list[str], needle: str, capsys: pytest.CaptureFixture[str],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     assert needle in refused(["-m", *sweep], capsys, monkeypatch)
+
+
+def test_a_sweep_of_good_values_passes() -> None:
     cli.precheck(["-m", "train.lr=1e-3,2e-3", "model=glob(gpt-t*)", "train.steps=range(1,4)"])
 
 
@@ -152,15 +152,13 @@ def test_suggestion_walks_the_schema() -> None:
         ["train.x", "y"]
 
 
-def run_train(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
-    return subprocess.run([sys.executable, "-m", "hybrid.train", *args], capture_output=True, text=True,
-                          timeout=180, cwd=cwd, env=env)
-
-
 def test_a_users_model_from_a_search_path_folder_trains(user_configs: Path, tmp_path: Path) -> None:
-    r = run_train(f"hydra.searchpath=[file://{user_configs}]", "model=my-tiny", *QUICK,
-                  f"logging.dir={tmp_path / 'run'}", cwd=tmp_path)
+    """The real entry point in a forked child (hybrid.testing.cli_runs), as `python -m hybrid.train` runs it."""
+    import hybrid.train
+
+    r = run_forked(hybrid.train.main, [f"hydra.searchpath=[file://{user_configs}]", "model=my-tiny", *QUICK,
+                                       f"logging.dir={tmp_path / 'run'}"], tmp_path,
+                   {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}, timeout_s=180)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "model my-tiny:" in r.stdout + r.stderr
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

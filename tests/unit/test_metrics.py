@@ -6,7 +6,6 @@ import io
 import json
 import math
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -19,8 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from hybrid.record.metrics import format_count, jsonable, mfu, model_flops_per_token, peak_flops
 from hybrid.record.sinks import MetricsLogger
-
-REPO = Path(__file__).resolve().parents[2]
+from hybrid.testing.cli_runs import CliRun, run_forked
 
 
 class _Block(nn.Module):
@@ -188,12 +186,18 @@ def test_progress_and_messages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
         assert "\r" not in out and out.splitlines()[0].startswith("step 2/4 loss=2.346")
 
 
-def _run_python(code: str, cwd: Path, home: Path, timeout: float = 60) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh interpreter with HOME and the CWD in tmp and no WANDB_* variables set."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "XDG_", "NETRC"))}
-    env.update(HOME=str(home), PYTHONPATH=str(REPO))  # XDG defaults now point into HOME
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, env=env, timeout=timeout, check=False,
-                          capture_output=True, text=True)
+def _run_python(code: str, cwd: Path, home: Path, timeout: float = 60) -> CliRun:
+    """Run `code` as `__main__` in a forked child (hybrid.testing.cli_runs: a real process, without a fresh
+    interpreter's seconds of imports) with HOME and the CWD in tmp, no WANDB_*/XDG_*/NETRC variables set and
+    no wandb module loaded (the parent's, if any, forgotten: the child imports its own, as a fresh process)."""
+    def main() -> None:
+        for key in [k for k in os.environ if k.startswith(("WANDB_", "XDG_", "NETRC"))]:
+            del os.environ[key]  # XDG defaults now point into HOME
+        for name in [m for m in sys.modules if m.split(".")[0] == "wandb"]:
+            del sys.modules[name]
+        exec(compile(textwrap.dedent(code), "<test>", "exec"), {"__name__": "__main__"})
+
+    return run_forked(main, [], cwd, {"HOME": str(home)}, timeout_s=timeout, prog="python")
 
 
 @pytest.fixture

@@ -4,10 +4,9 @@ their keys skipped with a note, bad input one line and exit 2."""
 
 from __future__ import annotations
 
+import importlib
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING
 import pytest
 import yaml
 
+from hybrid.testing.cli_runs import run_forked
 from hybrid.tools import plot
 from hybrid.tools.plot_figures import Skipped, bytes_figure, compression_figure, loss_figure, time_figure
 from hybrid.tools.plot_series import load_run, moving_average, parse_lines
@@ -28,17 +28,17 @@ STEPS, EVAL_EVERY, SCALE = 3, 2, 1.25
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real single-process run of gpt-tiny: 3 steps, an eval at step 2, timing on (the default)."""
+    """A real single-process run of gpt-tiny: 3 steps, an eval at step 2, timing on (the default); the real
+    entry point in a forked child (hybrid.testing.cli_runs)."""
+    import hybrid.train
+
     tmp = tmp_path_factory.mktemp("plot")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("RANK", None)
-    cmd = [sys.executable, "-m", "hybrid.train", "model=gpt-tiny", f"train.steps={STEPS}",
-           f"train.eval_every={EVAL_EVERY}", "train.global_batch_size=8", "train.micro_batch_size=4",
-           "train.eval_batches=1", "data.seq_len=64", "data.max_chars=200000", "logging.wandb.mode=disabled",
-           "logging.progress=false", "logging.traffic_map=false", "run_name=x", f"logging.dir={tmp}/x",
-           f"checkpoint.dir={tmp}/ck"]
-    done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+    argv = ["model=gpt-tiny", f"train.steps={STEPS}", f"train.eval_every={EVAL_EVERY}", "train.global_batch_size=8",
+            "train.micro_batch_size=4", "train.eval_batches=1", "data.seq_len=64", "data.max_chars=200000",
+            "logging.wandb.mode=disabled", "logging.progress=false", "logging.traffic_map=false", "run_name=x",
+            f"logging.dir={tmp}/x", f"checkpoint.dir={tmp}/ck"]
+    done = run_forked(hybrid.train.main, argv, tmp, {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"},
+                      timeout_s=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return tmp / "x"
 
@@ -176,9 +176,15 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, real: Pa
 
 def test_matplotlib_loads_only_when_a_figure_is_drawn() -> None:
     """matplotlib is a core dependency, imported inside the drawing functions: importing the trainer's report
-    and the drawing tools (start-up of every run and tool) does not load it."""
-    code = ("import sys, hybrid.record.report, hybrid.tools.plot, hybrid.tools.schedule, hybrid.tools.traffic, "
-            "hybrid.tools.diagnose; print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    and the drawing tools (start-up of every run and tool) does not load it. In a forked child that first
+    forgets every hybrid and matplotlib module this process loaded, so they are imported anew."""
+    def main() -> None:
+        for name in [m for m in sys.modules if m.split(".")[0] in ("hybrid", "matplotlib", "mpl_toolkits")]:
+            del sys.modules[name]
+        for module in ("hybrid.record.report", "hybrid.tools.plot", "hybrid.tools.schedule", "hybrid.tools.traffic",
+                       "hybrid.tools.diagnose"):
+            importlib.import_module(module)
+        print(sorted(m for m in sys.modules if m.split(".")[0] == "matplotlib"))
+
+    r = run_forked(main, [], ROOT, timeout_s=120, prog="python")
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr[-3000:] + r.stdout
