@@ -1,6 +1,7 @@
 """A torchrun entry for the fault-tolerance tests: `python -m killer <hybrid.train overrides>`
-(with tests/e2e on PYTHONPATH) runs `hybrid.train.main()`, and rank `HYBRID_KILL_RANK` (default 1) SIGKILLs
-itself, or stops, hangs or holds. `HYBRID_KILL` is a comma-separated list, one fault per attempt: its A-th item
+(with tests/e2e on PYTHONPATH) runs `hybrid.train.main()`, and rank `HYBRID_KILL_RANK` (default 1; `all`: every
+rank) SIGKILLs itself, or stops, hangs or holds. Ranks forked from a test (hybrid.testing.cli_runs) run `main`,
+with the same environment variables. `HYBRID_KILL` is a comma-separated list, one fault per attempt: its A-th item
 acts on attempt A (`TORCHELASTIC_RESTART_COUNT`), so one torchrun launch can meet several faults in a row;
 attempts past the list (and empty items) run clean.
 
@@ -26,7 +27,8 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 HOLD_S = 120.0  # `hold`: the longest wait for the signal (then the run goes on, and the test fails on it)
 
@@ -102,15 +104,23 @@ def arm() -> None:
     _say(f"attempt {attempt} rank {rank}")
     specs = os.environ.get("HYBRID_KILL", "").split(",")
     spec = specs[int(attempt)] if int(attempt) < len(specs) else ""
-    if not spec or rank != os.environ.get("HYBRID_KILL_RANK", "1"):
+    if not spec or os.environ.get("HYBRID_KILL_RANK", "1") not in (rank, "all"):
         return
     kind, step = spec.split(":")
     {"step": _kill, "save": _kill_mid_save, "hold": _hold, "hang": _hang,
      "stop": lambda n: _kill(n, signal.SIGSTOP)}[kind](int(step))
 
 
-if __name__ == "__main__":
+def main(pids: Optional[Path] = None) -> None:
+    """`hybrid.train.main()` with this attempt's fault armed (`python -m killer`, or a forked rank's entry);
+    `pids`: a folder where the rank first writes its pid, in a file named by its rank."""
+    if pids is not None:
+        (pids / os.environ.get("RANK", "0")).write_text(str(os.getpid()))
     arm()
-    from hybrid.train import main
+    from hybrid.train import main as train
 
+    train()
+
+
+if __name__ == "__main__":
     main()

@@ -1,18 +1,20 @@
-"""Fault tolerance with the real torchrun: ranks SIGKILLed mid-run or mid-save, or hung, and the run still
-ends with the loss curve of an uninterrupted run, each step logged once.
+"""Fault tolerance with the real torchrun: a rank SIGKILLed mid-save, or hung, and the run still ends with the
+loss curve of an uninterrupted run, each step logged once.
 
 - The reference: conftest's `tiny_reference`, 2 ranks (dp2), 8 steps, a checkpoint every 2 steps, keep 2.
-- One launch meets three faults in a row (killer.py, one fault per attempt, always rank 1): `launch/local.sh`
+- One launch meets two faults in a row (killer.py, one fault per attempt, always rank 1): `launch/local.sh`
   with its defaults (`--max-restarts=3`, `checkpoint.resume=auto`, a fresh TCPStore per attempt) runs
   `killer.py`, and torchrun restarts both ranks after each fault:
-  1. SIGKILL at the start of step 4: the restart resumes step 2 by itself;
-  2. SIGKILL while writing its shard of step 6: that folder has no `.metadata`, so the restart skips it with
-     a warning saying so (`problem()`) and resumes step 4;
-  3. a hang at the start of step 6: rank 0's collective times out after `parallel.timeout_s`, it exits with
-     the one line naming the group and writes its flight recorder; the last restart again skips the
-     incomplete step 6, resumes step 4 and finishes. (The hang comes last: rank 0 also writes a flight
-     recorder when a peer dies, so a later fault would overwrite the hang's.)
+  1. SIGKILL while writing its shard of step 4 (mid-run, mid-save): that folder has no `.metadata`, so the
+     restart skips it with a warning saying so (`problem()`), resumes step 2 by itself and saves step 4 anew;
+  2. a hang at the start of step 6: rank 0's collective times out after `parallel.timeout_s`, it exits with
+     the one line naming the group (and no traceback) and writes its flight recorder; the hung rank writes
+     none; the last restart resumes step 4, the newest checkpoint (complete: no warning), and finishes. (The
+     hang comes last: rank 0 also writes a flight recorder when a peer dies, so a later fault would overwrite
+     the hang's.)
   Each test below reads one part of that launch's output; the last compares its metrics with the reference.
+  (tests/e2e/test_hangs.py stops a rank with SIGSTOP in a forked run, tests/e2e/test_elastic.py resumes on
+  another number of ranks.)
 - The launch scripts' defaults, checked without starting anything (`TORCHRUN=echo`).
 """
 
@@ -35,8 +37,10 @@ from hybrid.checkpoint import METADATA, list_steps, problem, step_path
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 RUN = "gpt-tiny-dp"  # run_name of the default model and parallel groups
 TIMEOUT = 240
-FAULTS = "step:4,save:6,hang:6"  # attempt 0, 1, 2 (killer.py); attempt 3 runs clean
-HANG_TIMEOUT_S = 5  # parallel.timeout_s: far above a step's collectives (milliseconds), so only the hang trips it
+FAULTS = "save:4,hang:6"  # attempt 0, 1 (killer.py); attempt 2 runs clean
+# parallel.timeout_s: far above a step's collectives (milliseconds), so only the hang trips it; it also bounds a
+# rank's start-up wait for its peers (the TCPStore, the process group), where a loaded machine can take seconds
+HANG_TIMEOUT_S = 10
 
 
 def run(cmd: list[str], env: dict[str, str], timeout: int = TIMEOUT, merge: bool = False
@@ -99,43 +103,39 @@ def faulted(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> tu
 
 def test_each_fault_restarts_both_ranks_once(faulted: tuple[Path, str]) -> None:
     attempts = sorted(re.findall(r"killer: attempt (\d+) rank (\d+)", faulted[1]))
-    assert attempts == [(str(a), str(r)) for a in range(4) for r in range(2)]  # 3 faults, 3 restarts of both
+    assert attempts == [(str(a), str(r)) for a in range(3) for r in range(2)]  # 2 faults, 2 restarts of both
 
 
-def test_rank_killed_mid_run_restarts_and_resumes(faulted: tuple[Path, str]) -> None:
+def test_rank_killed_mid_save_restarts_and_resumes_the_previous_checkpoint(faulted: tuple[Path, str]) -> None:
+    """Rank 1 SIGKILLed while writing its shard of step 4: torchrun restarts both ranks, which skip the incomplete
+    step 4 (one warning) and resume step 2 by themselves."""
     tmp, out = faulted
-    assert out.count("killer: SIGKILL rank 1 at the start of step 4") == 1
-    assert out.count(resumed(tmp, 2)) == 1
-    after(out, "killer: attempt 0 rank 1", "killer: SIGKILL rank 1 at the start of step 4", "killer: attempt 1",
-          resumed(tmp, 2))
+    partial = step_path(tmp / "ck" / RUN, 4)
+    killed = f"killer: SIGKILL rank 1 mid-write of {partial}"
+    assert out.count(killed) == 1 and out.count(resumed(tmp, 2)) == 1
+    warning = f"hybrid: warning: checkpoint {partial} is incomplete: {METADATA} is missing (the save did not finish)"
+    assert out.count("warning: checkpoint") == 1 and out.count(f"{warning}; skipping it") == 1  # attempt 1
+    after(out, "killer: attempt 0 rank 1", killed, "killer: attempt 1", warning, resumed(tmp, 2))
 
 
 def test_rank_hung_mid_run_is_timed_out_restarted_and_resumes(faulted: tuple[Path, str]) -> None:
     """A hung rank (silent at step 6): rank 0's collective times out after parallel.timeout_s, it exits with the
-    one line naming the group and writes its flight recorder; torchrun ends the hung rank, restarts both,
-    they resume step 4."""
+    one line naming the group, no traceback, and writes its flight recorder (the hung rank none); torchrun ends
+    the hung rank, restarts both, they resume step 4."""
     tmp, out = faulted
     assert out.count("killer: hang rank 1 at the start of step 6") == 1
-    at = after(out, "killer: attempt 2 rank 1", "killer: hang rank 1 at the start of step 6",
-               "hybrid: error: collective")
+    hung = after(out, "killer: attempt 1 rank 1", "killer: hang rank 1 at the start of step 6")
+    at = after(out[hung:], "[rank0] hybrid: error: collective") + hung
     line = out[at:].splitlines()[0]
     assert re.search(r"on the (dp|world) group \(ranks \[0, 1\]\) failed (in|after) step \d+: ", line), line
     flight = tmp / "run" / "flight" / "rank0.txt"
     assert f"parallel.timeout_s={HANG_TIMEOUT_S} s" in line and f"last collectives: {flight}" in line
+    assert "Traceback" not in out[hung:at] and out[at:].count("hybrid: error:") == 1, out[hung:][-4000:]
     recorder = flight.read_text()
     assert "flight recorder of rank 0" in recorder and re.search(r" (dp|world) .* (running|failed)\n", recorder)
-    after(out, line, "killer: attempt 3", resumed(tmp, 4))
-
-
-def test_rank_killed_mid_save_leaves_the_previous_checkpoint(faulted: tuple[Path, str]) -> None:
-    tmp, out = faulted
-    partial = step_path(tmp / "ck" / RUN, 6)
-    killed = f"killer: SIGKILL rank 1 mid-write of {partial}"
-    assert out.count(killed) == 1 and out.count(resumed(tmp, 4)) == 2
-    warning = f"hybrid: warning: checkpoint {partial} is incomplete: {METADATA} is missing (the save did not finish)"
-    assert out.count("warning: checkpoint") == 2 and out.count(f"{warning}; skipping it") == 2  # attempts 2 and 3
-    after(out, "killer: attempt 1 rank 1", resumed(tmp, 2), killed, "killer: attempt 2", warning, resumed(tmp, 4),
-          "killer: attempt 3", warning, resumed(tmp, 4))
+    assert sorted(p.name for p in flight.parent.iterdir()) == ["rank0.txt"]  # rank 1 wrote none, in no attempt
+    after(out, line, "killer: attempt 2", resumed(tmp, 4))
+    assert out.count(resumed(tmp, 4)) == 1
 
 
 def test_the_faulted_run_ends_as_the_uninterrupted_one(faulted: tuple[Path, str], tiny_reference: Any) -> None:
@@ -181,10 +181,9 @@ SCRIPTS = ["local.sh", "multinode.sh", "slurm.sbatch"]
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_launch_scripts_restart_and_resume_by_default(script: str, tmp_path: Path) -> None:
-    # the configuration check before launch (launch/precheck.sh, one Python process) runs under local.sh only:
-    # the three scripts share it, and it is not what this test reads
-    check = {} if script == "local.sh" else {"HYBRID_CHECK": "0"}
-    argv = launch(script, ["model=gpt-1b", "train.steps=5"], tmp_path, **check)
+    # without the configuration check before launch (launch/precheck.sh, one Python process): not what this test
+    # reads; tests/e2e/test_bad_inputs.py runs it under each script
+    argv = launch(script, ["model=gpt-1b", "train.steps=5"], tmp_path, HYBRID_CHECK="0")
     assert argv[0] == "share=1"  # a fresh TCPStore per attempt: restarts work (see launch/local.sh)
     assert {"--max-restarts=3", "--max_restarts=3"} & set(argv), argv
     module = argv.index("-m")

@@ -3,9 +3,11 @@ ends with one line naming the group, its ranks, the operation and the step (hybr
 
 - `collective_fault` on forked gloo ranks where rank 1 never joins: a blocking all_reduce (the group is
   the call's argument) and an async one waited for through an object holding the group (a DP bucket).
-- The real entry point under torchrun: rank 1 SIGSTOPped mid-training; rank 0 exits 1 within 10× the timeout
-  (it takes the timeout and a little more; the bound only tells a detected hang from an undetected one), with
-  the line and no Python traceback of its own.
+- The real entry point, `hybrid.train.main` as 2 ranks forked from this process (hybrid.testing.cli_runs):
+  rank 1 SIGSTOPs itself at the start of step 3 (killer.py's `stop`); rank 0 exits 1 with the line, no Python
+  traceback of its own, and its flight recorder (the stopped rank writes none), long before the runs' deadline
+  (an undetected hang would meet it and read -9); then it SIGKILLs the stopped rank, as a launcher would. The same
+  under the real torchrun, a hung rank restarted: tests/e2e/test_fault_tolerance.py.
 """
 
 from __future__ import annotations
@@ -13,23 +15,23 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import killer
 import torch
 import torch.distributed as dist
-from test_launcher import children, wait_for
-from test_torchrun import QUICK, ROOT
-from test_torchrun import env as env  # noqa: F401  (the shared fixture)
+from test_torchrun import QUICK
 
 from hybrid.parallel.collectives import name_group
 from hybrid.parallel.timeouts import collective_fault
+from hybrid.testing.cli_runs import run_forked_ranks
 from hybrid.testing.ranks import launch
 
 TIMEOUT_S = 1.0
+RUN_TIMEOUT_S = 120  # the forked run's deadline: rank 0 detects the stop after parallel.timeout_s (5 s)
 
 
 class _Bucket:
@@ -73,44 +75,33 @@ def test_a_timed_out_collective_names_its_group_and_operation() -> None:
     assert collective_fault(RuntimeError("shape mismatch"), 6, TIMEOUT_S) is None  # anything else: not ours
 
 
-def rank_pid(launcher: int, rank: int) -> int:
-    """The pid of torchrun's worker with RANK=`rank` (its environment, from /proc)."""
-    for pid in children(launcher):
-        if f"RANK={rank}" in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0"):
-            return pid
-    raise LookupError(rank)
+def stopping(pids: Path) -> Callable[[], None]:
+    """killer.py's `main` (the fault HYBRID_KILL armed, the pid written into `pids`); rank 0, once its run has
+    ended, SIGKILLs rank 1 (stopped: it would never end by itself)."""
+    def main() -> None:
+        try:
+            killer.main(pids)
+        finally:
+            if os.environ["RANK"] == "0":
+                os.kill(int((pids / "1").read_text()), signal.SIGKILL)
+    return main
 
 
-def test_a_stopped_rank_ends_the_run_naming_the_group(tmp_path: Path, env: dict[str, str]) -> None:
-    timeout_s = 5
-    bound_s = 10 * timeout_s  # detection takes timeout_s and a little more; a loaded machine is still far below
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "hybrid.train",
-           *QUICK, "parallel=dp", f"parallel.timeout_s={timeout_s}", "train.steps=100000", "train.eval_every=0",
-           "model.hidden=64", "model.n_layers=2", f"logging.dir={tmp_path / 'run'}"]
-    with open(tmp_path / "err", "w") as err:
-        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
-    stopped = 0
-    try:
-        metrics = tmp_path / "run" / "metrics.jsonl"
-        wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 120, "two training steps")
-        stopped = rank_pid(p.pid, 1)
-        os.kill(stopped, signal.SIGSTOP)
-        start = time.monotonic()
-        wait_for(lambda: "hybrid: error:" in (tmp_path / "err").read_text(), bound_s, "rank 0's error line")
-        took = time.monotonic() - start
-    finally:
-        if stopped:
-            os.kill(stopped, signal.SIGKILL)
-        p.kill()
-        p.wait(30)
-    text = (tmp_path / "err").read_text()
+def test_a_stopped_rank_ends_the_run_naming_the_group(tmp_path: Path, forking: dict[str, str]) -> None:
+    timeout_s = 5  # far above a step's collectives (milliseconds) on a loaded machine, so only the stop trips it
+    argv = [*QUICK, "parallel=dp", f"parallel.timeout_s={timeout_s}", "train.steps=100000", "train.eval_every=0",
+            "model.hidden=64", "model.n_layers=2", f"logging.dir={tmp_path / 'run'}"]
+    (tmp_path / "pids").mkdir()
+    env = {**forking, "HYBRID_KILL": "stop:3", "HYBRID_KILL_RANK": "1"}
+    runs = run_forked_ranks(stopping(tmp_path / "pids"), argv, tmp_path, 2, env, timeout_s=RUN_TIMEOUT_S)
+    assert [r.code for r in runs] == [1, -9], runs[0].stderr[-3000:]
+    assert "killer: SIGSTOP rank 1 at the start of step 3" in runs[1].stderr
+    text = runs[0].stderr
     errors = [line for line in text.splitlines() if "hybrid: error:" in line]
     assert len(errors) == 1 and errors[0].startswith("[rank0] hybrid: error: collective "), text[-3000:]
     # at dp=2 the step's collectives are the gradients' (dp) and the metrics' (world): either may be waiting
     assert re.search(r" on the (dp|world) group \(ranks \[0, 1\]\) failed (in|after) step \d+: Timed out", errors[0])
     assert "Traceback" not in text.split("hybrid: error:")[0]  # the rank's own line, not a traceback wall
-    assert took < bound_s
     flight = tmp_path / "run" / "flight"
     assert errors[0].endswith(f"this rank's last collectives: {flight / 'rank0.txt'}")
     assert sorted(p.name for p in flight.iterdir()) == ["rank0.txt"]  # the stopped rank wrote nothing
-    print(f"\nstopped rank detected after {took:.1f} s (parallel.timeout_s={timeout_s})")

@@ -1,37 +1,42 @@
-"""Save on a signal with the real torchrun: a preempted run saves the step it reached, exits cleanly,
-and resumes to the loss curve of an uninterrupted run (conftest's `tiny_reference`: the same settings with
-checkpoints every 2 steps, which change no number of the run).
+"""Save on a signal: a preempted run saves the step it reached, exits cleanly, and resumes to the loss curve of
+an uninterrupted run (conftest's `tiny_reference`: the same settings with checkpoints every 2 steps, which change
+no number of the run).
 
-- SIGUSR1 to ONE worker (rank 1's pid, found under /proc as the torchrun agent's child whose
-  environment says RANK=1) once step 3 is logged: both ranks agree at the next step boundary, save that
-  step, rank 0 logs one line, and torchrun exits 0 (no restart: every worker exited 0). Then
-  `checkpoint.resume=auto` finishes the run; every step is logged once and the losses, gradient
-  norms and eval losses equal the uninterrupted run's bit for bit (fp32 on CPU, dropout on).
-- SIGTERM to the torchrun agent (the usual preemption): the agent forwards it to the workers, which
-  save and exit 0; the agent itself exits non-zero (torch re-raises the signal as SignalException).
+- SIGUSR1 to ONE rank of `hybrid.train.main` run as 2 ranks forked from this process (hybrid.testing.cli_runs),
+  sent by a thread of this process to rank 1's pid once step 3 is logged: both ranks agree at the next step
+  boundary, save that step, rank 0 logs one line, and both exit 0. Then `checkpoint.resume=auto` (forked too)
+  finishes the run; every step is logged once and the losses, gradient norms and eval losses equal the
+  uninterrupted run's bit for bit (fp32 on CPU, dropout on).
+- SIGTERM to the real torchrun agent (the usual preemption): the agent forwards it to the workers, which save
+  and exit 0 (its report names no failed worker); the agent itself exits non-zero (torch re-raises the signal
+  as SignalException).
 
 In the signalled runs rank 1 holds at the start of step HOLD until the signal has reached it (killer.py's
-`hold`), so the save lands at step HOLD − 1 or HOLD however fast the machine runs the steps; the resumed runs
-are plain `hybrid.train`.
+`hold`), so the save lands at step HOLD − 1 or HOLD however fast the machine runs the steps; the resumed run is
+plain `hybrid.train`.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import killer
 import pytest
 from test_fault_tolerance import RUN, TORCHRUN, dirs, killer_env
-from test_torchrun import ROOT, TINY, read_metrics
+from test_torchrun import ROOT, TINY, forked, output, read_metrics
 from test_torchrun import env as env  # noqa: F401  (the shared fixture)
 
 from hybrid.checkpoint import find_latest, list_steps, problem, step_path
+from hybrid.testing.cli_runs import run_forked_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -42,13 +47,24 @@ TIMEOUT = 240
 SAVED = re.compile(r"checkpoint: saved step (\d+) on (SIG\w+); exiting \(resume with checkpoint\.resume=auto\)")
 
 
-def start(tmp: Path, env: dict[str, str], *extra: str, hold: bool = False) -> subprocess.Popen:
-    """torchrun (2 ranks) in its own session, so a timeout can kill the agent and its workers together; `hold`:
-    through killer.py, rank 1 holding at the start of step HOLD until it has caught a signal."""
-    module, env = (["-m", "killer"], killer_env(env, f"hold:{HOLD}")) if hold else (["-m", "hybrid.train"], env)
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=0", *module, *ARGS, *dirs(tmp), *extra]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+def start(tmp: Path, env: dict[str, str]) -> subprocess.Popen:
+    """torchrun (2 ranks) in its own session, so a timeout can kill the agent and its workers together; through
+    killer.py, rank 1 holding at the start of step HOLD until it has caught a signal."""
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=0", "-m", "killer", *ARGS, *dirs(tmp)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=killer_env(env, f"hold:{HOLD}"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def signal_after(run_dir: Path, step: int, pid_file: Path, sig: signal.Signals, done: threading.Event) -> None:
+    """In a thread of this process, started before the ranks are forked (a child inherits no thread): once
+    metrics.jsonl has `step`, send `sig` to the pid in `pid_file`, once; give up when `done` is set."""
+    def send() -> None:
+        while not done.wait(0.02):
+            if steps_logged(run_dir) >= step:
+                os.kill(int(pid_file.read_text()), sig)
+                return
+
+    threading.Thread(target=send, name="signal_after", daemon=True).start()
 
 
 def finish(p: subprocess.Popen) -> tuple[int, str]:
@@ -58,21 +74,6 @@ def finish(p: subprocess.Popen) -> tuple[int, str]:
         os.killpg(p.pid, signal.SIGKILL)
         pytest.fail(f"timed out after {TIMEOUT} s:\n{p.communicate()[0][-3000:]}")
     return p.returncode, out
-
-
-def worker_pid(agent: int, rank: int) -> int | None:
-    """The pid of the agent's child process whose environment has RANK=`rank` (from /proc)."""
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (d / "environ").read_bytes().split(b"\0") if ppid == agent else []
-        except (OSError, ValueError, IndexError):
-            continue  # exited meanwhile
-        if f"RANK={rank}".encode() in environ:
-            return int(d.name)
-    return None
 
 
 def steps_logged(run_dir: Path) -> int:
@@ -107,20 +108,24 @@ def saved(out: str, sig: str, tmp: Path) -> int:
     return step
 
 
-def test_sigusr1_to_one_rank_saves_exits_0_and_resumes_bit_exact(tmp_path: Path, env: dict[str, str],
+def test_sigusr1_to_one_rank_saves_exits_0_and_resumes_bit_exact(tmp_path: Path, forking: dict[str, str],
                                                                   tiny_reference: Any) -> None:
-    p = start(tmp_path, env, hold=True)
-    wait_for_step(p, tmp_path / "run", HOLD - 1)
-    pid = worker_pid(p.pid, 1)
-    assert pid is not None, "rank 1's process not found under /proc"
-    os.kill(pid, signal.SIGUSR1)  # rank 1 only: rank 0 learns of it through the per-step all_reduce
-    rc, out = finish(p)
-    assert rc == 0, out[-4000:]
-    step = saved(out, "SIGUSR1", tmp_path)
+    (tmp_path / "pids").mkdir()
+    done = threading.Event()
+    # rank 1 only: rank 0 learns of it through the per-step all_reduce
+    signal_after(tmp_path / "run", HOLD - 1, tmp_path / "pids" / "1", signal.SIGUSR1, done)
+    env = {**forking, "HYBRID_KILL": f"hold:{HOLD}", "HYBRID_KILL_RANK": "1"}
+    try:
+        runs = run_forked_ranks(functools.partial(killer.main, tmp_path / "pids"), [*ARGS, *dirs(tmp_path)],
+                                tmp_path, 2, env, timeout_s=TIMEOUT)
+    finally:
+        done.set()
+    assert [r.code for r in runs] == [0, 0], output(runs)[-4000:]
+    step = saved(output(runs), "SIGUSR1", tmp_path)
 
-    rc, out = finish(start(tmp_path, env, "checkpoint.resume=auto"))
-    assert rc == 0, out[-4000:]
-    assert f"checkpoint: resumed {step_path(tmp_path / 'ck' / RUN, step)} at step {step}" in out
+    runs = forked(2, *ARGS, *dirs(tmp_path), "checkpoint.resume=auto", cwd=tmp_path, env=forking)
+    assert [r.code for r in runs] == [0, 0], output(runs)[-4000:]
+    assert f"checkpoint: resumed {step_path(tmp_path / 'ck' / RUN, step)} at step {step}" in output(runs)
     steps, evals = read_metrics(tmp_path / "run")
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     reference = tiny_reference.steps, tiny_reference.evals
@@ -131,7 +136,7 @@ def test_sigusr1_to_one_rank_saves_exits_0_and_resumes_bit_exact(tmp_path: Path,
 
 
 def test_sigterm_to_the_agent_saves_on_every_rank(tmp_path: Path, env: dict[str, str]) -> None:
-    p = start(tmp_path, env, hold=True)
+    p = start(tmp_path, env)
     wait_for_step(p, tmp_path / "run", HOLD - 1)
     os.kill(p.pid, signal.SIGTERM)  # the agent sends SIGTERM to both workers and waits for them
     rc, out = finish(p)

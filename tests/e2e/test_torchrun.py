@@ -1,4 +1,15 @@
-"""The real command line: torchrun -m hybrid.train, launch/multinode.sh emulating 2 nodes, bad input."""
+"""The real command line, as ranks: `hybrid.train.main` forked from this process as the ranks of one run
+(hybrid.testing.cli_runs.run_forked_ranks: torchrun's environment, gloo over a local port; each run's ranks
+start in milliseconds), and launched where the launcher is the point:
+
+- the shared uninterrupted 2-rank run (conftest's `tiny_reference`, forked) trains and logs;
+- launch/multinode.sh started twice, as 2 emulated nodes of one rank each, meets at one c10d rendezvous and
+  trains an interleaved pipeline across the nodes (pp2 × 2 chunks);
+- forked: tp2 with sequence parallelism trains; dp2 with PowerSGD logs its compression metrics; a layout the
+  world does not fit, and a compression config validation refuses, are one line per rank and exit 2;
+- torchrun: bad input (an unknown config group option) is one line per rank, and torchrun's failure summary
+  names exit status 2.
+"""
 
 from __future__ import annotations
 
@@ -8,18 +19,23 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from hybrid.testing.cli_runs import CliRun
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["model=gpt-tiny", "data.seq_len=64", "train.global_batch_size=16", "train.micro_batch_size=4",
          "train.lr=3e-3", "optim.warmup_steps=2", "train.eval_every=4", "train.eval_batches=1",
          "logging.wandb.mode=disabled", "logging.progress=false"]
 # the shared uninterrupted run (conftest's tiny_reference) and the fault-tolerance runs compared with it; dropout
-# on: a resume is bit-exact only if every rank's RNG streams come back too
+# on: a resume is bit-exact only if every rank's RNG streams come back too; no traffic map (a picture no test
+# here reads: a matplotlib import in each launched rank 0)
 TINY = [*QUICK, "model.hidden=64", "model.n_layers=2", "model.dropout=0.1", "train.steps=8", "checkpoint.every=2",
-        "checkpoint.keep=2"]
+        "checkpoint.keep=2", "logging.traffic_map=false"]
+FORK_TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +55,26 @@ def torchrun(nproc: int, *overrides: str, env: dict[str, str], timeout: int = 30
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
-def test_torchrun_two_ranks_loss_falls(tiny_reference: Any) -> None:
-    """The shared uninterrupted run (conftest's tiny_reference: torchrun, 2 ranks, TINY) trains and logs."""
+def forked(world: int, *overrides: str, cwd: Path, env: dict[str, str]) -> list[CliRun]:
+    """`hybrid.train.main` with `overrides` as the `world` ranks of one run, forked from this process (conftest's
+    `forking` env: the process is ready for it), working in `cwd`; their results by rank."""
+    import hybrid.train
+    from hybrid.testing.cli_runs import run_forked_ranks
+
+    return run_forked_ranks(hybrid.train.main, list(overrides), cwd, world, env, timeout_s=FORK_TIMEOUT_S)
+
+
+def output(runs: list[CliRun]) -> str:
+    """Everything the ranks printed, rank by rank."""
+    return "".join(r.stdout + r.stderr for r in runs)
+
+
+def assert_trained(runs: list[CliRun]) -> None:
+    assert [r.code for r in runs] == [0] * len(runs), output(runs)[-4000:]
+
+
+def test_two_ranks_train_and_log(tiny_reference: Any) -> None:
+    """The shared uninterrupted run (conftest's tiny_reference: 2 forked ranks, TINY) trains and logs."""
     steps, evals, tmp = tiny_reference.steps, tiny_reference.evals, tiny_reference.tmp / "run"
     assert [s["step"] for s in steps] == list(range(1, 9))
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
@@ -52,13 +86,20 @@ def test_torchrun_two_ranks_loss_falls(tiny_reference: Any) -> None:
     assert (tmp / ".hydra" / "config.yaml").exists()
 
 
-def test_emulated_two_nodes_with_multinode_sh(tmp_path: Path, env: dict[str, str]) -> None:
+def test_emulated_two_nodes_with_multinode_sh_train_an_interleaved_pipeline(tmp_path: Path,
+                                                                            env: dict[str, str]) -> None:
+    """Two multinode.sh agents (node ranks 0 and 1, one rank each) meet at one c10d rendezvous; the pipeline's
+    two stages, one per emulated node, train: the last stage's loss reaches rank 0's log. (HYBRID_CHECK=0: the
+    check before launch is tests/e2e/test_bad_inputs.py's; here it would be one more fresh process per node.)"""
     port = str(29400 + os.getpid() % 500)
     args = ["--nnodes", "2", "--nproc", "1", "--endpoint", f"127.0.0.1:{port}", "--run-id", f"e2e{os.getpid()}",
-            "--max-restarts", "0", *QUICK, "train.steps=6", f"logging.dir={tmp_path}",
+            "--max-restarts", "0", *QUICK, "parallel=pp2", "parallel.schedule=interleaved",
+            "parallel.virtual_stages=2", "model.hidden=64", "train.steps=6", "logging.traffic_map=false",
+            f"logging.dir={tmp_path}",
             f"checkpoint.dir={tmp_path / 'ck'}"]  # multinode.sh adds checkpoint.resume=auto: nothing stale there
     procs = [subprocess.Popen(["bash", str(ROOT / "launch" / "multinode.sh"), "--node-rank", str(n), *args],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              cwd=ROOT, env={**env, "HYBRID_CHECK": "0"}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
              for n in range(2)]
     outs = []
     try:
@@ -68,51 +109,37 @@ def test_emulated_two_nodes_with_multinode_sh(tmp_path: Path, env: dict[str, str
         for p in procs:
             p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
-    assert "2 node(s) × 1 ranks" in "".join(outs)
-    steps, _ = read_metrics(tmp_path)
-    assert steps[-1]["loss"] < steps[0]["loss"]
-
-
-def test_bad_layout_under_torchrun_is_one_line_per_rank(tmp_path: Path, env: dict[str, str]) -> None:
-    r = torchrun(2, "parallel=tp2pp2", f"logging.dir={tmp_path}", env=env, timeout=120)
-    assert r.returncode != 0
-    ours = [ln for ln in r.stderr.splitlines() if "hybrid: error:" in ln]
-    assert sorted(ln.split()[0] for ln in ours) == ["[rank0]", "[rank1]"]
-    assert all("does not divide world size 2" in ln for ln in ours)
-    assert "Traceback" not in r.stderr.split("hybrid: error:")[0]  # no rank printed a traceback before it
-
-
-def test_torchrun_tp2_sequence_parallel_trains(tmp_path: Path, env: dict[str, str]) -> None:
-    r = torchrun(2, *QUICK, "parallel=tp2", "parallel.sequence_parallel=true", "model=llama-tiny", "train.steps=6",
-                 "train.eval_every=0", f"logging.dir={tmp_path}", env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    steps, _ = read_metrics(tmp_path)
-    assert steps[-1]["loss"] < steps[0]["loss"]
-    assert steps[0]["bytes_tp"] > 0 and steps[0]["bytes_dp"] == 0  # tp=2, dp=1
-    assert "layout: world=2 = pp1 × dp1 × tp2" in r.stdout + r.stderr
-
-
-def test_torchrun_pipeline_interleaved_trains(tmp_path: Path, env: dict[str, str]) -> None:
-    r = torchrun(2, *QUICK, "parallel=pp2", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
-                 "train.steps=6", f"logging.dir={tmp_path}", env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
+    out = "".join(outs)
+    assert "layout: world=2 = pp2 × dp1 × tp1, 2 node(s) × 1 ranks" in out
+    assert "pipeline: schedule interleaved, pp=2 × 2 chunk(s), 4 microbatches, layers per part [1, 1, 1, 1]" in out
     steps, evals = read_metrics(tmp_path)
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.3  # the last stage's loss reached rank 0's log
     assert evals and evals[-1]["eval_loss"] < steps[0]["loss"]
     assert steps[0]["bytes_pp"] > 0 and steps[0]["bytes_embedding"] > 0 and steps[0]["bytes_dp"] == 0
-    out = r.stdout + r.stderr
-    assert "layout: world=2 = pp2 × dp1 × tp1" in out
-    assert "pipeline: schedule interleaved, pp=2 × 2 chunk(s), 4 microbatches, layers per part [1, 1, 1, 1]" in out
 
 
-def test_torchrun_dp4_powersgd_compression_metrics(tmp_path: Path, env: dict[str, str]) -> None:
-    r = torchrun(4, *QUICK, "parallel=dp", "compression=powersgd", "train.steps=5", "train.eval_every=0",
-                 "compression.measure_every=2", f"logging.dir={tmp_path}", env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    steps, _ = read_metrics(tmp_path)
+def test_tp2_sequence_parallel_trains(tmp_path: Path, forking: dict[str, str]) -> None:
+    runs = forked(2, *QUICK, "parallel=tp2", "parallel.sequence_parallel=true", "model=llama-tiny",
+                  "model.hidden=64", "model.ffn_hidden=172", "model.n_layers=2", "train.steps=6", "train.eval_every=0",
+                  f"logging.dir={tmp_path / 'run'}", cwd=tmp_path, env=forking)
+    assert_trained(runs)
+    steps, _ = read_metrics(tmp_path / "run")
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    assert steps[0]["bytes_tp"] > 0 and steps[0]["bytes_dp"] == 0  # tp=2, dp=1
+    assert "layout: world=2 = pp1 × dp1 × tp2" in output(runs)
+
+
+def test_dp2_powersgd_compression_metrics(tmp_path: Path, forking: dict[str, str]) -> None:
+    runs = forked(2, *QUICK, "parallel=dp", "compression=powersgd", "model.hidden=64", "model.n_layers=2",
+                  "train.steps=5", "train.eval_every=0", "compression.measure_every=2",
+                  f"logging.dir={tmp_path / 'run'}", cwd=tmp_path, env=forking)
+    assert_trained(runs)
+    steps, _ = read_metrics(tmp_path / "run")
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
-    assert "layout: world=4 = pp1 × dp4 × tp1" in r.stdout + r.stderr
-    params = 1e6 * float(re.search(r"model gpt-tiny: ([\d.]+)M parameters", r.stdout + r.stderr).group(1))
+    out = output(runs)
+    assert "layout: world=2 = pp1 × dp2 × tp1" in out
+    number, unit = re.search(r"model gpt-tiny: ([\d.]+)([KM]) parameters", out).groups()
+    params = float(number) * {"K": 1e3, "M": 1e6}[unit]
     for s in steps:
         assert s["bytes_dp"] == steps[-1]["bytes_dp"] > 0  # the meter's all-reduce is not training traffic
         assert s["compression_ratio"] > 1, s  # rank-4 factors instead of fp32 gradients
@@ -124,20 +151,36 @@ def test_torchrun_dp4_powersgd_compression_metrics(tmp_path: Path, env: dict[str
             assert s["bytes_meter"] == pytest.approx(4 * params, rel=0.01)  # one fp32 all-reduce of all gradients
 
 
+def one_line_per_rank(stderrs: list[str], needle: str) -> None:
+    """Each rank's stderr holds one `[rankN] hybrid: error:` line with `needle`, and no traceback before it."""
+    for rank, err in enumerate(stderrs):
+        ours = [ln for ln in err.splitlines() if "hybrid: error:" in ln]
+        assert len(ours) == 1 and ours[0].startswith(f"[rank{rank}] hybrid: error: "), err[-2000:]
+        assert needle in ours[0], ours
+        assert "Traceback" not in err.split("hybrid: error:")[0]  # no rank printed a traceback before it
+
+
 @pytest.mark.parametrize("overrides,needle", [
-    (["compression=nonexistent"], "Could not find 'compression/nonexistent'"),
-    # the other checks made before the process group exists take validate's path, as hierarchical's: their
-    # lines per rank are checked by forked ranks in tests/e2e/test_bad_inputs.py
+    (["parallel=tp2pp2"], "does not divide world size 2"),
+    # the other checks made before the process group exists take validate's path, as hierarchical's: more rows
+    # in tests/e2e/test_bad_inputs.py
     (["compression=hierarchical"], "compression=hierarchical needs compression.inner set to one of"),
 ])
-def test_bad_compression_config_is_one_line_per_rank(overrides: list[str], needle: str, tmp_path: Path,
-                                                     env: dict[str, str]) -> None:
-    r = torchrun(2, *overrides, f"logging.dir={tmp_path}", env=env, timeout=120)
+def test_bad_layout_or_compression_is_one_line_per_rank(overrides: list[str], needle: str, tmp_path: Path,
+                                                        forking: dict[str, str]) -> None:
+    runs = forked(2, *overrides, f"logging.dir={tmp_path / 'run'}", cwd=tmp_path, env=forking)
+    assert [r.code for r in runs] == [2, 2], output(runs)[-3000:]
+    one_line_per_rank([r.stderr for r in runs], needle)
+
+
+def test_bad_input_under_torchrun_is_one_line_per_rank(tmp_path: Path, env: dict[str, str]) -> None:
+    """Under the real torchrun: one line per rank, and torchrun's failure summary names status 2."""
+    r = torchrun(2, "compression=nonexistent", f"logging.dir={tmp_path}", env=env, timeout=120)
     assert r.returncode != 0
     ours = [ln for ln in r.stderr.splitlines() if "hybrid: error:" in ln]
     assert sorted(ln.split()[0] for ln in ours) == ["[rank0]", "[rank1]"], r.stderr[-2000:]
-    assert all(needle in ln for ln in ours), ours
-    assert "Traceback" not in r.stderr.split("hybrid: error:")[0]
+    assert all("Could not find 'compression/nonexistent'" in ln for ln in ours), ours
+    assert "Traceback" not in r.stderr.split("hybrid: error:")[0]  # no rank printed a traceback before it
     # torchrun's failure report: the first rank to exit left with status 2 (bad input); a peer still
     # shutting down when torchrun stopped the others may show SIGTERM instead
     codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", r.stderr)]
