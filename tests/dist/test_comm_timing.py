@@ -5,13 +5,17 @@ are the counter's wire bytes, and profiler traces name collectives by group.
 
 Timed assertions are lower bounds on injected sleeps (load can only lengthen them), or split a late rank's
 DELAY_S at its half, far above the scheduling noise of a loaded machine. How much of a real step the
-breakdown leaves unattributed is a measurement: `hybrid.bench.timing_overhead` reports it."""
+breakdown leaves unattributed is a measurement: `hybrid.bench.timing_overhead` reports it.
+
+Every rank function runs in one world-2 launch (`timing_runs`, once per module), each with its own run folder,
+on configs composed before the ranks fork."""
 
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +24,7 @@ from harness import run_ranks
 from test_dp import synthetic_corpus
 
 from hybrid.compression.hooks import make_hook
-from hybrid.config import compose_config
+from hybrid.config import Config, compose_config
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import GROUP_KINDS as GROUPS
 from hybrid.parallel.context import Layout, ParallelContext
@@ -52,19 +56,61 @@ def delayed_collectives(rank: int, world: int) -> dict:
     return out
 
 
-def test_injected_delay_is_exposed_on_the_waiting_rank_only() -> None:
-    waiting, late = run_ranks(delayed_collectives, 2, timeout=120)
+def timed_extra(run_dir: str) -> tuple[str, ...]:
+    return (f"logging.dir={run_dir}",)
+
+
+BREAKDOWN = {(1, 1): "dp2", (2, 1): "tp2", (1, 2): "pp2"}
+
+
+def jobs(dirs: dict[str, str]) -> dict[str, tuple]:
+    """name → (rank function, its arguments after rank and world), each with its own run folder `dirs[name]`."""
+    out: dict[str, tuple] = {"delayed": (delayed_collectives, ()),
+                             "overlapped": (timed_records, (1, 1, dirs["overlapped"], True)),
+                             "serial": (timed_records, (1, 1, dirs["serial"], False)),
+                             "profile": (profiled_fit, (dirs["profile"],))}
+    for (tp, pp), name in BREAKDOWN.items():
+        out[name] = (timed_records, (tp, pp, dirs[name], True, PHASE_DELAY_S))
+    return out
+
+
+def run_jobs(rank: int, world: int, dirs: dict[str, str]) -> dict[str, object]:
+    """Rank function: every job in turn → its result by name."""
+    return {name: fn(rank, world, *args) for name, (fn, args) in jobs(dirs).items()}
+
+
+@pytest.fixture(scope="module")
+def timing_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """name → results by rank of every job, from one world-2 launch; "dirs": name → its run folder."""
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("timing")
+    dirs = {name: str(root / name) for name in ("overlapped", "serial", "profile", *BREAKDOWN.values())}
+    for fn, args in jobs(dirs).values():  # composed here once, inherited by the forked ranks
+        if fn is timed_records:
+            trainer_cfg(*args[:2], timed_extra(args[2]))
+        elif fn is profiled_fit:
+            trainer_cfg(2, 1, profiled_extra(args[0]))
+    results = run_ranks(run_jobs, 2, dirs, timeout=600)
+    return {"dirs": dirs, **{name: [r[name] for r in results] for name in jobs(dirs)}}
+
+
+def test_injected_delay_is_exposed_on_the_waiting_rank_only(timing_runs: dict[str, Any]) -> None:
+    waiting, late = timing_runs["delayed"]
     for kind in ("blocking", "async"):
         assert waiting[kind] > 0.5 * DELAY_S, (kind, waiting)
         assert late[kind] < 0.5 * DELAY_S, (kind, late)
 
 
-def make_trainer(tp: int, pp: int, extra: tuple[str, ...] = (), world: int = 2) -> Trainer:
-    cfg = compose_config([
+def trainer_cfg(tp: int, pp: int, extra: tuple[str, ...] = ()) -> Config:
+    return compose_config([
         "model=gpt-tiny", "model.n_layers=4", "model.hidden=128", "model.n_heads=4", "model.max_seq_len=32",
-        "data.seq_len=16", "train.global_batch_size=16", "train.micro_batch_size=2", "train.steps=4",
+        "data.seq_len=16", "train.global_batch_size=8", "train.micro_batch_size=2", "train.steps=4",
         "train.eval_every=0", f"parallel.tp={tp}", f"parallel.pp={pp}", "parallel.bucket_mb=0.1",
         "parallel.name=test", *extra])
+
+
+def make_trainer(tp: int, pp: int, extra: tuple[str, ...] = (), world: int = 2) -> Trainer:
+    cfg = trainer_cfg(tp, pp, extra)
     ctx = ParallelContext.build(Layout.create(world, tp=tp, pp=pp))
     corpus = synthetic_corpus()
     hook, state = make_hook(cfg.compression, ctx.dp_group)
@@ -81,7 +127,7 @@ def delayed_phases(trainer: Trainer, delay_s: float) -> None:
 
 def timed_records(rank: int, world: int, tp: int, pp: int, run_dir: str, in_backward: bool = True,
                   delay_s: float = 0.0) -> dict:
-    trainer = make_trainer(tp, pp, (f"logging.dir={run_dir}",))
+    trainer = make_trainer(tp, pp, timed_extra(run_dir))
     trainer.grad_sync.in_backward = in_backward
     if delay_s:
         delayed_phases(trainer, delay_s)
@@ -95,16 +141,16 @@ def timed_records(rank: int, world: int, tp: int, pp: int, run_dir: str, in_back
     return {"records": records, "wire": wire, "rows": rows, "doc": doc}
 
 
-def test_dp_overlap_is_measured_and_zero_after_the_backward(tmp_path: Path) -> None:
-    overlapped = run_ranks(timed_records, 2, 1, 1, str(tmp_path), True, timeout=180)
-    serial = run_ranks(timed_records, 2, 1, 1, str(tmp_path), False, timeout=180)
+def test_dp_overlap_is_measured_and_zero_after_the_backward(timing_runs: dict[str, Any]) -> None:
+    overlapped, serial = timing_runs["overlapped"], timing_runs["serial"]
     assert all(r["comm/overlap_dp"] > 0 for r in overlapped[0]["records"])
     assert all(r["comm/overlap_dp"] == 0.0 for r in serial[0]["records"])
 
 
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)], ids=["dp2", "tp2", "pp2"])
-def test_breakdown_comm_bytes_and_traffic_map(tp: int, pp: int, tmp_path: Path) -> None:
-    results = run_ranks(timed_records, 2, tp, pp, str(tmp_path), True, PHASE_DELAY_S, timeout=240)
+def test_breakdown_comm_bytes_and_traffic_map(tp: int, pp: int, timing_runs: dict[str, Any]) -> None:
+    name = BREAKDOWN[(tp, pp)]
+    results, tmp_path = timing_runs[name], Path(timing_runs["dirs"][name])
     records = results[0]["records"]
     for r in records:  # each rank slept PHASE_DELAY_S in its optimizer phase and as much outside every phase
         assert r["time/optimizer_s"] >= PHASE_DELAY_S and r["time/other_s"] >= PHASE_DELAY_S, r
@@ -128,17 +174,20 @@ def test_breakdown_comm_bytes_and_traffic_map(tp: int, pp: int, tmp_path: Path) 
         assert doc["matrices"]["pp"][0][1] > 0 and doc["matrices"]["pp"][1][0] > 0  # both directions
 
 
+def profiled_extra(run_dir: str) -> tuple[str, ...]:
+    return (f"logging.dir={run_dir}", "profile.steps=[2,3]", "logging.progress=false", "logging.wandb.mode=disabled")
+
+
 def profiled_fit(rank: int, world: int, run_dir: str) -> list[str]:
-    trainer = make_trainer(2, 1, (f"logging.dir={run_dir}", "profile.steps=[2,3]", "logging.progress=false",
-                                  "logging.wandb.mode=disabled"))
+    trainer = make_trainer(2, 1, profiled_extra(run_dir))
     trainer.start()
     trainer.fit()
     trainer.close()
     return sorted(p.name for p in Path(run_dir, "profile").iterdir())
 
 
-def test_profile_steps_write_traces_naming_groups(tmp_path: Path) -> None:
-    files = run_ranks(profiled_fit, 2, str(tmp_path), timeout=240)
+def test_profile_steps_write_traces_naming_groups(timing_runs: dict[str, Any]) -> None:
+    files, tmp_path = timing_runs["profile"], Path(timing_runs["dirs"]["profile"])
     assert files[0] == files[1] == ["trace_rank0.json", "trace_rank1.json"]
     trace = json.loads((tmp_path / "profile" / "trace_rank0.json").read_text())
     names = {e.get("name", "") for e in trace["traceEvents"]}
