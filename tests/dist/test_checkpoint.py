@@ -1,16 +1,17 @@
 """Sharded checkpoints on gloo ranks: exact resume under the same layout, resharded resume under others.
 
 One world-8 launch:
-1. trains tp2pp2dp2 for 6 steps uninterrupted, saving at steps 3 and 6 (`checkpoint.every=3`): the
+1. trains tp2pp2dp2 for 4 steps uninterrupted, saving at steps 2 and 4 (`checkpoint.every=2`): the
    uninterrupted reference, and the checkpoint;
-2. in the same layout, a fresh model and Trainer resume step 3 and train to 6: losses must equal
-   steps 4..6 bit for bit (fp32 on CPU), and so must the final weights;
+2. in the same layout, a fresh model and Trainer resume step 2 and train to 4: losses must equal
+   steps 3..4 bit for bit (fp32 on CPU; step 4's update runs on the restored Adam moments), and so must
+   the final weights;
 3. under tp4pp2 (TP split finer), tp2pp4 interleaved with 2 chunks per rank (PP split finer, virtual
    stages) and tp1pp2dp4 with the distributed optimizer (TP merged, DP wider, optimizer state sharded), each
-   with new process groups, a fresh model resumes step 3 (pp=1 is the single-process resume below):
-   right after loading, the gathered weights must equal the saved run's at step 5 exactly (the real
-   vocabulary rows: padding differs with tp), the data position must be step 5's, and the losses of
-   steps 4..6 must match the uninterrupted run within float tolerance.
+   with new process groups, a fresh model resumes step 2 (pp=1 is the single-process resume below):
+   right after loading, the gathered weights must equal the saved run's at step 2 exactly (the real
+   vocabulary rows: padding differs with tp), the data position must be step 2's, and the losses of
+   steps 3..4 must match the uninterrupted run within float tolerance.
 The test process itself then resumes the same checkpoint in a single process (no process group).
 
 One world-2 launch (`run2`) checkpoints three runs, each in its own folder: the same-layout check with dropout
@@ -37,7 +38,7 @@ from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.params import full_state_dict
 from hybrid.trainer import Trainer, build_chunks
 
-STEPS, SAVE_AT = 6, 3  # 3 steps after the save: Adam's moments and the data position carry on
+STEPS, SAVE_AT = 4, 2  # 2 steps after the save: the second updates with the restored Adam moments
 TIMEOUT = 300
 LOSS_TOL = {"rtol": 1e-5, "atol": 1e-5}
 RESHARDED = [Case(tp=4, pp=2), Case(tp=2, pp=4, schedule="interleaved", v=2),
@@ -157,7 +158,7 @@ TWO, FOUR = ("model.n_layers=2",), ("model.n_layers=4",)
 ZBV = Case(pp=2, schedule="zbv", v=2, extra=("parallel.zb_memory=none",))  # its own order: split
 ZB_OTHERS = [Case(pp=2, schedule="zb1p"), Case()]
 RNG_HOOK = (*TWO, "model.dropout=0.1", "compression=powersgd", "compression.rank=2")
-ONEBIT = (*TWO, "compression=onebit_adam", "compression.warmup_steps=2")
+ONEBIT = (*TWO, "compression=onebit_adam", "compression.warmup_steps=1")  # step 2, before the save, compressed
 
 
 @pytest.fixture(scope="module")
@@ -279,9 +280,9 @@ def async_runs(rank: int, world: int, root: Path) -> dict[str, Any]:
 
 
 def test_async_save_snapshots_the_step_it_was_started_at(tmp_path: Path) -> None:
-    """Training runs on (and changes every weight) while the background thread writes step 4: the
-    checkpoint still holds step 4's state exactly, so resuming it reproduces steps 5..6 bit for bit.
-    keep=2 leaves the newest two, step 4 and step 6."""
+    """Async saves at steps 2 and 4; then step 4 once more, written by the background thread while training
+    runs on (and changes every weight): that checkpoint still holds step 4's state exactly. Resuming step 2
+    reproduces steps 3..4 bit for bit; keep=2 leaves the newest two, step 2 and step 4."""
     torch.set_num_threads(1)
     async_cfgs(4, tmp_path)
     results = run_frozen(async_runs, 4, tmp_path, timeout=TIMEOUT)

@@ -394,8 +394,8 @@ def test_gossip_on_a_ring_shrinks_the_consensus_distance_as_theory_says() -> Non
 
 def test_diloco_resumes_bit_exactly_between_outer_steps_and_restarts_under_another_layout(
         eight: tuple[Path, list[dict[str, Any]]]) -> None:
-    """tp2pp2dp2, H=3 in 3 fragments, each PowerSGD exchange overlapped with the next step: saved at step 3 with
-    the third fragment's exchange in flight, resumed in the same layout: each replica's own parameters, inner
+    """tp2pp2dp2, H=3 in 3 fragments, each PowerSGD exchange overlapped with the next step: saved at step 2 with
+    the second fragment's exchange in flight, resumed in the same layout: each replica's own parameters, inner
     AdamW moments, anchors, outer momentum, the exchange's result and PowerSGD's state after it come back
     (losses and weights bit for bit);
     under tp1pp2dp4 every replica restarts from the saved parameters (a note says so) and trains; the last
@@ -428,7 +428,7 @@ def exports_the_final_model(root: Path, results: list[dict[str, Any]], mode: tup
 
 @pytest.mark.parametrize("mode", ["gossip", "ps"])
 def test_gossip_and_parameter_server_resume_bit_exactly(eight: tuple[Path, list[dict[str, Any]]], mode: str) -> None:
-    """tp2pp2dp2, saved at step 3 and resumed in the same layout: gossip's replicas' parameters and AdamW
+    """tp2pp2dp2, saved at step 2 and resumed in the same layout: gossip's replicas' parameters and AdamW
     moments, the parameter server's shards, AdamW state and version come back: losses and weights bit for bit;
     the last checkpoint (after the final average) exports to transformers as the run's one model."""
     results = [r[mode] for r in eight[1]]
