@@ -6,10 +6,15 @@ groups against the trainer's (`Layout` and `ParallelContext.build` for the same 
 verdict against made-up GEMM and link seconds (its all-reduces, GEMMs and links still run; only the seconds
 each rank reports are replaced), so a slow rank is flagged and a healthy world passes whatever else runs on
 the machine. That a slow GEMM reaches its time is unit-tested (tests/unit/test_commbench.py).
+
+The forked checks run in one launch per world size (2, 3 and 4 ranks, once per session: `launched`); a check
+that replaces a function on its rank puts it back before the next one runs, and the layout's config is composed
+before the ranks fork.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -20,6 +25,7 @@ import torch
 import torch.distributed as dist
 from harness import run_ranks
 
+from hybrid.config import compose_config
 from hybrid.diagnostics import bandwidth as bw
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.tools import commbench
@@ -33,10 +39,13 @@ def _cells(t: bw.Table) -> list[bw.Cell]:
 
 
 def every_op_rank(rank: int, world: int) -> dict[str, Any]:
-    bw.CHECK_BLOCK = 100  # this forked rank only: results compared in several blocks
-    out = commbench.execute(["-o", "all", *SMALL])
-    low = commbench.execute(["-o", "all_reduce,reduce_scatter,broadcast", "-d", "bfloat16", *SMALL])
-    odd = commbench.execute(["-o", "all_gather,all_to_all", "-d", "int8", *SMALL])
+    block, bw.CHECK_BLOCK = bw.CHECK_BLOCK, 100  # this forked rank only: results compared in several blocks
+    try:
+        out = commbench.execute(["-o", "all", *SMALL])
+        low = commbench.execute(["-o", "all_reduce,reduce_scatter,broadcast", "-d", "bfloat16", *SMALL])
+        odd = commbench.execute(["-o", "all_gather,all_to_all", "-d", "int8", *SMALL])
+    finally:
+        bw.CHECK_BLOCK = block
     tables = out.tables + low.tables + odd.tables
     return {"codes": [out.code, low.code, odd.code], "text": out.text,
             "tables": [(t.op, t.dtype, [(r.size, r.count, r.in_place is not None) for r in t.rows],
@@ -44,7 +53,7 @@ def every_op_rank(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_every_op_on_two_ranks_has_no_wrong_element() -> None:
-    results = run_ranks(every_op_rank, 2)
+    results = launched(2)["every_op"]
     assert [r["codes"] for r in results] == [[0, 0, 0]] * 2
     first = results[0]
     assert [t[0] for t in first["tables"][:6]] == list(bw.OPS)
@@ -66,15 +75,18 @@ def corrupted_rank(rank: int, world: int) -> dict[str, Any]:
             t.view(-1)[0] += 100
         return work
 
-    dist.all_reduce = corrupt  # this forked rank only
-    argv = ["-o", "all_reduce,all_gather", "-b", "64", "-e", "256", "-f", "4", "-n", "1", "-w", "0"]
-    outcome = commbench.execute(argv)
-    return {"code": outcome.code, "status": commbench.run(argv), "text": outcome.text,
-            "wrong": {t.op: [c.wrong for c in _cells(t)] for t in outcome.tables}}
+    dist.all_reduce = corrupt  # this forked rank only, until the check is over
+    try:
+        argv = ["-o", "all_reduce,all_gather", "-b", "64", "-e", "256", "-f", "4", "-n", "1", "-w", "0"]
+        outcome = commbench.execute(argv)
+        return {"code": outcome.code, "status": commbench.run(argv), "text": outcome.text,
+                "wrong": {t.op: [c.wrong for c in _cells(t)] for t in outcome.tables}}
+    finally:
+        dist.all_reduce = real
 
 
 def test_the_check_catches_a_corrupted_element_and_the_status_says_so() -> None:
-    results = run_ranks(corrupted_rank, 2)
+    results = launched(2)["corrupted"]
     assert [(r["code"], r["status"]) for r in results] == [(1, 1)] * 2
     # sizes 64 B and 256 B, out of place and in place: one corrupted element on rank 1 in each checked call
     assert results[0]["wrong"] == {"all_reduce": [1, 1, 1, 1], "all_gather": [0, 0, 0, 0]}
@@ -98,7 +110,7 @@ def test_layout_groups_are_the_trainers_groups() -> None:
     layout = Layout.create(4, tp=2, ranks_per_node=2)
     expected = {"world": [[0, 1, 2, 3]], "tp": layout.tp_groups(), "dp": layout.dp_groups()}
     assert expected["tp"] == [[0, 1], [2, 3]] and expected["dp"] == [[0, 2], [1, 3]]  # the layout is not trivial
-    results = run_ranks(groups_rank, 4)
+    results = launched(4)["groups"]
     for rank, r in enumerate(results):
         assert r["code"] == 0
         assert sorted(r["used"]) == ["dp", "tp", "world"]  # pp and dp_intra: 1 rank; dp_inter: the dp groups
@@ -126,8 +138,11 @@ def preflight_rank(rank: int, world: int, gemm_s: list[float], link_s: list[floa
         real_link(plan, device)
         return link_s[rank]
 
-    pf.gemm_seconds, pf.link_seconds = gemm, link  # this forked rank only
-    outcome = commbench.execute(["--preflight"])
+    pf.gemm_seconds, pf.link_seconds = gemm, link  # this forked rank only, until the check is over
+    try:
+        outcome = commbench.execute(["--preflight"])
+    finally:
+        pf.gemm_seconds, pf.link_seconds = real_gemm, real_link
     report = outcome.preflight
     return {"code": outcome.code, "text": outcome.text, "problems": report.problems,
             "gemm_flags": pf.over_median(report.gemm, report.threshold)}
@@ -138,8 +153,30 @@ def rows(text: str) -> list[list[str]]:
     return [line.split() for line in text.splitlines() if line.startswith("  ") and line.split()[0].isdigit()]
 
 
+SLOW = ([1e-3, 1e-2, 1e-3], [2e-3] * 3)  # GEMM and link seconds by rank: rank 1's GEMM is slow
+HEALTHY = ([1.0e-3, 1.1e-3, 1.2e-3], [2.0e-3, 2.1e-3, 2.2e-3])  # within 20 % of their medians
+
+
+def run_jobs(rank: int, world: int) -> dict[str, Any]:
+    """Rank function: every check of this world size in turn → its result by name."""
+    if world == 2:
+        return {"every_op": every_op_rank(rank, world), "corrupted": corrupted_rank(rank, world)}
+    if world == 3:
+        return {"slow": preflight_rank(rank, world, *SLOW), "healthy": preflight_rank(rank, world, *HEALTHY)}
+    return {"groups": groups_rank(rank, world)}
+
+
+@functools.cache
+def launched(world: int) -> dict[str, list[dict[str, Any]]]:
+    """check → its results by rank, from the one launch on `world` ranks."""
+    torch.set_num_threads(1)
+    compose_config(LAYOUT)  # what the groups check composes on every rank: once here, before the fork
+    results = run_ranks(run_jobs, world)
+    return {name: [r[name] for r in results] for name in results[0]}
+
+
 def test_preflight_flags_a_slow_rank() -> None:
-    results = run_ranks(preflight_rank, 3, [1e-3, 1e-2, 1e-3], [2e-3] * 3)
+    results = launched(3)["slow"]
     assert [r["code"] for r in results] == [1, 1, 1]
     assert results[0]["gemm_flags"] == [1] and len(results[0]["problems"]) == 1
     assert results[0]["problems"][0].startswith("rank 1 (")
@@ -149,8 +186,7 @@ def test_preflight_flags_a_slow_rank() -> None:
 
 
 def test_preflight_passes_a_healthy_world() -> None:
-    gemm, link = [1.0e-3, 1.1e-3, 1.2e-3], [2.0e-3, 2.1e-3, 2.2e-3]  # within 20 % of their medians
-    results = run_ranks(preflight_rank, 3, gemm, link)
+    results = launched(3)["healthy"]
     assert [r["code"] for r in results] == [0, 0, 0], results[0]["text"]
     table = rows(results[0]["text"])  # every rank's seconds on its own row: rank, host, GEMM ms, …, link, link ms
     want = [(1.0, "0→1", 2.0), (1.1, "1→2", 2.1), (1.2, "2→0", 2.2)]
