@@ -3,14 +3,17 @@ PyTorch's DDP with its own comm hooks, the payload formulas, and an uninterrupte
 
 Every rank's gradients come from a seed (`grads(rank, step)`), so the test process can rebuild all
 ranks' inputs and derive each method's error bound from them; the exact mean is a real all-reduce.
-Ranks are shared between checks: one launch per (worker, world size), many assertions on its results.
+Ranks are shared between checks: one launch per world size (2, 4 and 8 ranks, once per session: `launched`)
+runs every worker of that size in turn, and many assertions read their results.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -44,6 +47,29 @@ EF_METHODS = ("sign", "topk", "powersgd")
 EF_STEPS = 50
 EF_SHAPES = [[s for b in SHAPES for s in b]]
 TIMEOUT = 120
+
+
+def workers(world: int) -> dict[str, Callable[[int, int], object]]:
+    """The rank functions run on `world` ranks, by name (each defined with its checks below)."""
+    if world == 2:
+        return {"one_step": one_step_worker, "error_feedback": error_feedback_worker, "ddp": ddp_worker,
+                "torch_hooks": torch_hooks_worker, "bias": bias_bucket_worker}
+    if world == 4:
+        return {"one_step": one_step_worker, "state": state_worker}
+    return {"hierarchical": hierarchical_worker}
+
+
+def run_workers(rank: int, world: int) -> dict[str, object]:
+    """Rank function: every worker of this world size in turn → its result by name."""
+    return {name: fn(rank, world) for name, fn in workers(world).items()}
+
+
+@functools.cache
+def launched(world: int) -> dict[str, list]:
+    """worker name → its results by rank, from the one launch on `world` ranks."""
+    torch.set_num_threads(1)
+    results = run_ranks(run_workers, world, timeout=TIMEOUT)
+    return {name: [r[name] for r in results] for name in workers(world)}
 
 
 def cfg(method: str, **kw: object) -> CompressionConfig:
@@ -182,8 +208,7 @@ def one_step_worker(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["dp2", "dp4"])
 def one_step(request: pytest.FixtureRequest) -> tuple[int, list]:
-    torch.set_num_threads(1)
-    return request.param, run_ranks(one_step_worker, request.param, timeout=TIMEOUT)
+    return request.param, launched(request.param)["one_step"]
 
 
 def test_none_is_the_exact_mean(one_step: tuple[int, list]) -> None:
@@ -287,26 +312,33 @@ def error_feedback_worker(rank: int, world: int) -> dict:
     """‖Σ_t ĝ_t − Σ_t g_t‖ and ‖Σ_t g_t‖ per step, for each EF method with and without feedback.
 
     One bucket holding all of SHAPES (fewer collectives per step). The true mean g_t is computed here
-    from every rank's seeded gradients (fp64, no collective)."""
+    from every rank's seeded gradients (fp64, no collective), once for every method."""
     group = dist.new_group(list(range(world)))
+    mine = [grads(rank, t, EF_SHAPES) for t in range(EF_STEPS)]
+    true = torch.zeros(sum(sum(numel(s) for s in b) for b in SHAPES), dtype=torch.float64)
+    true_sums = []
+    for t in range(EF_STEPS):
+        true = true + sum(grads(r, t, EF_SHAPES)[0].double() for r in range(world)) / world
+        true_sums.append(true)
+    total = [float(x.norm()) for x in true_sums]
     out = {}
     for method in EF_METHODS:
         for feedback in (True, False):
             hook, state = make_hook(cfg(method, error_feedback=feedback), group)
-            applied = true = torch.zeros(sum(sum(numel(s) for s in b) for b in SHAPES), dtype=torch.float64)
-            gap, total = [], []
+            applied = torch.zeros_like(true)
+            gap = []
             for t in range(EF_STEPS):
-                applied = applied + step(hook, state, grads(rank, t, EF_SHAPES), EF_SHAPES)[0].double()
-                true = true + sum(grads(r, t, EF_SHAPES)[0].double() for r in range(world)) / world
-                gap.append(float((applied - true).norm()))
-                total.append(float(true.norm()))
+                applied = applied + step(hook, state, mine[t], EF_SHAPES)[0].double()
+                gap.append(float((applied - true_sums[t]).norm()))
             out[(method, feedback)] = (gap, total)
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["dp2", "dp4"])
-def error_feedback(request: pytest.FixtureRequest) -> list:
-    return run_ranks(error_feedback_worker, request.param, timeout=TIMEOUT)
+@pytest.fixture(scope="module")
+def error_feedback() -> list:
+    """At dp=2: how many ranks average the codes is not what feedback changes (each codec's dp=4 step is
+    checked above), and its 300 steps of exchanges on 4 ranks cost more than every other dp=4 check together."""
+    return launched(2)["error_feedback"]
 
 
 @pytest.mark.parametrize("method", EF_METHODS)
@@ -395,7 +427,7 @@ def state_worker(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def state_runs() -> list:
-    return run_ranks(state_worker, 4, timeout=TIMEOUT)
+    return launched(4)["state"]
 
 
 @pytest.mark.parametrize("method", list(STATEFUL))
@@ -491,7 +523,7 @@ def ddp_worker(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ddp_runs() -> list:
-    return run_ranks(ddp_worker, 2, timeout=TIMEOUT)
+    return launched(2)["ddp"]
 
 
 def per_parameter(bucket_values: list, names_per_bucket: list, numels: dict) -> dict:
@@ -597,7 +629,7 @@ def torch_hooks_worker(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def torch_hook_runs() -> list:
-    return run_ranks(torch_hooks_worker, 2, timeout=TIMEOUT)
+    return launched(2)["torch_hooks"]
 
 
 def test_torch_fp16_hook_in_gradsync_equals_torch_ddp(torch_hook_runs: list) -> None:
@@ -638,7 +670,7 @@ def bias_bucket_worker(rank: int, world: int) -> dict:
 def test_powersgd_sends_a_bucket_without_compressible_matrix_exactly() -> None:
     """A bucket holding only biases or norms (or matrices too small to compress at rank r) is sent as
     it is: the exact mean (PyTorch's powerSGD_hook handles this case)."""
-    for r in run_ranks(bias_bucket_worker, 2, timeout=TIMEOUT):
+    for r in launched(2)["bias"]:
         for name, (outs, exact) in r.items():
             for out, e in zip(outs, exact):
                 torch.testing.assert_close(out, e, rtol=1e-6, atol=1e-7, msg=name)
@@ -666,7 +698,7 @@ def hierarchical_worker(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def hierarchical_runs() -> list:
-    return run_ranks(hierarchical_worker, 2 * NODE, timeout=TIMEOUT)
+    return launched(2 * NODE)["hierarchical"]
 
 
 def inner_bytes(inner: str, piece: list, n: int) -> int:
