@@ -3,7 +3,8 @@
 "param_average" is a mode no module of hybrid knows: each replica steps on its own gradients, then every
 parameter is replaced by its mean over DP (one all-reduce per parameter after each optimizer step). Under a
 linear optimizer (SGD with momentum, no clipping) that is synchronous DP's update, so trained at tp2pp2dp2
-(8 gloo ranks) its losses and weights equal `sync=dp`'s within fp32 rounding. It is registered when this module
+(8 gloo ranks, a 2-layer model, both configs composed before the ranks fork) its losses and weights equal
+`sync=dp`'s within fp32 rounding. It is registered when this module
 is imported (the forked or spawned ranks import it too); nothing else is changed: validation, the trainer, the
 checkpoint's states, the records, the memory estimate and the start-up lines ask the registry.
 """
@@ -16,7 +17,7 @@ import pytest
 import torch
 from harness import run_ranks
 from pp_helpers import Case, make_cfg
-from test_sync import LINEAR, TIMEOUT, train_modes
+from test_sync import LINEAR, SMALL, TIMEOUT, modes_composed, train_modes
 
 from hybrid.config import ConfigError, compose_config
 from hybrid.parallel import collectives as C
@@ -99,7 +100,9 @@ def test_the_mode_is_known_through_the_seam_only() -> None:
 
 
 def test_a_mode_defined_in_a_test_trains_at_tp2pp2dp2_as_synchronous_dp() -> None:
-    results = run_ranks(train_modes, 8, Case(tp=2, pp=2), [LINEAR, (*LINEAR, *MODE)], 8, 4, timeout=TIMEOUT)
+    case, modes = Case(tp=2, pp=2, extra=SMALL), [LINEAR, (*LINEAR, *MODE)]
+    modes_composed(case, 8, modes, 8, 4)  # composed here once, inherited by the forked ranks
+    results = run_ranks(train_modes, 8, case, modes, 8, 4, timeout=TIMEOUT)
     for dp, averaged in results:
         torch.testing.assert_close(torch.tensor(averaged["losses"]), torch.tensor(dp["losses"]), rtol=1e-5, atol=1e-6)
         for name, w in dp["weights"].items():
