@@ -17,10 +17,13 @@ from the references only by summation order: rtol = 1e-10, atol = 1e-12 (measure
 loss and logits gradient are fp32 numbers compared with an fp64 `F.cross_entropy`: rtol = 1e-5,
 atol = 1e-6 (measured max abs error 4e-7 on the loss, ~1e-7 relative). Sequence-parallel gradients
 after the sync are compared across ranks exactly.
+
+The checks run in one launch per TP size (2 and 4 ranks, once per session: `launched`).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -207,17 +210,34 @@ def cross_entropy_checks(rank: int, world: int) -> dict[str, Any]:
                    "pad_grad": local.grad[..., pad].abs().max().item() if pad.any() else 0.0}}
 
 
+def every_check(rank: int, world: int) -> dict[str, Any]:
+    """Rank function: every check of this TP size in turn (the whole Block at tp=2) → its result by name."""
+    out = {"column": column_checks(rank, world), "row": row_checks(rank, world),
+           "embedding": embedding_checks(rank, world), "cross_entropy": cross_entropy_checks(rank, world)}
+    if world == 2:
+        out.update({f"block-{family}": block_checks(rank, world, family) for family in ("gpt", "llama")})
+    return out
+
+
+@functools.cache
+def launched(tp: int) -> dict[str, list[dict[str, Any]]]:
+    """check → its results by rank, from the one launch on `tp` ranks."""
+    torch.set_num_threads(1)
+    results = run_ranks(every_check, tp, timeout=TIMEOUT)
+    return {name: [r[name] for r in results] for name in results[0]}
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_column_parallel_linear(tp: int) -> None:
     """Fused (q, kv, kv) parts, gather_output, and sequence parallelism (output: the whole sequence)."""
-    results = run_ranks(column_checks, tp, timeout=TIMEOUT)
+    results = launched(tp)["column"]
     assert_ranks(results)
     assert_traffic(results)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_row_parallel_linear(tp: int) -> None:
-    results = run_ranks(row_checks, tp, timeout=TIMEOUT)
+    results = launched(tp)["row"]
     assert_ranks(results)
     assert_traffic(results)
     for r in results:
@@ -232,7 +252,7 @@ def test_row_parallel_linear(tp: int) -> None:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_vocab_parallel_embedding(tp: int) -> None:
-    results = run_ranks(embedding_checks, tp, timeout=TIMEOUT)
+    results = launched(tp)["embedding"]
     assert_ranks(results)
     assert_traffic(results)
     assert all(r[case]["rows_hit"] for r in results for case in r), "every rank's row range must be looked up"
@@ -240,7 +260,7 @@ def test_vocab_parallel_embedding(tp: int) -> None:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_vocab_parallel_cross_entropy(tp: int) -> None:
-    results = run_ranks(cross_entropy_checks, tp, timeout=TIMEOUT)
+    results = launched(tp)["cross_entropy"]
     assert_ranks(results, CE_TOL)
     assert_traffic(results)
     assert all(r["ce"]["pad_grad"] == 0.0 for r in results)
@@ -301,7 +321,7 @@ def block_checks(rank: int, world: int, family: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_block_matches_tp1(family: str) -> None:
-    results = run_ranks(block_checks, 2, family, timeout=TIMEOUT)
+    results = launched(2)[f"block-{family}"]
     ref_grads = results[0]["ref_grads"]
     assert_ranks([{k: r[k] for k in ("no_sp", "sp")} for r in results])
     for r in results:
