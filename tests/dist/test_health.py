@@ -10,10 +10,14 @@
   steps that pass the check, one element of a DP-replicated weight on one rank, and of a TP-replicated norm
   on one rank, is nudged; the next check raises ReplicaDivergence on every rank, naming the parameter, the
   group and the odd rank on the ranks of that group.
+
+A 2-layer model; the dp2 run in one launch, the pp2·dp2 and tp2·dp2 runs in another (`launched`), every config
+composed before the ranks fork.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -34,8 +38,18 @@ SLEEP_S = 0.02  # per forward step of the slowed rank
 FAST_S, SLOW_S = 0.1, 1.0  # made-up compute seconds per step handed to the check; SLOW_S: the slowed rank's, steps 3-4
 
 
+SLOWED = ("health.straggler_every=2", "health.straggler_threshold=0.5")
+CHECKED = ("health.divergence_every=2", "health.straggler_every=0")
+PLAIN, ZERO = Case(tp=2, layers=2), Case(tp=2, zero=1, extra=("parallel.overlap_param_gather=true",), layers=2)
+SLOW_CASES = {2: (Case(layers=2), 1), 4: (Case(pp=2, layers=2), 2)}  # world → (case, the slowed rank)
+
+
+def health_cfg(case: Case, world: int, *extra: str) -> Any:
+    return make_cfg(case, world, extra=["train.steps=8", *extra])
+
+
 def _trainer(case: Case, world: int, lines: list[str], *extra: str) -> Trainer:
-    cfg = make_cfg(case, world, extra=["train.steps=8", *extra])
+    cfg = health_cfg(case, world, *extra)
     ctx = layout_context(world, case)
     hook, state = make_hook(cfg.compression, ctx.dp_group)
     return Trainer(cfg, ctx, build_chunks(cfg, VOCAB, ctx), synthetic_corpus(vocab=VOCAB), torch.device("cpu"),
@@ -46,7 +60,7 @@ def slowed(rank: int, world: int, case: Case, slow: int) -> dict[str, Any]:
     """Four steps checked every 2: rank `slow` sleeps in each forward step; the check gets made-up compute times
     (SLOW_S on rank `slow` after step 2, FAST_S otherwise) and this rank's measured ones are returned."""
     lines: list[str] = []
-    trainer = _trainer(case, world, lines, "health.straggler_every=2", "health.straggler_threshold=0.5")
+    trainer = _trainer(case, world, lines, *SLOWED)
     forwards, measured = [0], []
     step, check = trainer.forward_step, trainer.health.after_step
 
@@ -67,10 +81,30 @@ def slowed(rank: int, world: int, case: Case, slow: int) -> dict[str, Any]:
     return {"record": trainer.health.record(), "lines": lines, "forwards": forwards[0], "busy": measured}
 
 
-@pytest.mark.parametrize("case,slow", [(Case(), 1), (Case(pp=2), 2)], ids=["dp2", "pp2dp2"])
-def test_a_slowed_rank_is_named(case: Case, slow: int) -> None:
-    world = 2 * case.pp
-    results = run_ranks(slowed, world, case, slow, timeout=TIMEOUT)
+def runs(rank: int, world: int) -> dict[str, Any]:
+    """Rank function: the slowed run of this world size; on 4 ranks also the drifted replicas."""
+    out = {"slowed": slowed(rank, world, *SLOW_CASES[world])}
+    if world == 4:
+        out["drifted"] = drifted(rank, world)
+    return out
+
+
+@functools.cache
+def launched(world: int) -> dict[str, list[Any]]:
+    """run → its results by rank, from the one launch on `world` ranks (configs composed here first)."""
+    torch.set_num_threads(1)
+    health_cfg(SLOW_CASES[world][0], world, *SLOWED)
+    if world == 4:
+        for case in (PLAIN, ZERO):
+            health_cfg(case, world, *CHECKED)
+    results = run_ranks(runs, world, timeout=TIMEOUT)
+    return {name: [r[name] for r in results] for name in results[0]}
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["dp2", "pp2dp2"])
+def test_a_slowed_rank_is_named(world: int) -> None:
+    slow = SLOW_CASES[world][1]
+    results = launched(world)["slowed"]
     per_step = results[slow]["forwards"] // 4
     assert per_step >= 1 and min(results[slow]["busy"]) >= per_step * SLEEP_S  # the sleeps are compute time
     for r in results:  # every rank gathered the same times: the slowed rank over the median of its group of two
@@ -95,7 +129,7 @@ def test_a_rank_is_compared_with_its_stage_or_with_every_rank() -> None:
 def _run_checked(rank: int, world: int, case: Case, nudge: tuple[str, int] | None) -> str | None:
     """Train 4 steps checking every 2 (the check after step 2 passes); then nudge parameter `name` on rank
     `where` and check at once (a step later the nudge would have spread to other parameters); the error line."""
-    trainer = _trainer(case, world, [], "health.divergence_every=2", "health.straggler_every=0")
+    trainer = _trainer(case, world, [], *CHECKED)
     for _ in range(4):
         trainer.train_step()
     if nudge and rank == nudge[1]:
@@ -109,14 +143,13 @@ def _run_checked(rank: int, world: int, case: Case, nudge: tuple[str, int] | Non
 
 
 def drifted(rank: int, world: int) -> dict[str, Any]:
-    plain, zero = Case(tp=2), Case(tp=2, zero=1, extra=("parallel.overlap_param_gather=true",))
-    return {"dp": _run_checked(rank, world, plain, ("layers.1.mlp.up.weight", 3)),
-            "tp": _run_checked(rank, world, plain, ("layers.0.attn_norm.weight", 1)),
-            "clean": _run_checked(rank, world, zero, None)}
+    return {"dp": _run_checked(rank, world, PLAIN, ("layers.1.mlp.up.weight", 3)),
+            "tp": _run_checked(rank, world, PLAIN, ("layers.0.attn_norm.weight", 1)),
+            "clean": _run_checked(rank, world, ZERO, None)}
 
 
 def test_a_drifted_replica_stops_the_run_naming_the_parameter() -> None:
-    results = run_ranks(drifted, 4, timeout=TIMEOUT)
+    results = launched(4)["drifted"]
     # tp2·dp2: ranks 1 and 3 are one DP group (tp rank 1), ranks 0 and 1 one TP group (dp rank 0)
     for r in results:
         assert r["clean"] is None  # ZeRO-1's overlapped gathers are waited for: no false alarm
