@@ -2,15 +2,18 @@
 written: a table of command lines (CASES on one process, RANKED on two torchrun ranks), each row one bad input
 and a piece of its one line. To cover a new bad input, add a row.
 
-Each row is checked once. Its message is found in this process the way `hybrid.train` finds it
-(hybrid.tools.check's `refusal`): the pre-check's composition of the command line (`hybrid.overrides.check`:
-Hydra's own errors, keys the schema lacks), then `hybrid.validation.validate` for the row's world, as `run`
-calls it. The edge that turns such a ConfigError into the line, the status and nothing written
-(`hybrid.cli.exit_on_error` → `fail`) is one mechanism for all of them, so it runs for real for one row of each
-way a refusal is reached (FORKED, RANKED_FORKED): the real entry point `hybrid.train.main` in a forked child
-(hybrid.testing.cli_runs: a real process, without seconds of imports each) working in an empty folder that must
-stay empty. Rows refused only after validation (the tokenizer folders on the file system, wandb's key) must be
-in FORKED. One case also runs as a fresh `python -m hybrid.train`, the reference the fork must match.
+Each row is checked once, in this process, the way its refusal is found: the composition of the command line
+(`hybrid.overrides.check`: Hydra's own errors, keys the schema lacks), then `hybrid.validation.validate` for the
+row's world, as `hybrid.train.run` calls it. Every RANKED row and the CASES in CHECKED go through the check before
+launch (below: its `main`, which composes and validates so for the world the launch starts, and also shows the
+one line, the status and nothing written); the other CASES through hybrid.tools.check's `refusal` (the message
+`hybrid.train` would refuse them with on one process). The edge that turns such a ConfigError into the line,
+the status and nothing written (`hybrid.cli.exit_on_error` → `fail`) is one mechanism for all of them, so it
+runs for real for one row of each way a refusal is reached (FORKED, RANKED_FORKED): the real entry point
+`hybrid.train.main` in a forked child (hybrid.testing.cli_runs: a real process, without seconds of imports each)
+working in an empty folder that must stay empty. Rows refused only after validation (the tokenizer folders on
+the file system, wandb's key) must be in FORKED. One case also runs as a fresh `python -m hybrid.train`, the
+reference the fork must match.
 
 Before launch: `python -m hybrid.tools.check` (what launch/local.sh, multinode.sh and slurm.sbatch run in one
 process before torchrun) gives the same one line, once and without a `[rankN]` prefix, for every RANKED case
@@ -18,7 +21,6 @@ and the CASES in CHECKED (its `main` called in this process, in an empty folder 
 launch script, with a stand-in torchrun on PATH, runs the real check process, stops there with that line and
 exit 2, and never starts torchrun. A good command line passes the check and reaches torchrun.
 """
-
 from __future__ import annotations
 
 import os
@@ -27,6 +29,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_nonfinite import frozen_gc, load_what_runs_load
 
 import hybrid.tools.check
 import hybrid.train
@@ -162,7 +165,7 @@ RANKED: list[tuple[str, list[str], str]] = [  # the same, as rank 0 and rank 1 o
 
 CHECKED = ["steps-0", "warmup-longer-than-run", "on-nonfinite", "max-skipped-steps", "rewind-without-checkpoints",
            "llama-seq-len", "tokenizer-garbled", "unknown-key"]
-"""CASES also run through the check before launch (RANKED all are: the world matters there)."""
+"""CASES checked through the check before launch instead of `refusal` (RANKED all are: the world matters there)."""
 
 FORKED = ["unknown-key", "eps", "rewind-without-checkpoints", "topk-fraction", "sync-mode", "tokenizer-empty",
           "tokenizer-garbled", "wandb-online-no-key"]
@@ -177,6 +180,13 @@ RANKED_FORKED = ["tp-heads"]
 def rows(table: list[tuple[str, list[str], str]], ids: list[str], forked: bool) -> list[tuple[str, list[str], str]]:
     """The rows of `table` whose id is (`forked`) or is not in `ids`."""
     return [row for row in table if (row[0] in ids) == forked]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm() -> None:
+    """What the forked runs and the check would load (transformers for the tokenizer rows, the trainer's
+    modules), loaded here once (test_nonfinite's `load_what_runs_load`)."""
+    load_what_runs_load()
 
 
 @pytest.fixture(scope="module")
@@ -200,17 +210,19 @@ def test_every_forked_row_is_a_row() -> None:
     ids = [c[0] for c in CASES + RANKED]
     assert len(set(ids)) == len(ids) and set(FORKED) <= {c[0] for c in CASES}, FORKED
     assert set(RANKED_FORKED) <= {c[0] for c in RANKED} and set(CHECKED) <= {c[0] for c in CASES}
+    checked = {c[0] for c in IN_PROCESS + rows(CASES, FORKED, forked=True) + LAUNCH_CASES}
+    assert checked == {*ids, "check-world-zero", "check-world-layout"}, checked  # no row left out
 
 
-IN_PROCESS = [(*row, 1) for row in rows(CASES, FORKED, forked=False)] + [(*row, 2) for row in RANKED]
+IN_PROCESS = [row for row in rows(CASES, FORKED, forked=False) if row[0] not in CHECKED]
+"""The CASES neither forked nor checked before launch: their message through `refusal`, on one process."""
 
 
-@pytest.mark.parametrize(("overrides", "needle", "world"), [c[1:] for c in IN_PROCESS], ids=[c[0] for c in IN_PROCESS])
-def test_bad_input_is_refused_with_its_one_line(overrides: list[str], needle: str, world: int,
-                                                folders: dict[str, str]) -> None:
-    """A row that is not in FORKED (and every RANKED row, on 2 ranks), in this process (hybrid.testing.cli_runs'
-    `refusal`: composed and validated as hybrid.train does). A row refused only later belongs in FORKED."""
-    message = refusal([*B, *(o.format(**folders) for o in overrides)], world)
+@pytest.mark.parametrize(("overrides", "needle"), [c[1:] for c in IN_PROCESS], ids=[c[0] for c in IN_PROCESS])
+def test_bad_input_is_refused_with_its_one_line(overrides: list[str], needle: str, folders: dict[str, str]) -> None:
+    """A row of IN_PROCESS, in this process (hybrid.tools.check's `refusal`: composed and validated as
+    hybrid.train does on one process). A row refused only later belongs in FORKED."""
+    message = refusal([*B, *(o.format(**folders) for o in overrides)])
     assert message is not None and needle in message and "\n" not in message, message
 
 
@@ -224,7 +236,9 @@ def test_bad_input_is_one_line_exit_2_nothing_written(overrides: list[str], need
     argv = [*B, *(o.format(**folders) for o in overrides)]
     home = tmp_path_factory.mktemp("home")
     env = {"OMP_NUM_THREADS": "1", "HOME": str(home), "WANDB_API_KEY": "", "HYBRID_CACHE": ""}
-    assert_refused(run_forked(hybrid.train.main, argv, tmp_path, env), needle, tmp_path)
+    with frozen_gc():
+        r = run_forked(hybrid.train.main, argv, tmp_path, env)
+    assert_refused(r, needle, tmp_path)
     if not any(o.startswith("data.tokenizer=") for o in overrides):
         assert not (home / ".cache" / "hybrid").exists(), sorted(str(p) for p in home.rglob("*"))
 
@@ -238,7 +252,8 @@ def test_bad_input_is_one_line_on_every_rank(overrides: list[str], needle: str, 
     for rank in (0, 1):
         env = {"OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "LOCAL_WORLD_SIZE": "2"}
-        r = run_forked(hybrid.train.main, [*B, *overrides], tmp_path, env)
+        with frozen_gc():
+            r = run_forked(hybrid.train.main, [*B, *overrides], tmp_path, env)
         assert_refused(r, needle, tmp_path)
         assert r.error_lines()[0].startswith(f"[rank{rank}] hybrid: error: "), r.error_lines()
 
@@ -247,7 +262,8 @@ def test_the_fork_runs_as_a_fresh_process_does(tmp_path: Path) -> None:
     (tmp_path / "fork").mkdir()
     (tmp_path / "fresh").mkdir()
     argv = [*B, "optim.eps=-1"]
-    forked = run_forked(hybrid.train.main, argv, tmp_path / "fork")
+    with frozen_gc():
+        forked = run_forked(hybrid.train.main, argv, tmp_path / "fork")
     fresh = subprocess.run([sys.executable, "-m", "hybrid.train", *argv], cwd=tmp_path / "fresh", text=True,
                            capture_output=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert (forked.code, forked.error_lines()) == (fresh.returncode, [ln for ln in fresh.stderr.splitlines()

@@ -2,7 +2,8 @@
 Slurm here): USR1 to the batch shell (what `--signal=B:USR1@120` sends before the time limit) makes it
 `scancel --signal=TERM` the job's steps; the stub agent gets that SIGTERM and exits; with REQUEUE=1
 the shell then requeues the job and exits 0. Without a signal the shell returns srun's status, and
-passes --cpus-per-task on to srun.
+passes --cpus-per-task on to srun. HYBRID_CHECK=0: the configuration check before launch (a fresh Python
+process each time) is not this chain; tests/e2e/test_bad_inputs.py runs it through slurm.sbatch.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def start(tmp: Path, **extra: str) -> tuple[subprocess.Popen, Path]:
     log = tmp / "log"
     env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "STUB_DIR": str(tmp), "STUB_LOG": str(log),
            "SLURM_JOB_ID": "7", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "node-a", "SLURM_SUBMIT_DIR": str(ROOT),
-           "SLURM_GPUS_ON_NODE": "2", **extra}
+           "SLURM_GPUS_ON_NODE": "2", "HYBRID_CHECK": "0", **extra}
     env.pop("PET_SIGNALS_TO_HANDLE", None)
     p = subprocess.Popen(["bash", str(ROOT / "launch" / "slurm.sbatch"), "model=gpt-tiny"], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
