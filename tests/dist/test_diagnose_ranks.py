@@ -2,22 +2,29 @@
 torchrun for its one-line errors. Transfers are tiny and no test reads this machine's timings: the slow
 rank is made of made-up ping-pong times (the exchanges still run, their seconds are replaced), so the
 verdict is the same on an idle and on a loaded machine. That a delay in an exchange reaches its time, and
-where the slow-rank threshold lies, is unit-tested (tests/unit/test_diagnose.py)."""
+where the slow-rank threshold lies, is unit-tested (tests/unit/test_diagnose.py).
+
+The forked runs share one launch per world size (2 and 4 ranks: `launched`, once per module), each writing
+into its own folder, with the configs the tool composes on every rank composed before the ranks fork."""
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from harness import run_ranks
 
+import hybrid.checkpoint  # noqa: F401  (`validate` imports it, ~2.5 CPU-s: once here, not in every forked rank)
 from hybrid.diagnostics import pairwise
 from hybrid.diagnostics.pairwise import bandwidth_gbs
 from hybrid.tools import diagnose
@@ -45,8 +52,11 @@ def scripted(rank: int, world: int, argv: list[str], slow_rank: int) -> dict:
         real(buf, peer, leader, iters, warmup)
         return [SLOW_S if slow_rank in (rank, peer) else FAST_S] * iters
 
-    pairwise.time_pair = made_up  # this forked rank only
-    return tool(rank, world, argv)
+    pairwise.time_pair = made_up  # this forked rank only, until the run is over
+    try:
+        return tool(rank, world, argv)
+    finally:
+        pairwise.time_pair = real
 
 
 def load(path: Path) -> dict:
@@ -61,9 +71,47 @@ def check_matrix(doc: dict, world: int) -> list[list[float]]:
     return m
 
 
-def test_two_ranks_report_json_and_png(tmp_path: Path) -> None:
-    argv = [*QUICK, "--json", str(tmp_path / "d.json"), "--png", str(tmp_path / "d.png")]
-    results = run_ranks(tool, 2, argv)
+def argvs(root: Path) -> dict[str, list[str]]:
+    """Each run's command line, writing into its own folder under `root`."""
+    return {"two": [*QUICK, "--json", str(root / "two" / "d.json"), "--png", str(root / "two" / "d.png")],
+            "unfit": [*QUICK, "parallel=tp2pp2"],
+            "nodes": [*QUICK, "parallel.ranks_per_node=2", "parallel=tp2", "--json", str(root / "nodes" / "d.json")],
+            "slow": [*QUICK, "--json", str(root / "slow" / "d.json")]}
+
+
+WORLDS = {"two": 2, "unfit": 2, "nodes": 4, "slow": 4}
+SLOW_RANK = 3
+
+
+def runs(rank: int, world: int, root: Path) -> dict[str, dict]:
+    """Rank function: every run of this world size in turn (`slow`: rank SLOW_RANK's links made slow)."""
+    out = {}
+    for name, argv in argvs(root).items():
+        if WORLDS[name] == world:
+            out[name] = scripted(rank, world, argv, SLOW_RANK) if name == "slow" else tool(rank, world, argv)
+    return out
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], tuple[Path, dict[str, list[dict]]]]:
+    """world → (the runs' root folder, run → its results by rank), each world launched once."""
+    root = tmp_path_factory.mktemp("diagnose")
+    for name in WORLDS:
+        (root / name).mkdir()
+
+    @functools.cache
+    def launch(world: int) -> tuple[Path, dict[str, list[dict]]]:
+        for argv in argvs(root).values():  # what `diagnose.compose` composes on every rank: once here
+            diagnose.compose(diagnose.parse_args(argv).overrides)
+        results = run_ranks(runs, world, root)
+        return root, {name: [r[name] for r in results] for name in results[0]}
+
+    return launch
+
+
+def test_two_ranks_report_json_and_png(launched: Callable[[int], tuple[Path, dict[str, list[dict]]]]) -> None:
+    root, by_run = launched(2)
+    tmp_path, results = root / "two", by_run["two"]
     assert [r["code"] for r in results] == [0, 0] and all(r["still_initialised"] for r in results)
     assert "bandwidth (GB/s" in results[0]["text"] and results[1]["text"] == ""  # rank 0 reports
     doc = load(tmp_path / "d.json")
@@ -75,9 +123,9 @@ def test_two_ranks_report_json_and_png(tmp_path: Path) -> None:
     assert (tmp_path / "d.png").read_bytes()[:8] == PNG
 
 
-def test_four_ranks_on_two_emulated_nodes(tmp_path: Path) -> None:
-    argv = [*QUICK, "parallel.ranks_per_node=2", "parallel=tp2", "--json", str(tmp_path / "d.json")]
-    results = run_ranks(tool, 4, argv)
+def test_four_ranks_on_two_emulated_nodes(launched: Callable[[int], tuple[Path, dict[str, list[dict]]]]) -> None:
+    root, by_run = launched(4)
+    tmp_path, results = root / "nodes", by_run["nodes"]
     assert [r["code"] for r in results] == [0] * 4
     doc = load(tmp_path / "d.json")
     m = check_matrix(doc, 4)
@@ -93,21 +141,22 @@ def test_four_ranks_on_two_emulated_nodes(tmp_path: Path) -> None:
     assert "2 node(s) × 2 ranks" in text and "intra-node: 2 links" in text and "inter-node: 4 links" in text
 
 
-def test_a_slow_rank_shows_up_as_low_cells(tmp_path: Path) -> None:
+def test_a_slow_rank_shows_up_as_low_cells(launched: Callable[[int], tuple[Path, dict[str, list[dict]]]]) -> None:
     """Each link's time lands in its two cells on every rank (the pair schedule, the leader's write, the
     all-reduce), and a rank whose every link is slow is the one `slow_rank` warning of the report."""
-    argv = [*QUICK, "--json", str(tmp_path / "d.json")]
-    assert [r["code"] for r in run_ranks(scripted, 4, argv, 3)] == [0] * 4
-    doc = load(tmp_path / "d.json")
+    root, by_run = launched(4)
+    assert [r["code"] for r in by_run["slow"]] == [0] * 4
+    doc = load(root / "slow" / "d.json")
     m = check_matrix(doc, 4)
     fast, slow = bandwidth_gbs(SIZE, FAST_S), bandwidth_gbs(SIZE, SLOW_S)
-    assert m == [[None if i == j else slow if 3 in (i, j) else fast for j in range(4)] for i in range(4)]
+    assert m == [[None if i == j else slow if SLOW_RANK in (i, j) else fast for j in range(4)] for i in range(4)]
     flagged = [w for w in doc["warnings"] if w["code"] == "slow_rank"]
-    assert [w["ranks"] for w in flagged] == [[3]]
+    assert [w["ranks"] for w in flagged] == [[SLOW_RANK]]
 
 
-def test_a_layout_that_does_not_fit_is_bad_input_on_every_rank() -> None:
-    results = run_ranks(tool, 2, [*QUICK, "parallel=tp2pp2"])
+def test_a_layout_that_does_not_fit_is_bad_input_on_every_rank(
+        launched: Callable[[int], tuple[Path, dict[str, list[dict]]]]) -> None:
+    results = launched(2)[1]["unfit"]
     assert [r["code"] for r in results] == [2, 2] and all(r["text"] == "" for r in results)
 
 
