@@ -1,17 +1,19 @@
 """An exported folder on the oldest transformers hybrid declares (pyproject's floor), end to end.
 
-`python -m hybrid.bench.export_compat --transformers <floor>` in a subprocess: a venv with the
+`python -m hybrid.bench.export_compat --transformers <floor>` as a child forked from this process
+(hybrid.testing.cli_runs.run_forked: its `main`, without a fresh interpreter's imports): a venv with the
 floor's transformers (and the tokenizers/huggingface_hub pip resolves for it; torch from this
-interpreter, never downloaded), cached under $HYBRID_CACHE/venvs/transformers-<floor>; tiny GPT and
-Llama checkpoints exported in fp32 and bf16 with the installed transformers; AutoTokenizer,
-AutoModelForCausalLM and pipeline("text-generation") on each folder under both versions; the floor's
-logits against the installed version's (see the benchmark's docstring for the checks). Skipped only
-when the benchmark fails without a venv and pip then cannot reach the package index.
+interpreter, never downloaded), cached where the benchmark caches it by default,
+$HYBRID_CACHE/venvs/transformers-<floor> (else ~/.cache/hybrid/venvs/...: a run without HYBRID_CACHE
+reuses it, as the benchmark run by hand does, while its stamp matches); tiny GPT and Llama checkpoints
+exported in fp32 and bf16 with the installed transformers; AutoTokenizer, AutoModelForCausalLM and
+pipeline("text-generation") on each folder under both versions; the floor's logits against the installed
+version's (see the benchmark's docstring for the checks). Skipped only when the benchmark fails without a
+venv and pip then cannot reach the package index.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from hybrid.bench import export_compat
+from hybrid.testing.cli_runs import run_forked
 
 ROOT = Path(__file__).resolve().parents[2]
 FLOOR = export_compat.FLOOR
@@ -40,18 +43,22 @@ def _index_reachable(tmp_path: Path) -> tuple[bool, str]:
     return r.returncode == 0, (r.stderr.strip().splitlines() or [""])[-1]
 
 
+def bench() -> None:
+    """The benchmark's command line: `main`'s status as the exit status."""
+    sys.exit(export_compat.main(sys.argv[1:]))
+
+
 @pytest.mark.slow
-def test_export_loads_on_the_floor_transformers(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    cache = os.environ.get("HYBRID_CACHE") or str(tmp_path_factory.mktemp("cache"))
-    venv = Path(cache) / "venvs" / f"transformers-{FLOOR}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYBRID_CACHE": cache, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "hybrid.bench.export_compat", "--transformers", FLOOR, "--venv",
-                        str(venv)], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    if r.returncode != 0 and not export_compat.venv_ready(venv, FLOOR):  # asked only on failure (a slow probe)
+def test_export_loads_on_the_floor_transformers(tmp_path: Path) -> None:
+    venv = export_compat.venv_dir(FLOOR, None)  # the benchmark's own cache: $HYBRID_CACHE, else ~/.cache/hybrid
+    env = {"OMP_NUM_THREADS": "1"}
+    r = run_forked(bench, ["--transformers", FLOOR, "--venv", str(venv)], ROOT, env, timeout_s=600,
+                   prog=export_compat.MODULE)
+    if r.code != 0 and not export_compat.venv_ready(venv, FLOOR):  # asked only on failure (a slow probe)
         reachable, why = _index_reachable(tmp_path)
         if not reachable:
             pytest.skip(f"pip cannot reach the package index ({why})")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.code == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "PASS" in line]
     assert len(rows) == 2 and "(current)" in rows[0], r.stdout
     assert re.match(rf"^\|\s+{re.escape(FLOOR)} \|.*\| 4/4 .*\| PreTrainedTokenizerFast .*\| PASS\s+\|$", rows[1]), rows
