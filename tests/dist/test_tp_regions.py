@@ -17,6 +17,8 @@ References:
 Tolerances: the region ops run in fp64 and their sums differ from the reference math only by
 summation order: rtol = 1e-10, atol = 1e-12. Pure data movement (`full_tensor`, `full_state_dict`,
 RNG draws) is compared exactly.
+
+The checks run in one launch per TP size (2 and 4 ranks, once per session: `launched`).
 """
 
 from __future__ import annotations
@@ -116,9 +118,23 @@ def region_checks(rank: int, world: int) -> dict[str, Any]:
     return {"ops": out, "wire": (all_reduce_wire, pair_wire, nbytes(t))}
 
 
+def every_check(rank: int, world: int) -> dict[str, Any]:
+    """Rank function: the region ops, full_tensor and TPRandom checks in turn → their results by name."""
+    return {"regions": region_checks(rank, world), "full": full_tensor_checks(rank, world),
+            "rng": rng_checks(rank, world)}
+
+
+@functools.cache
+def launched(tp: int) -> dict[str, list[dict[str, Any]]]:
+    """check → its results by rank, from the one launch on `tp` ranks."""
+    torch.set_num_threads(1)
+    results = run_ranks(every_check, tp, timeout=TIMEOUT)
+    return {name: [r[name] for r in results] for name in results[0]}
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_region_ops(tp: int) -> None:
-    results = run_ranks(region_checks, tp, timeout=TIMEOUT)
+    results = launched(tp)["regions"]
     ops = [r["ops"] for r in results]
     assert_ranks(ops)
     assert_traffic(ops)
@@ -160,7 +176,7 @@ def _global(p: nn.Parameter) -> tuple[int, ...]:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_full_tensor_inverts_shard_slice(tp: int) -> None:
-    assert_ranks(run_ranks(full_tensor_checks, tp, timeout=TIMEOUT), EXACT)
+    assert_ranks(launched(tp)["full"], EXACT)
 
 
 # ------------------------------------------------------------------------------------------- 3: TPRandom
@@ -200,7 +216,7 @@ def rng_checks(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_random_fork(tp: int) -> None:
-    results = run_ranks(rng_checks, tp, timeout=TIMEOUT)
+    results = launched(tp)["rng"]
     assert_ranks([{"rng": r["rng"]} for r in results], EXACT)
     for r in results:
         first, second = r["rng"]["pairs"]["first fork"][0], r["rng"]["pairs"]["second fork continues"][0]
