@@ -8,7 +8,8 @@ imported, so the forked ranks know it too. Then, with nothing else changed:
   imply (no bias anywhere, weight-only norms, a fused gate|up, learned positions, no RoPE tables),
   its parameter count equals the family's analytic one, its checkpoint shape and its sequence
   length check come from the family, and it has no transformers counterpart (a clear error);
-- trained at tp2pp2 (4 gloo ranks, with and without sequence parallelism) it matches its own
+- trained at tp2pp2 (4 gloo ranks, with and without sequence parallelism; a 4-layer model, the configs
+  composed before the ranks fork) it matches its own
   single-process run: losses, gradient norms and eval loss within the layout tests' tolerances
   (tests/dist/pp_helpers.py: rtol = atol = 1e-5), weights within WEIGHT_TOL, the tied head equal
   to the embedding bit for bit, and the parameter count summed over stages equal to the analytic one.
@@ -76,12 +77,15 @@ def test_an_unknown_family_is_one_line_naming_the_known_ones() -> None:
     assert "\n" not in str(e.value)
 
 
-CASES = [Case("toy", tp=2, pp=2), Case("toy", tp=2, pp=2, sp=True)]
+LAYERS = 4  # two per stage
+CASES = [Case("toy", tp=2, pp=2, layers=LAYERS), Case("toy", tp=2, pp=2, sp=True, layers=LAYERS)]
 
 
 def test_the_toy_family_at_tp2pp2_matches_its_single_process_run() -> None:
     torch.set_num_threads(1)
-    ref = reference("toy")  # asserts that the loss falls and the count is the analytic one
+    ref = reference("toy", LAYERS)  # asserts that the loss falls and the count is the analytic one
+    for case in CASES:  # composed here once, inherited by the forked ranks
+        make_cfg(case, 4)
     results = run_ranks(train_cases, 4, CASES, timeout=TIMEOUT)
     for i, case in enumerate(CASES):
         by_rank = [r[i] for r in results]
