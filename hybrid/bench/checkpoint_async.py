@@ -31,29 +31,29 @@ from hybrid.bench.checkpoint_common import (
     bench_cfg,
     check_run_options,
     make_trainer,
+    preload_dcp,
     scratch,
     world,
 )
-from hybrid.bench.common import parse_with_quick, table
+from hybrid.bench.common import launch, parse_with_quick, table
 from hybrid.bench.inputs import resolve_vocab
 from hybrid.bench.memory import MemoryWatch
 from hybrid.checkpoint import Checkpointer, Stager
 from hybrid.config import Config
 from hybrid.model import analytic_param_count
 from hybrid.parallel.context import ParallelContext
-from hybrid.testing.ranks import launch
 from hybrid.trainer import Trainer
 from hybrid.validation import validate
 
 MODULE = "hybrid.bench.checkpoint_async"
-QUICK = {"model": "gpt-tiny", "seq": 32, "micro_batch": 1, "global_batch": 8, "steps": 2, "warmup": 1, "rounds": 1,
-         "timeout": 300.0}
+QUICK = {"model": "gpt-tiny", "vocab": 512, "seq": 16, "micro_batch": 1, "global_batch": 4, "steps": 1, "warmup": 0,
+         "rounds": 1, "timeout": 300.0}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of this benchmark."""
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
-    common.add_quick(p, "gpt-tiny, one round, seconds")
+    common.add_quick(p, "gpt-tiny with a 512-token vocabulary, one round of one step each, seconds")
     add_run_options(p, model="gpt-125m", timeout=1800.0)
     p.add_argument("--steps", type=int, default=4, help="timed steps per contender per round")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before the first round")
@@ -200,7 +200,8 @@ def section_async(args: argparse.Namespace, out: Callable[[str], None]) -> dict[
     with scratch(args.dir) as folder:
         cfg = bench_cfg(args, args.model, args.layout, folder, "async", "checkpoint.async=true")
         sync_cfg = bench_cfg(args, args.model, args.layout, folder, "sync")
-        vocab = resolve_vocab(cfg, None)
+        vocab = resolve_vocab(cfg, args.vocab)
+        preload_dcp()
         with MemoryWatch() as watch:
             results = launch(async_rank, world(args.layout), cfg, sync_cfg, vocab, args.steps, args.warmup,
                              args.rounds, timeout=args.timeout)

@@ -4,11 +4,12 @@ options, and a real Trainer with its Checkpointer on synthetic tokens."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 import shutil
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Optional
 
@@ -28,9 +29,11 @@ MIB = 2**20
 
 
 def add_run_options(p: argparse.ArgumentParser, model: str, timeout: float) -> None:
-    """The options every checkpoint benchmark has: the model and layout, the batch, the folder, the timeout."""
+    """The options every checkpoint benchmark has: the model, layout and vocabulary, the batch, the folder, the
+    timeout."""
     p.add_argument("--model", default=model, help="configs/model")
     p.add_argument("--layout", default="tp2pp2dp2", help="the layout of the ranks, tp<t>pp<p>dp<d>")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary (default: model.vocab_size, else 8192)")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per microbatch")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step (all DP ranks)")
@@ -60,6 +63,13 @@ def layout(name: str) -> dict[str, int]:
 def world(name: str) -> int:
     lay = layout(name)
     return lay["tp"] * lay["pp"] * lay["dp"]
+
+
+def preload_dcp() -> None:
+    """Import here what DCP imports lazily on a rank's first save or load (its fsspec storage layer, a few tenths
+    of a CPU-second a process), so that every forked rank inherits it."""
+    with suppress(ImportError):
+        importlib.import_module("torch.distributed.checkpoint._fsspec_filesystem")
 
 
 @contextmanager

@@ -43,10 +43,11 @@ from hybrid.bench.checkpoint_common import (
     check_run_options,
     layout,
     make_trainer,
+    preload_dcp,
     scratch,
     world,
 )
-from hybrid.bench.common import parse_with_quick, table
+from hybrid.bench.common import launch, parse_with_quick, table
 from hybrid.bench.inputs import resolve_vocab
 from hybrid.bench.memory import MemoryWatch, rss_mib
 from hybrid.checkpoint import MANIFEST, METADATA, init_optimizer_state, read_manifest
@@ -54,7 +55,6 @@ from hybrid.config import Config
 from hybrid.model import analytic_param_count, build_model
 from hybrid.optim import adamw
 from hybrid.parallel.context import ParallelContext
-from hybrid.testing.ranks import launch
 from hybrid.validation import validate
 
 MODULE = "hybrid.bench.checkpoint_size"
@@ -62,13 +62,13 @@ DCP_FRAMING = 2048
 """At most this many bytes of one DCP tensor item are not tensor data: DCP writes each tensor with torch.save
 (a small zip: pickle, record headers, 64-byte alignment; ~1.5 KiB measured on torch 2.13)."""
 EXP_AVG, EXP_AVG_SQ = 1e-3, 1e-6  # the constants the moments are filled with (checked after the loads)
-QUICK = {"model": "gpt-tiny", "seq": 32, "micro_batch": 1, "global_batch": 8, "timeout": 300.0}
+QUICK = {"model": "gpt-tiny", "vocab": 512, "seq": 16, "micro_batch": 1, "global_batch": 4, "timeout": 300.0}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of this benchmark."""
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
-    common.add_quick(p, "gpt-tiny, seconds")
+    common.add_quick(p, "gpt-tiny with a 512-token vocabulary, seconds")
     add_run_options(p, model="gpt-350m", timeout=1800.0)
     return p
 
@@ -220,7 +220,8 @@ def size_figures(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     """Run the sharded save/load on 8 ranks and the single-process one; every figure of the size section."""
     cfg = bench_cfg(args, args.model, args.layout, folder, "sharded")
     fresh = bench_cfg(args, args.model, args.layout, folder, "sharded", f"train.seed={cfg.train.seed + 1}")
-    vocab = resolve_vocab(cfg, None)
+    vocab = resolve_vocab(cfg, args.vocab)
+    preload_dcp()
     with MemoryWatch() as watch:
         ranks = launch(size_rank, world(args.layout), cfg, fresh, vocab, timeout=args.timeout)
     path = Path(ranks[0]["path"])

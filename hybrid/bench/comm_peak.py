@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 
 from hybrid.bench import common
-from hybrid.testing.ranks import launch
+from hybrid.bench.common import launch
 from hybrid.tools import commbench
 
 MODULE = "hybrid.bench.comm_peak"

@@ -1,5 +1,6 @@
 """What every `python -m hybrid.bench.<name>` shares: `--quick` and `--sections` on the command line, the
-command that reproduces a run (every setting spelled out), the header, the timed run and the tables."""
+command that reproduces a run (every setting spelled out), the header, the timed run, the tables, and `launch`
+(forked gloo ranks that inherit the imports a training rank would otherwise make by itself)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,19 @@ from typing import Any, Optional
 import torch
 
 from hybrid.bench.model_size import model_names
+from hybrid.testing import ranks
 
 Section = Callable[[argparse.Namespace, Callable[[str], None]], Any]
 NUMBER = re.compile(r"^[+-]?[\d,.]+(%|×)?( \(\w\))?$")  # table cells right-aligned: 1,234  -0.5%  2.00× (c)
+
+
+def launch(fn: Callable[..., Any], world: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """`hybrid.testing.ranks.launch`, after importing here what each rank would import by itself: torch._dynamo,
+    which torch imports lazily on the first optimizer, parameter initialisation or other `_disable_dynamo` call
+    (about a CPU-second a process); forked ranks inherit it."""
+    import torch._dynamo  # noqa: F401
+
+    return ranks.launch(fn, world, *args, **kwargs)
 
 
 def add_sections(p: argparse.ArgumentParser, known: Sequence[str]) -> None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from hybrid.bench import common
-from hybrid.bench.common import check_models, parse_with_quick, table, verdict
+from hybrid.bench.common import check_models, launch, parse_with_quick, table, verdict
 from hybrid.bench.compression_common import (
     BYTES_METHODS,
     GIB,
@@ -43,7 +43,6 @@ from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.parallel.dp.buckets import GradBucket
 from hybrid.parallel.dp.data import DP_GROUPS
-from hybrid.testing.ranks import launch
 
 if TYPE_CHECKING:
     from hybrid.config import CompressionConfig

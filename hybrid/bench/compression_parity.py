@@ -2,11 +2,12 @@
 
     OMP_NUM_THREADS=1 HYBRID_CACHE=/tmp/hc PYTHONPATH=. python -m hybrid.bench.compression_parity [--quick]
 
---model on the default corpus (configs/data/default.yaml: the stdlib text and a BPE trained on it, built
-offline once under $HYBRID_CACHE), dp=--dp × tp=--tp forked ranks, one real `Trainer` per run with the same seed, data
-and hyperparameters; final `evaluate()` loss vs the uncompressed run, mean compression ratio and error and
-bytes_dp per step from `mean_bytes()`. An EF run missing the 3% goal runs again with a longer warm-up. Our
-PowerSGD is set beside PyTorch's powerSGD_hook at the same rank and warm-up.
+--model (--layers deep) on the default corpus (configs/data/default.yaml: the stdlib text and a BPE trained on it,
+built offline once under $HYBRID_CACHE; --max-chars of it and a --vocab BPE where given), dp=--dp × tp=--tp forked
+ranks, one real `Trainer` per run with the same seed, data and hyperparameters; final `evaluate()` loss vs the
+uncompressed run, mean compression ratio and error and bytes_dp per step from `mean_bytes()`. An EF run missing the
+3% goal runs again with a longer warm-up. Our PowerSGD is set beside PyTorch's powerSGD_hook at the same rank and
+warm-up.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from hybrid.bench import common
-from hybrid.bench.common import check_models, parse_with_quick, table, verdict
+from hybrid.bench.common import check_models, launch, parse_with_quick, table, verdict
+from hybrid.bench.inputs import add_size_options, size_overrides
 from hybrid.compression.hooks import make_hook
 from hybrid.config import Config, compose_config
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
-from hybrid.testing.ranks import launch
 from hybrid.trainer import Trainer, build_chunks
 from hybrid.validation import validate
 
@@ -57,13 +58,15 @@ PARITY_RUNS: tuple[tuple[str, tuple[str, ...], bool], ...] = (  # (label, overri
 WARMUP_SHARE = 0.1
 PARITY_GOAL = 0.03
 QUICK = {"dp": 2, "seq": 32, "micro_batch": 2, "global_batch": 4, "steps": 3, "eval_batches": 1, "error_every": 1,
-         "retry_warmup": 0.0, "timeout": 300.0, "settle_window": 1}
+         "retry_warmup": 0.0, "timeout": 300.0, "settle_window": 1, "layers": 1, "vocab": 512,
+         "max_chars": 200_000}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of this benchmark."""
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
-    common.add_quick(p, "3 steps per run, under a minute")
+    common.add_quick(p, "3 steps per run of a 1-layer model on a 200,000-character corpus with a 512-token BPE, "
+                    "under a minute")
     p.add_argument("--model", default="gpt-tiny", help="configs/model")
     p.add_argument("--dp", type=int, default=4, help="DP ranks")
     p.add_argument("--tp", type=int, default=1, help="TP ranks (world = dp · tp)")
@@ -72,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--settle-window", type=int, default=None, help="compression.settle_window of the auto rows "
                    "(default: the config's)")
     p.add_argument("--seq", type=int, default=64, help="data.seq_len")
+    add_size_options(p)
     p.add_argument("--micro-batch", type=int, default=2, help="train.micro_batch_size")
     p.add_argument("--global-batch", type=int, default=8, help="train.global_batch_size")
     p.add_argument("--steps", type=int, default=200, help="train.steps")
@@ -92,7 +96,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     check_models(p, args.model)
     if args.dp < 2:
         p.error("--dp must be >= 2")
-    if min(args.seq, args.micro_batch, args.steps, args.eval_batches, args.error_every) < 1 \
+    if min(args.seq, args.micro_batch, args.steps, args.eval_batches, args.error_every,
+           1 if args.layers is None else args.layers) < 1 \
             or args.global_batch % (args.micro_batch * args.dp):
         p.error("sizes must be >= 1 and --global-batch a multiple of --micro-batch · --dp")
     if not 0 <= args.warmup_share < 1:
@@ -120,11 +125,11 @@ def selected_runs(args: argparse.Namespace) -> list[tuple[str, tuple[str, ...], 
 
 def parity_cfg(args: argparse.Namespace, overrides: Sequence[str]) -> Config:
     """The full training config of one parity run: the default corpus, fp32 CPU, eval only at the end."""
-    knobs = [] if args.lr is None else [f"train.lr={args.lr}"]
+    knobs = size_overrides(args) + ([] if args.lr is None else [f"train.lr={args.lr}"])
     if args.settle_window is not None:
         knobs.append(f"compression.settle_window={args.settle_window}")
     return compose_config([f"model={args.model}", "data=default", f"data.seq_len={args.seq}",
-                           f"parallel.tp={args.tp}", *knobs,
+                           f"parallel.tp={args.tp}", "parallel.name=bench", *knobs,
                            f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.global_batch}",
                            f"train.steps={args.steps}", "train.eval_every=0", f"train.eval_batches={args.eval_batches}",
                            "train.precision=fp32", "train.device=cpu", "logging.progress=false", *overrides])
@@ -232,8 +237,6 @@ def print_pair(rows: list[dict[str, Any]], out: Callable[[str], None]) -> None:
 def section_parity(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[str, Any]]:
     """Final eval loss of every PARITY_RUNS entry vs the uncompressed run; an EF run missing the 3% goal runs
     again with compression.warmup_steps = --retry-warmup · --steps (both rows shown)."""
-    import torch._dynamo  # noqa: F401  (AdamW imports it lazily: once here, not in every forked rank)
-
     from hybrid.data import prepare_data
 
     corpus = prepare_data(parity_cfg(args, []).data)

@@ -3,11 +3,12 @@ bandwidth that cost pays for the bytes it saves.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python -m hybrid.bench.compression_speed [--sections speed,breakeven] [--quick]
 
-- speed: one process, no communication, median of --repeats: the 16-bit casts and the int8/sign/topk codecs'
-  encode and decode of an fp32 buffer of each --speed-mb size, PowerSGD's matmuls + QR (+ error feedback) on the
-  largest multi-tensor bucket of --model; ms per MiB of fp32 gradient and each hook's compute per MiB at dp=n,
-  next to the method's wire ratio from the payload formula on --model's buckets (the formula
-  `hybrid.bench.compression_bytes` checks against the counted bytes).
+- speed: one process per allocator setting (fresh interpreters; with --processes fork forked ones, seconds
+  sooner, the allocator set with mallopt), no communication, median of --repeats: the 16-bit casts and the
+  int8/sign/topk codecs' encode and decode of an fp32 buffer of each --speed-mb size, PowerSGD's matmuls + QR
+  (+ error feedback) on the largest multi-tensor bucket of --model; ms per MiB of fp32 gradient and each hook's
+  compute per MiB at dp=n, next to the method's wire ratio from the payload formula on --model's buckets (the
+  formula `hybrid.bench.compression_bytes` checks against the counted bytes).
 - breakeven: the link bandwidth below which each method's sync beats the uncompressed ring all-reduce, from
   those wire ratios and speed's times (speed runs again, unprinted, when only breakeven is asked for).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import multiprocessing as mp
 import os
 import statistics
@@ -41,14 +43,14 @@ from hybrid.compression.hooks import REGISTRY
 
 MODULE = "hybrid.bench.compression_speed"
 SECTIONS = ("speed", "breakeven")
-QUICK = {"model": "gpt-tiny", "speed_mb": [4], "repeats": 3}
+QUICK = {"model": "gpt-tiny", "speed_mb": [1], "repeats": 2, "processes": "fork"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of this benchmark."""
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
     common.add_sections(p, SECTIONS)
-    common.add_quick(p, "a 4 MiB buffer and gpt-tiny's buckets, seconds")
+    common.add_quick(p, "a 1 MiB buffer and gpt-tiny's buckets in forked processes, seconds")
     p.add_argument("--model", default="gpt-125m", help="configs/model whose largest bucket PowerSGD is "
                    "timed on and whose buckets give the wire ratios")
     p.add_argument("--speed-mb", type=int, nargs="+", default=[64, 24], help="MiB of the fp32 buffer of the casts "
@@ -56,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=7, help="timed repeats (median) after one untimed")
     p.add_argument("--breakeven-dp", type=int, nargs="+", default=[4, 8], help="DP sizes n of the hook's compute, "
                    "the wire ratios and the break-even bandwidth")
+    p.add_argument("--processes", choices=("spawn", "fork"), default="spawn", help="the timing processes: spawn "
+                   "(fresh interpreters, glibc set up by MALLOC_* at start-up) or fork (forked from this one, seconds "
+                   "sooner, glibc set up by mallopt, the heap's history inherited)")
     return p
 
 
@@ -197,11 +202,31 @@ def spawned(env: dict[str, str], fn: Callable[..., Any], *args: Any) -> Any:
                 os.environ[k] = v
 
 
+MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_MMAP_MAX_": -4}
+"""glibc's mallopt parameters (M_TRIM_THRESHOLD, M_MMAP_MAX) of the MALLOC_* settings of ALLOCATORS."""
+
+
+def set_allocator(env: dict[str, str]) -> None:
+    """`env`'s MALLOC_* settings applied to this process's glibc with mallopt (an int: capped at 2³¹ − 1), where
+    the C library has mallopt."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    for key, value in env.items():
+        if mallopt is not None and key in MALLOPT:
+            mallopt(MALLOPT[key], min(int(value), 2**31 - 1))
+
+
+def forked(env: dict[str, str], fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` in a process forked from this one, `env`'s allocator settings applied first."""
+    with mp.get_context("fork").Pool(1, initializer=set_allocator, initargs=(env,)) as pool:
+        return pool.apply(fn, args)
+
+
 def speed_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """`timed_rows` under each of ALLOCATORS, each in a fresh process with the parent's thread count (so the
-    figures do not depend on what ran before in this one): the warm rows, the default allocator's figures added
-    under "default"."""
-    runs = {name: spawned(env, timed_rows, args, torch.get_num_threads()) for name, env in ALLOCATORS.items()}
+    """`timed_rows` under each of ALLOCATORS, each in a process of its own (--processes: a fresh one, so the
+    figures do not depend on what ran before in this one, or a fork) with the parent's thread count: the warm
+    rows, the default allocator's figures added under "default"."""
+    start = spawned if args.processes == "spawn" else forked
+    runs = {name: start(env, timed_rows, args, torch.get_num_threads()) for name, env in ALLOCATORS.items()}
     for row, default in zip(runs["warm"], runs["default"]):
         row["default"] = {k: default[k] for k in ("compress", "decompress", "hook")}
     return runs["warm"]
@@ -228,13 +253,14 @@ def timed_rows(args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
 
 def section_speed(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[str, Any]]:
     """Compress and decompress ms per MiB of each method, one process, next to its wire ratio."""
+    ratios = wire_ratios(args)  # composed here first: a forked timing process inherits the configs
     rows = speed_rows(args)
-    ratios = wire_ratios(args)
     ns = args.breakeven_dp
     sizes = [4 * sum(t.numel() for t in b) / MIB for b in bucket_shapes(args.model)]
     warm = " ".join(f"{k}={v}" for k, v in ALLOCATORS["warm"].items())
     out(f"\n## speed: compute per MiB of fp32 gradient, no communication, {torch.get_num_threads()} thread(s), median "
-        f"of {args.repeats} after 1 untimed, in fresh processes: a warm allocator (glibc {warm}) and, for "
+        f"of {args.repeats} after 1 untimed, in {'fresh' if args.processes == 'spawn' else 'forked'} processes: a "
+        f"warm allocator (glibc {warm}) and, for "
         "comparison, glibc's defaults")
     body = [[r["method"], r["on"], f"{r['compress']:.3f}", f"{r['decompress']:.3f}",
              *(f"{r['hook'][n]:.3f}" for n in ns), f"{r['default']['compress']:.3f}",

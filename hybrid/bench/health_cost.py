@@ -24,12 +24,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from hybrid.bench import common
-from hybrid.bench.common import table
+from hybrid.bench.common import launch, table
 from hybrid.bench.inputs import add_run_args, bench_trainer, run_overrides
 from hybrid.config import HealthConfig
 from hybrid.health import HealthMonitor
 from hybrid.parallel import collectives as C
-from hybrid.testing.ranks import launch
 
 MODULE = "hybrid.bench.health_cost"
 QUICK = {"models": ["gpt-tiny"], "pairs": 2, "warmup": 1, "repeats": 2, "seq_len": 16, "micro_batch": 1,

@@ -1,5 +1,6 @@
-"""The inputs benchmarks share: a corpus of uniform random tokens, the vocabulary rule of `--vocab`, and for
-benchmarks that train a model per `--models` entry their options, overrides and trainer."""
+"""The inputs benchmarks share: a corpus of uniform random tokens, the vocabulary rule of `--vocab`, the options that
+shrink a run on the default corpus (`--layers`, `--vocab`, `--max-chars`), and for benchmarks that train a model
+per `--models` entry their options, overrides and trainer."""
 
 from __future__ import annotations
 
@@ -27,6 +28,23 @@ def resolve_vocab(cfg: Config, override: Optional[int]) -> int:
     return override or cfg.model.vocab_size or cfg.data.vocab_size
 
 
+def add_size_options(p: argparse.ArgumentParser) -> None:
+    """--layers, --vocab and --max-chars: the model's depth, the BPE vocabulary trained on the default corpus
+    and how much of the corpus is read (each default: the config's)."""
+    p.add_argument("--layers", type=int, default=None, help="model.n_layers (default: the model's)")
+    p.add_argument("--vocab", type=int, default=None, help="data.vocab_size of the BPE trained on the corpus "
+                   "(default: the config's)")
+    p.add_argument("--max-chars", type=int, default=None, help="data.max_chars: read at most this many characters "
+                   "of the corpus (default: all of it)")
+
+
+def size_overrides(args: argparse.Namespace) -> list[str]:
+    """The config overrides of the `add_size_options` options that were given."""
+    given = (("model.n_layers", getattr(args, "layers", None)), ("data.vocab_size", getattr(args, "vocab", None)),
+             ("data.max_chars", getattr(args, "max_chars", None)))
+    return [f"{key}={value}" for key, value in given if value is not None]
+
+
 def add_run_args(p: argparse.ArgumentParser, world: int, warmup: int, seq_len: int, microbatches: int) -> None:
     """The options of a benchmark that trains one model per `--models` entry on `--world` forked ranks:
     --models, --world, --parallel, --warmup, --seq-len, --micro-batch, --microbatches, --vocab."""
@@ -41,10 +59,16 @@ def add_run_args(p: argparse.ArgumentParser, world: int, warmup: int, seq_len: i
 
 
 def run_overrides(args: argparse.Namespace, model: str) -> list[str]:
-    """`model` trained as `add_run_args` says (dp = --world; --parallel overrides adjust it through validate)."""
-    return [f"model={model}", f"data.seq_len={args.seq_len}", f"train.micro_batch_size={args.micro_batch}",
-            f"train.global_batch_size={args.micro_batch * args.microbatches * args.world}", "train.eval_every=0",
-            "parallel.name=bench", *args.parallel]
+    """`model` trained as `add_run_args` says (dp = --world; --parallel overrides adjust it through validate).
+    Composed here once (`compose_config` keeps it), so that the ranks forked next inherit the composed config
+    instead of each composing it again."""
+    from hybrid.config import compose_config
+
+    overrides = [f"model={model}", f"data.seq_len={args.seq_len}", f"train.micro_batch_size={args.micro_batch}",
+                 f"train.global_batch_size={args.micro_batch * args.microbatches * args.world}", "train.eval_every=0",
+                 "parallel.name=bench", *args.parallel]
+    compose_config(overrides)
+    return overrides
 
 
 def bench_trainer(world: int, cfg_overrides: list[str], vocab: Optional[int]) -> Trainer:

@@ -45,13 +45,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from hybrid.bench.common import table
+from hybrid.bench.common import launch, table
 from hybrid.bench.memory import MemoryWatch, proc_status_kb, rss_mib
 from hybrid.config import Config, compose_config
 from hybrid.memory import meta_stages, micro_of, rank_memory, stage_estimates
 from hybrid.model import analytic_param_count
 from hybrid.parallel.context import Layout
-from hybrid.testing.ranks import launch
 
 WORLD = 8
 GIB = 2**30

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.bench import common
-from hybrid.bench.common import parse_with_quick
+from hybrid.bench.common import launch, parse_with_quick
 from hybrid.bench.pp_common import (
     CPU,
     add_run_options,
@@ -38,7 +38,6 @@ from hybrid.parallel.context import pp_streams
 from hybrid.parallel.pp.pipeline import P2P, PipelineStats, run_schedule
 from hybrid.parallel.pp.schedules import SCHEDULES, build_schedule
 from hybrid.parallel.pp.simulator import simulate
-from hybrid.testing.ranks import launch
 from hybrid.trainer import build_chunks
 
 MODULE = "hybrid.bench.pp_bubble"

@@ -14,13 +14,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from hybrid.bench import common
-from hybrid.bench.common import parse_with_quick
+from hybrid.bench.common import launch, parse_with_quick
 from hybrid.bench.inputs import synthetic_corpus
 from hybrid.bench.pp_common import CPU, add_run_options, bench_cfg, check_run_options, pp_context
 from hybrid.compression.hooks import make_hook
 from hybrid.model.traffic import pp_bytes_per_step
 from hybrid.parallel import collectives as C
-from hybrid.testing.ranks import launch
 from hybrid.trainer import Trainer, build_chunks
 
 MODULE = "hybrid.bench.pp_bytes"
@@ -80,8 +79,6 @@ def bytes_rank(rank: int, world: int, args: argparse.Namespace, cfgs: list[Any],
 
 def section_bytes_pp(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[str, Any]]:
     """Counted vs analytic PP bytes per step on every rank of pp2, pp4, tp2pp2 and tp2pp2+SP."""
-    import torch._dynamo  # noqa: F401  (AdamW imports it lazily: once here, not in every forked rank)
-
     gbs, rows, h = 4 * args.micro_batch, [], bench_cfg(args).model.hidden
     for world in sorted({tp * pp for tp, pp, _ in BYTES_LAYOUTS}):
         rows += [r for rank_rows in launch(bytes_rank, world, args, bytes_cfgs(args, world, gbs),

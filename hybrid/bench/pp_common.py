@@ -37,7 +37,7 @@ def check_run_options(p: argparse.ArgumentParser, args: argparse.Namespace, min_
 def bench_cfg(args: argparse.Namespace, *overrides: str) -> Config:
     """The composed config of the in-process runs (fp32 on CPU, no eval), plus `overrides`."""
     return compose_config([f"model={args.model}", f"model.vocab_size={args.vocab}", f"data.seq_len={args.seq}",
-                           f"train.micro_batch_size={args.micro_batch}", "train.eval_every=0",
+                           f"train.micro_batch_size={args.micro_batch}", "train.eval_every=0", "parallel.name=bench",
                            "train.precision=fp32", "train.device=cpu", *overrides])
 
 

@@ -25,12 +25,12 @@ from typing import Any, Optional
 import torch
 
 from hybrid.bench import common
+from hybrid.bench.common import launch
 from hybrid.bench.memory import proc_status_kb, sample_peaks
 from hybrid.config import Config, compose_config
 from hybrid.model import build_model
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.parallel.pp.pipeline import partition_layers
-from hybrid.testing.ranks import launch
 
 MODULE = "hybrid.bench.pp_headline"
 GB = 2**30

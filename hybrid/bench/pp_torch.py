@@ -20,11 +20,10 @@ import torch.distributed as dist
 
 from hybrid.bench import common
 from hybrid.bench import pp_common as pc
-from hybrid.bench.common import parse_with_quick
+from hybrid.bench.common import launch, parse_with_quick
 from hybrid.parallel.pp.pipeline import P2P, run_schedule
 from hybrid.parallel.pp.schedules import build_schedule
 from hybrid.parallel.tp.tensor import vocab_parallel_cross_entropy
-from hybrid.testing.ranks import launch
 from hybrid.trainer import build_chunks
 
 if TYPE_CHECKING:

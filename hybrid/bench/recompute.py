@@ -23,11 +23,10 @@ from typing import Any, Optional
 import torch
 
 from hybrid.bench import common
-from hybrid.bench.common import table
+from hybrid.bench.common import launch, table
 from hybrid.bench.inputs import add_run_args, bench_trainer, run_overrides
 from hybrid.memory import Micro, ends_bytes, layer_activation_bytes, loss_columns
 from hybrid.testing.activations import saved_tally
-from hybrid.testing.ranks import launch
 from hybrid.trainer import Trainer
 
 MODULE = "hybrid.bench.recompute"

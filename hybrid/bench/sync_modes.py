@@ -2,16 +2,16 @@
 
     OMP_NUM_THREADS=1 HYBRID_CACHE=/tmp/hc PYTHONPATH=. python -m hybrid.bench.sync_modes [--quick]
 
---model on the default corpus, dp=4 forked gloo ranks as 2 emulated nodes × 2 (`parallel.ranks_per_node=2`),
-the same seed, data, token count and inner hyperparameters for every run; one real `Trainer` per run. The
-synchronous baseline averages every step's gradients hierarchically (`compression=hierarchical`, exact: inside
-each node, then between them); DiLoCo and local SGD keep DP inside a node synchronous (`sync.scope=inter`) and
-exchange between nodes every H steps (fp32, int8 or sign on the outer step); gossip averages with the ring's
-neighbours every step; the parameter server (one shard, on node 0) takes every worker's gradient and returns
-the parameters, synchronously or 2 versions ahead at most. Inter-node bytes: the payload a rank hands to its
-between-node groups (`dp_inter`, as COUNTER counts it), sends to a gossip neighbour on the other node, or
-pushes to and pulls from a server there; summed over the run, averaged over ranks. The final eval loss is over
---eval-batches held-out global batches, the same for every run.
+--model (--layers deep) on the default corpus (--max-chars of it and a --vocab BPE where given), dp=4 forked gloo
+ranks as 2 emulated nodes × 2 (`parallel.ranks_per_node=2`), the same seed, data, token count and inner
+hyperparameters for every run; one real `Trainer` per run. The synchronous baseline averages every step's gradients
+hierarchically (`compression=hierarchical`, exact: inside each node, then between them); DiLoCo and local SGD keep
+DP inside a node synchronous (`sync.scope=inter`) and exchange between nodes every H steps (fp32, int8 or sign on
+the outer step); gossip averages with the ring's neighbours every step; the parameter server (one shard, on node 0)
+takes every worker's gradient and returns the parameters, synchronously or 2 versions ahead at most. Inter-node
+bytes: the payload a rank hands to its between-node groups (`dp_inter`, as COUNTER counts it), sends to a gossip
+neighbour on the other node, or pushes to and pulls from a server there; summed over the run, averaged over ranks.
+The final eval loss is over --eval-batches held-out global batches, the same for every run.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 import torch
 
 from hybrid.bench import common
-from hybrid.bench.common import check_models, parse_with_quick, table
+from hybrid.bench.common import check_models, launch, parse_with_quick, table
+from hybrid.bench.inputs import add_size_options, size_overrides
 from hybrid.compression.hooks import make_hook
 from hybrid.config import Config, compose_config
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
-from hybrid.testing.ranks import launch
 from hybrid.trainer import Trainer, build_chunks
 from hybrid.validation import validate
 
@@ -53,8 +53,8 @@ class Outer(NamedTuple):
 
 PAPER = Outer(0.7, 0.9)  # DiLoCo's outer Nesterov lr and momentum
 GOAL_LOSS, GOAL_BYTES = 0.02, 50.0  # DiLoCo within 2 % of synchronous eval loss at >= 50x fewer inter-node bytes
-QUICK = {"steps": 4, "inner_steps": [2], "seq": 32, "micro_batch": 1, "global_batch": 4, "eval_batches": 1,
-         "codecs": ["none"]}
+QUICK = {"steps": 2, "inner_steps": [2], "seq": 32, "micro_batch": 1, "global_batch": 4, "eval_batches": 1,
+         "codecs": ["none"], "layers": 1, "vocab": 512, "max_chars": 200_000}
 
 
 def runs(args: argparse.Namespace) -> list[tuple[str, tuple[str, ...], bool]]:
@@ -87,7 +87,8 @@ def outer_setting(text: str) -> Outer:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
-    common.add_quick(p, "4 steps per run, under a minute")
+    common.add_quick(p, "2 steps per run of a 1-layer model on a 200,000-character corpus with a 512-token BPE, "
+                    "under a minute")
     p.add_argument("--model", default="gpt-tiny", help="configs/model")
     p.add_argument("--steps", type=int, default=600, help="train.steps (the same tokens for every run)")
     p.add_argument("--inner-steps", type=int, nargs="+", default=[10, 50, 100], help="DiLoCo's H values")
@@ -100,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "middle --inner-steps)")
     p.add_argument("--lr", type=float, default=None, help="train.lr (default: the config's)")
     p.add_argument("--seq", type=int, default=64, help="data.seq_len")
+    add_size_options(p)
     p.add_argument("--micro-batch", type=int, default=2, help="train.micro_batch_size")
     p.add_argument("--global-batch", type=int, default=16, help="train.global_batch_size")
     p.add_argument("--eval-batches", type=int, default=16, help="held-out global batches of the final eval")
@@ -112,7 +114,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = build_parser()
     args = parse_with_quick(p, argv, QUICK)
     check_models(p, args.model)
-    sizes = (args.steps, *args.inner_steps, *args.local_steps, args.seq, args.micro_batch, args.eval_batches)
+    sizes = (args.steps, *args.inner_steps, *args.local_steps, args.seq, args.micro_batch, args.eval_batches,
+             1 if args.layers is None else args.layers)
     if min(sizes) < 1 or min(args.overlap_steps) < 0 or args.global_batch % (args.micro_batch * 4):
         p.error("sizes must be >= 1, --overlap-steps >= 0 and --global-batch a multiple of --micro-batch · 4")
     if any(not (o.lr > 0 and 0 <= o.momentum < 1) for o in args.outer) or len(set(args.outer)) < len(args.outer):
@@ -122,9 +125,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def mode_config(args: argparse.Namespace, overrides: Sequence[str], steps: Optional[int] = None) -> Config:
     """One run's config: the default corpus, fp32 CPU, dp=4 on 2 emulated nodes, eval only at the end."""
-    knobs = [] if getattr(args, "lr", None) is None else [f"train.lr={args.lr}"]
+    knobs = size_overrides(args) + ([] if getattr(args, "lr", None) is None else [f"train.lr={args.lr}"])
     return compose_config([f"model={args.model}", "data=default", f"data.seq_len={args.seq}", *knobs,
-                           "parallel.ranks_per_node=2", f"train.micro_batch_size={args.micro_batch}",
+                           "parallel.ranks_per_node=2", "parallel.name=bench",
+                           f"train.micro_batch_size={args.micro_batch}",
                            f"train.global_batch_size={args.global_batch}", f"train.steps={steps or args.steps}",
                            "train.eval_every=0", f"train.eval_batches={getattr(args, 'eval_batches', 1)}",
                            "train.precision=fp32", "train.device=cpu", "logging.progress=false", *overrides])
@@ -161,8 +165,6 @@ def mode_ranks(rank: int, world: int, cfgs: list[Config], corpus: Corpus) -> lis
 
 def section(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[str, Any]]:
     """Every run's final eval loss and inter-node bytes, against the synchronous run's."""
-    import torch._dynamo  # noqa: F401  (AdamW imports it lazily: once here, not in every forked rank)
-
     from hybrid.data import prepare_data
 
     only = {x.strip() for x in args.only.split(",") if x.strip()}

@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from hybrid.bench import common
-from hybrid.bench.common import parse_with_quick, table
+from hybrid.bench.common import launch, parse_with_quick, table
+from hybrid.bench.inputs import add_size_options
 from hybrid.bench.sync_modes import SYNC, mode_config
 from hybrid.compression.hooks import make_hook
 from hybrid.config import Config
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
-from hybrid.testing.ranks import launch
 from hybrid.trainer import Trainer, build_chunks
 from hybrid.validation import validate
 
@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 MODULE = "hybrid.bench.sync_slow_links"
 CONDITIONS = ("none", "slow link", "slow rank")
 SLOW_RANK = 3
-QUICK = {"steps": 1, "rounds": 2, "inner_steps": 2, "seq": 32, "micro_batch": 1, "global_batch": 4, "straggle_ms": 20.0}
+QUICK = {"steps": 1, "rounds": 2, "inner_steps": 2, "seq": 32, "micro_batch": 1, "global_batch": 4, "straggle_ms": 20.0,
+         "layers": 1, "vocab": 512, "max_chars": 200_000}
 
 
 def modes(h: int) -> list[tuple[str, tuple[str, ...]]]:
@@ -56,7 +57,8 @@ def modes(h: int) -> list[tuple[str, tuple[str, ...]]]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
-    common.add_quick(p, "1 step per block, 2 rounds, a 20 ms straggler: under half a minute")
+    common.add_quick(p, "1 step per block, 2 rounds, a 20 ms straggler, a 1-layer model on a 200,000-character "
+                    "corpus with a 512-token BPE: under half a minute")
     p.add_argument("--model", default="gpt-tiny", help="configs/model")
     p.add_argument("--steps", type=int, default=20, help="timed steps per block (a multiple of H keeps the outer "
                    "steps' share exact)")
@@ -66,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bandwidth-mbs", type=float, default=100.0, help="the slow link's bandwidth, MB/s")
     p.add_argument("--straggle-ms", type=float, default=200.0, help="the slow rank's extra time per step")
     p.add_argument("--seq", type=int, default=64, help="data.seq_len")
+    add_size_options(p)
     p.add_argument("--micro-batch", type=int, default=2, help="train.micro_batch_size")
     p.add_argument("--global-batch", type=int, default=16, help="train.global_batch_size")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are killed")
@@ -75,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = build_parser()
     args = parse_with_quick(p, argv, QUICK)
-    if min(args.steps, args.rounds, args.inner_steps, args.seq, args.micro_batch) < 1 \
+    if min(args.steps, args.rounds, args.inner_steps, args.seq, args.micro_batch,
+           1 if args.layers is None else args.layers) < 1 \
             or args.global_batch % (args.micro_batch * 4):
         p.error("sizes must be >= 1 and --global-batch a multiple of --micro-batch · 4")
     return args
@@ -124,8 +128,6 @@ def slow_rank(rank: int, world: int, args: argparse.Namespace, cfgs: list[Config
 
 def section(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
     """Per condition and mode: median s/step and the median per-round ratio to synchronous DP."""
-    import torch._dynamo  # noqa: F401  (AdamW imports it lazily: once here, not in every forked rank)
-
     from hybrid.data import prepare_data
 
     chosen = modes(args.inner_steps)

@@ -21,10 +21,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from hybrid.bench import common
-from hybrid.bench.common import table
+from hybrid.bench.common import launch, table
 from hybrid.bench.inputs import add_run_args, bench_trainer, run_overrides
 from hybrid.parallel import collectives as C
-from hybrid.testing.ranks import launch
 
 MODULE = "hybrid.bench.timing_overhead"
 QUICK = {"models": ["gpt-tiny"], "pairs": 2, "warmup": 1, "seq_len": 16, "micro_batch": 1, "microbatches": 2}

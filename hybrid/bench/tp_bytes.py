@@ -15,25 +15,24 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 from hybrid.bench import common
-from hybrid.bench.common import parse_with_quick
+from hybrid.bench.common import launch, parse_with_quick
 from hybrid.bench.inputs import resolve_vocab, synthetic_corpus
 from hybrid.bench.tp_common import add_train_options, check_train_options, make_trainer, train_cfg
 from hybrid.data import Corpus
 from hybrid.model.traffic import tp_bytes_per_step
 from hybrid.parallel import collectives as C
-from hybrid.testing.ranks import launch
 
 if TYPE_CHECKING:
     from hybrid.config import Config
 
 MODULE = "hybrid.bench.tp_bytes"
-QUICK = {"tp": [2], "seq": 32, "micro_batch": 2, "global_batch": 8, "timeout": 120.0}
+QUICK = {"tp": [2], "vocab": 512, "seq": 16, "micro_batch": 2, "global_batch": 4, "timeout": 120.0}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of this benchmark."""
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
-    common.add_quick(p, "tp=2 only, seconds")
+    common.add_quick(p, "tp=2 only, 4 × 16 tokens, vocabulary 512, seconds")
     p.add_argument("--tp", type=int, nargs="+", default=[2, 4], help="TP sizes (at least 2)")
     add_train_options(p)
     return p

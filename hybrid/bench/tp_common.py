@@ -47,7 +47,7 @@ def train_cfg(args: argparse.Namespace, steps: int) -> Config:
     """The composed config of the training runs (fp32 on CPU, no eval)."""
     return compose_config([f"model={args.model}", f"data.seq_len={args.seq}", f"train.steps={steps}",
                            f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.global_batch}",
-                           "train.eval_every=0", "train.precision=fp32", "train.device=cpu"])
+                           "train.eval_every=0", "train.precision=fp32", "train.device=cpu", "parallel.name=bench"])
 
 
 def make_trainer(cfg: Config, corpus: Corpus, world: int, tp: int, sp: bool) -> Trainer:

@@ -26,13 +26,12 @@ from typing import Any, Optional
 import torch
 
 from hybrid.bench import common
-from hybrid.bench.common import check_models, parse_with_quick
+from hybrid.bench.common import check_models, launch, parse_with_quick
 from hybrid.bench.inputs import resolve_vocab
 from hybrid.bench.tp_common import MB, tp_context
 from hybrid.config import ModelConfig, compose_config
 from hybrid.model import build_model
 from hybrid.testing.activations import saved_tally
-from hybrid.testing.ranks import launch
 
 MODULE = "hybrid.bench.tp_memory"
 SECTIONS = ("params", "activations")

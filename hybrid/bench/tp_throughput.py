@@ -19,24 +19,24 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch.distributed as dist
 
 from hybrid.bench import common
-from hybrid.bench.common import parse_with_quick
+from hybrid.bench.common import launch, parse_with_quick
 from hybrid.bench.inputs import resolve_vocab, synthetic_corpus
 from hybrid.bench.tp_common import add_train_options, check_train_options, make_trainer, train_cfg
 from hybrid.data import Corpus
-from hybrid.testing.ranks import launch
 
 if TYPE_CHECKING:
     from hybrid.config import Config
 
 MODULE = "hybrid.bench.tp_throughput"
 VARIANTS = (("tp1·dp2", 1, False), ("tp2", 2, False), ("tp2+SP", 2, True))  # the contenders
-QUICK = {"seq": 32, "micro_batch": 2, "global_batch": 8, "steps": 1, "warmup": 0, "rounds": 2, "timeout": 120.0}
+QUICK = {"vocab": 512, "seq": 16, "micro_batch": 2, "global_batch": 4, "steps": 1, "warmup": 0, "rounds": 2,
+         "timeout": 120.0}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of this benchmark."""
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
-    common.add_quick(p, "2 rounds of 1 step, seconds")
+    common.add_quick(p, "2 rounds of 1 step of 4 × 16 tokens, vocabulary 512, seconds")
     add_train_options(p)
     p.add_argument("--steps", type=int, default=2, help="timed steps per contender per round")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per contender per round")

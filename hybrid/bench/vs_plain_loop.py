@@ -138,9 +138,11 @@ def build(args: argparse.Namespace) -> tuple[list[Side], Any]:
             sides[name] = side
     if "plain" in wanted or "plain_compiled" in wanted:
         loop = plain_loop(args, base)
+        sides["plain"] = Side("plain", loop.run_step)
+    if "plain_compiled" in wanted:  # torch.compile imports the compiler (seconds): only for the side that runs it
         compiled = copy.copy(loop)  # the same weights, optimizer and sampler, through torch.compile
         compiled.model = torch.compile(loop.model)
-        sides |= {"plain": Side("plain", loop.run_step), "plain_compiled": Side("plain_compiled", compiled.run_step)}
+        sides["plain_compiled"] = Side("plain_compiled", compiled.run_step)
     return [sides[n] for n in wanted], base
 
 

@@ -28,14 +28,13 @@ import torch
 import torch.distributed as dist
 
 from hybrid.bench import pp_common as pc
-from hybrid.bench.common import reproduce_command, table, timed
+from hybrid.bench.common import launch, reproduce_command, table, timed
 from hybrid.memory import meta_stages, micro_of, rank_memory, training_schedule
 from hybrid.parallel.context import pp_streams
 from hybrid.parallel.pp.pipeline import P2P, PipelineStats, run_schedule
 from hybrid.parallel.pp.simulator import simulate
 from hybrid.record.metrics import format_bytes
 from hybrid.testing.activations import tracked_peak
-from hybrid.testing.ranks import launch
 from hybrid.trainer import build_chunks
 
 VARIANTS = (("1f1b", "1f1b", "1f1b"), ("zb1p ZB-H1", "zb1p", "none"), ("zb1p fitted", "zb1p", "1f1b"))

@@ -83,7 +83,7 @@ def test_quick_run_both_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
     assert 12 * n_one < single["bytes"] <= 12 * n_one + 2048 * 3 * size["n_tensors"]
     assert min(sharded["save_s"], sharded["load_s"], single["save_s"], single["load_s"]) > 0
     timing = result["async"]
-    assert len(timing["rounds"]) == 1 and len(timing["rounds"][0]["flight"]) == 2
+    assert len(timing["rounds"]) == 1 and len(timing["rounds"][0]["flight"]) == 1  # --quick: 1 step in flight
     assert min(timing["plain_s"], timing["flight_s"], timing["sync_s"], timing["block_s"]) > 0
     assert 0 < timing["copy_s"] < timing["block_s"]  # the staging copy is part of the blocking time
     assert timing["window_s"] >= 0 and 0 <= timing["overlap"] <= 1

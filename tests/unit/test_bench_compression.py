@@ -4,11 +4,13 @@ product's targets)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from hybrid.bench import compression_bytes, compression_parity, compression_speed
-from hybrid.bench.common import table
+from hybrid.bench.common import launch, table
 from hybrid.bench.compression_common import (
     BYTES_METHODS,
     bucket_shapes,
@@ -16,19 +18,20 @@ from hybrid.bench.compression_common import (
     formula_payload,
     formula_ratio,
 )
-from hybrid.testing.ranks import launch
 
 
 def test_quick_defaults_reproduce_command_and_cli() -> None:
     args = compression_bytes.parse_args(["--quick"])
     assert args.model == "gpt-tiny" and args.dp == [2]
-    assert compression_speed.parse_args(["--quick"]).speed_mb == [4]
+    quick_speed = compression_speed.parse_args(["--quick"])
+    assert quick_speed.speed_mb == [1] and quick_speed.processes == "fork"
+    assert compression_speed.parse_args([]).processes == "spawn"
     parity = compression_parity.parse_args(["--quick", "--steps", "7"])
     assert parity.steps == 7  # an explicit option wins over QUICK's
     command = compression_parity.reproduce_command(parity)
     assert "--quick" not in command and "--steps 7" in command and "--model gpt-tiny" in command
-    speed = compression_speed.parse_args(["--quick"])
-    assert "--sections speed " in compression_speed.reproduce_command(speed, ["speed"])
+    assert "--sections speed " in compression_speed.reproduce_command(quick_speed, ["speed"])
+    assert "--processes fork" in compression_speed.reproduce_command(quick_speed)
     assert compression_bytes.parse_args([]).model == "gpt-125m"
     for parse, bad in ((compression_speed.parse_args, ["--sections", "nope"]), (compression_bytes.parse_args,
                        ["--dp", "3"]), (compression_bytes.parse_args, ["--model", "no-such-model"]),
@@ -56,13 +59,26 @@ def test_formulas_and_breakeven_model() -> None:
         "| name  | ratio |", "|-------|-------|", "| x     | 1.50× |", "| 4 MiB | -     |"]  # numbers right-aligned
 
 
+def whole_and_alone(rank: int, world: int, model: str, methods: list) -> tuple[list[dict], list[dict]]:
+    """`bytes_rank`'s whole step, then its bucket-by-bucket steps, on the same ranks."""
+    return (compression_bytes.bytes_rank(rank, world, model, methods, False),
+            compression_bytes.bytes_rank(rank, world, model, methods, True))
+
+
 def test_alone_and_whole_steps_count_the_same_bytes() -> None:
     methods = [(label, compression_cfg(o)) for label, o in BYTES_METHODS
                if label in ("sign", "torch_powersgd", "hier+int8")]
-    whole, alone = (launch(compression_bytes.bytes_rank, 4, "gpt-tiny", methods, flag, timeout=120)[0]
-                    for flag in (False, True))
+    bucket_shapes("gpt-tiny")  # composed here: the ranks inherit it
+    whole, alone = launch(whole_and_alone, 4, "gpt-tiny", methods, timeout=120)[0]
     assert [r["payload"] for r in whole] == [r["payload"] for r in alone]
     assert whole[2]["payload"].keys() == {"dp_intra", "dp_inter"}
+
+
+def test_spawned_processes_start_with_the_settings_and_leave_none_here() -> None:
+    """The full run's timing processes (`--processes spawn`; --quick forks them): a fresh interpreter that
+    starts with the allocator settings in its environment, which this process gets back as it was."""
+    assert compression_speed.spawned({"HYBRID_PROBE": "1"}, os.getenv, "HYBRID_PROBE") == "1"
+    assert "HYBRID_PROBE" not in os.environ
 
 
 # one parity row per code path: exact, a two-phase codec, both PowerSGDs, the optimizer side, the auto schedule

@@ -3,21 +3,31 @@ figures exist and the exact ones agree)."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from hybrid.bench import tp_bytes, tp_memory, tp_throughput
 
 TINY_MEMORY = ["--tp", "1", "2", "--param-model", "gpt-tiny", "--act-model", "gpt-tiny", "--act-layers", "2",
                "--act-seq", "32", "--timeout", "120"]
-TRAIN = ["--model", "gpt-tiny", "--seq", "32", "--micro-batch", "2", "--global-batch", "8", "--timeout", "120"]
-TINY_THROUGHPUT = [*TRAIN, "--steps", "1", "--warmup", "0", "--rounds", "2"]
-TINY_BYTES = [*TRAIN, "--tp", "2"]
+TRAIN = ["--model", "gpt-tiny", "--seq", "16", "--micro-batch", "2", "--global-batch", "4", "--timeout", "120"]
 
 
-def test_every_section_runs_and_the_exact_figures_agree(capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_section_runs_and_the_exact_figures_agree(capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every section at tiny sizes (tp_throughput and tp_bytes in --quick mode), tp_bytes through its `main`:
+    exit status 0 with every counted figure equal to the formula."""
+    bytes_rows, real_run = [], tp_bytes.run
+
+    def recorded(args: argparse.Namespace) -> list[dict]:
+        bytes_rows.extend(real_run(args))
+        return bytes_rows
+
+    monkeypatch.setattr(tp_bytes, "run", recorded)
+    assert tp_bytes.main(["--quick"]) == 0
     result = {**tp_memory.run(tp_memory.parse_args(TINY_MEMORY)),
-              "throughput": tp_throughput.run(tp_throughput.parse_args(TINY_THROUGHPUT)),
-              "bytes": tp_bytes.run(tp_bytes.parse_args(TINY_BYTES))}
+              "throughput": tp_throughput.run(tp_throughput.parse_args(["--quick"])), "bytes": bytes_rows}
     out = capsys.readouterr().out
     for needle in ("# command: OMP_NUM_THREADS=1", "## params", "## activations", "## throughput", "## bytes_tp",
                    "Megatron", "reproduce:"):
@@ -42,13 +52,15 @@ def test_every_section_runs_and_the_exact_figures_agree(capsys: pytest.CaptureFi
     assert all(r["equal"] for r in result["bytes"]), result["bytes"]
 
 
-def test_cli_selects_sections_and_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
-    assert tp_bytes.main(TINY_BYTES) == 0
+def test_cli_selects_sections_and_rejects_bad_input(capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tp_bytes, "run", lambda args: [{"equal": True}, {"equal": False}])
+    assert tp_bytes.main(["--quick"]) == 1  # a counted figure off its formula
     assert set(tp_memory.run(tp_memory.parse_args([*TINY_MEMORY, "--sections", "params"]))) == {"params"}
     out = capsys.readouterr().out
-    assert "## bytes_tp" in out and "## params" in out and "## activations" not in out
+    assert "## params" in out and "## activations" not in out
     assert tp_throughput.parse_args(["--quick"]).rounds == 2 and tp_bytes.parse_args(["--quick"]).tp == [2]
     for module, bad in ((tp_memory, [*TINY_MEMORY, "--sections", "nope"]), (tp_throughput, [*TRAIN, "--model",
-                        "no-such-model"]), (tp_bytes, [*TINY_BYTES, "--seq", "33"])):
+                        "no-such-model"]), (tp_bytes, [*TRAIN, "--tp", "2", "--seq", "33"])):
         with pytest.raises(SystemExit):
             module.parse_args(bad)
