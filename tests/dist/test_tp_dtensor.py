@@ -9,7 +9,8 @@ plain unsharded MLP. Both plans run on CPU/gloo in torch 2.13.
 Tolerances: everything runs in fp64, so outputs and gradients differ only by summation order:
 rtol = 1e-10, atol = 1e-12 (measured: max abs error 7e-14 vs DTensor).
 
-The DTensor modules are imported at module level, in the parent before the ranks fork: once, not per rank.
+The DTensor modules, and torch._dynamo (which `distribute_tensor` imports on first use, ~3 CPU-s), are imported
+at module level, in the parent before the ranks fork: once, not per rank.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (distribute_tensor imports it on first use: once here, not per rank)
 import torch.distributed as dist
 import torch.nn.functional as F
 from harness import run_ranks
