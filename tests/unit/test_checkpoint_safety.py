@@ -9,19 +9,19 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+import hybrid.train
 from hybrid.checkpoint import MANIFEST, METADATA, find_latest, problem, step_path
 from hybrid.checkpoint.files import scan
 from hybrid.checkpoint.state import blob, unblob
 from hybrid.checkpoint.trust import remove_step
 from hybrid.config import ConfigError, compose_config
+from hybrid.testing.cli_runs import run_forked
 from hybrid.validation import validate
 
 B = ["model=gpt-tiny", "data.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=4",
@@ -99,24 +99,26 @@ def test_cleanup_never_follows_a_symlink_or_leaves_the_run_folder(tmp_path: Path
 
 @pytest.mark.parametrize("name", ["../../x", "/tmp/x", "a/b", "..", ""])
 def test_run_name_cannot_leave_its_folder(name: str) -> None:
+    cfg = compose_config(B)  # composed once (every call a copy); run_name set as an override would set it
+    cfg.run_name = name
     with pytest.raises(ConfigError, match="must be one folder name"):
-        validate(compose_config([*B, f"run_name={name}"]), 1)
+        validate(cfg, 1)
 
 
 def test_a_diverged_run_keeps_its_finite_checkpoint_and_says_so(tmp_path: Path) -> None:
-    """The real command line: lr 1e3 diverges within a few steps and the first non-finite gradient stops it
-    (train.on_nonfinite=stop) before any update; the symlinked step 1 points outside."""
+    """The real command line (`hybrid.train`'s entry point in a forked child, hybrid.testing.cli_runs): lr 1e3
+    diverges within a few steps and the first non-finite gradient stops it (train.on_nonfinite=stop) before any
+    update; the symlinked step 1 points outside."""
     outside = tmp_path / "precious"
     outside.mkdir()
     (outside / METADATA).write_text("keep me")
     root = tmp_path / "ck" / "nan"
     root.mkdir(parents=True)
     step_path(root, 1).symlink_to(outside, target_is_directory=True)
-    cmd = [sys.executable, "-m", "hybrid.train", *B, "parallel=single", "train.steps=8", "train.lr=1e3",
-           "optim.warmup_steps=6", "checkpoint.every=2", "checkpoint.keep=1", "run_name=nan",
-           f"checkpoint.dir={tmp_path / 'ck'}", f"logging.dir={tmp_path / 'run'}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    argv = [*B, "data.max_chars=200000", "parallel=single", "train.steps=8", "train.lr=1e3", "optim.warmup_steps=6",
+            "checkpoint.every=2", "checkpoint.keep=1", "run_name=nan", f"checkpoint.dir={tmp_path / 'ck'}",
+            f"logging.dir={tmp_path / 'run'}"]
+    p = run_forked(hybrid.train.main, argv, tmp_path, {"OMP_NUM_THREADS": "1"}, timeout_s=240)
     errors = [line for line in p.stderr.splitlines() if "error" in line]
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
     assert len(errors) == 1 and errors[0].startswith("hybrid: error: step ") and "is kept" in errors[0]
