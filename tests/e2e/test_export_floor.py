@@ -2,8 +2,8 @@
 
 `python -m hybrid.bench.export_compat --transformers <floor>` as a child forked from this process
 (hybrid.testing.cli_runs.run_forked: its `main`, without a fresh interpreter's imports): a venv with the
-floor's transformers (and the tokenizers/huggingface_hub pip resolves for it; torch from this
-interpreter, never downloaded), cached where the benchmark caches it by default,
+floor's transformers (and the tokenizers/huggingface_hub pip resolves for it, installed without .pyc
+files; torch from this interpreter, never downloaded), cached where the benchmark caches it by default,
 $HYBRID_CACHE/venvs/transformers-<floor> (else ~/.cache/hybrid/venvs/...: a run without HYBRID_CACHE
 reuses it, as the benchmark run by hand does, while its stamp matches); tiny GPT and Llama checkpoints
 exported in fp32 and bf16 with the installed transformers; AutoTokenizer, AutoModelForCausalLM and
@@ -51,7 +51,10 @@ def bench() -> None:
 @pytest.mark.slow
 def test_export_loads_on_the_floor_transformers(tmp_path: Path) -> None:
     venv = export_compat.venv_dir(FLOOR, None)  # the benchmark's own cache: $HYBRID_CACHE, else ~/.cache/hybrid
-    env = {"OMP_NUM_THREADS": "1"}
+    # pip installs the floor without byte-compiling every module of transformers (about 10 CPU-s of a cold
+    # venv; the loader compiles what it imports, once): PIP_NO_COMPILE=0 is pip's `--no-compile` (the variable
+    # sets the option's `compile` destination to the value given)
+    env = {"OMP_NUM_THREADS": "1", "PIP_NO_COMPILE": "0"}
     r = run_forked(bench, ["--transformers", FLOOR, "--venv", str(venv)], ROOT, env, timeout_s=600,
                    prog=export_compat.MODULE)
     if r.code != 0 and not export_compat.venv_ready(venv, FLOOR):  # asked only on failure (a slow probe)
