@@ -94,7 +94,8 @@ LAUNCHES: dict[str, tuple[int, list[Case]]] = {
     # the zero-bubble schedules (zb1p paired with the 1f1b cases above), with recomputation, SP, ZeRO-1 and
     # compression; the tied embedding in both placements (zbv puts the embedding and the head on rank 0)
     # the schedules' own orders and, fitted to 1F1B's memory, these models (large logits) as the start-up line
-    # shows: zb1p 0, 1, 2, 2 at pp4; zbv unsplit at pp2 and unsplit, 0, 0, unsplit at pp4
+    # shows: zb1p 0, unsplit at pp2 (recompute, ZeRO-1) and 0, 1, 2, 1 at pp4; zbv unsplit, 2 at pp2 and
+    # unsplit, 0, 0, unsplit (llama) or 0 (gpt) at pp4
     "pp2-zb": (2, zero_bubble("gpt", 1, 2) + [Case("llama", 1, 2, "zbv", 2, extra=())]
                + [Case("gpt", 1, 2, "zb1p", extra=("train.recompute=full",))]),
     "pp4-zb": (4, zero_bubble("llama", 1, 4, fitted=True) + [Case("gpt", 1, 4, "zbv", 2)]),
