@@ -1,7 +1,8 @@
 """hybrid.data: loading, tokenizer, packing, the cache and its lock, the sampler and eval indices.
 
 Every expectation is a direct computation (tokenize the documents again, walk the sample stream),
-never a hand-written constant. Caches live under tmp_path, never ~/.cache.
+never a hand-written constant. Caches live under tmp_path (the full default corpus: the suite's HYBRID_CACHE
+when set), never ~/.cache.
 """
 
 from __future__ import annotations
@@ -354,9 +355,11 @@ def test_batch_from_shifts_by_one() -> None:
 
 
 @pytest.mark.slow
-def test_default_corpus_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The real embedded corpus with the default 8192 vocabulary (~10 s on 2 cores), then a cached call."""
-    cfg = _cfg(tmp_path, path=None, vocab_size=8192, seq_len=128, eval_fraction=0.01)
+def test_default_corpus_full(tmp_path: Path, cache: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real embedded corpus with the default 8192 vocabulary (~20 CPU-s to build), then a cached call; in the
+    suite's own HYBRID_CACHE when one is set (the `cache` fixture: the runs on the default corpus share it, so a
+    suite builds it once), else in a fresh folder."""
+    cfg = _cfg(tmp_path, path=None, vocab_size=8192, seq_len=128, eval_fraction=0.01, cache_dir=None)
     corpus = prepare_data(cfg)
     assert corpus.vocab_size == 8192 and corpus.meta["chars"] > 5_000_000
     n = corpus.meta["tokens"] // 129
