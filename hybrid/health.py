@@ -50,11 +50,16 @@ class HealthMonitor:
         chunks = model if isinstance(model, nn.ModuleList) else [model]  # a chunk's names are the global ones
         self.named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters() if p.requires_grad]
         self.device = self.named[0][1].device if self.named else torch.device("cpu")  # NCCL: CUDA tensors
-        self.busy, self.steps, self.latest = 0.0, 0, {}  # compute seconds and steps since the last check
+        self.busy: list[Callable[[], float]] = []  # each step's compute seconds since the last check, unread
+        self.steps, self.latest = 0, {}
 
-    def after_step(self, step: int, busy_s: float) -> None:
-        """Account step `step`'s compute; run the checks that are due. Collective when one is due."""
-        self.busy, self.steps = self.busy + busy_s, self.steps + 1
+    def after_step(self, step: int, busy_s: Callable[[], float]) -> None:
+        """Account step `step`'s compute (`busy_s()` its seconds, read only at a check: on CUDA a read waits for
+        the step's events, which a step that checks nothing must not); run the checks that are due. Collective
+        when one is due."""
+        self.steps += 1
+        if self.cfg.straggler_every:
+            self.busy.append(busy_s)
         if self.cfg.straggler_every and step % self.cfg.straggler_every == 0:
             self.latest = self.stragglers(step)
         if self.cfg.divergence_every and step % self.cfg.divergence_every == 0:
@@ -67,8 +72,9 @@ class HealthMonitor:
     def stragglers(self, step: int) -> dict[str, Any]:
         """Share the compute seconds since the last check (one all-gather over the world); warn about the slowest
         rank of any group when it is more than the threshold above the group's median."""
-        times = _gather_world(torch.tensor([self.busy], dtype=torch.float64, device=self.device), self.ctx)
-        n, self.steps, self.busy = max(self.steps, 1), 0, 0.0
+        busy = sum(seconds() for seconds in self.busy)
+        times = _gather_world(torch.tensor([busy], dtype=torch.float64, device=self.device), self.ctx)
+        n, self.steps, self.busy = max(self.steps, 1), 0, []
         worst = max(_compare(times, self.ctx), key=lambda x: x[0])
         ratio, rank, median = worst
         if ratio > 1 + self.cfg.straggler_threshold:

@@ -113,6 +113,13 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+class Result(Protocol):
+    """A step's result as the guard reads it: its DP-mean loss (a host read, made on a bad step only)."""
+
+    @property
+    def loss(self) -> float: ...
+
+
 class Position(Protocol):
     """What the guard needs of the run it watches: the step reached (a rewind's load sets it back) and the data
     order, whose position a rewind keeps past the bad batch."""
@@ -126,8 +133,8 @@ class Guard:
     gradients are zeroed), `settle` after the step; `lr_step` is where the LR schedule stands."""
 
     def __init__(self, cfg: TrainConfig, ctx: ParallelContext, checkpointer: Checkpointer,
-                 say: Callable[[str], None], same_norm: bool = True, hook_state: Callable[[], Any] = lambda: None
-                 ) -> None:
+                 say: Callable[[str], None], same_norm: bool = True, hook_state: Callable[[], Any] = lambda: None,
+                 deferred: bool = False) -> None:
         self.mode, self.limit = cfg.on_nonfinite, cfg.max_skipped_steps
         self.same_norm = same_norm  # False: DP replicas step on their own gradients (`DPPlan.same_norm`)
         self.hook_state = hook_state  # the DP hook's state, whose entries a skipped step drops
@@ -136,6 +143,9 @@ class Guard:
         self.in_a_row = 0
         self.rewinds = 0  # in this process
         self.found: Optional[tuple[float, Optional[str], int]] = None  # the bad step's norm, parameter, rank
+        self.deferred = deferred and self.mode == "stop"  # the verdict read at the steps `inspect` is told are due
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, norm, loss) not read yet
+        self.late = ""  # the line of a non-finite step read late (`pending_verdict`)
 
     def lr_step(self, step: int) -> int:
         """The LR schedule's step for optimizer step `step`: skipped steps do not advance it."""
@@ -152,14 +162,25 @@ class Guard:
         """The metrics record's `skipped_steps`: steps skipped so far in the run."""
         return {"skipped_steps": self.skipped}
 
-    def inspect(self, norm: torch.Tensor, model: nn.ModuleList) -> None:
+    def inspect(self, norm: torch.Tensor, model: nn.ModuleList, step: int = 0, loss: Optional[torch.Tensor] = None,
+                due: bool = True) -> None:
         """After `optimizer.step` (which updated nothing when `norm` is not finite): on such a step, find the
         first parameter with a non-finite gradient (collectives of `agree_on_first`, on a bad step only:
         `norm` is the same on every rank, so every rank takes this branch alike). When DP replicas step on their
         own gradients (`same_norm` False), one world all-reduce of a flag every step makes the verdict the
-        world's first (the replicas whose gradient was finite have stepped)."""
+        world's first (the replicas whose gradient was finite have stepped).
+
+        `deferred` (stop, with an optimizer that refuses a non-finite step on the device): a step that is not
+        `due` (the same steps on every rank: logged, checkpointed, the last) only keeps its norm and loss on the
+        device; a due step reads them all at once (`pending_verdict`): a bad earlier step is found late, unnamed;
+        a bad due step itself is named as without deferral (its gradients are still there)."""
+        self.found, self.late = None, ""
+        if self.deferred:
+            self.pending.append((step, norm, torch.zeros(()) if loss is None else loss))
+            self.found = self.pending_verdict() if due else None
+            if self.found is None or self.late:
+                return
         value = float(norm)
-        self.found = None
         if not self.same_norm and _world() > 1:  # each replica its own norm: the verdict (inf over nan) the world's
             bad = torch.tensor([float(math.isnan(value)), float(math.isinf(value))], device=norm.device)
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
@@ -168,19 +189,47 @@ class Guard:
             name, rank = agree_on_first(first_nonfinite_grad(model), self.ctx.rank, norm.device)
             self.found = (value, name, rank)
 
-    def settle(self, trainer: Position, loss: float) -> bool:
+    def settle(self, trainer: Position, result: Result) -> bool:
         """After step `trainer.step`: nothing on a finite step; else stop, skip or rewind (True: rewound, the
         trainer is back at a checkpoint's step and this step is not logged). Every rank takes the same branch
         (`inspect`'s verdict is the world's); only a rewind runs collectives (its broadcast and the load)."""
         if self.found is None:
             self.in_a_row = 0
             return False
-        what = self.describe(trainer.step, loss)
+        what = self.late or self.describe(trainer.step, result.loss)
         if self.mode == "stop":
             self.stop(f"{what}; stopped (train.on_nonfinite=stop; skip or rewind go on past such a step)")
         if self.mode == "skip":
             return self.skip(what)
         return self.rewind(trainer, what)
+
+    def pending_verdict(self, at_hand: bool = True) -> Optional[tuple[float, Optional[str], int]]:
+        """The steps kept since the last read, read in one host transfer: the first whose norm is not finite,
+        as `found`. Unless it is the last step kept and that step is `at_hand` (its gradients still there for
+        `inspect` to name the parameter), it is left unnamed and its line goes to `late`. None when all were
+        finite. Every rank reads the same norms: all answer alike, no collective."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return None
+        values = torch.stack([torch.stack([n.float().reshape(()), x.float().reshape(()).to(n.device)])
+                              for _, n, x in pending]).tolist()
+        for (step, _, _), (norm, loss) in zip(pending, values):
+            if not math.isfinite(norm):
+                if at_hand and step == pending[-1][0]:
+                    return norm, None, -1  # the step at hand: `inspect` names its parameter
+                self.late = (f"step {step}: the gradient is not finite (loss {loss:.6g}, grad norm {norm}); not "
+                             f"applied (refused on the device; read at step {pending[-1][0]}, the next logged or "
+                             "checkpointed step: the run went on to it on finite gradients; logging.log_every=1 "
+                             "reads every step and names the first non-finite gradient)")
+                return norm, None, -1
+        return None
+
+    def verify(self) -> None:
+        """Before a checkpoint is written: any step kept unread is read now; a non-finite one stops the run
+        (`stop`), so no state after it is ever saved. Every rank saves at the same steps, so all read alike."""
+        if self.deferred and (found := self.pending_verdict(at_hand=False)) is not None:
+            self.found = found
+            self.stop(f"{self.late}; stopped (train.on_nonfinite=stop; skip or rewind go on past such a step)")
 
     def describe(self, step: int, loss: float) -> str:
         """The bad step in words: its number, loss, norm and the first parameter whose gradient is not finite."""

@@ -53,11 +53,16 @@ def _device(cfg: Config) -> torch.device:
 
 
 def _init_distributed(device: torch.device, timeout_s: float) -> None:
-    """NCCL on CUDA, gloo on CPU, with `parallel.timeout_s` for the world's collectives; a single process
-    without torchrun needs no process group."""
+    """gloo on CPU; on CUDA NCCL for CUDA tensors bound to this rank's device (`device_id`: no guessing from
+    the global rank, barriers know their device) and gloo beside it for CPU tensors (the per-step signal flag:
+    agreed without waiting for the device). `parallel.timeout_s` for the world's collectives; a single
+    process without torchrun needs no process group."""
     if "RANK" not in os.environ or dist.is_initialized():
         return
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout_of(timeout_s))
+    if device.type == "cuda":
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout_of(timeout_s), device_id=device)
+    else:
+        dist.init_process_group("gloo", timeout=timeout_of(timeout_s))
 
 
 def run(cfg: Config, log: Optional[RunLog] = None) -> None:

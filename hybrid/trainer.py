@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -45,7 +44,7 @@ from hybrid.parallel.pp.pipeline import P2P, PipelineStats, partition_layers, ru
 from hybrid.parallel.pp.schedules import SCHEDULES, Schedule, build_schedule
 from hybrid.parallel.timing import clock_for
 from hybrid.record.profiling import StepProfiler
-from hybrid.record.report import StepReport
+from hybrid.record.report import StepReport, StepResult
 from hybrid.record.runlog import Tally, gather, open_metrics, peak_memory, summary, summary_line, write_summary
 from hybrid.record.sinks import MetricsLogger
 from hybrid.sampler import StepSampler, batch_from, eval_indices
@@ -53,14 +52,6 @@ from hybrid.sync import build_plan
 
 if TYPE_CHECKING:
     import numpy as np
-
-
-@dataclass
-class StepResult:
-    loss: float
-    grad_norm: float
-    lr: float
-    step_time_s: float
 
 
 def build_chunks(cfg: Config, vocab: int, ctx: ParallelContext) -> nn.ModuleList:
@@ -119,7 +110,7 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, ctx, device, self.checkpoint_states(),
                                          tokenizer=getattr(corpus, "tokenizer", None), log=self.message)
         self.guard = Guard(t, ctx, self.checkpointer, self.message, self.dp.same_norm,  # train.on_nonfinite
-                           self.dp.hook_state)
+                           self.dp.hook_state, deferred=self.dp.verdict_on_device)
         self.health = HealthMonitor(cfg.health, ctx, self.model, self.message, getattr(self.optimizer, "wait_params",
                                                                                       None), self.dp.replicas_group)
 
@@ -130,6 +121,7 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """The run's position, the same on every rank: steps done, samples consumed, the data order's seed,
         and the DP plan's run-level decisions (under `compression.schedule=auto` the schedule's; layout-independent)."""
+        self.guard.verify()  # a checkpoint never holds a state past a non-finite step not yet read
         sampler = self.sampler.state_dict()
         return {"step": self.step, "consumed_samples": sampler["consumed_samples"], "data_seed": sampler["seed"],
                 **self.guard.state_dict(), **self.dp.state_dict()}
@@ -236,9 +228,11 @@ class Trainer:
             total += loss.float() / len(indices)
         return total
 
-    def train_step(self, timed: bool = False) -> StepResult:
+    def train_step(self, timed: bool = False, due: bool = True) -> StepResult:
         """One optimizer step over this rank's microbatches of the global batch; `timed`: record where its
-        time went (`C.TIMER`, kept by `self.report`)."""
+        time went (`C.TIMER`, kept by `self.report`). A step that is not `due` (nothing logged, saved or ended
+        after it: the same steps on every rank) reads nothing from the device when the DP plan's optimizer
+        refuses a non-finite step on the device: the host runs on into the next step's launches."""
         start = time.perf_counter()
         C.TIMER.begin_step(timed, self.step + 1)
         lr = lr_at(self.guard.lr_step(self.step), self.cfg.train.lr, self.cfg.train.steps, self.cfg.optim.warmup_steps,
@@ -249,17 +243,18 @@ class Trainer:
         total = self._run(self.schedule, self.corpus.train, indices)
         with C.TIMER.timed_phase("finalize"):
             finalize_grads(self.grad_sync, self.ctx.embedding_group, self.ctx.tp_group)
+        loss = self.report.loss(total, self.schedule)  # on every rank, on the device
         with C.TIMER.timed_phase("optimizer"):
             norm = self.optimizer.step(lr)  # updates nothing when the norm is not finite
-            self.guard.inspect(norm, self.model)
+            self.guard.inspect(norm, self.model, self.step + 1, loss, due)
             self.grad_sync.zero_grad()
         self.step += 1
         self.dp.after_step(self.step, last=self.step == self.cfg.train.steps)  # collective when due
-        loss_value = self.report.loss(total, self.schedule)
-        self.dp.synchronize(self.device)
+        if due or timed:
+            self.dp.synchronize(self.device)  # the step's time is the device's
         self.report.timed(C.TIMER.end_step(), self.schedule, self.stats)
-        self.health.after_step(self.step, self.stats.busy_s)  # collective every health.*_every steps
-        return StepResult(loss_value, float(norm), lr, time.perf_counter() - start)
+        self.health.after_step(self.step, lambda stats=self.stats: stats.busy_s)  # collective when a check is due
+        return StepResult(loss, norm, lr, time.perf_counter() - start)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -270,7 +265,7 @@ class Trainer:
                                t.eval_batches * self.num_microbatches)
         total = self._run(self._schedule(len(batches), forward_only=True), self.corpus.eval, list(batches))
         self.model.train()
-        return self.report.loss(total, self.schedule)
+        return float(self.report.loss(total, self.schedule))
 
     def step_metrics(self, r: StepResult) -> dict[str, Any]:
         """The metrics.jsonl record of a step (`StepReport.record`; collective), with the compression stage
@@ -282,6 +277,11 @@ class Trainer:
     def _logs(self, step: int) -> bool:
         """Whether step `step` (counted from 1) writes a metrics record."""
         return step % self.cfg.logging.log_every == 0 or step == self.cfg.train.steps
+
+    def _due(self, step: int) -> bool:
+        """Whether step `step` must read its figures from the device: it is logged, checkpointed or the last
+        (a save on a signal reads them then: `Guard.verify`). The same answer on every rank."""
+        return self._logs(step) or self.checkpointer.due(step)
 
     def _meters(self, step: int) -> bool:
         """Whether logged step `step` meters the compression error (`compression.measure_every`)."""
@@ -306,10 +306,10 @@ class Trainer:
             logs = self._logs(self.step + 1)
             self.grad_sync.meter(logs and self._meters(self.step + 1))  # ‖ĝ − g‖ on a sample of them
             self.profiler.before_step(self.step + 1)
-            last = self.train_step(timed=logs and self.cfg.logging.timing)
-            if self.guard.settle(self, last.loss):  # a non-finite step: stopped, skipped or rewound
+            last = self.train_step(timed=logs and self.cfg.logging.timing, due=self._due(self.step + 1))
+            if self.guard.settle(self, last):  # a non-finite step: stopped, skipped or rewound
                 continue
-            if switch := self.dp.observe(self.step, last.loss):
+            if switch := self.dp.observe(self.step, lambda r=last: r.loss):
                 self.message(switch)  # the auto schedule's decision, the same on every rank
             self.profiler.after_step(self.step)
             if self._logs(self.step):

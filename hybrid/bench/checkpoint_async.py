@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -125,11 +126,13 @@ def async_rank(rank: int, world_size: int, cfg: Config, sync_cfg: Config, vocab:
         start_async = time.perf_counter()
         trainer.checkpointer.save()
         staged = time.perf_counter()
-        done: list[float] = []
-        trainer.checkpointer.pending[0].add_done_callback(lambda _, d=done: d.append(time.perf_counter()))
+        done, noted = [], threading.Event()  # the save's end, noted by its future's callback
+        trainer.checkpointer.pending[0].add_done_callback(lambda _, d=done, e=noted: (d.append(time.perf_counter()),
+                                                                                    e.set()))
         flight = timed_steps(trainer, steps)
         trainer.checkpointer.wait()
         waited = time.perf_counter()
+        noted.wait(60)  # callbacks run after the result is set: `wait` may return before this one has
         out.append({"plain": plain, "sync": (start, sync_end), "async": (start_async, staged, done[0], waited),
                     "copy": stager.calls[-1], "flight": flight})
     assert len(stager.calls) == rounds

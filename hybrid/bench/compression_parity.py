@@ -148,7 +148,7 @@ def parity_rank(rank: int, world: int, cfg: Config, corpus: Corpus, error_every:
         metered = c.method != "none" and c.measure_error and (step + 1) % error_every == 0
         trainer.grad_sync.meter(metered)
         result = trainer.train_step()
-        trainer.dp.observe(trainer.step, result.loss)  # the auto schedule, as `Trainer.fit` does
+        trainer.dp.observe(trainer.step, lambda r=result: r.loss)  # the auto schedule, as `Trainer.fit` does
         m = trainer.report.mean_bytes()
         steps.append({"loss": result.loss, "bytes_dp": m["bytes_dp"], "ratio": m.get("compression_ratio", 1.0),
                       "error": m.get("compression_error") if metered else None})

@@ -16,7 +16,8 @@ timed ones per side, the device drained before and after; reported is the median
 side's tokens/s and of the paired per-round ratios. Then one profiled run of `--profile-steps` steps
 per side gives, from the profiler's trace, the GPU busy share of the steps' wall time (the union of
 kernel, copy and set intervals), kernel launches per step and, on CUDA, the device-to-host
-synchronisations per step (`torch.cuda.set_sync_debug_mode`); on CPU the host time per step.
+synchronisations per step (`torch.cuda.set_sync_debug_mode`); on CPU the host time per step and the reads
+of tensors into Python per step (`record.host_syncs`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from hybrid.bench.gpucheck_steps import Setting, config, timed, trainer, vocab_o
 from hybrid.bench.plain_gpt import PlainGPT, hf_to_plain
 from hybrid.bench.step_vs_hf import ReferenceLoop
 from hybrid.model.hf import export_hf_state_dict
+from hybrid.record.host_syncs import HostSyncs
 from hybrid.record.metrics import mfu, peak_flops
 
 SIDES = ("hybrid", "hybrid_compiled", "plain", "plain_compiled")
@@ -102,11 +104,12 @@ class Side:
 
 
 def hybrid_side(args: argparse.Namespace, compiled: bool) -> tuple[Side, Any]:
-    """hybrid's Trainer at one rank; returns the side and the trainer (the plain loop copies its weights)."""
+    """hybrid's Trainer at one rank; returns the side and the trainer (the plain loop copies its weights). Its
+    steps are a run's steps that log nothing: the loss stays on the device, as the plain loop's does."""
     cfg = config(args.model, Setting(args.precision, compiled), torch.device(args.device), args.seq_len,
                  args.micro_batch, 10_000)
     t = trainer(cfg, torch.device(args.device))
-    side = Side("hybrid_compiled" if compiled else "hybrid", lambda: t.train_step().loss)
+    side = Side("hybrid_compiled" if compiled else "hybrid", lambda: t.train_step(due=False).loss_t)  # on device
     return side, t
 
 
@@ -184,8 +187,14 @@ def trace_of(side: Side, device: torch.device, steps: int) -> list[dict[str, Any
         return json.loads(path.read_text())["traceEvents"]
 
 
-def syncs_per_step(side: Side) -> int:
-    """Device-to-host synchronisations one CUDA step makes, counted by torch's sync debug mode."""
+def syncs_per_step(side: Side, device: torch.device) -> int:
+    """Device-to-host synchronisations one step makes: on CUDA counted by torch's sync debug mode, on the CPU
+    the reads of tensors into Python and explicit synchronisations (`record.host_syncs`: the same lines of
+    code would stall a GPU)."""
+    if device.type != "cuda":
+        with HostSyncs().counting() as syncs:
+            side.step()
+        return syncs.by_step[0]
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -205,7 +214,7 @@ def profile_side(side: Side, device: torch.device, steps: int) -> None:
     side.profile = {"step_ms": span["dur"] / 1e3 / steps,
                     "gpu_busy": gpu_busy(events, start, end) if cuda else None,
                     "launches_per_step": sum(e.get("name") in LAUNCHES for e in events) / steps if cuda else None,
-                    "syncs_per_step": syncs_per_step(side) if cuda else None}
+                    "syncs_per_step": syncs_per_step(side, device)}
 
 
 def paired(a: Side, b: Side) -> list[float]:

@@ -47,6 +47,14 @@ def parse_signals(names: Sequence[str]) -> tuple[signal.Signals, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def flag_device(device: torch.device) -> torch.device:
+    """Where a per-step flag is agreed: on the CPU wherever the world's group has a CPU backend (gloo; under
+    NCCL `hybrid.train` adds one), so reading it never waits for the device's queue; else on `device`."""
+    if not distributed() or "gloo" in str(dist.get_backend()):
+        return torch.device("cpu")
+    return device
+
+
 class Preemption:
     """The flag a signal sets and the ranks' agreement on it. Used as a context manager around the
     training loop: entering installs `handle` for the signals (main thread only: Python delivers
@@ -85,7 +93,8 @@ class Preemption:
         collective) when `save_on_signal` is empty, which every rank knows from the same config."""
         if not self.signals:
             return None
-        flag = torch.tensor([self.caught], dtype=torch.int32, device=self.device)
+        flag = torch.tensor([self.caught], dtype=torch.int32, device=flag_device(self.device))
+        flag.host_only = True  # type: ignore[attr-defined]  # a host value: reading it waits for no device work
         if distributed():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         value = int(flag.item())

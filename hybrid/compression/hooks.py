@@ -129,10 +129,10 @@ class Compression:
             return {}
         return {"comm/compression_method": self.method_at(step), "comm/compression_stage": self.stage_at(step)}
 
-    def observe(self, step: int, loss: float) -> Optional[str]:
-        """After step `step`: hand its training loss (the DP mean, alike on every rank) to the auto schedule;
-        the line announcing a switch, else None."""
-        return self.schedule.observe(step, loss) if self.schedule is not None else None
+    def observe(self, step: int, loss: Callable[[], float]) -> Optional[str]:
+        """After step `step`: hand its training loss (`loss()`, the DP mean, alike on every rank: a host read,
+        made only under an auto schedule) to the auto schedule; the line announcing a switch, else None."""
+        return self.schedule.observe(step, loss()) if self.schedule is not None else None
 
     def run_state(self) -> Optional[dict[str, Any]]:
         """The auto schedule's decisions: run-level state, the same on every rank and layout-independent (the

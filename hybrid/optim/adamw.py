@@ -128,12 +128,31 @@ def finite(norm: torch.Tensor) -> bool:
     return bool(torch.isfinite(norm))
 
 
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether torch's `optimizer` can skip its own update on a flag in device memory: the fused kernels
+    (AdamW, SGD) read `found_inf` on the device, as under GradScaler, and step their counts back."""
+    return bool(optimizer.defaults.get("fused"))
+
+
+def guarded_step(optimizer: torch.optim.Optimizer, norm: torch.Tensor) -> bool:
+    """Step `optimizer` unless `norm` is not finite. Fused kernels decide on the device (`found_inf`: no host
+    read, the host runs on into the next step); others read the verdict on the host. True when it stepped or
+    may have (decided on the device)."""
+    if skips_on_device(optimizer):
+        optimizer.found_inf = (~torch.isfinite(norm)).float()  # type: ignore[attr-defined]
+    elif not finite(norm):
+        return False
+    optimizer.step()
+    return True
+
+
 @torch.no_grad()
 def clip_grads(params: Iterable[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
-    """Scale every gradient by max_norm / norm when the norm exceeds max_norm."""
+    """Scale every gradient by max_norm / norm when the norm exceeds max_norm; by 1 when the norm is not finite
+    (no host read: such a step updates nothing, and its gradients stay as they were for the guard to name)."""
     if max_norm <= 0:
         return
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    scale = torch.where(torch.isfinite(norm), (max_norm / (norm + 1e-6)).clamp(max=1.0), 1.0)
     grads = [g for g in map(grad_of, params) if g is not None]
     if grads:
         torch._foreach_mul_(grads, scale.to(grads[0].device))
@@ -156,11 +175,14 @@ class ModelOptimizer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         norm = global_grad_norm(self.params, self.ctx)
-        if not finite(norm):
-            return norm
         clip_grads(self.params, self.grad_clip, norm)
-        self.optimizer.step()
+        guarded_step(self.optimizer, norm)
         return norm
+
+    @property
+    def defers_verdict(self) -> bool:
+        """Whether a non-finite step is refused on the device, so the run's guard may read the verdict later."""
+        return skips_on_device(self.optimizer)
 
     @property
     def moments(self) -> tuple[str, ...]:

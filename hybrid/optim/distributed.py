@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
-from hybrid.optim.adamw import adamw_over, clip_grads, counted_here, finite, sum_of_squares
+from hybrid.optim.adamw import adamw_over, clip_grads, counted_here, guarded_step, skips_on_device, sum_of_squares
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
 
@@ -163,20 +163,41 @@ class DistributedOptimizer:
     def step(self, lr: float) -> torch.Tensor:
         """Set `lr`, clip this rank's shard of the final gradients by the global norm, AdamW over the shard,
         all-gather the updated parameter shards over DP (left in flight under `overlap`); return the norm
-        before clipping. A non-finite norm updates nothing (no step, no all-gather: the parameters stand)."""
+        before clipping. A non-finite norm updates nothing (refused on the device by the fused kernels; else no step
+        and no all-gather: the parameters stand)."""
         self.wait_params()  # a parameter no forward used may still be gathering
         self._take_view()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        norm = self.grad_norm()
-        if not finite(norm):  # the same answer on every rank (the norm is all-reduced over DP, TP, PP)
-            return norm
+        norm = self.grad_norm()  # the same on every rank (all-reduced over DP, TP, PP): so is the verdict
         clip_grads([f.view for f in self.fragments()], self.grad_clip, norm)
-        self.optimizer.step()
-        self.steps += 1
-        self._round_shards()
+        if not guarded_step(self.optimizer, norm):
+            return norm
+        self._count_step()
+        self._round_shards()  # a step refused on the device rounds and gathers the parameters it left as they were
         self.gather_params(wait=not self.overlap)
         return norm
+
+    @property
+    def steps(self) -> int:
+        """AdamW's step count: the steps taken, less those the fused kernel refused on the device (read here)."""
+        return self._taken - (int(self._refused) if self._refused is not None else 0)
+
+    @steps.setter
+    def steps(self, n: int) -> None:
+        self._taken, self._refused = n, None
+
+    @property
+    def defers_verdict(self) -> bool:
+        """Whether a non-finite step is refused on the device, so the run's guard may read the verdict later."""
+        return skips_on_device(self.optimizer)
+
+    def _count_step(self) -> None:
+        """One more step, and its refusal flag (fused kernels) summed on the device: no host read."""
+        self._taken += 1
+        flag = getattr(self.optimizer, "found_inf", None)
+        if flag is not None:
+            self._refused = flag if self._refused is None else self._refused + flag
 
     @torch.no_grad()
     def _round_shards(self) -> None:

@@ -47,6 +47,11 @@ class OneBitAdam(ModelOptimizer):
         self.exchange: MomentumExchange = comp.state
         self._flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @property
+    def defers_verdict(self) -> bool:
+        """False: the compressed-momentum step is hybrid's own, decided on the host (one read per step)."""
+        return False
+
     def steps_taken(self) -> int:
         """Optimizer steps taken so far (AdamW's `step` count, restored with the checkpoint)."""
         state = self.optimizer.state.get(self.params[0]) if self.params else None

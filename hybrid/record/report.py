@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,6 +33,25 @@ from hybrid.record import comm_report, traffic_map
 from hybrid.record.metrics import model_flops_per_token, peak_flops
 
 
+@dataclass
+class StepResult:
+    """A step's figures. The loss and the gradient norm stay on the device (`loss_t`, `norm_t`) until read:
+    `loss` and `grad_norm` are host reads (on CUDA they wait for the step), made only where a figure is asked."""
+
+    loss_t: torch.Tensor
+    norm_t: torch.Tensor
+    lr: float
+    step_time_s: float
+
+    @property
+    def loss(self) -> float:
+        return float(self.loss_t)
+
+    @property
+    def grad_norm(self) -> float:
+        return float(self.norm_t)
+
+
 class StepReport:
     """The record of a logged step on one rank (every rank builds it: the sums are collective)."""
 
@@ -45,9 +65,9 @@ class StepReport:
         self.peak = peak_flops(device)
         self.timing: Optional[list[float]] = None  # the last timed step's `comm_report.local_vector`
 
-    def loss(self, t: torch.Tensor, schedule: Schedule) -> float:
-        """A step's (or an eval's) mean loss on every rank: broadcast over PP from the rank holding the last part,
-        then averaged over DP (metrics only: uncounted, not training traffic)."""
+    def loss(self, t: torch.Tensor, schedule: Schedule) -> torch.Tensor:
+        """A step's (or an eval's) mean loss on every rank, on the device (no host read): broadcast over PP from
+        the rank holding the last part, then averaged over DP (metrics only: uncounted, not training traffic)."""
         ctx = self.ctx
         if ctx.pp_size > 1:
             with C.TIMER.collective(C.group_name(ctx.pp_group), "loss"):
@@ -57,7 +77,7 @@ class StepReport:
             with C.TIMER.collective(C.group_name(ctx.dp_group), "loss"):
                 dist.all_reduce(t, group=ctx.dp_group)
             t /= ctx.dp_size
-        return float(t)
+        return t
 
     def timed(self, t: Optional[StepTiming], schedule: Schedule, stats: PipelineStats) -> None:
         """Keep the step's timing vector (None: the step was not timed), with the schedule's own idle

@@ -16,7 +16,7 @@ the checkpoint's states); it never learns which mode, codec or optimizer it got.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
@@ -51,7 +51,7 @@ class ReplicaSync(Protocol):
 class Watcher(Protocol):
     """A per-step observer of the training loss with run-level state (the auto compression schedule)."""
 
-    def observe(self, step: int, loss: float) -> Optional[str]: ...
+    def observe(self, step: int, loss: Callable[[], float]) -> Optional[str]: ...
 
     def record(self, step: int) -> dict[str, Any]: ...
 
@@ -84,8 +84,9 @@ class DPPlan:
         if self.replica is not None:
             self.replica.after_step(step, last=last)
 
-    def observe(self, step: int, loss: float) -> Optional[str]:
-        """Hand the step's DP-mean loss to the watcher; the line announcing a decision, else None."""
+    def observe(self, step: int, loss: Callable[[], float]) -> Optional[str]:
+        """Hand the step's DP-mean loss to the watcher (`loss()`: a host read, made only where a decision needs
+        it); the line announcing a decision, else None."""
         return self.watcher.observe(step, loss) if self.watcher is not None else None
 
     def stage_record(self, step: int) -> dict[str, Any]:
@@ -118,6 +119,12 @@ class DPPlan:
     def hook_state(self) -> Any:
         """The per-step gradient hook's state (whose entries a skipped non-finite step drops)."""
         return self.grad_sync.state
+
+    @property
+    def verdict_on_device(self) -> bool:
+        """Whether a non-finite step is refused on the device by an optimizer every DP rank steps alike, so the
+        run's guard may read the verdict at its next logged or saved step instead of every step."""
+        return self.same_norm and bool(getattr(self.optimizer, "defers_verdict", False))
 
     def synchronize(self, device: torch.device) -> None:
         """The end of a step on CUDA: the device's queue drained (the step's stream only while an exchange may

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -70,9 +71,9 @@ def slowed(rank: int, world: int, case: Case, slow: int) -> dict[str, Any]:
             time.sleep(SLEEP_S)
         return step(*a)
 
-    def after_step(n: int, busy_s: float) -> None:
-        measured.append(busy_s)
-        check(n, SLOW_S if rank == slow and n > 2 else FAST_S)
+    def after_step(n: int, busy_s: Callable[[], float]) -> None:
+        measured.append(busy_s())
+        check(n, lambda: SLOW_S if rank == slow and n > 2 else FAST_S)
 
     trainer.forward_step = forward  # type: ignore[method-assign]
     trainer.health.after_step = after_step  # type: ignore[method-assign]

@@ -34,24 +34,24 @@ class Hook:
         self.sd = sd
 
 
-def guard(tmp: Path, mode: str, limit: int) -> tuple[Guard, SimpleNamespace, nn.ModuleList]:
+def guard(tmp: Path, mode: str, limit: int, deferred: bool = False) -> tuple[Guard, SimpleNamespace, nn.ModuleList]:
     cfg = SimpleNamespace(on_nonfinite=mode, max_skipped_steps=limit)
     checkpointer = SimpleNamespace(root=tmp, wait=lambda: None)
     hook = Hook()
     g = Guard(cfg, SimpleNamespace(rank=0), checkpointer, lambda line: None,  # type: ignore[arg-type]
-              hook_state=lambda: hook)
+              hook_state=lambda: hook, deferred=deferred)
     trainer = SimpleNamespace(step=0, hook=hook)
     return g, trainer, nn.ModuleList([nn.Linear(2, 2)])
 
 
-def step(g: Guard, trainer: SimpleNamespace, model: nn.ModuleList, bad: bool) -> bool:
+def step(g: Guard, trainer: SimpleNamespace, model: nn.ModuleList, bad: bool, due: bool = True) -> bool:
     """One step as the trainer runs it: gradients, the optimizer's norm, `inspect`, the count, `settle`."""
     for p in model.parameters():
         p.grad = torch.full_like(p, math.nan if bad else 1.0)
     norm = torch.tensor(math.nan if bad else 1.0)
-    g.inspect(norm, model)
+    g.inspect(norm, model, trainer.step + 1, torch.tensor(2.5), due)
     trainer.step += 1
-    return g.settle(trainer, 2.5)
+    return g.settle(trainer, SimpleNamespace(loss=2.5))
 
 
 def test_skip_counts_in_a_row_and_holds_the_schedule_back(tmp_path: Path) -> None:
@@ -100,3 +100,19 @@ def test_a_skip_drops_the_hook_entries_the_bad_gradient_spoilt(tmp_path: Path) -
             for k in ("residual", "q")}
     assert {k: list(after[k]) for k in kept} == kept and after["method"] == "sign"
     assert without_nonfinite(after) == after  # nothing non-finite is left
+
+
+def test_a_deferred_stop_reads_at_the_due_step_and_names_the_bad_one(tmp_path: Path) -> None:
+    """Deferred (the optimizer refused the step on the device): steps 1-2 keep their norms unread, step 3 (due)
+    reads them and stops on step 2; a save (`verify`) reads what is kept too. Skip and rewind never defer."""
+    g, trainer, model = guard(tmp_path, "stop", 5, deferred=True)
+    assert step(g, trainer, model, False, due=False) is False and step(g, trainer, model, True, due=False) is False
+    assert len(g.pending) == 2 and g.found is None
+    with pytest.raises(NonFiniteStop, match=r"step 2: .*loss 2.5, grad norm nan.*read at step 3.*stopped"):
+        step(g, trainer, model, False, due=True)
+    g, trainer, model = guard(tmp_path, "stop", 5, deferred=True)
+    step(g, trainer, model, True, due=False)
+    with pytest.raises(NonFiniteStop, match=r"step 1: .*read at step 1"):
+        g.verify()
+    assert not guard(tmp_path, "skip", 5, deferred=True)[0].deferred
+    assert not guard(tmp_path, "rewind", 5, deferred=True)[0].deferred

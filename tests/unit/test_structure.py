@@ -45,6 +45,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "hybrid.sampler": (),
     "hybrid.record": (),  # the run record's package; its modules are rooms of their own below
     "hybrid.record.metrics": (),
+    "hybrid.record.host_syncs": (),
     "hybrid.record.wandb_run": ("hybrid.record.metrics",),
     "hybrid.record.sinks": ("hybrid.record.metrics", "hybrid.record.wandb_run"),
     "hybrid.record.runlog": ("hybrid.config", "hybrid.record.metrics", "hybrid.record.sinks",
