@@ -42,5 +42,10 @@ else
     "$PY" -m pip install "torch==$TORCH_VERSION+cpu" 2>/dev/null \
         || "$PY" -m pip install "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
 fi
-"$PY" -m pip install -e ".[test]"
+# A fresh checkout of an installed project (CI's clean clone) needs only its own editable link: without
+# dependencies or an isolated build environment that takes seconds, not the ~25 s of resolving every
+# requirement; whatever the link's metadata then finds missing gets the full install.
+if ! { "$PY" -m pip install -q -e . --no-deps --no-build-isolation 2>/dev/null && "$PY" scripts/ready.py >/dev/null; }; then
+    "$PY" -m pip install -e ".[test]"
+fi
 "$PY" -c "import torch, hybrid; print(f'setup: hybrid ready (torch {torch.__version__}, cuda={torch.cuda.is_available()})')"

@@ -3,8 +3,9 @@ choice of launcher.
 
 - `version_ge` (scripts/versions.sh, sourced by setup.sh) against `packaging.version.Version`'s order.
 - setup.sh keeps an installed torch at or above pyproject's floor (it only installs hybrid) and installs
-  torch below it; run with a wrapper Python that imports a stand-in `torch` of a chosen version and
-  records the pip commands instead of running them.
+  torch below it; hybrid's editable link alone (no dependencies, no build isolation: seconds) when the linked
+  metadata finds everything it requires, the full install otherwise; run with a wrapper Python that imports a
+  stand-in `torch` of a chosen version and records the pip commands instead of running them.
 - scripts/ready.py (what `setup.sh --if-needed`, run first by `make run` and `make test`, asks) against a
   stand-in hybrid distribution: ready only when installed editable from this checkout, after the last change
   to pyproject.toml, with every required distribution (the test extra's included) present; `--if-needed`
@@ -60,15 +61,23 @@ def fake_python(tmp: Path, torch_version: str) -> tuple[Path, Path]:
     return wrapper, log
 
 
+LINK = "install -q -e . --no-deps --no-build-isolation"  # the editable link alone: seconds
+
+
 @pytest.mark.parametrize("torch_version,installs_torch", [("2.13.0+cpu", False), ("2.5.0", False),
                                                           ("2.4.1+cu121", True)])
-def test_setup_keeps_a_torch_at_or_above_the_floor(torch_version: str, installs_torch: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize("requires,full", [((), False), (("no-such-dist-xyz>=1",), True)])
+def test_setup_keeps_a_torch_at_or_above_the_floor(torch_version: str, installs_torch: bool,
+                                                   requires: tuple[str, ...], full: bool, tmp_path: Path) -> None:
+    """torch kept at or above the floor; then the editable link alone, or the full install when the linked
+    metadata still finds a requirement missing."""
     python, log = fake_python(tmp_path, torch_version)
+    fake_hybrid(tmp_path / "fake", ROOT.as_uri(), requires)
     r = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHON": str(python)})
     assert r.returncode == 0, r.stderr
     pip = log.read_text().splitlines()
-    assert pip[-1] == "install -e .[test]"
+    assert pip[-2:] == [LINK, "install -e .[test]"] if full else pip[-1] == LINK, pip
     assert any(line.startswith("install torch==") for line in pip) == installs_torch, pip
     assert ("already installed" in r.stdout) != installs_torch, r.stdout
 
