@@ -1,7 +1,7 @@
 """A regular (not editable) install works from any folder: the wheel carries the configs (the top-level
 `configs/`, byte for byte, as `hybrid/configs/`) and the console scripts, and `python -m hybrid.train` (two
 training steps) / `hybrid-train` (its --help listing the installed configs' options, bash completion) run from
-a folder outside the repository. Each of those is a fresh process (seconds of imports): one per behaviour.
+a folder outside the repository.
 
 The wheel is built from a copy of the package (`pip wheel --no-deps --no-build-isolation --no-index`,
 nothing downloaded) and installed with `--no-deps` into a throwaway venv made with
@@ -9,6 +9,14 @@ nothing downloaded) and installed with `--no-deps` into a throwaway venv made wi
 environment may hold an editable install of another checkout; the venv's own site-packages comes
 first on `sys.path` (and an editable finder only runs after the path finders), which the test asserts
 through `hybrid.__file__`, with `PYTHONPATH` unset and the user site off.
+
+One fresh venv interpreter (`python -c`, working in a folder outside the repository: the first entry of its
+`sys.path`, as under `python -m`) serves every behaviour: it reports where it imported hybrid from, then
+runs each command line as a forked child (hybrid.testing.cli_runs, as installed in the venv: a real process
+with its own folder, argv, environment and exit status, without seconds of imports each): the installed
+`hybrid-train` script file itself (run as `__main__`, the way its `#!` line's venv Python runs it) for
+--help and the completion, and the `hybrid.train` module run as `__main__` (what `python -m` does) for the
+two steps.
 """
 
 from __future__ import annotations
@@ -62,22 +70,59 @@ def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp / "venv"
 
 
-@pytest.fixture
-def env(venv: Path, e2e_cache: str) -> dict[str, str]:
-    """This environment without the checkout on the path: the venv's bin first, no PYTHONPATH, no user site;
-    the session's data cache (the default corpus the other end-to-end modules use)."""
+DRIVER = """
+import json, runpy, sys
+from pathlib import Path
+import hybrid, hybrid.config, hybrid.train
+from hybrid.testing.cli_runs import run_forked
+
+script, folder, jobs = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
+
+def console():  # the installed script file, as its interpreter runs it
+    runpy.run_path(str(script), run_name="__main__")
+
+def module():  # `python -m hybrid.train`: the module run afresh as __main__
+    sys.modules.pop("hybrid.train", None)
+    runpy.run_module("hybrid.train", run_name="__main__", alter_sys=True)
+
+report = {"paths": [hybrid.__file__, hybrid.config.__file__, str(hybrid.config.CONFIG_DIR), hybrid.train.__file__],
+          "sys_path0": sys.path[0]}
+for name, (how, argv, env) in jobs.items():
+    (folder / name).mkdir()
+    r = run_forked(console if how == "script" else module, argv, folder / name, env, timeout_s=300,
+                   prog=str(script) if how == "script" else "-m")
+    report[name] = [r.code, r.stdout, r.stderr]
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def runs(venv: Path, e2e_cache: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One fresh venv interpreter outside the repository, without the checkout on the path (the venv's bin
+    first, no PYTHONPATH, no user site, the session's data cache: the default corpus the other end-to-end
+    modules use): where it imported hybrid from (`paths`) and each command line's [status, stdout, stderr],
+    run as its forked child in a folder of its own (`folder / name`)."""
+    folder = tmp_path_factory.mktemp("outside")
     base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    return {**base, "PATH": f"{venv / 'bin'}{os.pathsep}{base.get('PATH', '')}", "PYTHONNOUSERSITE": "1",
-            "OMP_NUM_THREADS": "1", "HYBRID_CACHE": e2e_cache, "WANDB_MODE": "disabled"}
+    env = {**base, "PATH": f"{venv / 'bin'}{os.pathsep}{base.get('PATH', '')}", "PYTHONNOUSERSITE": "1",
+           "OMP_NUM_THREADS": "1", "HYBRID_CACHE": e2e_cache, "WANDB_MODE": "disabled"}
+    jobs = {"help": ("script", ["--help"], {}),
+            "install": ("script", ["--shell-completion", "install=bash"], {}),
+            "query": ("script", ["-sc", "query=bash"], {"COMP_LINE": "hybrid-train model=gpt-t"}),  # what bash hands it
+            "steps": ("module", [*TINY, f"logging.dir={folder / 'steps' / 'run'}"], {})}
+    r = sh([venv / "bin" / "python", "-c", DRIVER, venv / "bin" / "hybrid-train", folder, json.dumps(jobs)], folder,
+           env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {**json.loads(r.stdout.splitlines()[-1]), "folder": folder}
 
 
-def test_the_venv_imports_its_own_installed_copy(venv: Path, env: dict[str, str], tmp_path: Path) -> None:
-    r = sh([venv / "bin" / "python", "-c", "import hybrid.config as c; print(c.__file__); print(c.CONFIG_DIR)"],
-           tmp_path, env)
-    assert r.returncode == 0, r.stderr
-    module, configs = r.stdout.split()
-    assert Path(module).is_relative_to(venv) and Path(configs).is_relative_to(venv), r.stdout
-    assert (Path(configs) / "config.yaml").is_file() and (Path(configs) / "model" / "gpt-tiny.yaml").is_file()
+def test_the_venv_imports_its_own_installed_copy(venv: Path, runs: dict) -> None:
+    package, module, configs, train = (Path(p) for p in runs["paths"])
+    assert all(p.is_relative_to(venv) for p in (package, module, configs, train)), runs["paths"]
+    assert (configs / "config.yaml").is_file() and (configs / "model" / "gpt-tiny.yaml").is_file()
+    assert runs["sys_path0"] == ""  # `-c`: the working folder (outside the repository) first, as under `-m`
+    # the console script runs under the venv's interpreter (the one that ran it below)
+    assert (venv / "bin" / "hybrid-train").read_text().startswith(f"#!{venv / 'bin' / 'python'}\n")
 
 
 def test_the_wheel_ships_the_top_level_configs_byte_for_byte(wheel: Path) -> None:
@@ -91,24 +136,23 @@ def test_the_wheel_ships_the_top_level_configs_byte_for_byte(wheel: Path) -> Non
     assert [name for name in files if shipped[name] != files[name]] == []
 
 
-def test_help_from_outside_the_repository(venv: Path, env: dict[str, str], tmp_path: Path) -> None:
+def test_help_from_outside_the_repository(runs: dict) -> None:
     """The console script (`python -m hybrid.train` from outside runs below: the same `main`)."""
-    r = sh([venv / "bin" / "hybrid-train", "--help"], tmp_path, env)
-    assert r.returncode == 0 and "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
-    groups = dict(line.split(": ", 1) for line in r.stdout.splitlines() if ": " in line)
-    assert "gpt-tiny" in groups.get("model", ""), r.stdout  # the group options, read from the installed configs
+    code, out, err = runs["help"]
+    assert code == 0 and "Traceback" not in out + err, err[-3000:]
+    groups = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+    assert "gpt-tiny" in groups.get("model", ""), out  # the group options, read from the installed configs
 
 
-def test_shell_completion_installs(venv: Path, env: dict[str, str], tmp_path: Path) -> None:
-    r = sh([venv / "bin" / "hybrid-train", "--shell-completion", "install=bash"], tmp_path, env)
-    assert r.returncode == 0 and "hydra_bash_completion" in r.stdout, r.stderr[-3000:]
-    line = {**env, "COMP_LINE": "hybrid-train model=gpt-t"}  # what bash hands the completion script
-    query = sh([venv / "bin" / "hybrid-train", "-sc", "query=bash"], tmp_path, line)
-    assert query.returncode == 0 and query.stdout.split() == ["model=gpt-tiny"], query.stdout + query.stderr
+def test_shell_completion_installs(runs: dict) -> None:
+    code, out, err = runs["install"]
+    assert code == 0 and "hydra_bash_completion" in out, err[-3000:]
+    code, out, err = runs["query"]
+    assert code == 0 and out.split() == ["model=gpt-tiny"], out + err
 
 
-def test_two_steps_from_outside_the_repository(venv: Path, env: dict[str, str], tmp_path: Path) -> None:
-    r = sh([venv / "bin" / "python", "-m", "hybrid.train", *TINY, f"logging.dir={tmp_path / 'run'}"], tmp_path, env)
-    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+def test_two_steps_from_outside_the_repository(runs: dict) -> None:
+    code, _, err = runs["steps"]
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    rows = [json.loads(line) for line in (runs["folder"] / "steps" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows if "loss" in row] == [1, 2]
