@@ -2,7 +2,8 @@
 
 Reference: the same config trained by one process (tp = pp = dp = 1) on the same global batch
 split into the same microbatch size, so the same samples form the same microbatches (a 4-layer model
-where the partition allows, 8 layers for the 8-part pp4 × 2 virtual stages cases: `smallest`). Every
+where the partition allows, a layer per part under TP, 8 layers for the 8-part pp4 × 2 virtual stages cases:
+`smallest`). Every
 layout trains the same model from the same initial weights (initialised by global parameter
 name), so after 2 AdamW steps with clipping at 0.05 (active on every step) the losses, the
 reported global gradient norms (the norm that was clipped by: a norm that double-counted a
@@ -77,29 +78,31 @@ COMPRESSED = "compression.method=int8"  # lossy: held to the same case under 1f1
 # name → (world, cases). Microbatches: 4 per step at dp=1, 2 at dp=2 (so no interleaving at pp4dp2).
 # One case per code path: each schedule family at pp2 and pp4, with TP, SP, DP and ZeRO-1, both families,
 # both recomputations; a family or schedule already shown at a layout is not repeated beside another one
-# there (gpipe ↔ 1f1b at pp2 and pp2dp2; llama at pp2 1f1b, pp4, tp2pp2 and pp2dp2, and in the zero-bubble
-# launches). DP under every schedule runs at pp2dp2 (4 ranks: what TP adds there is shown at tp2pp2); the
-# three axes together (tp2pp2dp2, 8 ranks) with the plain DP sync and with ZeRO-1.
+# there, nor a schedule at a second layout that adds nothing to it (gpipe ↔ 1f1b at pp2dp2; llama at pp2 1f1b,
+# pp4, tp2pp2 and pp2dp2, and in the zero-bubble launches; full recomputation at pp2 under 1f1b and zb1p:
+# with TP and SP it is bit-identical to none in test_recompute, and TP + SP + PP recompute here selectively).
+# DP under every schedule runs at pp2dp2 (4 ranks: what TP adds there is shown at tp2pp2); the three axes
+# together (tp2pp2dp2, 8 ranks) with the plain DP sync and with ZeRO-1.
 LAUNCHES: dict[str, tuple[int, list[Case]]] = {
-    "pp2": (2, cases("gpt", 1, 2, ALL, interleaved=True) + cases("llama", 1, 2, ("1f1b",))
+    "pp2": (2, cases("gpt", 1, 2, ("1f1b",), interleaved=True) + cases("llama", 1, 2, ("1f1b",))
             + [Case("gpt", 1, 2, "1f1b", extra=("train.recompute=full",))]),
     "pp4": (4, cases("llama", 1, 4, ("1f1b",), interleaved=True)
             + [Case("gpt", 1, 4, "1f1b", stage_layers=(0, 1, 3, 0))]),  # embedding-only and head-only stages
     "tp2pp2-sp": (4, cases("gpt", 2, 2, ("1f1b",), sp=True)
-                  + [Case("llama", 2, 2, "interleaved", 2, sp=True, extra=("train.recompute=selective",)),
-                     Case("gpt", 2, 2, "1f1b", sp=True, extra=("train.recompute=full",))]),
+                  + [Case("llama", 2, 2, "interleaved", 2, sp=True, extra=("train.recompute=selective",))]),
     "pp2dp2": (4, cases("gpt", 1, 2, ALL)  # and the distributed optimizer (ZeRO-1), also interleaved:
                + [Case("gpt", 1, 2, "1f1b", zero=1), Case("llama", 1, 2, "interleaved", 2, zero=1)]),
     "tp2pp2dp2": (8, [Case("gpt", 2, 2, "1f1b"), Case("gpt", 2, 2, "interleaved", 2, zero=1)]),
-    # the zero-bubble schedules (zb1p paired with the 1f1b cases above), with recomputation, SP, ZeRO-1 and
-    # compression; the tied embedding in both placements (zbv puts the embedding and the head on rank 0)
+    # the zero-bubble schedules (zb1p paired with the 1f1b cases above), with recomputation, SP (zb1p's split
+    # backward through the TP layers; zbv's V placement is TP's business nowhere), ZeRO-1 and compression; the
+    # tied embedding in both placements (zbv puts the embedding and the head on rank 0: gpt at pp2 and pp2dp2);
     # the schedules' own orders and, fitted to 1F1B's memory, these models (large logits) as the start-up line
     # shows: zb1p 0, unsplit at pp2 (recompute, ZeRO-1) and 0, 1, 2, 1 at pp4; zbv unsplit, 2 at pp2 and
-    # unsplit, 0, 0, unsplit (llama) or 0 (gpt) at pp4
+    # unsplit, 0, 0, unsplit (llama) at pp4
     "pp2-zb": (2, zero_bubble("gpt", 1, 2) + [Case("llama", 1, 2, "zbv", 2, extra=())]
                + [Case("gpt", 1, 2, "zb1p", extra=("train.recompute=full",))]),
-    "pp4-zb": (4, zero_bubble("llama", 1, 4, fitted=True) + [Case("gpt", 1, 4, "zbv", 2)]),
-    "tp2pp2-sp-zb": (4, zero_bubble("gpt", 2, 2, sp=True)),
+    "pp4-zb": (4, zero_bubble("llama", 1, 4, fitted=True)),
+    "tp2pp2-sp-zb": (4, [Case("gpt", 2, 2, "zb1p", 1, True, extra=(OWN,))]),
     "pp2dp2-zb": (4, zero_bubble("gpt", 1, 2) + [Case("gpt", 1, 2, "zb1p", zero=1)]
                   + [Case("gpt", 1, 2, s, extra=(COMPRESSED,)) for s in ("1f1b", "zb1p")]),
 }
@@ -107,9 +110,10 @@ SMALL = 4  # layers of a case's model where its partition allows: pp·v ≤ 4 pa
 
 
 def smallest(case: Case) -> Case:
-    """The case on the fewest layers that give each of its pp·v parts one (at least SMALL), or on those its
-    stage_layers list: fewer layers per rank, the same code paths (held to the reference of that many)."""
-    layers = sum(case.stage_layers) if case.stage_layers else max(SMALL, case.pp * case.v)
+    """The case on the fewest layers that give each of its pp·v parts one (at least SMALL; under TP, whose
+    collectives cost per layer, at least 2), or on those its stage_layers list: fewer layers per rank, the same
+    code paths (held to the reference of that many)."""
+    layers = sum(case.stage_layers) if case.stage_layers else max(SMALL if case.tp == 1 else 2, case.pp * case.v)
     return dataclasses.replace(case, layers=layers)
 
 
