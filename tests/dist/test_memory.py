@@ -4,12 +4,12 @@
   the estimate exactly for GPT and Llama (GQA and not), dropout 0 and 0.1, every recomputation mode, fp32 and
   bf16 parameters.
 - Schedules: the microbatches the estimate replays a rank holding equal the simulator's peak in flight.
-- Nine (model, layout, precision, compression, ZeRO, recomputation, dropout) combinations on 4 gloo ranks, each rank
-  estimated from its own chunks built on the meta device: parameters, gradients and optimizer state equal
-  the trainer's tensors exactly; at tp=1 or 2 without a pipeline, the activations equal the tally; the
+- Eleven (model, layout, schedule, precision, compression, ZeRO, recomputation, dropout) combinations on 4 gloo
+  ranks, each rank estimated from its own chunks built on the meta device: parameters, gradients and optimizer
+  state equal the trainer's tensors exactly; at tp=1 or 2 without a pipeline, the activations equal the tally; the
   total is within 10 % of the states plus the peak the profiler tracks over a training step.
 - Seven replica sync modes on the same 4 ranks: their state and exchange buffers.
-The launches' configs are composed in the test process before the ranks fork (`compose_config`'s memo), whose
+The launches' configs are composed in the test process before the ranks fork (`pp_helpers.composed`'s memo), whose
 heap is frozen while they run (`run_frozen`); each rank builds the groups of a layout once.
 """
 
@@ -19,12 +19,11 @@ from typing import Any
 
 import pytest
 import torch
-from pp_helpers import VOCAB, Case, layout_context, make_cfg, moment_bytes
+from pp_helpers import VOCAB, Case, composed, layout_context, make_cfg, moment_bytes
 from test_dp import synthetic_corpus
 from tp_helpers import run_frozen
 
 from hybrid.compression.hooks import make_hook
-from hybrid.config import compose_config
 from hybrid.memory import (
     Micro,
     ends_bytes,
@@ -46,10 +45,11 @@ B, S = 2, 16
 
 
 def _model_cfg(family: str, dropout: float, kv: int) -> Any:
-    """Vocabulary 100 padded to 128 (the head's padding is sliced off before the loss at tp=1)."""
-    return compose_config([f"model={family}-tiny", "model.n_layers=2", "model.hidden=64", "model.n_heads=4",
-                           f"model.n_kv_heads={kv}", "model.ffn_hidden=96", f"model.dropout={dropout}",
-                           "model.max_seq_len=64", "model.make_vocab_size_divisible_by=128"]).model
+    """Vocabulary 100 padded to 128 (the head's padding is sliced off before the loss at tp=1); Hydra composes each
+    family once (`composed`)."""
+    return composed([f"model={family}-tiny", "model.n_layers=2", "model.hidden=64", "model.n_heads=4",
+                     f"model.n_kv_heads={kv}", "model.ffn_hidden=96", f"model.dropout={dropout}",
+                     "model.max_seq_len=64", "model.make_vocab_size_divisible_by=128"]).model
 
 
 def _tally(model: Any, ids: torch.Tensor) -> dict[str, int]:
