@@ -5,10 +5,17 @@ start in milliseconds), and launched where the launcher is the point:
 - the shared uninterrupted 2-rank run (conftest's `tiny_reference`, forked) trains and logs;
 - launch/multinode.sh started twice, as 2 emulated nodes of one rank each, meets at one c10d rendezvous and
   trains an interleaved pipeline across the nodes (pp2 × 2 chunks);
-- forked: tp2 with sequence parallelism trains; dp2 with PowerSGD logs its compression metrics; a layout the
-  world does not fit, and a compression config validation refuses, are one line per rank and exit 2;
-- torchrun: bad input (an unknown config group option) is one line per rank, and torchrun's failure summary
-  names exit status 2.
+- forked: tp2 with sequence parallelism trains; dp2 with PowerSGD logs its compression metrics;
+- torchrun: bad input (a layout the world torchrun starts does not fit: validate's refusal, made before the
+  process group exists) is one line per rank, and torchrun's failure summary names exit status 2.
+
+Other bad input as ranks is not repeated here: every refusal reaches the same edge (`hybrid.cli.fail`: the
+`[rankN]` line, the status). tests/e2e/test_bad_inputs.py proves it per rank for a forked row
+(test_bad_input_is_one_line_on_every_rank), through the real entry point for each way a refusal is reached
+(test_bad_input_is_one_line_exit_2_nothing_written: the compression package's check, an unknown key among
+them), and for the world-2 rows, the compression ones included, through the check before launch;
+tests/unit/test_config.py has compression=hierarchical's own message (test_validate_rejects_bad_compression)
+and an unknown config group option's one line and exit 2 (test_bad_input_is_one_line_and_exit_2).
 """
 
 from __future__ import annotations
@@ -151,36 +158,17 @@ def test_dp2_powersgd_compression_metrics(tmp_path: Path, forking: dict[str, str
             assert s["bytes_meter"] == pytest.approx(4 * params, rel=0.01)  # one fp32 all-reduce of all gradients
 
 
-def one_line_per_rank(stderrs: list[str], needle: str) -> None:
-    """Each rank's stderr holds one `[rankN] hybrid: error:` line with `needle`, and no traceback before it."""
-    for rank, err in enumerate(stderrs):
-        ours = [ln for ln in err.splitlines() if "hybrid: error:" in ln]
-        assert len(ours) == 1 and ours[0].startswith(f"[rank{rank}] hybrid: error: "), err[-2000:]
-        assert needle in ours[0], ours
-        assert "Traceback" not in err.split("hybrid: error:")[0]  # no rank printed a traceback before it
-
-
-@pytest.mark.parametrize("overrides,needle", [
-    (["parallel=tp2pp2"], "does not divide world size 2"),
-    # the other checks made before the process group exists take validate's path, as hierarchical's: more rows
-    # in tests/e2e/test_bad_inputs.py
-    (["compression=hierarchical"], "compression=hierarchical needs compression.inner set to one of"),
-])
-def test_bad_layout_or_compression_is_one_line_per_rank(overrides: list[str], needle: str, tmp_path: Path,
-                                                        forking: dict[str, str]) -> None:
-    runs = forked(2, *overrides, f"logging.dir={tmp_path / 'run'}", cwd=tmp_path, env=forking)
-    assert [r.code for r in runs] == [2, 2], output(runs)[-3000:]
-    one_line_per_rank([r.stderr for r in runs], needle)
-
-
-def test_bad_input_under_torchrun_is_one_line_per_rank(tmp_path: Path, env: dict[str, str]) -> None:
-    """Under the real torchrun: one line per rank, and torchrun's failure summary names status 2."""
-    r = torchrun(2, "compression=nonexistent", f"logging.dir={tmp_path}", env=env, timeout=120)
+def test_bad_layout_under_torchrun_is_one_line_per_rank(tmp_path: Path, env: dict[str, str]) -> None:
+    """Under the real torchrun, 2 ranks of a tp2pp2 layout (4 ranks' worth): one line per rank naming the world
+    torchrun gave it, and torchrun's failure summary names status 2."""
+    r = torchrun(2, "parallel=tp2pp2", f"logging.dir={tmp_path / 'run'}", env=env, timeout=120)
     assert r.returncode != 0
     ours = [ln for ln in r.stderr.splitlines() if "hybrid: error:" in ln]
     assert sorted(ln.split()[0] for ln in ours) == ["[rank0]", "[rank1]"], r.stderr[-2000:]
-    assert all("Could not find 'compression/nonexistent'" in ln for ln in ours), ours
+    assert all(ln.split(maxsplit=1)[1].startswith("hybrid: error: ") for ln in ours), ours
+    assert all("parallel.tp·parallel.pp = 2·2 = 4 does not divide world size 2" in ln for ln in ours), ours
     assert "Traceback" not in r.stderr.split("hybrid: error:")[0]  # no rank printed a traceback before it
+    assert not (tmp_path / "run").exists()  # refused before the run's folder
     # torchrun's failure report: the first rank to exit left with status 2 (bad input); a peer still
     # shutting down when torchrun stopped the others may show SIGTERM instead
     codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", r.stderr)]
