@@ -6,12 +6,13 @@ so a padding row is stripped on export) with a 201-token WordLevel tokenizer who
 `<|endoftext|>`, and saves a checkpoint at step 2; every stage also sends back its gathered weights.
 Then, in the test process:
 
-- export: the GPT run folder through the real command line (a subprocess: the newest complete
-  checkpoint), the Llama step folder through `export()`. `AutoModelForCausalLM.from_pretrained`
-  loads each with no missing/unexpected/mismatched keys, its state dict equals the ranks' trained
-  weights converted with `to_hf_state_dict` bit for bit, and its logits (transformers' own forward,
-  fp32, sdpa attention) equal our `full_logits` of the ranks' weights within LOGITS_TOL; the config
-  carries the tokenizer's ids and the tokenizer loads.
+- export: the GPT run folder through the command line (`main` as `python -m` calls it, in a real process
+  forked from the test process, `run_forked`: its exit status and stdout, without a fresh interpreter's
+  seconds of imports; the newest complete checkpoint), the Llama step folder through `export()`.
+  `AutoModelForCausalLM.from_pretrained` loads each with no missing/unexpected/mismatched keys, its state
+  dict equals the ranks' trained weights converted with `to_hf_state_dict` bit for bit, and its logits
+  (transformers' own forward, fp32, sdpa attention) equal our `full_logits` of the ranks' weights within
+  LOGITS_TOL; the config carries the tokenizer's ids and the tokenizer loads.
 - import: a second world-4 launch starts from the exported Llama folder with `load_pretrained`
   (`model.init_from`) under tp1pp2dp2 and tp2pp1dp2: right after loading, the gathered weights equal
   the folder's tensors bit for bit (padding rows zero); the losses of 3 steps equal those of a
@@ -31,8 +32,9 @@ Then, in the test process:
   it created.
 - bad input: missing, partial (no .metadata) and corrupt checkpoints, an existing non-empty `out`,
   an `out` under a file, unknown or missing keys, a bad dtype: exit 2, one `hybrid: error:` line on
-  stderr, `out` untouched, no temp folder left; `init_from` folders that do not fit the model:
-  one-line ModelConfigError naming the field (hybrid.train reports it as a ConfigError).
+  stderr, `out` untouched, no temp folder left (once through a fresh `python -m hybrid.tools.export`);
+  `init_from` folders that do not fit the model: one-line ModelConfigError naming the field (hybrid.train
+  reports it as a ConfigError).
 - `load_pretrained` also reads a sharded `model.safetensors.index.json` folder with base-model names.
 
 Measured (fp32, logits of magnitude < 1): max |Δlogits| GPT 1.8e-7, Llama 1.5e-7 (the tool's own
@@ -67,6 +69,7 @@ from hybrid.model.family import ModelConfigError
 from hybrid.model.hf import from_hf_state_dict, load_hf_into, load_pretrained, to_hf_state_dict
 from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.params import full_state_dict
+from hybrid.testing.cli_runs import CliRun, run_forked
 from hybrid.tools.export import Options, export
 from hybrid.trainer import Trainer, build_chunks
 
@@ -163,16 +166,25 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m hybrid.tools.export` in a fresh interpreter."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "hybrid.tools.export", *args], capture_output=True, text=True,
                           timeout=TIMEOUT, cwd=ROOT, env=env)
 
 
+def run_cli_forked(*args: str) -> CliRun:
+    """The command line as `python -m hybrid.tools.export` runs it (`sys.exit(main())`), in a forked process."""
+    from hybrid.tools.export import main
+
+    return run_forked(lambda: sys.exit(main()), args, ROOT, {"OMP_NUM_THREADS": "1"}, timeout_s=TIMEOUT,
+                      prog="python -m hybrid.tools.export")
+
+
 @pytest.fixture(scope="module")
 def exported(saved: tuple[Path, list[dict[str, Any]]]) -> dict[str, Path]:
-    """gpt: the run folder through the real command line; llama: the step folder through export()."""
+    """gpt: the run folder through the command line (a forked process); llama: the step folder through export()."""
     root = saved[0]
-    r = run_cli(f"checkpoint={root / 'ckpt' / 'gpt'}", f"out={root / 'hf-gpt'}")
+    r = run_cli_forked(f"checkpoint={root / 'ckpt' / 'gpt'}", f"out={root / 'hf-gpt'}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"exported {step_path(root / 'ckpt' / 'gpt', SAVE_STEP)} (step {SAVE_STEP})" in r.stdout, r.stdout
     assert "no missing/unexpected keys, max |Δlogits|" in r.stdout, r.stdout
