@@ -2,20 +2,22 @@
 outer lr 1 and no momentum under a linear inner optimizer is gradient averaging), a DiLoCo loop written here from
 the paper's pseudo-code over single-process trainers, and the byte counts of the DP exchanges they replace.
 
-The model has 2 layers (`SMALL`). One launch per world size, each run once per session and read by several
-tests; every config is composed in the test process before the ranks fork (`compose_config`'s memo), whose
-heap is frozen while they run (`run_frozen`):
+A pipelined model has 2 layers (`SMALL`: a layer per stage), and so has the one DiLoCo trains against the
+paper's loop; the other DP-only ones have 1 (`ONE`). The pipelined runs take one microbatch per replica and step
+(`ONE_MICRO`). One launch per world size, each run once per session and read by several tests; every config is
+composed in the test process before the ranks fork (`compose_config`'s memo), whose heap is frozen while they
+run (`run_frozen`):
   - world 4 (`four`): the averaging modes and the parameter servers against one synchronous-DP run, the
-    asynchronous server with a slow worker, and gossip on a 4-rank ring of toy quadratics;
+    asynchronous server with a slow worker, gossip on a 4-rank ring of toy quadratics, and the DiLoCo, gossip
+    and parameter server checkpoints at tp1pp2dp2 (each saved, resumed and exported in its own folder; a
+    checkpoint's replica state is per rank, so 4 ranks with two stages and two replicas show what 8 would);
   - world 2: DiLoCo against the paper's loop (the references computed in the test process);
-  - world 8, tp2pp2dp2 (`eight`): the byte counts of every outer step, and the DiLoCo, gossip and parameter
-    server checkpoints (each saved, resumed and exported in its own folder).
+  - world 8, tp2pp2dp2 (`eight`): the byte counts of every outer step (TP, PP and DP traffic side by side).
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +45,11 @@ TIMEOUT = 300
 LINEAR = ("optim=sgd", "optim.grad_clip=0")  # SGD with momentum, no clipping: linear in the gradients
 AVERAGE = ("sync=diloco", "sync.inner_steps=1", "sync.outer_lr=1", "sync.outer_momentum=0", "sync.nesterov=false")
 DILOCO = ("sync=diloco", "sync.inner_steps=3")  # the paper's outer optimizer: Nesterov, lr 0.7, momentum 0.9
-SMALL = ("model.n_layers=2",)  # every trained model here (a layer per pipeline stage)
-DP_ONLY, TP2PP2 = Case(extra=SMALL), Case(tp=2, pp=2, extra=SMALL)
+SMALL = ("model.n_layers=2",)  # every pipelined model here (a layer per pipeline stage)
+ONE = ("model.n_layers=1",)  # every DP-only model here
+DP_ONLY, TP2PP2 = Case(extra=ONE), Case(tp=2, pp=2, extra=SMALL)
+PAPER = Case(extra=SMALL)  # DiLoCo against the paper's loop: 2 layers (with 1, AdamW's step on an element whose
+# gradient is rounding noise tells the two sum orders apart beyond the 1e-6 the comparison allows)
 
 
 def _trainer(cfg: Any, ctx: ParallelContext) -> Trainer:
@@ -101,62 +106,63 @@ STALE_K, STALE_STEPS = 2, 8
 RING_ROUNDS, RING_LR = 3, 0.1  # each round shrinks the distance to 0.3×: 3 rounds stay far above fp32 round-off
 
 
-def four_ranks(rank: int, world: int) -> dict[str, Any]:
-    """Rank function of the world-4 launch: synchronous DP and the averaging modes (4 steps), the parameter
-    servers (4 steps), the asynchronous server with a slow worker, and ring gossip on toy quadratics."""
-    return {"averaging": train_modes(rank, world, DP_ONLY, [LINEAR, *AVERAGING], 2, 4),
-            "servers": train_modes(rank, world, DP_ONLY, SERVERS, 4, 4),
-            "stale": staleness_run(rank, world, STALE_K, STALE_STEPS),
-            "ring": ring_rounds(rank, world, RING_ROUNDS, RING_LR)}
-
-
-@functools.cache
-def four() -> list[dict[str, Any]]:
-    """The world-4 launch's results by rank (once per session)."""
-    torch.set_num_threads(1)
-    modes_composed(DP_ONLY, 4, [LINEAR, *AVERAGING], 2, 4)
-    modes_composed(DP_ONLY, 4, SERVERS, 4, 4)
-    stale_cfg(4, STALE_K, STALE_STEPS)
-    return run_frozen(four_ranks, 4, timeout=TIMEOUT)
-
-
-BYTES_STEPS = 5
-BYTES_MODES = [(), DILOCO, ("compression=int8",), (*DILOCO, "compression=int8"), ("sync=gossip",),
-               (*DILOCO, "compression=powersgd", "compression.rank=2")]
-# name → (mode, the layouts a resume restarts under); saved and resumed at tp2pp2dp2 in folder <root>/<name>
+ONE_MICRO = ("train.global_batch_size=4",)  # at dp=2: one microbatch (of 2) per replica and step
+CKPT = Case(tp=1, pp=2, extra=(*SMALL, *ONE_MICRO))  # the checkpointed runs' layout at world 4: tp1pp2dp2
+# name → (mode, the layouts a resume restarts under); saved and resumed at tp1pp2dp2 in folder <root>/<name>
 RESUMED: dict[str, tuple[tuple[str, ...], list[Case]]] = {
     "diloco": ((*DILOCO, "sync.fragments=3", "sync.overlap_steps=1", "compression=powersgd", "compression.rank=2"),
-               [Case(tp=1, pp=2, extra=SMALL)]),
+               [Case(tp=2, pp=1, extra=(*SMALL, *ONE_MICRO))]),
     "gossip": (("sync=gossip",), []),
     "ps": (("sync=ps", "sync.servers=2"), []),
 }
 
 
-def eight_ranks(rank: int, world: int, root: Path) -> dict[str, Any]:
-    """Rank function of the world-8 launch (tp2pp2dp2): every byte-count mode, then each checkpointed mode."""
-    out = {"bytes": train_modes(rank, world, TP2PP2, BYTES_MODES, 8, BYTES_STEPS)}
+def four_ranks(rank: int, world: int, root: Path) -> dict[str, Any]:
+    """Rank function of the world-4 launch: synchronous DP and the averaging modes (4 steps), the parameter
+    servers (4 steps), the asynchronous server with a slow worker, ring gossip on toy quadratics, then each
+    checkpointed mode at tp1pp2dp2."""
+    out = {"averaging": train_modes(rank, world, DP_ONLY, [LINEAR, *AVERAGING], 2, 4),
+           "servers": train_modes(rank, world, DP_ONLY, SERVERS, 4, 4),
+           "stale": staleness_run(rank, world, STALE_K, STALE_STEPS),
+           "ring": ring_rounds(rank, world, RING_ROUNDS, RING_LR)}
     for name, (mode, resharded) in RESUMED.items():
-        out[name] = resume_runs(rank, world, root / name, TP2PP2, resharded, mode)
+        out[name] = resume_runs(rank, world, root / name, CKPT, resharded, mode)
     return out
 
 
 @pytest.fixture(scope="module")
-def eight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
-    """(the checkpoints' root, the world-8 launch's results by rank)."""
+def four(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """(the checkpoints' root, the world-4 launch's results by rank)."""
     torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("sync8")
-    modes_composed(TP2PP2, 8, BYTES_MODES, 8, BYTES_STEPS)
+    root = tmp_path_factory.mktemp("sync4")
+    modes_composed(DP_ONLY, 4, [LINEAR, *AVERAGING], 2, 4)
+    modes_composed(DP_ONLY, 4, SERVERS, 4, 4)
+    stale_cfg(4, STALE_K, STALE_STEPS)
     for name, (mode, resharded) in RESUMED.items():
-        resume_cfgs(8, root / name, TP2PP2, resharded, mode)
-    return root, run_frozen(eight_ranks, 8, root, timeout=2 * TIMEOUT)
+        resume_cfgs(4, root / name, CKPT, resharded, mode)
+    return root, run_frozen(four_ranks, 4, root, timeout=2 * TIMEOUT)
 
 
-def test_diloco_with_one_inner_step_and_plain_averaging_is_synchronous_dp() -> None:
+BYTES_STEPS = 5
+BYTES_MODES = [(*ONE_MICRO, *mode) for mode in
+               [(), DILOCO, ("compression=int8",), (*DILOCO, "compression=int8"), ("sync=gossip",)]]
+
+
+@pytest.fixture(scope="module")
+def eight() -> list[dict[str, Any]]:
+    """The world-8 launch's results by rank (tp2pp2dp2): every byte-count mode."""
+    torch.set_num_threads(1)
+    modes_composed(TP2PP2, 8, BYTES_MODES, 8, BYTES_STEPS)
+    return run_frozen(train_modes, 8, TP2PP2, BYTES_MODES, 8, BYTES_STEPS, timeout=2 * TIMEOUT)
+
+
+def test_diloco_with_one_inner_step_and_plain_averaging_is_synchronous_dp(
+        four: tuple[Path, list[dict[str, Any]]]) -> None:
     """H=1, outer lr 1, no momentum, SGD inside: every step averages the replicas' updates, which is averaging
     their gradients — over all of DP, and hierarchically (the node's DP every step, the other node's at each
     outer step) on 2 emulated nodes × 2; gossip on the complete graph (uniform weights) averages too. All equal
     synchronous DP within fp32 rounding."""
-    for r in four():
+    for r in four[1]:
         dp, *others = r["averaging"]
         inter = others[1]["bytes"]  # the node's DP every step, the other node only at the outer steps
         assert all(b["dp"] == 0 and b["dp_intra"] > 0 and b["dp_inter"] > 0 for b in inter)
@@ -166,16 +172,13 @@ def test_diloco_with_one_inner_step_and_plain_averaging_is_synchronous_dp() -> N
                 torch.testing.assert_close(other["weights"][name], w, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_every_outer_step_costs_one_dp_steps_bytes_and_only_on_its_steps(
-        eight: tuple[Path, list[dict[str, Any]]]) -> None:
+def test_every_outer_step_costs_one_dp_steps_bytes_and_only_on_its_steps(eight: list[dict[str, Any]]) -> None:
     """At tp2pp2dp2, fp32 and int8: the outer exchange of a rank's parameters counts the bytes a synchronous DP
     step's gradient exchange of the same codec counts, on steps H, 2H, … (and the run's last) only; TP and PP
-    traffic per step is synchronous DP's. Under PowerSGD (each stage's bucket compressed on its own) the tied
-    embedding's two copies still end equal."""
+    traffic per step is synchronous DP's. (Under PowerSGD the tied embedding's two copies end equal: the DiLoCo
+    checkpoint test.)"""
     steps = BYTES_STEPS
-    results = [r["bytes"] for r in eight[1]]
-    for first, last in zip(results[:4], results[4:]):  # (pp0, dp, tp) and (pp1, dp, tp): the tied copies agree
-        assert torch.equal(first[5]["weights"]["tok_embed.weight"], last[5]["weights"]["head.weight"])
+    results = eight
     syncs = sum(s % 3 == 0 or s == steps for s in range(1, steps + 1))
     for pair in ((0, 1), (2, 3)):  # the record's bytes: the mean over ranks (stages hold different shares)
         mean_dp = sum(r[pair[0]]["bytes"][0]["dp"] for r in results) / len(results)
@@ -261,10 +264,10 @@ def test_diloco_matches_the_papers_loop() -> None:
              (*DILOCO, "sync.overlap_steps=2")]
     steps = 8
     torch.set_num_threads(1)
-    modes_composed(DP_ONLY, 2, modes, 2, steps)
-    results = run_frozen(train_modes, 2, DP_ONLY, modes, 2, steps, timeout=TIMEOUT)
+    modes_composed(PAPER, 2, modes, 2, steps)
+    results = run_frozen(train_modes, 2, PAPER, modes, 2, steps, timeout=TIMEOUT)
     for i, mode in enumerate(modes):
-        ref = replicas_reference(mode_cfg(DP_ONLY, 2, mode, 2, steps), 2, steps)
+        ref = replicas_reference(mode_cfg(PAPER, 2, mode, 2, steps), 2, steps)
         for r, want in zip(results, ref):
             for name, w in want.items():
                 torch.testing.assert_close(r[i]["weights"][name], w, rtol=1e-5, atol=1e-6, msg=(mode, name))
@@ -294,12 +297,13 @@ def test_every_stage_keeps_every_fragment_and_the_tied_copies_in_the_first(n: in
 
 # ---- the parameter server ----------------------------------------------------------------------------------
 
-def test_parameter_server_synchronous_and_async_at_zero_staleness_are_synchronous_dp() -> None:
+def test_parameter_server_synchronous_and_async_at_zero_staleness_are_synchronous_dp(
+        four: tuple[Path, list[dict[str, Any]]]) -> None:
     """dp=4, momentum SGD on the servers, no clipping (each worker would clip its own gradient): one server
     shard, three, and the asynchronous protocol held to staleness 0 all train as synchronous DP (the servers
     apply the same optimizer to the mean gradient). AdamW would too, but its update divides by √v, and on the
     elements whose gradient is only rounding noise (a key's bias: softmax ignores it) two sum orders differ."""
-    for r in four():
+    for r in four[1]:
         dp, others = r["averaging"][0], r["servers"]  # the one synchronous-DP run of the launch
         for other in others:
             torch.testing.assert_close(torch.tensor(other["losses"]), torch.tensor(dp["losses"]), rtol=1e-5, atol=1e-6)
@@ -330,12 +334,13 @@ def staleness_run(rank: int, world: int, k: int, steps: int) -> dict[str, Any]:
             "final": _weights(trainer)}
 
 
-def test_async_parameter_server_never_applies_a_gradient_older_than_k_versions() -> None:
+def test_async_parameter_server_never_applies_a_gradient_older_than_k_versions(
+        four: tuple[Path, list[dict[str, Any]]]) -> None:
     """dp=4, 2 server shards, k=2, rank 3 slow: the fast workers run ahead (some gradients are stale), none is
     more than k versions old when applied, no worker ever holds parameters more than k versions behind its
     clock, and the last step waits for the final version: every replica ends with the same model."""
     k, steps = STALE_K, STALE_STEPS
-    results = [r["stale"] for r in four()]
+    results = [r["stale"] for r in four[1]]
     applied = [s for r in results[:2] for s in r["staleness"]]  # the hosts of the two shards
     assert len(applied) == 2 * 4 * steps and max(applied) <= k and max(applied) > 0
     for r in results:
@@ -377,13 +382,14 @@ def ring_rounds(rank: int, world: int, rounds: int, lr: float) -> list[float]:
     return out
 
 
-def test_gossip_on_a_ring_shrinks_the_consensus_distance_as_theory_says() -> None:
+def test_gossip_on_a_ring_shrinks_the_consensus_distance_as_theory_says(
+        four: tuple[Path, list[dict[str, Any]]]) -> None:
     """4 replicas on a ring (weights 1/3; each mixes with 2 of the 3 others), disagreeing along the mixing
     matrix's slowest eigenvector (cos 2πi/n): with a gradient step of lr η on the same quadratic, the consensus
     distance shrinks by exactly (1 − η)·λ₂ per round, λ₂ = (1 + 2cos(2π/n))/3 (the ring's second eigenvalue)."""
     n, eta = 4, RING_LR
     rate = (1 - eta) * (1 + 2 * torch.cos(torch.tensor(2 * torch.pi / n)).item()) / 3
-    dists = four()[0]["ring"]
+    dists = four[1][0]["ring"]
     assert len(dists) == RING_ROUNDS + 1
     assert dists[0] > 1
     for before, after in zip(dists, dists[1:]):
@@ -393,14 +399,20 @@ def test_gossip_on_a_ring_shrinks_the_consensus_distance_as_theory_says() -> Non
 # ---- checkpoints ----------------------------------------------------------------------------------------------
 
 def test_diloco_resumes_bit_exactly_between_outer_steps_and_restarts_under_another_layout(
-        eight: tuple[Path, list[dict[str, Any]]]) -> None:
-    """tp2pp2dp2, H=3 in 3 fragments, each PowerSGD exchange overlapped with the next step: saved at step 2 with
+        four: tuple[Path, list[dict[str, Any]]]) -> None:
+    """tp1pp2dp2, H=3 in 3 fragments, each PowerSGD exchange overlapped with the next step: saved at step 2 with
     the second fragment's exchange in flight, resumed in the same layout: each replica's own parameters, inner
     AdamW moments, anchors, outer momentum, the exchange's result and PowerSGD's state after it come back
     (losses and weights bit for bit);
-    under tp1pp2dp4 every replica restarts from the saved parameters (a note says so) and trains; the last
-    checkpoint (after the final sync) exports to transformers as the run's one model."""
-    results = [r["diloco"] for r in eight[1]]
+    under tp2pp1dp2 every replica restarts from the saved parameters (a note says so) and trains; the last
+    checkpoint (after the final sync) exports to transformers as the run's one model. PowerSGD compresses each
+    stage's bucket on its own, yet the tied embedding's two copies (stage 0's embedding, stage 1's head) end
+    equal, before and after the resume."""
+    results = [r["diloco"] for r in four[1]]
+    half = len(results) // 2  # ranks (pp0, dp) then (pp1, dp): the tied copies of one replica pair up
+    for first, last in zip(results[:half], results[half:]):
+        for key in ("final", "same_final"):
+            assert torch.equal(first[key]["tok_embed.weight"], last[key]["head.weight"]), key
     for r in results:
         assert r["same"]["losses"] == r["base"]["losses"][SAVE_AT:]
         for name, w in r["final"].items():
@@ -408,7 +420,7 @@ def test_diloco_resumes_bit_exactly_between_outer_steps_and_restarts_under_anoth
         other = r[str(RESUMED["diloco"][1][0])]["losses"]
         assert all(torch.isfinite(torch.tensor(other))) and other[-1] < r["base"]["losses"][0]
     assert any("holds no replica state" in line for line in results[0]["log"])
-    exports_the_final_model(eight[0] / "diloco", results, RESUMED["diloco"][0])
+    exports_the_final_model(four[0] / "diloco", results, RESUMED["diloco"][0])
 
 
 def exports_the_final_model(root: Path, results: list[dict[str, Any]], mode: tuple[str, ...]) -> None:
@@ -419,7 +431,7 @@ def exports_the_final_model(root: Path, results: list[dict[str, Any]], mode: tup
     final: dict[str, torch.Tensor] = {}
     for r in results:
         final.update(r["final"])
-    want = to_hf_state_dict(final, make_cfg(TP2PP2, 8, extra=list(mode)).model, VOCAB)
+    want = to_hf_state_dict(final, make_cfg(CKPT, 4, extra=list(mode)).model, VOCAB)
     got = load_file(root / "hf" / "model.safetensors")
     assert set(got) <= set(want) and got
     for name, t in got.items():
@@ -427,13 +439,13 @@ def exports_the_final_model(root: Path, results: list[dict[str, Any]], mode: tup
 
 
 @pytest.mark.parametrize("mode", ["gossip", "ps"])
-def test_gossip_and_parameter_server_resume_bit_exactly(eight: tuple[Path, list[dict[str, Any]]], mode: str) -> None:
-    """tp2pp2dp2, saved at step 2 and resumed in the same layout: gossip's replicas' parameters and AdamW
+def test_gossip_and_parameter_server_resume_bit_exactly(four: tuple[Path, list[dict[str, Any]]], mode: str) -> None:
+    """tp1pp2dp2, saved at step 2 and resumed in the same layout: gossip's replicas' parameters and AdamW
     moments, the parameter server's shards, AdamW state and version come back: losses and weights bit for bit;
     the last checkpoint (after the final average) exports to transformers as the run's one model."""
-    results = [r[mode] for r in eight[1]]
+    results = [r[mode] for r in four[1]]
     for r in results:
         assert r["same"]["losses"] == r["base"]["losses"][SAVE_AT:]
         for name, w in r["final"].items():
             assert torch.equal(r["same_final"][name], w), name
-    exports_the_final_model(eight[0] / mode, results, RESUMED[mode][0])
+    exports_the_final_model(four[0] / mode, results, RESUMED[mode][0])
