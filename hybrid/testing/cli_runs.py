@@ -50,8 +50,8 @@ class CliRun:
         return [line for line in self.stderr.splitlines() if "hybrid: error:" in line]
 
 
-def run_forked(main: Callable[[], None], argv: Sequence[str], cwd: Path, env: Optional[Mapping[str, str]] = None,
-               timeout_s: float = 120.0, prog: str = "hybrid") -> CliRun:
+def run_forked(main: Callable[[], Optional[int]], argv: Sequence[str], cwd: Path,
+               env: Optional[Mapping[str, str]] = None, timeout_s: float = 120.0, prog: str = "hybrid") -> CliRun:
     """`main()` with `sys.argv = [prog, *argv]` in a forked child working in `cwd` (see the module docstring);
     a child still running after `timeout_s` is killed and reported with status -9."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,7 +63,7 @@ def run_forked(main: Callable[[], None], argv: Sequence[str], cwd: Path, env: Op
         return CliRun(_wait(pid, timeout_s), out.read_text(errors="replace"), err.read_text(errors="replace"))
 
 
-def run_forked_ranks(main: Callable[[], None], argv: Sequence[str], cwd: Path, world: int,
+def run_forked_ranks(main: Callable[[], Optional[int]], argv: Sequence[str], cwd: Path, world: int,
                      env: Optional[Mapping[str, str]] = None, timeout_s: float = 120.0) -> list[CliRun]:
     """`main()` as the `world` ranks of one run (see the module docstring), their results by rank; every
     child still running after `timeout_s` (all ranks share the deadline) is killed and reported with -9."""
@@ -100,7 +100,7 @@ def _fork() -> int:
     return pid
 
 
-def _child(main: Callable[[], None], argv: list[str], cwd: Path, env: Mapping[str, str], out: Path,
+def _child(main: Callable[[], Optional[int]], argv: list[str], cwd: Path, env: Mapping[str, str], out: Path,
            err: Path) -> None:
     """The forked side: never returns (os._exit with main's status)."""
     code = 1
@@ -109,8 +109,8 @@ def _child(main: Callable[[], None], argv: list[str], cwd: Path, env: Mapping[st
         os.chdir(cwd)
         os.environ.update(env)
         sys.argv = argv
-        main()
-        code = 0
+        status = main()
+        code = status if isinstance(status, int) else 0  # as `sys.exit(main())`: a returned status is the exit's
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if isinstance(e.code, str):
