@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU measurements of a session that is lent a GPU, as one script (docs/gpu.md):
+#
+#   bash scripts/gpu_session.sh OUT_DIR            on the GPU machine: gpu-check at gpt-1b, then hybrid beside
+#                                                  the plain loop (eager and compiled), figures as JSON in OUT_DIR
+#   bash scripts/gpu_session.sh OUT_DIR --dry-run  the same steps on the CPU, tiny (what CI can check)
+#
+# Wheels the GPU machine lacks (it reaches no package index) travel in .whl/ and are installed into a private
+# folder first. Each step has its own time limit, so one that hangs cannot eat the others' time; a failed step
+# is reported and the next one still runs; the exit status is 1 when any failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: scripts/gpu_session.sh OUT_DIR [--dry-run]}
+DRY=${2:-}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --target /tmp/hybrid-site .whl/*.whl && export PYTHONPATH="/tmp/hybrid-site:$PWD"
+fi
+export PYTHONPATH="${PYTHONPATH:-$PWD}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+failed=0
+
+step() {  # step NAME SECONDS COMMAND...: run it under a time limit, its output beside its figures
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name ($(date -u +%FT%TZ), limit ${limit}s): $*" | tee -a "$OUT/session.log"
+    if ! timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; then
+        echo "== $name FAILED (status $?): $(tail -n 3 "$OUT/$name.txt" | tr '\n' ' ')" | tee -a "$OUT/session.log"
+        failed=1
+    fi
+    tail -n 25 "$OUT/$name.txt"
+}
+
+if [[ "$DRY" == "--dry-run" ]]; then
+    step gpucheck 300 "$PY" -m hybrid.bench.gpucheck --dry-run --no-tests --out "$OUT/gpucheck.json"
+    step vs_plain_loop 300 "$PY" -m hybrid.bench.vs_plain_loop --quick --device cpu --rounds 2 --steps 1 \
+        --out "$OUT/vs_plain_loop.json"
+else
+    "$PY" -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/session.log"
+    step gpucheck 280 "$PY" -m hybrid.bench.gpucheck --no-tests --models gpt-1b --steps 10 --out "$OUT/gpucheck.json"
+    step vs_plain_loop 280 "$PY" -m hybrid.bench.vs_plain_loop --model gpt-1b --rounds 4 \
+        --sides hybrid,plain,plain_compiled --out "$OUT/vs_plain_loop.json"
+fi
+exit $failed
