@@ -211,9 +211,9 @@ class Guard:
         pending, self.pending = self.pending, []
         if not pending:
             return None
-        values = torch.stack([torch.stack([n.float().reshape(()), x.float().reshape(()).to(n.device)])
-                              for _, n, x in pending]).tolist()
-        for (step, _, _), (norm, loss) in zip(pending, values):
+        norms = torch.stack([n.float().reshape(()) for _, n, _ in pending])
+        losses = torch.stack([x.float().reshape(()).to(norms.device) for _, _, x in pending])
+        for (step, _, _), (norm, loss) in zip(pending, torch.stack([norms, losses], dim=1).tolist()):
             if not math.isfinite(norm):
                 if at_hand and step == pending[-1][0]:
                     return norm, None, -1  # the step at hand: `inspect` names its parameter
