@@ -152,6 +152,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     recompute: str = "none"  # activations recomputed in the backward: none | selective (attention core, MLP act) | full
     compile: bool = False  # torch.compile each transformer block (inductor; on CPU it needs a C++ compiler)
+    # the head's linear and cross-entropy fused, head_chunk tokens at a time (never the whole fp32 logits):
+    fused_head: str = "auto"  # auto (on when training on CUDA, off on CPU) | on | off
+    head_chunk: int = 4096  # tokens per chunk of the fused head
     # a step whose gradient is not finite (NaN/inf) never updates the weights; then the run (hybrid.nonfinite):
     on_nonfinite: str = "stop"  # stop (exit 1, one line) | skip (the step, warned) | rewind (to the last checkpoint)
     max_skipped_steps: int = 5  # skip: steps skipped in a row, rewind: rewinds of one process, before it stops

@@ -39,6 +39,7 @@ from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.parallel.dp.buckets import assign_buckets, padded_numel
 from hybrid.parallel.pp.actions import Op
 from hybrid.parallel.pp.schedules import SCHEDULES, Schedule, ScheduleError, build_schedule, most_waiting
+from hybrid.parallel.tp.fused_head import head_chunk
 from hybrid.record.metrics import format_bytes
 from hybrid.sync import mode_footprint
 from hybrid.sync.exchange import exchange_bytes
@@ -65,6 +66,7 @@ class Micro:
     recompute: str = "none"
     device: str = "cpu"
     act: int = F32  # bytes per activation element: 2 under bf16 parameters (`train.precision=bf16_params`)
+    head_chunk: int = 0  # tokens per chunk of the fused head (`train.fused_head`), 0: the unfused head
 
     @property
     def fused_attention(self) -> bool:
@@ -127,14 +129,18 @@ def layer_activation_bytes(cfg: ModelConfig, m: Micro) -> int:
 def ends_bytes(cfg: ModelConfig, m: Micro, vocab_local: int, first: bool, last: bool) -> int:
     """The embedding's (ids; under TP this rank's shifted ids and their mask; positions) and the head's (final
     norm, head input, the cross-entropy's probabilities, targets and, under TP, their mask) kept tensors for
-    one microbatch."""
+    one microbatch. The fused head keeps, beside the norm's input and statistics, only its input's and weight's
+    fp32 gradients (the whole sequence's and this rank's vocabulary rows)."""
     tokens, full, tp = m.b * m.s_local, m.b * m.s, m.tp > 1
     blocks = family_of(cfg).blocks
     kept = 0
     if first:
         kept += 9 * full if tp else 8 * m.b * (m.s + 1)  # the sample's ids (inputs and labels: one tensor)
         kept += 8 * m.s_local if blocks.positions == "learned" else 0
-    if last:
+    if last and m.head_chunk:
+        kept += norm_bytes(blocks.norm == "rms", tokens, cfg.hidden, m.act) - m.act * tokens * cfg.hidden
+        kept += F32 * (full + vocab_local) * cfg.hidden
+    elif last:
         kept += norm_bytes(blocks.norm == "rms", tokens, cfg.hidden, m.act)
         kept += F32 * full * vocab_local + 8 * full + (full if tp else F32)
     return kept
@@ -171,7 +177,8 @@ def weight_pass_bytes(cfg: ModelConfig, m: Micro, layers: int, vocab_local: int,
     frees the rest): (the weight nodes' inputs — each norm's input, each projection's input, on the last part
     the final norm's and the head's —, the gradient that flowed into each weight node — of each norm's and
     projection's output, on the last part the logits'). None on the first part: no input pass, its weight pass
-    is its whole backward. Under full recomputation a block's weights get their gradients in the input pass."""
+    is its whole backward. Under full recomputation a block's weights get their gradients in the input pass.
+    The fused head's node keeps its two fp32 gradients (as in the forward) and gets a scalar."""
     if first:
         return None
     h, tokens, full = cfg.hidden, m.b * m.s_local, m.b * m.s
@@ -182,9 +189,23 @@ def weight_pass_bytes(cfg: ModelConfig, m: Micro, layers: int, vocab_local: int,
     reads = 2 * tokens * h + 2 * linear_in * h + full * (heads * d + f)
     grads = 2 * tokens * h + full * ((heads + 2 * kv) * d + h + (1 + swiglu) * f + h)
     per_layer = (0, 0) if m.recompute == "full" else (reads, grads)
-    ends = (tokens * h + linear_in * h, tokens * h) if last else (0, 0)
-    logits = F32 * full * vocab_local if last else 0
-    return (m.act * (layers * per_layer[0] + ends[0]), m.act * (layers * per_layer[1] + ends[1]) + logits)
+    ends = (tokens * h + linear_in * h * (not m.head_chunk), tokens * h) if last else (0, 0)
+    head = ((F32 * (full + vocab_local) * h, 0) if m.head_chunk else (0, F32 * full * vocab_local)) if last else (0, 0)
+    return (m.act * (layers * per_layer[0] + ends[0]) + head[0], m.act * (layers * per_layer[1] + ends[1]) + head[1])
+
+
+def head_transient(cfg: ModelConfig, m: Micro, vocab_local: int) -> int:
+    """The head's temporaries beyond what it keeps. Unfused: its saved probabilities' size again, twice at tp=1
+    (the logits' gradient and log-softmax's temporary), three times under TP (the forward's masked and shifted
+    copies beside the logits and their exp). Fused, forward: a chunk's fp32 logits and, in bf16, the matmul's
+    output and the gradient's cast, W's chunk gradient in bf16 and (CPU) its fp32 copy for the sum; backward: the
+    kept gradients cast to bf16, at tp=1 W's padded to the padded vocabulary, under TP x's region copy."""
+    full, cast, h, tp1 = m.b * m.s, m.act != F32, cfg.hidden, m.tp == 1
+    if not m.head_chunk:
+        return (3 if m.tp > 1 else 2) * F32 * full * vocab_local
+    forward = min(m.head_chunk, full) * vocab_local * (F32 + 2 * m.act * cast)
+    forward += cast * vocab_local * h * (m.act + F32 * (m.device == "cpu"))
+    return max(forward, m.act * (vocab_local * h * (tp1 + cast) + full * h * (1 - tp1 + cast)))
 
 
 @dataclass(frozen=True)
@@ -206,7 +227,8 @@ def micro_of(cfg: Config, device_type: str = "cpu", micro_batch: int | None = No
     """`cfg`'s microbatch (or one of `micro_batch` sequences) on `device_type`."""
     t, p = cfg.train, cfg.parallel
     return Micro(micro_batch or t.micro_batch_size, cfg.data.seq_len, p.tp, p.sequence_parallel, cfg.model.dropout,
-                 t.recompute, device_type, 2 if t.precision == "bf16_params" else F32)
+                 t.recompute, device_type, 2 if t.precision == "bf16_params" else F32,
+                 head_chunk(t.fused_head, t.head_chunk, device_type))
 
 
 def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank: int, dp: int, m: Micro,
@@ -231,10 +253,7 @@ def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank:
                          + ends_bytes(cfg.model, m, vocab, chunk.pre, chunk.post))
         kept.append(weight_pass_bytes(cfg.model, m, layers, vocab, chunk.pre, chunk.post))
     activations = held_bytes(schedule, pp_rank, per_chunk, kept)
-    # the head beyond its saved probabilities: the logits' gradient and log-softmax's temporary (tp=1); under TP
-    # the forward's masked and shifted copies beside the logits and their exp
-    last = (3 if m.tp > 1 else 2) * F32 * m.b * m.s * loss_columns(chunks[-1], m.tp)
-    logits_grad = last if any(chunk.post for chunk in chunks) else 0
+    logits_grad = head_transient(cfg.model, m, loss_columns(chunks[-1], m.tp)) if any(c.post for c in chunks) else 0
     # a layer's backward: gradients about the size of its activations and, under full recomputation, those too
     rerun = Micro(m.b, m.s, m.tp, m.sp, m.dropout, "none", m.device, m.act)
     transient = max(logits_grad, (1 + (m.recompute == "full")) * layer_activation_bytes(cfg.model, rerun))

@@ -68,6 +68,7 @@ def build_chunks(cfg: Config, vocab: int, ctx: ParallelContext) -> nn.ModuleList
                                   sequence_parallel=p.sequence_parallel))
         chunks[-1].set_recompute(cfg.train.recompute)
         chunks[-1].set_compile(cfg.train.compile)
+        chunks[-1].set_fused_head(cfg.train.fused_head, cfg.train.head_chunk)
     return nn.ModuleList(chunks)
 
 

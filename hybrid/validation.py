@@ -34,6 +34,7 @@ _CHOICES = {
     "parallel.zb_memory": ("1f1b", "none"),
     "train.precision": ("auto", "fp32", "bf16", "bf16_params"),
     "train.recompute": ("none", "selective", "full"),
+    "train.fused_head": ("auto", "on", "off"),
     "train.on_nonfinite": ("stop", "skip", "rewind"),
     "optim.name": ("adamw", "sgd"),
     "optim.implementation": ("fused", "foreach"),
@@ -83,6 +84,8 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
     _validate_pipeline(p, m, t.global_batch_size // per_step, t.compile)
     _require(math.isfinite(t.lr) and t.lr > 0, f"train.lr must be a finite number > 0, got {t.lr}")
     _require(t.steps >= 1, f"train.steps must be >= 1 (optimizer steps to train), got {t.steps}")
+    _require(t.head_chunk >= 1, f"train.head_chunk must be >= 1 (tokens per chunk of the fused head), "
+             f"got {t.head_chunk}")
     _require(t.max_skipped_steps >= 1, f"train.max_skipped_steps must be >= 1 (non-finite steps skipped in a row, "
              f"or rewinds, before the run stops), got {t.max_skipped_steps}")
     _validate_warmup(cfg.optim, t.steps)

@@ -21,6 +21,10 @@ Dropout inside TP regions (attention probabilities) and on sequence chunks draws
 TP rank's own stream (`hybrid.parallel.rng.TPRandom`); replicated activations draw from the
 default generator, identical on every TP rank.
 
+The head computes the loss either from the vocab-split logits (`vocab_parallel_cross_entropy`) or, with
+`set_fused_head` (`train.fused_head`), fused with its linear a chunk of tokens at a time
+(`hybrid.parallel.tp.fused_head`: neither the whole logits nor their gradient ever exist).
+
 `CausalLM` holds a contiguous range of layers with their *global* indices as names
 (`layers.17.attn.qkv.weight`), plus the embedding on the first stage and the final norm and
 head on the last, so a pipeline stage builds only its own part.
@@ -43,6 +47,7 @@ from hybrid.parallel.collectives import Group
 from hybrid.parallel.params import Init, annotate, init_parameters, param_info
 from hybrid.parallel.recompute import recompute
 from hybrid.parallel.rng import TPRandom, derive_seed
+from hybrid.parallel.tp.fused_head import MODES, fused_linear_cross_entropy, head_chunk
 from hybrid.parallel.tp.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -235,6 +240,7 @@ class CausalLM(nn.Module):
             if not (cfg.tie_embeddings and pre):
                 self.head = ColumnParallelLinear(cfg.hidden, (self.padded_vocab,), tp_group, bias=False,
                                                  std=cfg.init_std, sequence_parallel=sp)
+        self.fused_head = ("off", 0)  # `set_fused_head`: (train.fused_head, train.head_chunk)
         self._mark_pipeline_tied()
         tied_head = {"head.weight": "tok_embed.weight"} if cfg.tie_embeddings else {}
         init_parameters(self, seed, {tied_head.get(n, n): p for n, p in self.named_parameters()})
@@ -261,6 +267,13 @@ class CausalLM(nn.Module):
         """`torch.compile` each block here (`train.compile`)."""
         for layer in self.layers.values():
             layer.set_compile(on)
+
+    def set_fused_head(self, mode: str, chunk: int = 4096) -> None:
+        """The loss through the fused head (`hybrid.parallel.tp.fused_head`, `chunk` tokens at a time): on, off,
+        or auto — on when the input is on CUDA (`train.fused_head`, `train.head_chunk`). Logits stay unfused."""
+        if mode not in MODES or chunk < 1:
+            raise ValueError(f"fused head {mode!r} with chunks of {chunk} tokens: want one of {MODES}, chunk >= 1")
+        self.fused_head = (mode, chunk)
 
     def head_weight(self) -> torch.Tensor:
         return self.tok_embed.weight if hasattr(self, "tok_embed") and not hasattr(self, "head") else self.head.weight
@@ -289,10 +302,13 @@ class CausalLM(nn.Module):
             x = layer(x, rope)
         if not self.post:
             return x
-        logits = self.logits(x)
         if labels is None:
-            return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.tp_group, self.vocab_size)
+            return self.logits(x)
+        chunk = head_chunk(*self.fused_head, x.device.type)
+        if chunk:  # the head and the loss fused, never the whole logits
+            return fused_linear_cross_entropy(self.norm(x), self.head_weight(), labels, self.tp_group,
+                                              self.vocab_size, chunk, self.sp)
+        return vocab_parallel_cross_entropy(self.logits(x), labels, self.tp_group, self.vocab_size)
 
     def full_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """Unpadded, TP-gathered logits [b, s, vocab] (evaluation and tests)."""

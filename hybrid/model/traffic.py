@@ -17,6 +17,9 @@ Per microbatch, forward + backward, tp > 1:
   same b·s·h tensor (the same ring volume), plus Megatron's backward re-gather of every
   column-parallel input: 2 per layer and 1 for the head;
 - in both, the vocab-parallel cross-entropy's three fp32 all-reduces of b·s elements;
+- with the fused head (`train.fused_head`, `hybrid.parallel.tp.fused_head`) the same, but for the head's
+  regather under sequence parallelism: the head's weight gradient is made in the forward, from the input it
+  gathered then;
 - under full recomputation (`train.recompute=full`) each layer's forward runs again in the backward, and
   its collectives with it: 2 more all-reduces per layer, or 2 more all-gathers and 2 more reduce-scatters
   under sequence parallelism (selective recomputation reruns none).
@@ -39,7 +42,8 @@ if TYPE_CHECKING:
 
 def tp_bytes_per_microbatch(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
                             layers: int | None = None, pre: bool = True, post: bool = True,
-                            itemsize: int = 4, recompute: str = "none", residual: int = 4) -> dict[str, int]:
+                            itemsize: int = 4, recompute: str = "none", residual: int = 4,
+                            fused_head: bool = False) -> dict[str, int]:
     """{op: bytes} one rank's TP group moves for one microbatch, forward and backward."""
     if tp == 1:
         return {}
@@ -53,7 +57,7 @@ def tp_bytes_per_microbatch(cfg: ModelConfig, micro_batch: int, seq_len: int, tp
         out = {"all_reduce": inner + embed + ce}
     else:
         out = {"all_gather": inner + embed, "reduce_scatter": inner + embed,
-               "regather": (2 * n_layers + int(post)) * bsh * itemsize, "all_reduce": ce}
+               "regather": (2 * n_layers + int(post and not fused_head)) * bsh * itemsize, "all_reduce": ce}
     return {op: b for op, b in out.items() if b}
 
 
@@ -70,14 +74,14 @@ def sequence_parallel_grad_elements(cfg: ModelConfig, layers: int | None = None,
 
 
 def tp_bytes_per_step(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
-                      microbatches: int, itemsize: int = 4, recompute: str = "none", residual: int = 4
-                      ) -> dict[str, int]:
+                      microbatches: int, itemsize: int = 4, recompute: str = "none", residual: int = 4,
+                      fused_head: bool = False) -> dict[str, int]:
     """{op: bytes} of one whole-model optimizer step (pp=1): every microbatch, the sequence-parallel
     gradient all-reduce (fp32) and the gradient norm's fp32 scalar all-reduce."""
     if tp == 1:
         return {}
     per_mb = tp_bytes_per_microbatch(cfg, micro_batch, seq_len, tp, sequence_parallel, itemsize=itemsize,
-                                     recompute=recompute, residual=residual)
+                                     recompute=recompute, residual=residual, fused_head=fused_head)
     out = {op: b * microbatches for op, b in per_mb.items()}
     extra = 4 + (4 * sequence_parallel_grad_elements(cfg) if sequence_parallel else 0)
     out["all_reduce"] = out.get("all_reduce", 0) + extra

@@ -2,9 +2,9 @@
 
 - One process: the activations a forward keeps (the saved-tensor tally), per layer and at the ends, equal
   the estimate exactly for GPT and Llama (GQA and not), dropout 0 and 0.1, every recomputation mode, fp32 and
-  bf16 parameters.
+  bf16 parameters; and with the fused head (its gradients kept instead of the probabilities).
 - Schedules: the microbatches the estimate replays a rank holding equal the simulator's peak in flight.
-- Eleven (model, layout, schedule, precision, compression, ZeRO, recomputation, dropout) combinations on 4 gloo
+- Thirteen (model, layout, schedule, precision, compression, ZeRO, recomputation, dropout, head) combinations on 4 gloo
   ranks, each rank estimated from its own chunks built on the meta device: parameters, gradients and optimizer
   state equal the trainer's tensors exactly; at tp=1 or 2 without a pipeline, the activations equal the tally; the
   total is within 10 % of the states plus the peak the profiler tracks over a training step.
@@ -77,6 +77,22 @@ def test_activations_equal_the_tally_in_one_process(family: str, kv: int, dropou
         assert _tally(model.train(), ids) == want, (family, kv, dropout, mode)
 
 
+@pytest.mark.parametrize("family,kv", [("gpt", 4), ("llama", 2)])
+@pytest.mark.parametrize("act", [4, 2], ids=["fp32", "bf16_params"])
+def test_the_fused_heads_ends_equal_the_tally(family: str, kv: int, act: int) -> None:
+    """The fused head keeps the final norm's input and statistics and its two fp32 gradients, nothing per chunk."""
+    torch.set_num_threads(1)
+    cfg = _model_cfg(family, 0.0, kv)
+    ids = torch.randint(0, 100, (B, S + 1), generator=torch.Generator().manual_seed(0))
+    model = build_model(cfg, 100, seed=1)
+    model.set_fused_head("on", 5)
+    if act == 2:
+        to_low_precision(model)
+    m = Micro(B, S, act=act, head_chunk=5)
+    want = {"layers": cfg.n_layers * layer_activation_bytes(cfg, m), "ends": ends_bytes(cfg, m, 100, True, True)}
+    assert _tally(model.train(), ids) == want
+
+
 @pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1p", 1), ("zbv", 2)])
 def test_held_microbatches_equal_the_simulators_peak(name: str, v: int) -> None:
     for pp, microbatches in ((2, 4), (4, 8), (4, 4)):
@@ -85,6 +101,7 @@ def test_held_microbatches_equal_the_simulators_peak(name: str, v: int) -> None:
         assert [held_bytes(schedule, r, [1] * v) for r in range(pp)] == peak, (name, pp, microbatches)
 
 
+FUSED = ("train.fused_head=on", "train.head_chunk=8")
 LAYERS = ("model.n_layers=4",)  # the layouts' model: a layer per part of pp2 × 2 virtual stages
 COMBOS = [
     Case("gpt", tp=2),
@@ -98,6 +115,8 @@ COMBOS = [
     Case("gpt", zero=1, extra=("compression=int8", "compression.block_size=32")),
     Case("gpt", pp=2, schedule="zb1p"),  # the split backward holds a microbatch until its weight pass
     Case("llama", pp=2, schedule="zbv", v=2, extra=("parallel.zb_memory=none",)),  # its own order, split
+    Case("llama", tp=2, sp=True, extra=FUSED),  # the fused head: 4 chunks of a microbatch's 32 tokens
+    Case("gpt", pp=2, schedule="zb1p", extra=(*FUSED, "train.precision=bf16_params", "parallel.zb_memory=none")),
 ]
 
 
