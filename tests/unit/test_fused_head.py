@@ -166,3 +166,17 @@ def test_bad_values_are_one_line(override: str, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle) as e:
         validate(model_cfg((override,)), 1)
     assert "\n" not in str(e.value)
+
+
+def test_the_benchmark_runs_and_both_sides_agree(capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m hybrid.bench.fused_head` at a tiny shape: its table, and the two heads' agreement."""
+    from hybrid.bench import fused_head
+
+    threads = torch.get_num_threads()
+    try:
+        assert fused_head.main(["--model", "gpt-tiny", "--vocab", "100", "--batch", "1", "--seq", "8", "--chunk", "3",
+                                "--rounds", "1", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "| fused " in out and "gradients agree: True" in out, out
