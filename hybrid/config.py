@@ -193,7 +193,7 @@ class WandbConfig:
 @dataclass
 class LoggingConfig:
     dir: str = "runs/${run_name}"  # everything of a run lives here; a sweep job (-m): its job folder
-    log_every: int = 1  # steps between metrics.jsonl lines
+    log_every: int = 10  # steps between metrics.jsonl lines (torchtitan's 10); the progress bar moves every step
     progress: bool = True  # progress bar on rank 0
     timing: bool = True  # logged steps: time every collective (comm/ keys) and break the step down (time/ keys)
     traffic_map: bool = True  # the last step's bytes rank → rank: traffic.json (+ traffic.png with matplotlib)

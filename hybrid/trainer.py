@@ -273,7 +273,8 @@ class Trainer:
         the step ran (`Compression.record`) and the steps skipped so far (`Guard.record`)."""
         stage = self.dp.stage_record(self.step) | self.guard.record()
         stage |= self.health.record() | self.dp.replica_record(self.step - self.tally.start_step)
-        return {**self.report.record(self.step, r.loss, r.grad_norm, r.lr, r.step_time_s), **stage}
+        seconds = self.report.window.take(r.step_time_s)  # the mean since the last logged step
+        return {**self.report.record(self.step, r.loss, r.grad_norm, r.lr, seconds), **stage}
 
     def _logs(self, step: int) -> bool:
         """Whether step `step` (counted from 1) writes a metrics record."""
@@ -308,6 +309,7 @@ class Trainer:
             self.grad_sync.meter(logs and self._meters(self.step + 1))  # ‖ĝ − g‖ on a sample of them
             self.profiler.before_step(self.step + 1)
             last = self.train_step(timed=logs and self.cfg.logging.timing, due=self._due(self.step + 1))
+            self.report.window.add(last.step_time_s, alone=self.step == self.tally.start_step + 1)
             if self.guard.settle(self, last):  # a non-finite step: stopped, skipped or rewound
                 continue
             if switch := self.dp.observe(self.step, lambda r=last: r.loss):

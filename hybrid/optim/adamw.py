@@ -22,8 +22,8 @@ collective; `hybrid.nonfinite` decides what the run does next.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
@@ -110,13 +110,22 @@ def counted_here(p: nn.Parameter, tp_rank: int) -> bool:
     return not (info.pp_duplicate or (info.tp_duplicate and tp_rank != 0))
 
 
+def total_squares(grads: Sequence[torch.Tensor], device: torch.device, foreach: Optional[bool] = None) -> torch.Tensor:
+    """Σ g² over `grads`, in fp32 on `device`. On CUDA (or `foreach`) one multi-tensor norm for them all
+    (`torch._foreach_norm`: a few kernel launches for the whole model instead of about six per tensor, as torch's
+    `clip_grad_norm_` does on CUDA); elsewhere tensor by tensor (`sum_of_squares`: accurate on CPU)."""
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    if grads and (device.type == "cuda" if foreach is None else foreach):
+        return sq + torch.stack(torch._foreach_norm(list(grads), 2, dtype=torch.float32)).square().sum()
+    for g in grads:
+        sq = sq + sum_of_squares(g)
+    return sq
+
+
 def global_grad_norm(params: Iterable[nn.Parameter], ctx: ParallelContext) -> torch.Tensor:
     """L2 norm of the whole model's gradient, each parameter counted once across TP and PP."""
-    sq = torch.zeros((), dtype=torch.float32)
-    for p in params:
-        g = grad_of(p)
-        if g is not None and counted_here(p, ctx.tp_rank):
-            sq = sq.to(g.device) + sum_of_squares(g)
+    grads = [g for p in params if (g := grad_of(p)) is not None and counted_here(p, ctx.tp_rank)]
+    sq = total_squares(grads, grads[0].device if grads else torch.device("cpu"))
     for group in (ctx.tp_group, ctx.pp_group):
         C.all_reduce(sq, group)
     return sq.sqrt()

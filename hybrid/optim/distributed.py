@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
-from hybrid.optim.adamw import adamw_over, clip_grads, counted_here, guarded_step, skips_on_device, sum_of_squares
+from hybrid.optim.adamw import adamw_over, clip_grads, counted_here, guarded_step, skips_on_device, total_squares
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
 
@@ -210,10 +210,7 @@ class DistributedOptimizer:
         """The global gradient norm from this rank's fragments: the squares all-reduced over DP (each
         shard's owner counts it once), then TP, then PP, with `global_grad_norm`'s rules for duplicates."""
         device = self.buckets[0].params.device if self.buckets else torch.device("cpu")
-        sq = torch.zeros((), dtype=torch.float32, device=device)
-        for f in self.fragments():
-            if counted_here(f.param, self.ctx.tp_rank):
-                sq += sum_of_squares(f.view.grad)
+        sq = total_squares([f.view.grad for f in self.fragments() if counted_here(f.param, self.ctx.tp_rank)], device)
         for group in (self.dp_group, self.ctx.tp_group, self.ctx.pp_group):
             C.all_reduce(sq, group)
         return sq.sqrt()

@@ -52,6 +52,26 @@ class StepResult:
         return float(self.norm_t)
 
 
+class StepWindow:
+    """The steps since the last logged one. A logged step reports their mean time, so its tokens/s covers the
+    window: between logged steps the host runs ahead of the device and the logged step's wait pays for them all.
+    A step added `alone` (the first of a start: it pays for warm-up) is a window of its own, dropped unless logged."""
+
+    def __init__(self) -> None:
+        self.seconds, self.steps, self.alone = 0.0, 0, False
+
+    def add(self, seconds: float, alone: bool = False) -> None:
+        if self.alone:
+            self.take(0.0)
+        self.seconds, self.steps, self.alone = self.seconds + seconds, self.steps + 1, alone
+
+    def take(self, fallback: float) -> float:
+        """The window's mean step time (`fallback`: no step added, e.g. a step run outside `fit`); a new window."""
+        mean = self.seconds / self.steps if self.steps else fallback
+        self.seconds, self.steps, self.alone = 0.0, 0, False
+        return mean
+
+
 class StepReport:
     """The record of a logged step on one rank (every rank builds it: the sums are collective)."""
 
@@ -64,6 +84,7 @@ class StepReport:
         self.flops_per_token = model_flops_per_token(n_params, m.n_layers, m.hidden, seq_len)
         self.peak = peak_flops(device)
         self.timing: Optional[list[float]] = None  # the last timed step's `comm_report.local_vector`
+        self.window = StepWindow()  # the step times since the last logged step
 
     def loss(self, t: torch.Tensor, schedule: Schedule) -> torch.Tensor:
         """A step's (or an eval's) mean loss on every rank, on the device (no host read): broadcast over PP from

@@ -54,7 +54,7 @@ from hybrid.train import run as train_run
 
 B = ["model=gpt-tiny", "model.n_layers=2", "model.hidden=64", "data.seq_len=64", "train.global_batch_size=8",
      "train.micro_batch_size=4", "logging.wandb.mode=disabled", "logging.progress=false", "train.eval_every=0",
-     "optim.warmup_steps=2", "logging.traffic_map=false", "run_name=nf"]
+     "optim.warmup_steps=2", "logging.traffic_map=false", "run_name=nf", "logging.log_every=1"]
 ENV = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 TIMEOUT_S = 120
 

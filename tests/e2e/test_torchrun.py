@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["model=gpt-tiny", "data.seq_len=64", "train.global_batch_size=16", "train.micro_batch_size=4",
          "train.lr=3e-3", "optim.warmup_steps=2", "train.eval_every=4", "train.eval_batches=1",
-         "logging.wandb.mode=disabled", "logging.progress=false"]
+         "logging.wandb.mode=disabled", "logging.progress=false", "logging.log_every=1"]
 # the shared uninterrupted run (conftest's tiny_reference) and the fault-tolerance runs compared with it; dropout
 # on: a resume is bit-exact only if every rank's RNG streams come back too; no traffic map (a picture no test
 # here reads: a matplotlib import in each launched rank 0)

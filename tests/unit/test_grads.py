@@ -119,6 +119,20 @@ def test_sum_of_squares_is_as_accurate_as_a_full_size_square() -> None:
             assert abs(float(sum_of_squares(shaped)) - float(exact)) <= 1e-6 * float(exact)
 
 
+def test_the_multi_tensor_squares_equal_the_per_tensor_ones_to_fp32_rounding() -> None:
+    """CUDA's path (`torch._foreach_norm` over every gradient, a few launches) run here on the CPU against the
+    per-tensor path the CPU takes (a fused op replacing unfused ones: equal within fp32 rounding, 1e-6 relative);
+    no gradient is 0 on either path."""
+    from hybrid.optim.adamw import total_squares
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=gen) * s for n, s in ((7, 1.0), (4096, 1e-3), (33, 10.0), (1, 0.5))]
+    cpu = torch.device("cpu")
+    one, each = total_squares(grads, cpu, foreach=True), total_squares(grads, cpu)
+    assert torch.allclose(one, each, rtol=1e-6, atol=0) and one.dtype == torch.float32
+    assert float(total_squares([], cpu, foreach=True)) == 0.0 == float(total_squares([], cpu))
+
+
 def test_fused_and_foreach_adamw_take_the_same_step() -> None:
     """`optim.implementation`: the kernels differ, the update does not (fp32 rounding aside)."""
     results = []

@@ -36,6 +36,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Path:
     argv = ["model=gpt-tiny", f"train.steps={STEPS}", f"train.eval_every={EVAL_EVERY}", "train.global_batch_size=8",
             "train.micro_batch_size=4", "train.eval_batches=1", "data.seq_len=64", "data.max_chars=200000",
             "logging.wandb.mode=disabled", "logging.progress=false", "logging.traffic_map=false", "run_name=x",
+            "logging.log_every=1",
             f"logging.dir={tmp}/x", f"checkpoint.dir={tmp}/ck"]
     done = run_forked(hybrid.train.main, argv, tmp, {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"},
                       timeout_s=300)
