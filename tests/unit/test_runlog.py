@@ -111,3 +111,20 @@ def _gathered(rank: int, world: int) -> list:
 def test_gather_brings_every_ranks_value_in_rank_order() -> None:
     assert launch(_gathered, 2, timeout=120) == [[(0, True), (10, True)]] * 2
     assert gather(7) == [7]  # no process group: this process alone
+
+
+def test_a_logged_step_reports_the_mean_time_of_its_window() -> None:
+    """`StepWindow`: the mean over the steps since the last take; a step added `alone` (a start's first, warm-up)
+    is dropped by the next add unless taken first; with nothing added, the fallback."""
+    from hybrid.record.report import StepWindow
+
+    w = StepWindow()
+    assert w.take(0.5) == 0.5
+    w.add(9.0, alone=True)
+    for s in (1.0, 2.0, 3.0):
+        w.add(s)
+    assert w.take(0.5) == 2.0  # the warm-up step left out
+    w.add(9.0, alone=True)
+    assert w.take(0.5) == 9.0  # logged itself (log_every=1): reported
+    w.add(4.0)
+    assert w.take(0.5) == 4.0
