@@ -151,7 +151,9 @@ class TrainConfig:
     # (Megatron-style: bf16 parameters and activations, fp32 main weights and gradients in the optimizer)
     device: str = "auto"  # auto | cpu | cuda
     recompute: str = "none"  # activations recomputed in the backward: none | selective (attention core, MLP act) | full
-    compile: bool = False  # torch.compile each transformer block (inductor; on CPU it needs a C++ compiler)
+    compile: bool = False  # torch.compile (inductor; on CPU it needs a C++ compiler)
+    compile_scope: str = "blocks"  # blocks (each transformer block) | model (each pipeline part's whole forward)
+    compile_mode: str = "default"  # torch's: default | reduce-overhead (CUDA graphs) | max-autotune[-no-cudagraphs]
     # the head's linear and cross-entropy fused, head_chunk tokens at a time (never the whole fp32 logits):
     fused_head: str = "auto"  # auto (on when training on CUDA, off on CPU) | on | off
     head_chunk: int = 4096  # tokens per chunk of the fused head

@@ -67,7 +67,7 @@ def build_chunks(cfg: Config, vocab: int, ctx: ParallelContext) -> nn.ModuleList
                                   post=s == len(parts) - 1, seed=cfg.train.seed,
                                   sequence_parallel=p.sequence_parallel))
         chunks[-1].set_recompute(cfg.train.recompute)
-        chunks[-1].set_compile(cfg.train.compile)
+        chunks[-1].set_compile(cfg.train.compile, cfg.train.compile_scope, cfg.train.compile_mode)
         chunks[-1].set_fused_head(cfg.train.fused_head, cfg.train.head_chunk)
     return nn.ModuleList(chunks)
 

@@ -35,6 +35,8 @@ _CHOICES = {
     "train.precision": ("auto", "fp32", "bf16", "bf16_params"),
     "train.recompute": ("none", "selective", "full"),
     "train.fused_head": ("auto", "on", "off"),
+    "train.compile_scope": ("blocks", "model"),
+    "train.compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
     "train.on_nonfinite": ("stop", "skip", "rewind"),
     "optim.name": ("adamw", "sgd"),
     "optim.implementation": ("fused", "foreach"),
@@ -119,8 +121,8 @@ def _validate_pipeline(p: ParallelConfig, m: ModelConfig, microbatches: int, com
 
     spec = SCHEDULES[p.schedule]
     _require(not (spec.split_backward and compiled and p.pp > 1), f"parallel.schedule={p.schedule} splits each "
-             "backward into input and weight passes, but train.compile=true makes a block's backward one node that "
-             "cannot be split: set train.compile=false or another schedule")
+             "backward into input and weight passes, but train.compile=true makes a compiled graph's backward one node "
+             "that cannot be split: set train.compile=false or another schedule")
     parts = p.pp * p.virtual_stages
     _require(p.schedule != "zbv" or p.pp == 1 or p.stage_layers is not None or m.n_layers % parts == 0,
              f"parallel.schedule=zbv needs equal parts: model.n_layers={m.n_layers} is not divisible by "

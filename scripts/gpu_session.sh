@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements of a session that is lent a GPU, as one script (docs/gpu.md):
 #
-#   bash scripts/gpu_session.sh OUT_DIR            on the GPU machine: gpu-check at gpt-1b, then hybrid beside
-#                                                  the plain loop (eager and compiled), figures as JSON in OUT_DIR
+#   bash scripts/gpu_session.sh OUT_DIR            on the GPU machine: gpu-check at gpt-1b, then hybrid (eager,
+#                                                  and the whole model compiled) beside the compiled plain loop,
+#                                                  figures as JSON in OUT_DIR
 #   bash scripts/gpu_session.sh OUT_DIR --dry-run  the same steps on the CPU, tiny (what CI can check)
 #
 # Wheels the GPU machine lacks (it reaches no package index) travel in .whl/ and are installed into a private
@@ -34,11 +35,12 @@ step() {  # step NAME SECONDS COMMAND...: run it under a time limit, its output 
 if [[ "$DRY" == "--dry-run" ]]; then
     step gpucheck 300 "$PY" -m hybrid.bench.gpucheck --dry-run --no-tests --out "$OUT/gpucheck.json"
     step vs_plain_loop 300 "$PY" -m hybrid.bench.vs_plain_loop --quick --device cpu --rounds 2 --steps 1 \
-        --out "$OUT/vs_plain_loop.json"
+        --sides hybrid,hybrid_compiled,plain --hybrid "train.compile_scope=model" --out "$OUT/vs_plain_loop.json"
 else
     "$PY" -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/session.log"
     step gpucheck 280 "$PY" -m hybrid.bench.gpucheck --no-tests --models gpt-1b --steps 10 --out "$OUT/gpucheck.json"
     step vs_plain_loop 280 "$PY" -m hybrid.bench.vs_plain_loop --model gpt-1b --rounds 4 \
-        --sides hybrid,plain,plain_compiled --out "$OUT/vs_plain_loop.json"
+        --sides hybrid,hybrid_compiled,plain_compiled --hybrid "train.compile_scope=model" \
+        --out "$OUT/vs_plain_loop.json"
 fi
 exit $failed

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,12 +40,13 @@ class Setting:
         return f"{self.precision}{' +compile' if self.compile else ''}"
 
 
-def config(model: str, setting: Setting, device: torch.device, seq_len: int, micro: int, steps: int) -> Config:
-    """One rank, two microbatches of `micro` × `seq_len`, no eval, validated."""
+def config(model: str, setting: Setting, device: torch.device, seq_len: int, micro: int, steps: int,
+           extra: Sequence[str] = ()) -> Config:
+    """One rank, two microbatches of `micro` × `seq_len`, no eval, `extra` overrides last; validated."""
     cfg = compose_config([f"model={model}", "parallel=single", f"data.seq_len={seq_len}",
                           f"train.micro_batch_size={micro}", f"train.global_batch_size={2 * micro}",
                           f"train.steps={steps}", "train.eval_every=0", f"train.precision={setting.precision}",
-                          f"train.compile={str(setting.compile).lower()}", f"train.device={device.type}"])
+                          f"train.compile={str(setting.compile).lower()}", f"train.device={device.type}", *extra])
     validate(cfg, world_size=1)
     return cfg
 

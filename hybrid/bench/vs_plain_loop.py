@@ -65,6 +65,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sides", default=None, help=f"comma-separated, from {','.join(SIDES)} (default: hybrid, "
                    "plain and plain_compiled on CUDA; hybrid and plain on CPU)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
+    p.add_argument("--hybrid", default="", help="config overrides for hybrid's sides, space-separated (e.g. "
+                   "'train.compile_scope=model train.compile_mode=reduce-overhead train.fused_head=off')")
     p.add_argument("--out", type=Path, default=None, help="write every figure to this JSON file")
     return p
 
@@ -107,7 +109,7 @@ def hybrid_side(args: argparse.Namespace, compiled: bool) -> tuple[Side, Any]:
     """hybrid's Trainer at one rank; returns the side and the trainer (the plain loop copies its weights). Its
     steps are a run's steps that log nothing: the loss stays on the device, as the plain loop's does."""
     cfg = config(args.model, Setting(args.precision, compiled), torch.device(args.device), args.seq_len,
-                 args.micro_batch, 10_000)
+                 args.micro_batch, 10_000, args.hybrid.split())
     t = trainer(cfg, torch.device(args.device))
     side = Side("hybrid_compiled" if compiled else "hybrid", lambda: t.train_step(due=False).loss_t)  # on device
     return side, t
@@ -254,7 +256,7 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[st
     for s in sides:
         profile_side(s, device, args.profile_steps)
     out(f"{args.model}, seq {args.seq_len}, 2 × {args.micro_batch} sequences per step, hybrid at "
-        f"train.precision={args.precision}, on {describe(device)}, torch {torch.__version__}")
+        f"train.precision={args.precision} {args.hybrid}, on {describe(device)}, torch {torch.__version__}")
     out("\n".join(report(sides, args, flops, device)))
     out(f"reproduce: {reproduce_command('hybrid.bench.vs_plain_loop', parser(), args)}")
     result = {"device": describe(device), "torch": torch.__version__, "args": {k: str(v) for k, v in

@@ -119,14 +119,15 @@ def plan_resume(cfg: Config, vocab: int, is_writer: bool, warn: Log) -> Optional
 
 # What a resume may change without changing where training goes: the layout (resharded), where files go,
 # what is logged and profiled, how long it trains (extending a run), evals, the device, activation
-# recomputation, compilation and AdamW's kernels (the same updates), labels, a start point a resume
+# recomputation, compilation, the fused head and AdamW's kernels (the same updates), labels, a start point a resume
 # ignores, a metric-only knob, and what a non-finite step makes the run do. Any other difference (train.lr,
 # seed, batch sizes, precision, optim.* (its name too: adamw or sgd), model.*, data.*, compression.*, sync.*)
 # is a training setting: a resume refuses it unless checkpoint.allow_changes=true.
 FREE_PREFIXES = ("run_name", "parallel.", "checkpoint.", "logging.", "profile.")
 FREE_KEYS = frozenset({"train.steps", "train.device", "train.eval_every", "train.eval_batches", "train.recompute",
                        "train.on_nonfinite", "train.max_skipped_steps",
-                       "train.compile", "optim.implementation", "model.name", "model.init_from", "data.name",
+                       "train.compile", "train.compile_scope", "train.compile_mode", "train.fused_head",
+                       "train.head_chunk", "optim.implementation", "model.name", "model.init_from", "data.name",
                        "data.cache_dir", "sync.name", "compression.measure_error", "compression.measure_every"})
 
 

@@ -180,10 +180,10 @@ class Block(nn.Module):
         self.recompute_full = mode == "full"
         self.attn.recompute_core = self.mlp.recompute_act = mode == "selective"
 
-    def set_compile(self, on: bool) -> None:
-        """Run the block through `torch.compile` (compiled on its first call; inductor on CPU needs a C++
-        compiler). Recomputation composes: it reruns the compiled block."""
-        self.compiled = torch.compile(self.run) if on else None
+    def set_compile(self, on: bool, mode: Optional[str] = None) -> None:
+        """Run the block through `torch.compile` in `mode` (torch's; compiled on its first call; inductor on CPU
+        needs a C++ compiler). Recomputation composes: it reruns the compiled block."""
+        self.compiled = torch.compile(self.run, mode=mode) if on else None
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.training and self.dropout.p > 0):
@@ -241,6 +241,7 @@ class CausalLM(nn.Module):
                 self.head = ColumnParallelLinear(cfg.hidden, (self.padded_vocab,), tp_group, bias=False,
                                                  std=cfg.init_std, sequence_parallel=sp)
         self.fused_head = ("off", 0)  # `set_fused_head`: (train.fused_head, train.head_chunk)
+        self.compiled: Optional[Callable[..., torch.Tensor]] = None  # `run` through torch.compile (scope model)
         self._mark_pipeline_tied()
         tied_head = {"head.weight": "tok_embed.weight"} if cfg.tie_embeddings else {}
         init_parameters(self, seed, {tied_head.get(n, n): p for n, p in self.named_parameters()})
@@ -263,10 +264,14 @@ class CausalLM(nn.Module):
         for layer in self.layers.values():
             layer.set_recompute(mode)
 
-    def set_compile(self, on: bool) -> None:
-        """`torch.compile` each block here (`train.compile`)."""
+    def set_compile(self, on: bool, scope: str = "blocks", mode: str = "default") -> None:
+        """`torch.compile` each block here, or this whole part's forward (`scope` model: embeddings, blocks, head
+        and loss in one graph where nothing breaks it, fused across the blocks' edges), in torch's `mode`
+        (`train.compile`, `train.compile_scope`, `train.compile_mode`; reduce-overhead adds CUDA graphs)."""
+        torch_mode = None if mode == "default" else mode
         for layer in self.layers.values():
-            layer.set_compile(on)
+            layer.set_compile(on and scope == "blocks", torch_mode)
+        self.compiled = torch.compile(self.run, mode=torch_mode) if on and scope == "model" else None
 
     def set_fused_head(self, mode: str, chunk: int = 4096) -> None:
         """The loss through the fused head (`hybrid.parallel.tp.fused_head`, `chunk` tokens at a time): on, off,
@@ -295,6 +300,9 @@ class CausalLM(nn.Module):
 
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """ids (first stage) or hidden states in; hidden states, logits, or the mean loss out."""
+        return (self.compiled or self.run)(x, labels)
+
+    def run(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.pre:
             x = self.embed(x)
         rope = (self.rope_cos, self.rope_sin) if self.choices.positions == "rope" else None

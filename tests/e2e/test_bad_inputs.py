@@ -126,7 +126,7 @@ RANKED: list[tuple[str, list[str], str]] = [  # the same, as rank 0 and rank 1 o
      "interleaved schedule needs microbatches (3) divisible by pp=2"),
     ("pp-stage-layers", ["parallel=pp2", "parallel.stage_layers=[3,2]"], "summing to model.n_layers=4"),
     ("zb-compiled", ["parallel=pp2", "parallel.schedule=zb1p", "train.compile=true"],
-     "train.compile=true makes a block's backward one node that cannot be split"),
+     "train.compile=true makes a compiled graph's backward one node that cannot be split"),
     ("zbv-unequal-parts", ["parallel=pp2", "parallel.schedule=zbv", "parallel.virtual_stages=2", "model.n_layers=6"],
      "parallel.schedule=zbv needs equal parts: model.n_layers=6 is not divisible by pp·virtual_stages = 4"),
     ("zbv-one-chunk", ["parallel=pp2", "parallel.schedule=zbv"],
