@@ -16,8 +16,9 @@ timed ones per side, the device drained before and after; reported is the median
 side's tokens/s and of the paired per-round ratios. Then one profiled run of `--profile-steps` steps
 per side gives, from the profiler's trace, the GPU busy share of the steps' wall time (the union of
 kernel, copy and set intervals), kernel launches per step and, on CUDA, the device-to-host
-synchronisations per step (`torch.cuda.set_sync_debug_mode`); on CPU the host time per step and the reads
-of tensors into Python per step (`record.host_syncs`).
+synchronisations per step (`torch.cuda.set_sync_debug_mode`); on CPU the host time per step, the reads
+of tensors into Python per step (`record.host_syncs`) and, in the launches' column, the aten ops a step
+dispatches that compute (what would launch a kernel on a GPU; the norm, for one, is then multi-tensor).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybrid.bench.common import add_quick, check_models, parse_with_quick, reproduce_command
 from hybrid.bench.gpucheck_steps import Setting, config, timed, trainer, vocab_of
@@ -207,6 +209,30 @@ def syncs_per_step(side: Side, device: torch.device) -> int:
     return sum(SYNC_WARNING in str(w.message) for w in seen)
 
 
+class _ComputingOps(TorchDispatchMode):
+    """Counts the aten ops a step dispatches that compute (views and aliases left out): on the CPU, the count
+    of the kernels the same step would launch on a GPU."""
+
+    FREE = frozenset({"view", "_unsafe_view", "detach", "t", "transpose", "permute", "expand", "slice", "select",
+                      "split", "split_with_sizes", "unbind", "unsqueeze", "squeeze", "as_strided", "alias",
+                      "lift_fresh", "reshape", "_reshape_alias"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += func.overloadpacket.__name__ not in self.FREE
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_step(side: Side) -> int:
+    """One step's computing ops (`_ComputingOps`): the launches' stand-in on the CPU."""
+    with _ComputingOps() as ops:
+        side.step()
+    return ops.count
+
+
 def profile_side(side: Side, device: torch.device, steps: int) -> None:
     """Busy share, launches and host time per step from one profiled run (and syncs per step on CUDA)."""
     events = trace_of(side, device, steps)
@@ -215,7 +241,8 @@ def profile_side(side: Side, device: torch.device, steps: int) -> None:
     cuda = device.type == "cuda"
     side.profile = {"step_ms": span["dur"] / 1e3 / steps,
                     "gpu_busy": gpu_busy(events, start, end) if cuda else None,
-                    "launches_per_step": sum(e.get("name") in LAUNCHES for e in events) / steps if cuda else None,
+                    "launches_per_step": sum(e.get("name") in LAUNCHES for e in events) / steps if cuda
+                    else ops_per_step(side),  # on the CPU: the ops that would launch a kernel
                     "syncs_per_step": syncs_per_step(side, device)}
 
 
