@@ -1,0 +1,63 @@
+"""Attention on one pair of sequence blocks, with what a ring needs to merge and differentiate it.
+
+A query block [b, h, sq, d] against a key/value block [b, hk, sk, d] (hk divides h: grouped-query attention,
+each K/V head serving h/hk consecutive query heads, as `scaled_dot_product_attention(enable_gqa=True)`), in
+fp32: `forward` returns the block's output and each query's log-sum-exp of scores; `merge` combines two
+partial results over different keys by their log-sum-exps (exactly: the softmax over the union); `backward`
+recomputes the block's probabilities from the *final* log-sum-exp, so each block's gradients are its share of
+the whole softmax's. `causal`: the blocks are the same chunk of the sequence (query i sees keys ≤ i); a key
+block wholly before the queries is attended in full, one wholly after is never passed here.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+Partial = tuple[torch.Tensor, torch.Tensor]  # (output [b, h, sq, d], log-sum-exp [b, h, sq]), fp32
+
+
+def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """K or V with each of its heads repeated for the query heads it serves."""
+    return kv if kv.shape[1] == heads else kv.repeat_interleave(heads // kv.shape[1], dim=1)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    s = q.float() @ _expand(k, q.shape[1]).float().transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> Partial:
+    """softmax(q kᵀ·scale [+ causal mask]) v over this key block, and the scores' log-sum-exp per query."""
+    s = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse.unsqueeze(-1)) @ _expand(v, q.shape[1]).float(), lse
+
+
+def merge(acc: Optional[Partial], new: Partial) -> Partial:
+    """Two partial attentions of the same queries over disjoint keys → the attention over both keys."""
+    if acc is None:
+        return new
+    lse = torch.logaddexp(acc[1], new[1])
+    return (acc[0] * torch.exp(acc[1] - lse).unsqueeze(-1) + new[0] * torch.exp(new[1] - lse).unsqueeze(-1), lse)
+
+
+def _fold(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """A gradient per query head summed into the K/V head that served it."""
+    b, h, s, d = g.shape
+    return g if h == kv_heads else g.view(b, kv_heads, h // kv_heads, s, d).sum(dim=2)
+
+
+def backward(dout: torch.Tensor, delta: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of this block pair, fp32, given the output's gradient `dout` (fp32), `delta` = Σ dout·out
+    per query (of the final output) and the final log-sum-exp `lse`."""
+    p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
+    dv = p.transpose(-1, -2) @ dout
+    ds = p * (dout @ _expand(v, q.shape[1]).float().transpose(-1, -2) - delta.unsqueeze(-1))
+    dq = ds @ _expand(k, q.shape[1]).float() * scale
+    dk = ds.transpose(-1, -2) @ q.float() * scale
+    return dq, _fold(dk, k.shape[1]), _fold(dv, v.shape[1])
