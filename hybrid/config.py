@@ -49,7 +49,9 @@ class ParallelConfig:
     name: str = "single"  # label only; the config file name
     tp: int = 1  # tensor-parallel size (ranks inside one node)
     pp: int = 1  # pipeline stages
-    dp: Optional[int] = None  # data-parallel size; None = world / (tp·pp)
+    dp: Optional[int] = None  # data-parallel size; None = world / (tp·cp·pp)
+    cp: int = 1  # context-parallel size: each rank holds seq_len / cp tokens of every sequence (load-balanced)
+    cp_comm: str = "ring"  # ring (K/V passed around the CP ranks) | a2a (all-to-all over heads, Ulysses)
     schedule: str = "1f1b"  # a name in hybrid.parallel.pp.schedules.SCHEDULES: gpipe | 1f1b | interleaved | zb1p | zbv
     # zb1p, zbv: 1f1b = each rank leaves only as many weight passes waiting as keep it within the largest rank's
     # memory with 1F1B's unsplit backward (zb1p: 1F1B's; by the estimate); none = the schedule's own (ZB-H1: r on

@@ -33,10 +33,12 @@ from hybrid.data import Corpus
 from hybrid.health import HealthMonitor
 from hybrid.memory import meta_stages, micro_of, training_schedule
 from hybrid.model import build_model
+from hybrid.model.context_parallel import ContextParallel
 from hybrid.nonfinite import Guard
 from hybrid.optim import lr_at, to_low_precision
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext, pp_streams
+from hybrid.parallel.cp.sharding import shard
 from hybrid.parallel.dp.data import CommHook, finalize_grads
 from hybrid.parallel.params import count_params
 from hybrid.parallel.pp.actions import part_of
@@ -68,6 +70,7 @@ def build_chunks(cfg: Config, vocab: int, ctx: ParallelContext) -> nn.ModuleList
                                   sequence_parallel=p.sequence_parallel))
         chunks[-1].set_recompute(cfg.train.recompute)
         chunks[-1].set_compile(cfg.train.compile, cfg.train.compile_scope, cfg.train.compile_mode)
+        chunks[-1].set_context_parallel(ContextParallel(ctx.cp_group, p.cp_comm) if ctx.cp_size > 1 else None)
         chunks[-1].set_fused_head(cfg.train.fused_head, cfg.train.head_chunk)
     return nn.ModuleList(chunks)
 
@@ -194,7 +197,7 @@ class Trainer:
         stream's dtype (fp32, also under autocast; bf16 under bf16 parameters: half the bytes)."""
         if self.ctx.pp_size == 1:
             return None
-        seq = self.corpus.seq_len
+        seq = self.corpus.seq_len // self.ctx.cp_size
         if self.cfg.parallel.sequence_parallel and self.ctx.tp_size > 1:
             seq //= self.ctx.tp_size
         shape = (self.cfg.train.micro_batch_size, seq, self.cfg.model.hidden)
@@ -202,7 +205,7 @@ class Trainer:
         return P2P(self.ctx.pp_group, shape, self.activation_dtype, self.device, streams)
 
     def _batch(self, samples: np.ndarray, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = batch_from(samples, idx)
+        x, y = (shard(t, self.ctx.cp_size, self.ctx.cp_rank) for t in batch_from(samples, idx))  # CP: its tokens
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def forward_step(self, chunk: int, mb: int, x: Optional[torch.Tensor]) -> torch.Tensor:

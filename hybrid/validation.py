@@ -36,6 +36,7 @@ _CHOICES = {
     "train.recompute": ("none", "selective", "full"),
     "train.fused_head": ("auto", "on", "off"),
     "train.compile_scope": ("blocks", "model"),
+    "parallel.cp_comm": ("ring", "a2a"),
     "train.compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
     "train.on_nonfinite": ("stop", "skip", "rewind"),
     "optim.name": ("adamw", "sgd"),
@@ -69,7 +70,7 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
     p, m, t = cfg.parallel, cfg.model, cfg.train
     try:
         layout = Layout.create(world_size, p.tp, p.pp, p.dp, p.ranks_per_node or ranks_per_node,
-                               p.allow_tp_across_nodes)
+                               p.allow_tp_across_nodes, cp=p.cp)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
     _validate_model(m, p.tp)
@@ -98,6 +99,7 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
     if p.sequence_parallel:
         _require(cfg.data.seq_len % p.tp == 0, f"parallel.sequence_parallel=true needs "
                  f"data.seq_len={cfg.data.seq_len} divisible by parallel.tp={p.tp}")
+    _validate_context_parallel(cfg)
     _validate_optim(cfg.optim)
     check_sync(cfg, layout)  # sync.mode's rules and the DP exchange's compression options
     _require(cfg.logging.log_every >= 1, f"logging.log_every must be >= 1, got {cfg.logging.log_every}")
@@ -112,6 +114,23 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
     _require(not s or (len(s) == 2 and 1 <= s[0] <= s[1] <= t.steps),
              f"profile.steps={s} must be [] or [first, last] with 1 <= first <= last <= train.steps={t.steps}")
     return layout
+
+
+def _validate_context_parallel(cfg: Config) -> None:
+    """What parallel.cp > 1 needs: 2·cp chunks of every sequence (split again by TP under sequence parallelism),
+    heads to spread over cp under a2a, no attention dropout on the ring."""
+    p, m, seq = cfg.parallel, cfg.model, cfg.data.seq_len
+    if p.cp == 1:
+        return
+    _require(seq % (2 * p.cp) == 0, f"parallel.cp={p.cp} cuts each sequence into 2·cp = {2 * p.cp} chunks: "
+             f"data.seq_len={seq} is not divisible by {2 * p.cp}")
+    _require(not (p.sequence_parallel and p.tp > 1) or (seq // p.cp) % p.tp == 0, f"parallel.sequence_parallel "
+             f"splits each CP rank's {seq // p.cp} tokens over parallel.tp={p.tp}: not divisible")
+    heads = m.n_heads // p.tp
+    _require(p.cp_comm != "a2a" or heads % p.cp == 0, f"parallel.cp_comm=a2a spreads each TP rank's {heads} "
+             f"attention heads over parallel.cp={p.cp}: not divisible (parallel.cp_comm=ring has no such rule)")
+    _require(p.cp_comm != "ring" or m.dropout == 0, f"parallel.cp_comm=ring has no attention dropout: set "
+             f"model.dropout=0 (got {m.dropout}) or parallel.cp_comm=a2a")
 
 
 def _validate_pipeline(p: ParallelConfig, m: ModelConfig, microbatches: int, compiled: bool) -> None:

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid.model.context_parallel import ContextParallel
 from hybrid.model.family import Blocks, family_of
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
@@ -103,6 +104,7 @@ class Attention(nn.Module):
         self.n_kv = (cfg.n_kv_heads or cfg.n_heads) // tp
         self.dropout, self.rng = cfg.dropout, rng
         self.recompute_core = False  # selective recomputation: the attention core rerun in the backward
+        self.cp: Optional[ContextParallel] = None  # context parallelism: attention over every CP rank's tokens
         q, kv = cfg.n_heads * self.head_dim, (cfg.n_kv_heads or cfg.n_heads) * self.head_dim
         self.qkv = ColumnParallelLinear(cfg.hidden, (q, kv, kv), group, bias=bias, std=cfg.init_std,
                                         sequence_parallel=sp)
@@ -128,6 +130,8 @@ class Attention(nn.Module):
         """softmax(q kᵀ/√d + causal mask) v, with dropout on the probabilities from this TP rank's stream."""
         p = self.dropout if self.training else 0.0
         with self.rng.fork(q.device) if p > 0 else contextlib.nullcontext():  # this rank's heads: own masks
+            if self.cp is not None:
+                return self.cp.attend(q, k, v, p)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p,
                                                   enable_gqa=self.n_kv != self.n_heads)
 
@@ -242,6 +246,7 @@ class CausalLM(nn.Module):
                                                  std=cfg.init_std, sequence_parallel=sp)
         self.fused_head = ("off", 0)  # `set_fused_head`: (train.fused_head, train.head_chunk)
         self.compiled: Optional[Callable[..., torch.Tensor]] = None  # `run` through torch.compile (scope model)
+        self.cp: Optional[ContextParallel] = None  # `set_context_parallel`
         self._mark_pipeline_tied()
         tied_head = {"head.weight": "tok_embed.weight"} if cfg.tie_embeddings else {}
         init_parameters(self, seed, {tied_head.get(n, n): p for n, p in self.named_parameters()})
@@ -273,6 +278,12 @@ class CausalLM(nn.Module):
             layer.set_compile(on and scope == "blocks", torch_mode)
         self.compiled = torch.compile(self.run, mode=torch_mode) if on and scope == "model" else None
 
+    def set_context_parallel(self, cp: Optional[ContextParallel]) -> None:
+        """This part's tokens are a CP rank's load-balanced share of each sequence (`parallel.cp` > 1)."""
+        self.cp = cp
+        for layer in self.layers.values():
+            layer.attn.cp = cp
+
     def set_fused_head(self, mode: str, chunk: int = 4096) -> None:
         """The loss through the fused head (`hybrid.parallel.tp.fused_head`, `chunk` tokens at a time): on, off,
         or auto — on when the input is on CUDA (`train.fused_head`, `train.head_chunk`). Logits stay unfused."""
@@ -287,7 +298,7 @@ class CausalLM(nn.Module):
         """Token (+ position) embeddings: [b, s, h], or this rank's [b, s/tp, h] chunk under SP."""
         x = self.tok_embed(ids)
         if self.learned_positions:
-            positions = torch.arange(ids.shape[1], device=ids.device)
+            positions = self._positions(ids.shape[1], ids.device)
             if self.sp:
                 positions = C.split_seq(positions.unsqueeze(0), self.tp_group).squeeze(0)
             x = x + self.pos_embed(positions)
@@ -302,10 +313,23 @@ class CausalLM(nn.Module):
         """ids (first stage) or hidden states in; hidden states, logits, or the mean loss out."""
         return (self.compiled or self.run)(x, labels)
 
+    def _positions(self, local: int, device: torch.device) -> torch.Tensor:
+        """The whole-sequence index of each of this rank's `local` tokens (under CP its two chunks')."""
+        return torch.arange(local, device=device) if self.cp is None else self.cp.positions(local, device)
+
+    def _rope(self, x: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """RoPE's tables for this rank's tokens: the first rows, or under CP the rows of its tokens' positions."""
+        if self.choices.positions != "rope":
+            return None
+        if self.cp is None:
+            return self.rope_cos, self.rope_sin
+        at = self._positions(x.shape[1] * (C.size(self.tp_group) if self.sp and not self.pre else 1), x.device)
+        return self.rope_cos[at], self.rope_sin[at]
+
     def run(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        rope = self._rope(x)
         if self.pre:
             x = self.embed(x)
-        rope = (self.rope_cos, self.rope_sin) if self.choices.positions == "rope" else None
         for layer in self.layers.values():
             x = layer(x, rope)
         if not self.post:

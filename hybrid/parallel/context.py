@@ -39,7 +39,14 @@ class ParallelContext:
     dp_intra_group: Optional[dist.ProcessGroup] = None
     dp_inter_group: Optional[dist.ProcessGroup] = None
     embedding_group: Optional[dist.ProcessGroup] = None
+    cp_dp_group: Optional[dist.ProcessGroup] = None  # with cp > 1: the ranks that average gradients (`grad_group`)
     timeout_s: Optional[float] = None  # every group's (`parallel.timeout_s`)
+
+    @property
+    def grad_group(self) -> Optional[dist.ProcessGroup]:
+        """The group gradients are averaged over: DP, and under context parallelism CP and DP together (each CP
+        rank's gradient is of its tokens only; the weights are replicated over both). Counted as "dp"."""
+        return self.cp_dp_group if self.layout.cp > 1 else self.dp_group
 
     @property
     def coord(self) -> Coord:
@@ -74,7 +81,8 @@ class ParallelContext:
         c = layout.coord(rank)
         return ParallelContext(layout=layout, rank=rank, tp_group=ShapeGroup(layout.tp, c.tp),
                                cp_group=ShapeGroup(layout.cp, c.cp), dp_group=ShapeGroup(layout.dp, c.dp),
-                               pp_group=ShapeGroup(layout.pp, c.pp))
+                               pp_group=ShapeGroup(layout.pp, c.pp),
+                               cp_dp_group=ShapeGroup(layout.cp * layout.dp, c.dp * layout.cp + c.cp))
 
     @staticmethod
     def build(layout: Layout, timeout_s: Optional[float] = None) -> ParallelContext:
@@ -95,6 +103,8 @@ class ParallelContext:
         if layout.cp > 1:
             ctx.cp_group = _mine(layout.groups("cp"), rank, "cp", timeout_s)
             name_group(ctx.cp_group, "cp")
+            ctx.cp_dp_group = _mine(layout.groups("cp-dp"), rank, "cp-dp", timeout_s)
+            name_group(ctx.cp_dp_group, "dp")  # the gradients' traffic: the record's bytes_dp
         return ctx
 
 

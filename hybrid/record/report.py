@@ -88,16 +88,17 @@ class StepReport:
 
     def loss(self, t: torch.Tensor, schedule: Schedule) -> torch.Tensor:
         """A step's (or an eval's) mean loss on every rank, on the device (no host read): broadcast over PP from
-        the rank holding the last part, then averaged over DP (metrics only: uncounted, not training traffic)."""
+        the rank holding the last part, then averaged over CP and DP (metrics only: uncounted, not training traffic)."""
         ctx = self.ctx
         if ctx.pp_size > 1:
             with C.TIMER.collective(C.group_name(ctx.pp_group), "loss"):
                 dist.broadcast(t, group=ctx.pp_group, group_src=schedule.last_rank)
-        if C.size(ctx.dp_group) > 1:
-            t = t.clone()
-            with C.TIMER.collective(C.group_name(ctx.dp_group), "loss"):
-                dist.all_reduce(t, group=ctx.dp_group)
-            t /= ctx.dp_size
+        for group in (ctx.cp_group, ctx.dp_group):  # each CP rank's loss is over its tokens: the mean of equal shares
+            if C.size(group) > 1:
+                t = t.clone()
+                with C.TIMER.collective(C.group_name(group), "loss"):
+                    dist.all_reduce(t, group=group)
+                t /= C.size(group)
         return t
 
     def timed(self, t: Optional[StepTiming], schedule: Schedule, stats: PipelineStats) -> None:

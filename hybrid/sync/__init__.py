@@ -79,6 +79,9 @@ def bytes_cut_by(cfg: Config) -> str:
     return cfg.compression.method if cfg.sync.mode == "dp" else f"sync={cfg.sync.mode}"
 
 
+CP_APART = ("hierarchical", "onebit_adam")  # exchanges over DP's own node split or optimizer: not over CP × DP
+
+
 def check(cfg: Config, layout: Layout) -> None:
     """The `sync` config against the layout and the other options, then the exchange's compression options,
     then the mode's own rules. Raises ConfigError (one line)."""
@@ -95,6 +98,9 @@ def check(cfg: Config, layout: Layout) -> None:
              "sync.overlap_mix apply to sync=diloco or sync=local_sgd (the outer exchange)")
     require(s.max_staleness == 0 or s.asynchronous, f"sync.max_staleness={s.max_staleness} needs "
              "sync.asynchronous=true (a synchronous server has none)")
+    require(layout.cp == 1 or (s.mode == "dp" and cfg.compression.method not in CP_APART), f"parallel.cp="
+            f"{layout.cp} averages gradients over CP and DP together: it runs with sync.mode=dp and compression "
+            f"other than {', '.join(CP_APART)} (got sync.mode={s.mode}, compression={cfg.compression.method})")
     exchange.check(cfg, layout)
     mode.check(cfg, layout)
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 def dp_hook(cfg: Config, ctx: ParallelContext, hook: Optional[tuple[CommHook, Any]]) -> tuple[CommHook, Any]:
     """The DP compression hook and its state: `hook` when the caller brings one, else `compression=`'s."""
-    return hook or make_hook(cfg.compression, ctx.dp_group, ctx.dp_intra_group, ctx.dp_inter_group)
+    return hook or make_hook(cfg.compression, ctx.grad_group, ctx.dp_intra_group, ctx.dp_inter_group)
 
 
 def kept_exact(cfg: Config, model: nn.Module) -> frozenset[int]:
@@ -62,7 +62,7 @@ class SynchronousDP:
         if watcher is not None:
             watcher.exact_params = apart
         report = SyncReport(error=c.measure_error, exact=c.method == "none", inter_node=c.method == "hierarchical")
-        grad_sync = GradSync(list(model.parameters()), ctx.dp_group, run, state, cfg.parallel.bucket_mb, report,
+        grad_sync = GradSync(list(model.parameters()), ctx.grad_group, run, state, cfg.parallel.bucket_mb, report,
                              apart=apart, main_grads=main is not None, sharded=cfg.parallel.zero == 1,
                              encoded_reduce_scatter=encoded_reduce_scatter(c),
                              reduce_dtype=REDUCE_SCATTER_DTYPES.get(c.method, torch.float32))

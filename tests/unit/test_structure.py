@@ -32,7 +32,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "hybrid.compression": ("hybrid.parallel.collectives",),
     "hybrid.model": ("hybrid.parallel.collectives", "hybrid.parallel.params", "hybrid.parallel.tp.tensor",
                      "hybrid.parallel.tp.fused_head", "hybrid.parallel.rng", "hybrid.parallel.recompute",
-                     "hybrid.parallel.pp.actions"),
+                     "hybrid.parallel.pp.actions", "hybrid.parallel.cp"),
     "hybrid.testing": (),
     "hybrid.config": (),
     "hybrid.lifeline": (),
