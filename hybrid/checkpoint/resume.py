@@ -46,13 +46,15 @@ def layout_of(cfg: Config, layout: Layout) -> dict[str, Any]:
     """What decides which rank holds which tensors, and its RNG streams (`layout`: the run's Layout)."""
     p = cfg.parallel
     stages = list(p.stage_layers) if p.stage_layers is not None else None
-    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "virtual_stages": p.virtual_stages,
+    cp = {"cp": layout.cp} if layout.cp > 1 else {}  # absent at cp=1: the manifests written before CP match
+    return {"tp": layout.tp, **cp, "pp": layout.pp, "dp": layout.dp, "virtual_stages": p.virtual_stages,
             "stage_layers": stages}
 
 
 def layout_name(layout: dict[str, Any]) -> str:
     v = f"v{layout['virtual_stages']}" if layout["virtual_stages"] > 1 else ""
-    return f"tp{layout['tp']}pp{layout['pp']}{v}dp{layout['dp']}"
+    cp = f"cp{layout['cp']}" if layout.get("cp", 1) > 1 else ""
+    return f"tp{layout['tp']}{cp}pp{layout['pp']}{v}dp{layout['dp']}"
 
 
 def hook_key(cfg: Config, layout: Layout) -> dict[str, Any]:

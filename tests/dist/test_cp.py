@@ -1,12 +1,13 @@
 """Context parallelism in training, against the single-process run.
 
-Each case trains 3 steps of a 2-layer model on sequences of 32 tokens from the same init and data as one process
+Each case trains 3 steps of a 2-layer model on sequences of 16 tokens from the same init and data as one process
 without CP; the losses and gradient norms of every step equal the reference's within fp32 rounding (rtol 1e-5:
 the attention's and the gradients' summation orders differ) — so the loss averages over every token of the
 global batch exactly as without CP, the positions (GPT's learned, Llama's RoPE) follow each token's true index,
 and the gradients averaged over CP × DP are the whole batch's. Cases: GPT ring cp2 and Llama (GQA) all-to-all
 cp2 on 2 ranks; on 4 ranks GPT ring cp2dp2 with ZeRO-1, Llama ring cp2tp2 with sequence parallelism, GPT
-all-to-all cp2pp2 (1F1B). Configs are composed and validated in the test process before the ranks fork.
+all-to-all cp2pp2 (1F1B), Llama ring cp2pp2 under zero-bubble's split backward (zb1p). Configs are composed and
+validated in the test process before the ranks fork.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ SEQ, STEPS = 16, 3
 CASES = {2: [("gpt", ["parallel.cp=2"]), ("llama", ["parallel.cp=2", "parallel.cp_comm=a2a"])],
          4: [("gpt", ["parallel.cp=2", "parallel.dp=2", "parallel.zero=1"]),
              ("llama", ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
-             ("gpt", ["parallel.cp=2", "parallel.pp=2", "parallel.cp_comm=a2a"])]}
+             ("gpt", ["parallel.cp=2", "parallel.pp=2", "parallel.cp_comm=a2a"]),
+             ("llama", ["parallel.cp=2", "parallel.pp=2", "parallel.schedule=zb1p", "parallel.zb_memory=none"])]}
 
 
 @functools.cache
