@@ -27,6 +27,12 @@ Per microbatch, forward + backward, tp > 1:
 Per step: under sequence parallelism, one all-reduce of the gradients of the replicated
 parameters applied to sequence chunks (norms, row-parallel biases, positions); and the
 gradient-norm's scalar all-reduce.
+
+Context parallelism (`cp_bytes_per_microbatch`, per layer, one rank, its local s/cp tokens of its TP heads):
+the ring sends K and V on cp−1 hops forward and again backward, plus cp hops of their fp32 gradients; the
+all-to-all exchange moves q, k, v and the output forward and their gradients backward (K/V repeated to one per
+query head when they do not divide by cp). Recomputation (selective reruns the attention core, full the block)
+repeats the forward's.
 """
 
 from __future__ import annotations
@@ -112,3 +118,21 @@ def pp_bytes_per_step(micro_batch: int, seq_len: int, hidden: int, tp: int, sequ
            "send_bwd": sum(s > 0 and s - 1 in away for s in parts) * microbatches * per_message,
            "all_reduce": 4}
     return {op: b for op, b in out.items() if b}
+
+
+def cp_bytes_per_microbatch(cfg: ModelConfig, micro_batch: int, seq_len: int, cp: int, comm: str, tp: int = 1,
+                            layers: int | None = None, itemsize: int = 4, recompute: str = "none") -> dict[str, int]:
+    """{op: bytes} one rank sends over its CP group for one microbatch, forward and backward (`itemsize`: q, k,
+    v's element size — 2 under bf16 autocast or parameters; the ring's K/V gradients are fp32 whatever)."""
+    if cp == 1:
+        return {}
+    d, heads = cfg.hidden // cfg.n_heads, cfg.n_heads // tp
+    kv = (cfg.n_kv_heads or cfg.n_heads) // tp
+    head = micro_batch * (seq_len // cp) * d  # one head's local tokens, elements
+    forwards = 2 if recompute != "none" else 1  # the attention core reruns in the backward
+    n_layers = cfg.n_layers if layers is None else layers
+    if comm == "ring":
+        sent = (forwards + 1) * (cp - 1) * 2 * kv * head * itemsize + cp * 2 * kv * head * 4
+        return {"ring": n_layers * sent}
+    moved = kv if kv % cp == 0 else heads
+    return {"all_to_all": n_layers * (forwards + 1) * (2 * heads + 2 * moved) * head * itemsize}

@@ -83,7 +83,7 @@ class CommCounter:
         self.calls.clear()
 
 
-P2P_OPS = ("send_fwd", "send_bwd", "send", "recv", "send_recv", "broadcast")
+P2P_OPS = ("send_fwd", "send_bwd", "send", "recv", "send_recv", "broadcast", "ring")
 """Ops whose bus bandwidth is their algorithm bandwidth (nccl-tests' factor 1)."""
 
 

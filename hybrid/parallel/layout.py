@@ -202,8 +202,10 @@ class Layout:
         return kinds[kind]() if kind in kinds else self.axis_groups(kind)
 
     def group_sizes(self) -> dict[str, int]:
-        """Ranks per group of each kind, by the names the collectives count them under."""
-        return {kind: len(self.groups(kind)[0]) for kind in GROUP_KINDS}
+        """Ranks per group of each kind, by the names the collectives count them under (with cp > 1 the gradients'
+        group, counted as "dp", is CP × DP)."""
+        sizes = {kind: len(self.groups(kind)[0]) for kind in GROUP_KINDS}
+        return sizes | {"cp": self.cp, "dp": self.cp * self.dp}
 
     def _split_by_node(self, ranks: list[int]) -> list[list[int]]:
         parts: dict[int, list[int]] = {}

@@ -8,8 +8,8 @@ makes, and `record` turns the sums into per-rank means:
   the union of its spans, launch to completion), busbw = algbw · `bus_factor(op, group size)` (nccl-tests'
   definitions). Times include waiting for the slowest peer, as a training step sees them.
 - `comm/<group>/{s,exposed_s,busbw_gbps}`: the group's time, the time the training thread waited on it.
-- `comm/overlap_dp`, `comm/overlap_pp`: 1 − exposed / total over the DP groups' gradient sync and over
-  PP's p2p (the loss's and the compression meter's metrics-only reductions left out).
+- `comm/overlap_dp`, `comm/overlap_pp`, `comm/overlap_cp`: 1 − exposed / total over the DP groups' gradient
+  sync, over PP's p2p and over CP's ring (the loss's and the compression meter's metrics-only reductions left out).
 - `time/{step,data,compute,optimizer,bubble,comm_<group>,other}_s`: compute is forward + backward without
   the exposed waits inside them; the bubble is the part of the PP wait that the schedule itself implies
   (`schedule_idle_s`), the rest is exposed PP communication; optimizer includes gradient write-back and
@@ -22,14 +22,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hybrid.parallel.collectives import CommCounter, bus_factor
-from hybrid.parallel.context import GROUP_KINDS as GROUPS
+from hybrid.parallel.context import GROUP_KINDS
 from hybrid.parallel.dp.data import DP_GROUPS
 from hybrid.parallel.timing import StepTiming, union_length
 
 LOSS = "loss"  # the op label of the loss's metrics-only broadcast / mean
 METER = "meter"  # the compression error meter's exact all-reduce (logged steps only)
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "regather", "all_to_all", "send_fwd", "send_bwd",
-       "send_recv", LOSS, METER)
+       "send_recv", "ring", LOSS, METER)
+GROUPS = (*GROUP_KINDS, "cp")  # the groups reported: every kind a rank belongs to, and context parallelism's
 PHASES = ("step", "data", "compute", "optimizer", "bubble")
 
 
@@ -42,7 +43,7 @@ def local_vector(t: StepTiming, counter: CommCounter, idle_s: float) -> list[flo
             out += [counter.calls.get((g, op), 0), counter.bytes.get((g, op), 0), t.op_s.get((g, op), 0.0),
                     t.exposed_op_s.get((g, op), 0.0)]
         out += [t.group_s.get(g, 0.0), t.exposed_s.get(g, 0.0), t.exposed_op_s.get((g, METER), 0.0)]
-    out += [*_share(t, DP_GROUPS), *_share(t, ("pp",))]
+    out += [*_share(t, DP_GROUPS), *_share(t, ("pp",)), *_share(t, ("cp",))]
     pp_wait = t.exposed_s.get("pp", 0.0)
     compute = sum(t.phase_s.get(k, 0.0) for k in ("forward", "backward", "weight"))
     optimizer = t.phase_s.get("finalize", 0.0) + t.phase_s.get("optimizer", 0.0)
@@ -78,9 +79,10 @@ def record(sums: Sequence[float], world: int, sizes: dict[str, int]) -> dict[str
             out.update({f"comm/{g}/s": s, f"comm/{g}/exposed_s": exp})
             if s and wire:
                 out[f"comm/{g}/busbw_gbps"] = wire / s / 1e9
-    dp_total, dp_exp, pp_total, pp_exp = v[i: i + 4]
-    out.update(_overlap("dp", dp_total, dp_exp) | _overlap("pp", pp_total, pp_exp))
-    return out | _breakdown(v[i + 4: i + 4 + len(PHASES)], exposed, meter)
+    for name in ("dp", "pp", "cp"):
+        out.update(_overlap(name, v[i], v[i + 1]))
+        i += 2
+    return out | _breakdown(v[i: i + len(PHASES)], exposed, meter)
 
 
 def _op_keys(prefix: str, calls: float, nbytes: float, s: float, exposed: float, factor: float) -> dict[str, float]:

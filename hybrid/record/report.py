@@ -119,16 +119,18 @@ class StepReport:
         over the world: every rank calls it on logging steps."""
         count, world = C.COUNTER, self.ctx.layout.world
         dp, *dp_rest = self.grad_sync.local_metrics()
-        values = [count.group_bytes("tp"), count.group_bytes("pp"), dp, count.group_bytes("embedding"), *dp_rest]
+        values = [count.group_bytes("tp"), count.group_bytes("pp"), dp, count.group_bytes("embedding"),
+                  count.group_bytes("cp"), *dp_rest]
         n = len(values)
         t = torch.tensor([float(v) for v in values + (self.timing or [])], dtype=torch.float64, device=self.device)
         if world > 1:
             dist.all_reduce(t)  # metrics only: uncounted, not training traffic
-        (tp, pp, dp, embedding, *dp_rest), timing = t[:n].tolist(), t[n:].tolist()
+        (tp, pp, dp, embedding, cp, *dp_rest), timing = t[:n].tolist(), t[n:].tolist()
         sync = self.grad_sync.metrics([dp, *dp_rest], world)
         comm = comm_report.record(timing, world, self.ctx.layout.group_sizes()) if timing else {}
         return {"bytes_tp": tp / world, "bytes_pp": pp / world, "bytes_dp": sync.pop("bytes_dp"),
-                "bytes_embedding": embedding / world, **sync, **comm}
+                "bytes_embedding": embedding / world, **({"bytes_cp": cp / world} if self.ctx.cp_size > 1 else {}),
+                **sync, **comm}
 
     def record(self, step: int, loss: float, grad_norm: float, lr: float, step_time_s: float) -> dict[str, Any]:
         """The metrics.jsonl record of a step. Collective (see `mean_bytes`). The first non-finite loss

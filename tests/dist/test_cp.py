@@ -4,10 +4,13 @@ Each case trains 3 steps of a 2-layer model on sequences of 16 tokens from the s
 without CP; the losses and gradient norms of every step equal the reference's within fp32 rounding (rtol 1e-5:
 the attention's and the gradients' summation orders differ) — so the loss averages over every token of the
 global batch exactly as without CP, the positions (GPT's learned, Llama's RoPE) follow each token's true index,
-and the gradients averaged over CP × DP are the whole batch's. Cases: GPT ring cp2 and Llama (GQA) all-to-all
-cp2 on 2 ranks; on 4 ranks GPT ring cp2dp2 with ZeRO-1, Llama ring cp2tp2 with sequence parallelism, GPT
-all-to-all cp2pp2 (1F1B), Llama ring cp2pp2 under zero-bubble's split backward (zb1p). Configs are composed and
-validated in the test process before the ranks fork.
+and the gradients averaged over CP × DP are the whole batch's. The last step's record (`bytes_cp`,
+`comm/cp/<op>/bytes`) equals `model.traffic.cp_bytes_per_microbatch` over its microbatches and layers; the
+ring's has `comm/overlap_cp`.
+
+Cases: GPT ring cp2 and Llama (GQA) all-to-all cp2 on 2 ranks; on 4 ranks GPT ring cp2dp2 with ZeRO-1, Llama
+ring cp2tp2 with sequence parallelism, GPT all-to-all cp2pp2 (1F1B), Llama ring cp2pp2 under zero-bubble's split
+backward (zb1p). Configs are composed and validated in the test process before the ranks fork.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from harness import run_ranks
 from test_dp import synthetic_corpus
 
 from hybrid.config import compose_config
+from hybrid.model.traffic import cp_bytes_per_microbatch
+from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.trainer import Trainer, build_chunks
 from hybrid.validation import validate
@@ -50,8 +55,21 @@ def train(cfg: Any, world: int) -> dict[str, list[float]]:
     ctx = ParallelContext.build(layout)
     corpus = synthetic_corpus()
     trainer = Trainer(cfg, ctx, build_chunks(cfg, corpus.vocab_size, ctx), corpus, torch.device("cpu"))
-    steps = [trainer.train_step() for _ in range(STEPS)]
-    return {"losses": [s.loss for s in steps], "norms": [s.grad_norm for s in steps]}
+    steps = [trainer.train_step() for _ in range(STEPS - 1)]
+    C.COUNTER.reset()
+    steps.append(trainer.train_step(timed=True))  # the record of a logged, timed step
+    record = trainer.step_metrics(steps[-1])
+    return {"losses": [s.loss for s in steps], "norms": [s.grad_norm for s in steps],
+            "cp": {k: v for k, v in record.items() if "cp" in k}}
+
+
+def expected_cp_bytes(cfg: Any, world: int) -> int:
+    """`model.traffic`'s CP bytes of one step: every microbatch through this rank's part of the layers."""
+    p, t = cfg.parallel, cfg.train
+    microbatches = t.global_batch_size // (t.micro_batch_size * world // (p.tp * p.pp * p.cp))
+    per = cp_bytes_per_microbatch(cfg.model, t.micro_batch_size, SEQ, p.cp, p.cp_comm, p.tp,
+                                  layers=cfg.model.n_layers // p.pp)
+    return microbatches * sum(per.values())
 
 
 def on_rank(rank: int, world: int, cfgs: list[Any]) -> list[dict[str, list[float]]]:
@@ -64,6 +82,9 @@ def test_context_parallel_training_equals_one_process(world: int) -> None:
     ranks = run_ranks(on_rank, world, cfgs, timeout=240)
     for i, (family, extra) in enumerate(CASES[world]):
         ref = train(config(family, ("parallel.dp=1",), 1), 1)
+        cp, want, op = ranks[0][i]["cp"], expected_cp_bytes(cfgs[i], world), cfgs[i].parallel.cp_comm
+        assert cp["bytes_cp"] == want and cp[f"comm/cp/{'ring' if op == 'ring' else 'all_to_all'}/bytes"] == want, cp
+        assert op != "ring" or 0 <= cp["comm/overlap_cp"] <= 1, cp  # the hops run behind the blocks' attention
         for r, got in enumerate(ranks):
             for key in ("losses", "norms"):
                 label = f"{family} {extra} rank {r} {key}"
