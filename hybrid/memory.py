@@ -224,10 +224,10 @@ class RankMemory:
 
 
 def micro_of(cfg: Config, device_type: str = "cpu", micro_batch: int | None = None) -> Micro:
-    """`cfg`'s microbatch (or one of `micro_batch` sequences) on `device_type`."""
+    """`cfg`'s microbatch (or one of `micro_batch` sequences; a CP rank's seq_len / cp tokens) on `device_type`."""
     t, p = cfg.train, cfg.parallel
-    return Micro(micro_batch or t.micro_batch_size, cfg.data.seq_len, p.tp, p.sequence_parallel, cfg.model.dropout,
-                 t.recompute, device_type, 2 if t.precision == "bf16_params" else F32,
+    return Micro(micro_batch or t.micro_batch_size, cfg.data.seq_len // p.cp, p.tp, p.sequence_parallel,
+                 cfg.model.dropout, t.recompute, device_type, 2 if t.precision == "bf16_params" else F32,
                  head_chunk(t.fused_head, t.head_chunk, device_type))
 
 

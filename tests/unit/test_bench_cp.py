@@ -1,0 +1,24 @@
+"""`hybrid.bench.cp_memory` and `hybrid.bench.cp_overlap` end to end at tiny sizes (no timing assertions: the
+figures exist, and the exact ones — bytes saved for the backward, the estimate — agree)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid.bench import cp_memory, cp_overlap
+
+
+def test_cp_memory_halves_what_a_rank_saves_and_follows_the_estimate(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = {r["cp"]: r for r in cp_memory.run(cp_memory.parse_args(["--quick"]))}
+    assert set(rows) == {1, 2} and abs(rows[1]["saved"] / rows[1]["estimate"] - 1) < 0.01
+    assert 0.45 < rows[2]["saved"] / rows[1]["saved"] < 0.55  # the attention's kept bytes are per local token too
+    assert abs(rows[2]["saved"] / rows[2]["estimate"] - 1) < 0.05
+    assert "saved vs cp1" in capsys.readouterr().out
+
+
+def test_cp_overlap_reports_every_side(capsys: pytest.CaptureFixture[str]) -> None:
+    got = cp_overlap.run(cp_overlap.parse_args(["--quick", "--rounds", "1", "--layers", "1", "--seq", "64"]))
+    assert set(got) == set(cp_overlap.SIDES) and all(len(v) == 1 for v in got.values())
+    assert got["ring"][0]["comm/cp/s"] > 0 and 0 <= got["ring"][0]["comm/overlap_cp"] <= 1
+    assert got["cp1"][0]["comm/cp/s"] == 0.0
+    assert "overlap_cp" in capsys.readouterr().out
