@@ -3,7 +3,8 @@
 - `sharding`: shard/unshard round trip at cp 1-4 (each rank two chunks, i and 2·cp−1−i), true positions.
 - `blocks`: a causal sequence cut into key blocks (full blocks before, the causal diagonal), merged by
   log-sum-exp, equals `scaled_dot_product_attention(is_causal=True)` on the whole sequence, with grouped K/V
-  heads; each block's backward from the final log-sum-exp sums to autograd's gradients (fp32, 1e-5).
+  heads; each block's backward from the final log-sum-exp sums to autograd's gradients (fp32, 1e-5); the query
+  rows whole and in tiles of 3.
 """
 
 from __future__ import annotations
@@ -35,8 +36,12 @@ def _qkv(s: int, heads: int = 4, kv: int = 2) -> tuple[torch.Tensor, ...]:
     return q, k, v
 
 
-def test_key_blocks_merged_by_log_sum_exp_equal_whole_causal_attention() -> None:
-    """Queries of the last of 3 chunks against chunks 0, 1 (full) and 2 (causal), merged in any order."""
+@pytest.mark.parametrize("tile", [1024, 3])
+def test_key_blocks_merged_by_log_sum_exp_equal_whole_causal_attention(tile: int,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Queries of the last of 3 chunks against chunks 0, 1 (full) and 2 (causal), merged in any order; the query
+    rows whole or 3 at a time (`blocks.TILE`: the causal mask follows each tile's first row)."""
+    monkeypatch.setattr(blocks, "TILE", tile)
     q, k, v = _qkv(12)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[:, :, 8:]
     scale = 8 ** -0.5
@@ -48,7 +53,9 @@ def test_key_blocks_merged_by_log_sum_exp_equal_whole_causal_attention() -> None
         torch.testing.assert_close(acc[0], ref, rtol=1e-5, atol=1e-6)
 
 
-def test_each_blocks_backward_from_the_final_lse_sums_to_autograds() -> None:
+@pytest.mark.parametrize("tile", [1024, 3])
+def test_each_blocks_backward_from_the_final_lse_sums_to_autograds(tile: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(blocks, "TILE", tile)
     q, k, v = _qkv(8)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     dout = torch.randn_like(out)

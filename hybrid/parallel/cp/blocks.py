@@ -23,16 +23,32 @@ def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
     return kv if kv.shape[1] == heads else kv.repeat_interleave(heads // kv.shape[1], dim=1)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+TILE = 1024  # query rows at a time: a block's fp32 scores never exceed [b, h, TILE, keys]
+
+
+def _tiles(n: int) -> list[slice]:
+    return [slice(lo, min(lo + TILE, n)) for lo in range(0, n, TILE)]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, first: int = 0) -> torch.Tensor:
+    """Query rows `first`… of the block against its keys; causal: key j is seen by query row i if j ≤ i."""
     s = q.float() @ _expand(k, q.shape[1]).float().transpose(-1, -2) * scale
     if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1 + first)
+        s = s.masked_fill(future, float("-inf"))
     return s
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> Partial:
-    """softmax(q kᵀ·scale [+ causal mask]) v over this key block, and the scores' log-sum-exp per query."""
-    s = _scores(q, k, causal, scale)
+    """softmax(q kᵀ·scale [+ causal mask]) v over this key block, and the scores' log-sum-exp per query
+    (`TILE` query rows at a time)."""
+    parts = [_forward_rows(q[:, :, rows], k, v, causal, scale, rows.start) for rows in _tiles(q.shape[2])]
+    return torch.cat([o for o, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=2)
+
+
+def _forward_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                  first: int) -> Partial:
+    s = _scores(q, k, causal, scale, first)
     lse = torch.logsumexp(s, dim=-1)
     return torch.exp(s - lse.unsqueeze(-1)) @ _expand(v, q.shape[1]).float(), lse
 
@@ -54,10 +70,15 @@ def _fold(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
 def backward(dout: torch.Tensor, delta: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of this block pair, fp32, given the output's gradient `dout` (fp32), `delta` = Σ dout·out
-    per query (of the final output) and the final log-sum-exp `lse`."""
-    p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
-    dv = p.transpose(-1, -2) @ dout
-    ds = p * (dout @ _expand(v, q.shape[1]).float().transpose(-1, -2) - delta.unsqueeze(-1))
-    dq = ds @ _expand(k, q.shape[1]).float() * scale
-    dk = ds.transpose(-1, -2) @ q.float() * scale
+    per query (of the final output) and the final log-sum-exp `lse`; `TILE` query rows at a time."""
+    heads = q.shape[1]
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros((*q.shape[:2], k.shape[2], k.shape[3]), dtype=torch.float32, device=q.device)
+    dv = torch.zeros_like(dk)
+    for rows in _tiles(q.shape[2]):
+        p = torch.exp(_scores(q[:, :, rows], k, causal, scale, rows.start) - lse[:, :, rows].unsqueeze(-1))
+        dv += p.transpose(-1, -2) @ dout[:, :, rows]
+        ds = p * (dout[:, :, rows] @ _expand(v, heads).float().transpose(-1, -2) - delta[:, :, rows].unsqueeze(-1))
+        dq[:, :, rows] = ds @ _expand(k, heads).float() * scale
+        dk += ds.transpose(-1, -2) @ q[:, :, rows].float() * scale
     return dq, _fold(dk, k.shape[1]), _fold(dv, v.shape[1])

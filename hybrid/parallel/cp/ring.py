@@ -92,7 +92,8 @@ class _RingAttention(torch.autograd.Function):
                 scale: float) -> torch.Tensor:
         ctx.ring, ctx.scale = Ring(group), scale
         out, lse = _forward(q, k, v, ctx.ring, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)  # [b, s, h, d] in memory, as SDPA's: the output
+        ctx.save_for_backward(q, k, v, out, lse)  # projection's [b, s, h·d] input is then a view, not a copy
         return out.to(q.dtype)
 
     @staticmethod

@@ -38,7 +38,8 @@ def heads_to_seq(t: torch.Tensor, group: Group) -> torch.Tensor:
     out = torch.empty_like(inp)
     C.all_to_all(out, inp, group)  # out[i]: head group i, this rank's tokens
     b, h, s, d = out.shape[1:]
-    return out.transpose(0, 1).reshape(b, cp * h, s, d)
+    # [b, s, heads, d] in memory, as SDPA's output: the output projection's [b, s, heads·d] input is then a view
+    return out.permute(1, 3, 0, 2, 4).reshape(b, s, cp * h, d).transpose(1, 2)
 
 
 class _SeqToHeads(torch.autograd.Function):
