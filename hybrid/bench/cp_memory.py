@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from hybrid.bench import common
 from hybrid.bench.common import check_models, launch, parse_with_quick
+from hybrid.bench.cp_common import add_shape
 from hybrid.config import ModelConfig, compose_config
 from hybrid.memory import Micro, ends_bytes, layer_activation_bytes
 from hybrid.model import build_model
@@ -41,11 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_quick(p, "cp 1 and 2 at 512 tokens, seconds")
     p.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4], help="CP sizes (1 is the reference)")
     p.add_argument("--comm", default="ring", choices=("ring", "a2a"), help="parallel.cp_comm")
-    p.add_argument("--model", default="gpt-tiny", help="a configs/model name")
-    p.add_argument("--layers", type=int, default=4, help="layers of the model")
-    p.add_argument("--seq", type=int, default=8192, help="tokens per sequence")
-    p.add_argument("--batch", type=int, default=1, help="sequences per microbatch")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a set of ranks is killed")
+    add_shape(p)
     return p
 
 

@@ -25,6 +25,7 @@ import torch
 
 from hybrid.bench import common
 from hybrid.bench.common import check_models, launch, parse_with_quick
+from hybrid.bench.cp_common import add_shape
 from hybrid.config import compose_config
 from hybrid.data import Corpus
 from hybrid.parallel.context import Layout, ParallelContext
@@ -40,13 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
     common.add_quick(p, "512 tokens, 2 rounds of 1 step, seconds")
     p.add_argument("--cp", type=int, default=2, help="CP size of the ring and all-to-all sides")
-    p.add_argument("--model", default="gpt-tiny", help="a configs/model name")
-    p.add_argument("--layers", type=int, default=4, help="layers of the model")
-    p.add_argument("--seq", type=int, default=8192, help="tokens per sequence")
-    p.add_argument("--batch", type=int, default=1, help="sequences per microbatch (one microbatch per step)")
+    add_shape(p)
     p.add_argument("--rounds", type=int, default=3, help="rounds, the order of the sides alternating")
     p.add_argument("--steps", type=int, default=2, help="timed steps per side per round")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a set of ranks is killed")
     return p
 
 

@@ -11,6 +11,7 @@ all-to-all of q, k, v and the output each, backward the same.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -42,26 +43,17 @@ def heads_to_seq(t: torch.Tensor, group: Group) -> torch.Tensor:
     return out.permute(1, 3, 0, 2, 4).reshape(b, s, cp * h, d).transpose(1, 2)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """`there(t)` forward, `back(gradient)` backward: the two all-to-alls are each other's gradient."""
+
     @staticmethod
-    def forward(ctx, t: torch.Tensor, group: Group) -> torch.Tensor:  # noqa: ANN001
-        ctx.group = group
-        return seq_to_heads(t, group)
+    def forward(ctx, t: torch.Tensor, group: Group, there: Callable, back: Callable) -> torch.Tensor:  # noqa: ANN001
+        ctx.group, ctx.back = group, back
+        return there(t, group)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # noqa: ANN001, ANN205
-        return heads_to_seq(g.contiguous(), ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, group: Group) -> torch.Tensor:  # noqa: ANN001
-        ctx.group = group
-        return heads_to_seq(t, group)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # noqa: ANN001, ANN205
-        return seq_to_heads(g.contiguous(), ctx.group), None
+        return ctx.back(g.contiguous(), ctx.group), None, None, None
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, dropout_p: float = 0.0,
@@ -73,7 +65,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         raise ValueError(f"all-to-all context parallelism needs the attention heads ({heads}) divisible by cp={cp}")
     if k.shape[1] % cp:
         k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
-    q, k, v = (_SeqToHeads.apply(t, group) for t in (q, k, v))
+    q, k, v = (_Exchange.apply(t, group, seq_to_heads, heads_to_seq) for t in (q, k, v))
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale,
                                        enable_gqa=k.shape[1] != q.shape[1])
-    return _HeadsToSeq.apply(y, group)
+    return _Exchange.apply(y, group, heads_to_seq, seq_to_heads)
