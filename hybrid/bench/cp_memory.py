@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from hybrid.bench import common
-from hybrid.bench.common import check_models, launch, parse_with_quick
-from hybrid.bench.cp_common import add_shape
+from hybrid.bench.common import launch
+from hybrid.bench.cp_common import add_shape, parse
 from hybrid.config import ModelConfig, compose_config
 from hybrid.memory import Micro, ends_bytes, layer_activation_bytes
 from hybrid.model import build_model
@@ -48,8 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = build_parser()
-    args = parse_with_quick(p, argv, QUICK)
-    check_models(p, args.model)
+    args = parse(p, argv, QUICK)
     if min(args.cp) < 1 or min(args.layers, args.seq, args.batch) < 1 or any(args.seq % (2 * c) for c in args.cp):
         p.error("--cp, --layers, --seq and --batch must be >= 1, and --seq divisible by 2·cp for every --cp")
     return args

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from hybrid.bench import common
-from hybrid.bench.common import check_models, launch, parse_with_quick
-from hybrid.bench.cp_common import add_shape
+from hybrid.bench.common import launch
+from hybrid.bench.cp_common import add_shape, parse
 from hybrid.config import compose_config
 from hybrid.data import Corpus
 from hybrid.parallel.context import Layout, ParallelContext
@@ -49,8 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = build_parser()
-    args = parse_with_quick(p, argv, QUICK)
-    check_models(p, args.model)
+    args = parse(p, argv, QUICK)
     if args.cp < 2 or args.seq % (2 * args.cp) or min(args.layers, args.batch, args.rounds, args.steps) < 1:
         p.error("--cp must be >= 2 with --seq divisible by 2·cp; --layers, --batch, --rounds, --steps >= 1")
     return args
