@@ -283,6 +283,12 @@ class _Region(torch.autograd.Function):
         return ctx.bwd(g, ctx.group), None, None, None
 
 
+def conjugate(x: torch.Tensor, group: Group, fwd: Callable, bwd: Callable) -> torch.Tensor:
+    """`fwd(x, group)` forward, `bwd(grad, group)` backward: a pair of exchanges each the other's gradient (the
+    TP regions below; context parallelism's all-to-alls)."""
+    return _Region.apply(x, group, fwd, bwd)
+
+
 def copy_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Identity forward; all-reduce of the input gradient backward (each rank saw a slice)."""
     return x if size(group) == 1 else _Region.apply(x, group, _identity, _summed)

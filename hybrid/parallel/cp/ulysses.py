@@ -11,7 +11,6 @@ all-to-all of q, k, v and the output each, backward the same.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -43,19 +42,6 @@ def heads_to_seq(t: torch.Tensor, group: Group) -> torch.Tensor:
     return out.permute(1, 3, 0, 2, 4).reshape(b, s, cp * h, d).transpose(1, 2)
 
 
-class _Exchange(torch.autograd.Function):
-    """`there(t)` forward, `back(gradient)` backward: the two all-to-alls are each other's gradient."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, group: Group, there: Callable, back: Callable) -> torch.Tensor:  # noqa: ANN001
-        ctx.group, ctx.back = group, back
-        return there(t, group)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # noqa: ANN001, ANN205
-        return ctx.back(g.contiguous(), ctx.group), None, None, None
-
-
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, dropout_p: float = 0.0,
                       scale: Optional[float] = None) -> torch.Tensor:
     """Causal attention of this CP rank's tokens (q [b, h, s/cp, d], k and v [b, hk, s/cp, d]) over the whole
@@ -65,7 +51,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         raise ValueError(f"all-to-all context parallelism needs the attention heads ({heads}) divisible by cp={cp}")
     if k.shape[1] % cp:
         k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
-    q, k, v = (_Exchange.apply(t, group, seq_to_heads, heads_to_seq) for t in (q, k, v))
+    q, k, v = (C.conjugate(t, group, seq_to_heads, heads_to_seq) for t in (q, k, v))
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale,
                                        enable_gqa=k.shape[1] != q.shape[1])
-    return _Exchange.apply(y, group, heads_to_seq, seq_to_heads)
+    return C.conjugate(y, group, heads_to_seq, seq_to_heads)
