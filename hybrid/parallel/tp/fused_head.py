@@ -40,6 +40,7 @@ import torch.distributed as dist
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.pp.split_backward import edges_of, needed
+from hybrid.parallel.tp.tensor import autocast_inputs, check_sequence_chunk
 
 MODES = ("auto", "on", "off")
 
@@ -144,22 +145,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return out[0], out[1], None, None, None
 
 
-def _autocast(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x and W in the autocast dtype (cast differentiably, before any exchange), as `column_linear` does."""
-    device = x.device.type
-    if not torch.is_autocast_enabled(device):
-        return x, weight
-    dtype = torch.get_autocast_dtype(device)
-    return x.to(dtype), weight.to(dtype)
-
-
 def _enter(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
     """x whole on this rank: copied in (x's gradient all-reduced backward) or, under SP, all-gathered along the
     sequence (x's gradient reduce-scattered backward)."""
     if not sequence_parallel or C.size(group) == 1:
         return C.copy_to_region(x, group)
-    if x.dim() != 3:
-        raise ValueError(f"sequence-parallel input must be [batch, seq/tp, features], got shape {tuple(x.shape)}")
+    check_sequence_chunk(x)
     return C.gather_from_sequence(x, group)
 
 
@@ -168,7 +159,7 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
     """Mean token cross-entropy of `x Wᵀ` (W: this rank's rows of the padded vocabulary), `chunk` tokens at a
     time; padded entries (≥ vocab_size) never count. x: [b, s, h] (under SP this rank's [b, s/tp, h]), target
     [b, s]. Equal to `vocab_parallel_cross_entropy(column_linear(x, W, …), …)` within fp32 rounding."""
-    x, weight = _autocast(x, weight)
+    x, weight = autocast_inputs(x, weight)  # as `column_linear`: exchange and multiply in the autocast dtype
     start = C.rank(group) * weight.shape[0]
     shard = _Shard(group, start, max(0, min(weight.shape[0], vocab_size - start)))
     if C.size(group) == 1:

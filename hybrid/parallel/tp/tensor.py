@@ -95,17 +95,28 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     """
     if C.size(group) == 1:
         return F.linear(x, weight, bias)
-    device = x.device.type
-    if torch.is_autocast_enabled(device):  # cast outside (differentiably): exchange and multiply in that dtype
-        dtype = torch.get_autocast_dtype(device)
-        x, weight = x.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
+    x, weight, bias = autocast_inputs(x, weight, bias)
     if not sequence_parallel:
         return F.linear(C.copy_to_region(x, group), weight, bias)
+    check_sequence_chunk(x)
+    with torch.autocast(x.device.type, enabled=False):
+        return _SequenceParallelLinear.apply(x, weight, bias, group)
+
+
+def autocast_inputs(*tensors: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+    """A TP linear's inputs in the autocast dtype when autocast is on for their device (cast outside, and
+    differentiably, so the exchange and the multiply both run in that dtype); None stays None."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
+
+
+def check_sequence_chunk(x: torch.Tensor) -> None:
+    """A sequence-parallel input is this rank's [batch, seq/tp, features] chunk."""
     if x.dim() != 3:
         raise ValueError(f"sequence-parallel input must be [batch, seq/tp, features], got shape {tuple(x.shape)}")
-    with torch.autocast(device, enabled=False):
-        return _SequenceParallelLinear.apply(x, weight, bias, group)
 
 
 class ColumnParallelLinear(nn.Module):
