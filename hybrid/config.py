@@ -62,6 +62,7 @@ class ParallelConfig:
     sequence_parallel: bool = False  # split norms/dropout along the sequence inside TP
     ranks_per_node: Optional[int] = None  # override of the detected node size (emulated nodes)
     allow_tp_across_nodes: bool = False  # permit a TP group spanning nodes (warns)
+    allow_cp_across_nodes: bool = False  # permit a CP group spanning nodes (warns)
     bucket_mb: float = 25.0  # DP gradient bucket size in MB (fp32)
     zero: int = 0  # 1: the distributed optimizer (ZeRO-1): gradients reduce-scattered, Adam's moments sharded over DP
     # ZeRO-1: leave the parameter all-gather in flight after the step; each block waits for its own parameters

@@ -70,7 +70,7 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
     p, m, t = cfg.parallel, cfg.model, cfg.train
     try:
         layout = Layout.create(world_size, p.tp, p.pp, p.dp, p.ranks_per_node or ranks_per_node,
-                               p.allow_tp_across_nodes, cp=p.cp)
+                               p.allow_tp_across_nodes, cp=p.cp, allow_cp_across_nodes=p.allow_cp_across_nodes)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
     _validate_model(m, p.tp)

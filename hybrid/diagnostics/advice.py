@@ -6,6 +6,7 @@ A warning is a `Finding`: a code, one line of text, the ranks it is about. The t
 fields of `Thresholds` (docs/diagnose.md states each rule):
 
 - `tp_across_nodes`: a TP group spans nodes (only with `parallel.allow_tp_across_nodes=true`).
+- `cp_across_nodes`: a CP group spans nodes (only with `parallel.allow_cp_across_nodes=true`).
 - `tp_slow_link`: a TP group holds a link below `tp_link` × the fastest measured link.
 - `slow_inter_node`: DP groups span nodes, the inter-node median is below `inter_node` × the intra-node
   median, and `compression.method=none`: compression would cut the slow hop's bytes.
@@ -29,6 +30,7 @@ from hybrid.parallel.context import Layout
 
 from .pairwise import Matrix, links, split_links
 
+ACROSS = {"tp": "TP all-reduce", "cp": "CP K/V exchange"}  # what a group across nodes sends on the slow link
 VERSION_KEYS = ("torch", "python", "cuda", "nccl", "driver")
 
 
@@ -79,17 +81,24 @@ def _ranks_of(groups: Sequence[Sequence[int]]) -> tuple[int, ...]:
     return tuple(sorted({r for g in groups for r in g}))
 
 
+def across_nodes_findings(layout: Layout, matrix: Matrix, axis: str) -> list[Finding]:
+    """`<axis>_across_nodes`: groups of `axis` (tp, cp) that span nodes, with the links' medians."""
+    groups = [g for g in layout.groups(axis) if len(g) > 1]
+    crossing = [g for g in groups if spans_nodes(layout, g)]
+    if not crossing:
+        return []
+    med = _medians(matrix, layout)
+    links_note = (f" (inter-node median {med['inter']:.3g} GB/s vs intra-node {med['intra']:.3g} GB/s)"
+                  if {"intra", "inter"} <= med.keys() else "")
+    name = axis.upper()
+    return [Finding(f"{axis}_across_nodes", f"{len(crossing)} of {len(groups)} {name} groups span nodes (first: "
+                    f"ranks {crossing[0]} on nodes {sorted({layout.node(r) for r in crossing[0]})}): every "
+                    f"{ACROSS[axis]} crosses the inter-node link{links_note}", _ranks_of(crossing))]
+
+
 def tp_findings(layout: Layout, matrix: Matrix, th: Thresholds = Thresholds()) -> list[Finding]:
     """TP groups that span nodes, and TP groups holding a link much slower than the fastest."""
-    groups, out = [g for g in layout.tp_groups() if len(g) > 1], []
-    crossing = [g for g in groups if spans_nodes(layout, g)]
-    if crossing:
-        med = _medians(matrix, layout)
-        links_note = (f" (inter-node median {med['inter']:.3g} GB/s vs intra-node {med['intra']:.3g} GB/s)"
-                      if {"intra", "inter"} <= med.keys() else "")
-        out.append(Finding("tp_across_nodes", f"{len(crossing)} of {len(groups)} TP groups span nodes (first: ranks "
-                           f"{crossing[0]} on nodes {sorted({layout.node(r) for r in crossing[0]})}): every TP "
-                           f"all-reduce crosses the inter-node link{links_note}", _ranks_of(crossing)))
+    groups, out = [g for g in layout.tp_groups() if len(g) > 1], across_nodes_findings(layout, matrix, "tp")
     best = best_link(matrix)
     slow = sorted((worst_link(matrix, g), g) for g in groups if worst_link(matrix, g) < th.tp_link * best)
     if slow:
@@ -155,7 +164,8 @@ def version_findings(versions: Sequence[dict[str, object]]) -> list[Finding]:
 
 def findings(layout: Layout, matrix: Matrix, method: str, th: Thresholds = Thresholds()) -> list[Finding]:
     """Every warning about the links under `layout` with compression `method`."""
-    return (tp_findings(layout, matrix, th) + inter_node_findings(layout, matrix, method, th)
+    return (tp_findings(layout, matrix, th) + across_nodes_findings(layout, matrix, "cp")
+            + inter_node_findings(layout, matrix, method, th)
             + slow_rank_findings(layout, matrix, th))
 
 

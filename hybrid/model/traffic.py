@@ -29,7 +29,7 @@ parameters applied to sequence chunks (norms, row-parallel biases, positions); a
 gradient-norm's scalar all-reduce.
 
 Context parallelism (`cp_bytes_per_microbatch`, per layer, one rank, its local s/cp tokens of its TP heads):
-the ring sends K and V on cp−1 hops forward and again backward, plus cp hops of their fp32 gradients; the
+the ring sends K and V on cp−1 hops forward and again backward, plus cp−1 hops of their fp32 gradients; the
 all-to-all exchange moves q, k, v and the output forward and their gradients backward (K/V repeated to one per
 query head when they do not divide by cp). Recomputation (selective reruns the attention core, full the block)
 repeats the forward's.
@@ -132,7 +132,7 @@ def cp_bytes_per_microbatch(cfg: ModelConfig, micro_batch: int, seq_len: int, cp
     forwards = 2 if recompute != "none" else 1  # the attention core reruns in the backward
     n_layers = cfg.n_layers if layers is None else layers
     if comm == "ring":
-        sent = (forwards + 1) * (cp - 1) * 2 * kv * head * itemsize + cp * 2 * kv * head * 4
+        sent = (cp - 1) * 2 * kv * head * ((forwards + 1) * itemsize + 4)
         return {"ring": n_layers * sent}
     moved = kv if kv % cp == 0 else heads
     return {"all_to_all": n_layers * (forwards + 1) * (2 * heads + 2 * moved) * head * itemsize}

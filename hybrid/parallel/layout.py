@@ -35,6 +35,10 @@ GROUP_KINDS = ("tp", "dp", "pp", "dp_intra", "dp_inter", "embedding")
 """Every kind of group a rank belongs to, by the name its traffic is counted under."""
 
 
+IN_NODE_REASON = {"tp": "TP's every-layer all-reduce", "cp": "CP's every-layer K/V exchange"}
+"""The axes kept inside a node unless `parallel.allow_<axis>_across_nodes`, and why."""
+
+
 class LayoutError(ValueError):
     """The (world, sizes, order, node size) combination cannot be laid out."""
 
@@ -88,8 +92,8 @@ class Layout:
     @staticmethod
     def create(world: int, tp: int = 1, pp: int = 1, dp: Optional[int] = None,
                ranks_per_node: Optional[int] = None, allow_tp_across_nodes: bool = False, cp: int = 1,
-               order: str = DEFAULT_ORDER) -> Layout:
-        """Infer dp, check the sizes and the order, refuse TP across nodes; raises LayoutError."""
+               order: str = DEFAULT_ORDER, allow_cp_across_nodes: bool = False) -> Layout:
+        """Infer dp, check the sizes and the order, refuse TP or CP across nodes; raises LayoutError."""
         split_order(order)
         for name, v in (("world size", world), ("parallel.tp", tp), ("parallel.cp", cp), ("parallel.pp", pp)):
             if v < 1:
@@ -99,18 +103,19 @@ class Layout:
         if rpn < 1 or world % rpn:
             raise LayoutError(f"parallel.ranks_per_node={rpn} does not divide world size {world}")
         layout = Layout(world=world, tp=tp, pp=pp, dp=inferred, ranks_per_node=rpn, cp=cp, order=order)
-        layout.check_tp_in_nodes(allow_tp_across_nodes)
+        layout.check_in_nodes("tp", allow_tp_across_nodes)
+        layout.check_in_nodes("cp", allow_cp_across_nodes)
         return layout
 
-    def check_tp_in_nodes(self, allow: bool) -> None:
-        """TP's every-layer collectives need the fast intra-node links: a TP group across nodes is refused
-        (or, with `allow`, a warning)."""
-        if all(len({self.node(r) for r in g}) == 1 for g in self.groups("tp")):
+    def check_in_nodes(self, axis: str, allow: bool) -> None:
+        """TP's collectives and CP's K/V exchange run in every layer and need the fast intra-node links: a TP
+        or CP group across nodes is refused (or, with `allow`, a warning)."""
+        if all(len({self.node(r) for r in g}) == 1 for g in self.groups(axis)):
             return
-        msg = (f"TP group of {self.tp} ranks would span nodes of {self.ranks_per_node} ranks; TP needs the fast "
-               "intra-node links")
+        msg = (f"{axis.upper()} group of {self.size(axis)} ranks would span nodes of {self.ranks_per_node} ranks; "
+               f"{IN_NODE_REASON[axis]} needs the fast intra-node links")
         if not allow:
-            raise LayoutError(msg + " (set parallel.allow_tp_across_nodes=true to force it)")
+            raise LayoutError(msg + f" (set parallel.allow_{axis}_across_nodes=true to force it)")
         warnings.warn(msg, stacklevel=3)
 
     @property

@@ -188,7 +188,8 @@ def resolve_layout(cfg: Config, facts: list[Facts]) -> tuple[Layout, str, list[A
         except ConfigError as e:
             refused = str(e)
         try:
-            layout = Layout.create(world, p.tp, p.pp, p.dp, p.ranks_per_node or detected, p.allow_tp_across_nodes)
+            layout = Layout.create(world, p.tp, p.pp, p.dp, p.ranks_per_node or detected, p.allow_tp_across_nodes,
+                                   cp=p.cp, allow_cp_across_nodes=p.allow_cp_across_nodes)
         except LayoutError as e:
             raise ConfigError(str(e)) from None
     return layout, source, [A.Finding("config_refused", f"the layout fits, but hybrid.train would refuse this "

@@ -6,7 +6,7 @@ the gradients of q, k and v, put back in sequence order, equal causal SDPA's on 
 gradients (fp32, rtol 1e-5 / atol 1e-6: only the summation order differs), with grouped K/V heads (4 query heads
 and 2 K/V; 6 and 3) and without. All-to-all runs where the query heads divide by cp; K/V heads that do not are
 repeated first (6/3 at cp 2, 4/2 at cp 4). The bytes each rank sends on the cp group equal the formulas: ring,
-forward (cp−1) hops of K and V, backward (cp−1) hops of K and V plus cp hops of their fp32 gradients; all-to-all,
+forward (cp−1) hops of K and V, backward (cp−1) hops of K and V plus cp−1 hops of their fp32 gradients; all-to-all,
 one of q, k, v and the output forward and again backward.
 """
 
@@ -55,7 +55,7 @@ def expected_bytes(kind: str, heads: int, kv: int, cp: int) -> int:
     """What one rank sends on the cp group for one attention forward and backward, fp32."""
     per_head = B * (S // cp) * D * 4  # one head's local tokens
     if kind == "ring":
-        return (cp - 1) * 2 * kv * per_head * 2 + cp * 2 * kv * per_head
+        return (cp - 1) * 2 * kv * per_head * 3  # K/V forward and backward, dK/dV
     sent_kv = kv if kv % cp == 0 else heads
     return 2 * (2 * heads + 2 * sent_kv) * per_head
 

@@ -67,6 +67,7 @@ def test_rank_map_lists_every_rank_once() -> None:
     (dict(world=8, tp=3), "does not divide world size 8"),
     (dict(world=8, tp=2, pp=2, dp=4), "parallel.dp=4"),
     (dict(world=8, tp=4, ranks_per_node=2), "span nodes"),
+    (dict(world=8, tp=2, cp=2, ranks_per_node=2), "CP group of 2 ranks would span nodes of 2 ranks.*allow_cp"),
     (dict(world=8, tp=2, ranks_per_node=3), "ranks_per_node=3"),
     (dict(world=8, tp=0), "must be >= 1"),
 ])
@@ -79,6 +80,13 @@ def test_tp_across_nodes_allowed_with_a_warning() -> None:
     with pytest.warns(UserWarning, match="span nodes"):
         layout = Layout.create(8, tp=4, ranks_per_node=2, allow_tp_across_nodes=True)
     assert layout.tp == 4
+
+
+def test_cp_inside_nodes_passes_and_across_nodes_is_allowed_with_a_warning() -> None:
+    assert Layout.create(8, tp=2, cp=2, ranks_per_node=4).groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    with pytest.warns(UserWarning, match="CP's every-layer K/V exchange"):
+        layout = Layout.create(8, cp=4, ranks_per_node=2, allow_cp_across_nodes=True)
+    assert layout.cp == 4
 
 
 # ---- named axes: sizes, an order, groups over any axes ---------------------------------------

@@ -3,8 +3,8 @@
 - `sharding`: shard/unshard round trip at cp 1-4 (each rank two chunks, i and 2·cp−1−i), true positions.
 - `blocks`: a causal sequence cut into key blocks (full blocks before, the causal diagonal), merged by
   log-sum-exp, equals `scaled_dot_product_attention(is_causal=True)` on the whole sequence, with grouped K/V
-  heads; each block's backward from the final log-sum-exp sums to autograd's gradients (fp32, 1e-5); the query
-  rows whole and in tiles of 3.
+  heads; each block's backward from the final output and log-sum-exp sums to autograd's gradients (fp32, 1e-5);
+  both kernels: torch's fused CPU op, and the math one with its query rows whole and in tiles of 3.
 """
 
 from __future__ import annotations
@@ -36,12 +36,21 @@ def _qkv(s: int, heads: int = 4, kv: int = 2) -> tuple[torch.Tensor, ...]:
     return q, k, v
 
 
-@pytest.mark.parametrize("tile", [1024, 3])
-def test_key_blocks_merged_by_log_sum_exp_equal_whole_causal_attention(tile: int,
+KERNELS = [("fused", 1024), ("math", 1024), ("math", 3)]
+
+
+def _kernel(monkeypatch: pytest.MonkeyPatch, kernel: str, tile: int) -> None:
+    monkeypatch.setattr(blocks, "TILE", tile)
+    if kernel == "math":
+        monkeypatch.setattr(blocks, "fused", lambda device: False)
+
+
+@pytest.mark.parametrize("kernel,tile", KERNELS)
+def test_key_blocks_merged_by_log_sum_exp_equal_whole_causal_attention(kernel: str, tile: int,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Queries of the last of 3 chunks against chunks 0, 1 (full) and 2 (causal), merged in any order; the query
     rows whole or 3 at a time (`blocks.TILE`: the causal mask follows each tile's first row)."""
-    monkeypatch.setattr(blocks, "TILE", tile)
+    _kernel(monkeypatch, kernel, tile)
     q, k, v = _qkv(12)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[:, :, 8:]
     scale = 8 ** -0.5
@@ -53,9 +62,10 @@ def test_key_blocks_merged_by_log_sum_exp_equal_whole_causal_attention(tile: int
         torch.testing.assert_close(acc[0], ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("tile", [1024, 3])
-def test_each_blocks_backward_from_the_final_lse_sums_to_autograds(tile: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(blocks, "TILE", tile)
+@pytest.mark.parametrize("kernel,tile", KERNELS)
+def test_each_blocks_backward_from_the_final_lse_sums_to_autograds(kernel: str, tile: int,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    _kernel(monkeypatch, kernel, tile)
     q, k, v = _qkv(8)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     dout = torch.randn_like(out)
@@ -70,8 +80,7 @@ def test_each_blocks_backward_from_the_final_lse_sums_to_autograds(tile: int, mo
     dq, dk, dv = torch.zeros_like(qq), torch.zeros_like(kk), torch.zeros_like(vv)
     for qc, kc, causal in pairs:
         o, lse = partials[qc]
-        delta = (chunk(dout, qc) * o).sum(-1)
-        g = blocks.backward(chunk(dout, qc), delta, chunk(qq, qc), chunk(kk, kc), chunk(vv, kc), lse, causal, scale)
+        g = blocks.backward(chunk(dout, qc), o, chunk(qq, qc), chunk(kk, kc), chunk(vv, kc), lse, causal, scale)
         chunk(dq, qc).add_(g[0]), chunk(dk, kc).add_(g[1]), chunk(dv, kc).add_(g[2])
     for ours, ref in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)

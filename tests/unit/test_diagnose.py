@@ -88,6 +88,16 @@ def test_tp_across_nodes_warns_on_a_crafted_layout_and_not_on_a_good_one() -> No
     assert A.tp_findings(Layout.create(4, tp=2, ranks_per_node=2), m) == []
 
 
+def test_cp_across_nodes_is_a_finding_of_its_own() -> None:
+    m = crafted(4, [{0, 1}, {2, 3}])
+    with pytest.warns(UserWarning):
+        crossing = Layout.create(4, tp=2, cp=2, ranks_per_node=2, allow_cp_across_nodes=True)
+    found = A.findings(crossing, m, "none")
+    assert "cp_across_nodes" in codes(found) and "tp_across_nodes" not in codes(found)
+    cp = next(f for f in found if f.code == "cp_across_nodes")
+    assert cp.ranks == (0, 1, 2, 3) and "CP K/V exchange" in cp.message
+
+
 def test_a_tp_group_on_a_slow_link_inside_a_node_warns() -> None:
     m = crafted(4, [{0, 2}, {1, 3}])  # the fast pairs are not consecutive ranks
     found = A.tp_findings(Layout.create(4, tp=2, ranks_per_node=4), m)

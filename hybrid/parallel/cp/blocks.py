@@ -4,9 +4,14 @@ A query block [b, h, sq, d] against a key/value block [b, hk, sk, d] (hk divides
 each K/V head serving h/hk consecutive query heads, as `scaled_dot_product_attention(enable_gqa=True)`), in
 fp32: `forward` returns the block's output and each query's log-sum-exp of scores; `merge` combines two
 partial results over different keys by their log-sum-exps (exactly: the softmax over the union); `backward`
-recomputes the block's probabilities from the *final* log-sum-exp, so each block's gradients are its share of
-the whole softmax's. `causal`: the blocks are the same chunk of the sequence (query i sees keys ≤ i); a key
-block wholly before the queries is attended in full, one wholly after is never passed here.
+recomputes the block's probabilities from the *final* output and log-sum-exp, so each block's gradients are
+its share of the whole softmax's. `causal`: the blocks are the same chunk of the sequence (query i sees keys
+≤ i); a key block wholly before the queries is attended in full, one wholly after is never passed here.
+
+Two kernels: on CPU torch's fused flash-attention op, which returns the log-sum-exp
+(`aten._scaled_dot_product_flash_attention_for_cpu`, SDPA's own CPU kernel, and its backward); on any other
+device fp32 matmuls with an explicit softmax, `TILE` query rows at a time (correct anywhere; CUDA's fused
+ops are not wired here yet).
 """
 
 from __future__ import annotations
@@ -16,6 +21,48 @@ from typing import Optional
 import torch
 
 Partial = tuple[torch.Tensor, torch.Tensor]  # (output [b, h, sq, d], log-sum-exp [b, h, sq]), fp32
+Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (dq, dk, dv), fp32
+
+_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def fused(device: torch.device) -> bool:
+    """Whether blocks on `device` run through torch's fused kernel (else the tiled fp32 math)."""
+    return device.type == "cpu"
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> Partial:
+    """softmax(q kᵀ·scale [+ causal mask]) v over this key block, and the scores' log-sum-exp per query."""
+    if fused(q.device):
+        return _CPU_FLASH(q.float(), k.float(), v.float(), 0.0, causal, scale=scale)
+    parts = [_forward_rows(q[:, :, rows], k, v, causal, scale, rows.start) for rows in _tiles(q.shape[2])]
+    return torch.cat([o for o, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=2)
+
+
+def backward(dout: torch.Tensor, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             lse: torch.Tensor, causal: bool, scale: float) -> Grads:
+    """(dq, dk, dv) of this block pair, fp32, given the gradient `dout` (fp32) of the queries' final output
+    `out` (fp32, over the whole sequence) and its final log-sum-exp `lse`."""
+    if fused(q.device):
+        grads = _CPU_FLASH_BACKWARD(dout, q.float(), k.float(), v.float(), out, lse, 0.0, causal, scale=scale)
+        return grads  # type: ignore[no-any-return]
+    return _math_backward(dout, (dout * out).sum(dim=-1), q, k, v, lse, causal, scale)
+
+
+def merge(acc: Optional[Partial], new: Partial) -> Partial:
+    """Two partial attentions of the same queries over disjoint keys → the attention over both keys."""
+    if acc is None:
+        return new
+    lse = torch.logaddexp(acc[1], new[1])
+    return (acc[0] * torch.exp(acc[1] - lse).unsqueeze(-1) + new[0] * torch.exp(new[1] - lse).unsqueeze(-1), lse)
+
+
+TILE = 1024  # the math kernel's query rows at a time: its fp32 scores never exceed [b, h, TILE, keys]
+
+
+def _tiles(n: int) -> list[slice]:
+    return [slice(lo, min(lo + TILE, n)) for lo in range(0, n, TILE)]
 
 
 def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
@@ -23,11 +70,10 @@ def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
     return kv if kv.shape[1] == heads else kv.repeat_interleave(heads // kv.shape[1], dim=1)
 
 
-TILE = 1024  # query rows at a time: a block's fp32 scores never exceed [b, h, TILE, keys]
-
-
-def _tiles(n: int) -> list[slice]:
-    return [slice(lo, min(lo + TILE, n)) for lo in range(0, n, TILE)]
+def _fold(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """A gradient per query head summed into the K/V head that served it."""
+    b, h, s, d = g.shape
+    return g if h == kv_heads else g.view(b, kv_heads, h // kv_heads, s, d).sum(dim=2)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, first: int = 0) -> torch.Tensor:
@@ -39,13 +85,6 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, first:
     return s
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> Partial:
-    """softmax(q kᵀ·scale [+ causal mask]) v over this key block, and the scores' log-sum-exp per query
-    (`TILE` query rows at a time)."""
-    parts = [_forward_rows(q[:, :, rows], k, v, causal, scale, rows.start) for rows in _tiles(q.shape[2])]
-    return torch.cat([o for o, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=2)
-
-
 def _forward_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                   first: int) -> Partial:
     s = _scores(q, k, causal, scale, first)
@@ -53,24 +92,9 @@ def _forward_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     return torch.exp(s - lse.unsqueeze(-1)) @ _expand(v, q.shape[1]).float(), lse
 
 
-def merge(acc: Optional[Partial], new: Partial) -> Partial:
-    """Two partial attentions of the same queries over disjoint keys → the attention over both keys."""
-    if acc is None:
-        return new
-    lse = torch.logaddexp(acc[1], new[1])
-    return (acc[0] * torch.exp(acc[1] - lse).unsqueeze(-1) + new[0] * torch.exp(new[1] - lse).unsqueeze(-1), lse)
-
-
-def _fold(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """A gradient per query head summed into the K/V head that served it."""
-    b, h, s, d = g.shape
-    return g if h == kv_heads else g.view(b, kv_heads, h // kv_heads, s, d).sum(dim=2)
-
-
-def backward(dout: torch.Tensor, delta: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of this block pair, fp32, given the output's gradient `dout` (fp32), `delta` = Σ dout·out
-    per query (of the final output) and the final log-sum-exp `lse`; `TILE` query rows at a time."""
+def _math_backward(dout: torch.Tensor, delta: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   lse: torch.Tensor, causal: bool, scale: float) -> Grads:
+    """The math kernel's gradients; `delta` = Σ dout·out per query; `TILE` query rows at a time."""
     heads = q.shape[1]
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros((*q.shape[:2], k.shape[2], k.shape[3]), dtype=torch.float32, device=q.device)

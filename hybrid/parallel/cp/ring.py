@@ -7,16 +7,19 @@ and a key chunk is attended in full (keys wholly before), causally (the same chu
 after): two or three blocks a step on every rank, the same work everywhere. The partial results merge by their
 log-sum-exps (`blocks.merge`), so the output is the whole sequence's softmax exactly.
 
-Backward: the K/V blocks go around again, each followed by its gradient: at step j a rank adds its queries'
-share of block r−j's dK/dV to what arrived from rank r−1 (who computed its share one step earlier) and sends
-the sum on; after the last step each block's dK/dV, summed over every rank, arrives back at its owner (cp−1 hops
-of K/V and cp of dK/dV, fp32). dQ stays local. Bytes per rank and layer: forward (cp−1)·2·|kv|, backward
-(cp−1)·2·|kv| + cp·2·|kv|₃₂.
+Backward: the K/V blocks go around again, each followed by its gradient: at step j ≥ 1 a rank adds its
+queries' share of block r−j's dK/dV to what arrived from rank r−1 (who computed its share one step earlier)
+and sends the sum on; after the last step each block's dK/dV, summed over every other rank, arrives back at its
+owner, who adds its own share (cp−1 hops of K/V and cp−1 of dK/dV, fp32). The owner's share is computed in two
+parts that hide the ring's two ends: the full pair of its own chunks while the first K/V hop travels, the two
+causal pairs while the last dK/dV hop does. dQ stays local. Bytes per rank and layer: forward (cp−1)·2·|kv|,
+backward (cp−1)·2·|kv| + (cp−1)·2·|kv|₃₂.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -52,33 +55,62 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scal
     return torch.cat([acc[0][0], acc[1][0]], dim=2), torch.cat([acc[0][1], acc[1][1]], dim=2)  # type: ignore[index]
 
 
+@dataclass
+class _Queries:
+    """This rank's two query chunks with what their backward needs, each a pair by chunk slot (`_halves`)."""
+
+    q: tuple[torch.Tensor, ...]
+    dout: tuple[torch.Tensor, ...]  # fp32
+    out: tuple[torch.Tensor, ...]  # fp32, the final output
+    lse: tuple[torch.Tensor, ...]  # the final log-sum-exp
+    dq: tuple[torch.Tensor, ...]  # fp32, accumulated here
+    scale: float
+
+    def backward(self, pairs: list[tuple[int, int, bool]], kv: tuple[torch.Tensor, ...],
+                 dkv: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Add the gradients of the block pairs `pairs` against K/V `kv` to dq and to `dkv` (dK, dV)."""
+        ks, vs, dks, dvs = _halves(kv[0]), _halves(kv[1]), _halves(dkv[0]), _halves(dkv[1])
+        for i, j, causal in pairs:
+            grads = blocks.backward(self.dout[i], self.out[i], self.q[i], ks[j], vs[j], self.lse[i], causal, self.scale)
+            for total, part in zip((self.dq[i], dks[j], dvs[j]), grads):
+                total.add_(part)
+
+
 def _backward(dout: torch.Tensor, saved: tuple[torch.Tensor, ...], ring: Ring, scale: float
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) fp32 of this rank's chunks; the K/V blocks and their gradients travel the ring."""
+    """(dq, dk, dv) fp32 of this rank's chunks. The rank's own block is split around the ring: its full pair
+    is attended while the first K/V hop travels, its two causal pairs while the last dK/dV hop does."""
     q, k, v, out, lse = saved
     cp, rank = C.size(ring.group), C.rank(ring.group)
-    delta = (dout * out).sum(dim=-1)
-    qs, douts, deltas, lses = _halves(q), _halves(dout), _halves(delta), _halves(lse)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dqs, kv, grads_in = _halves(dq), (k, v), None
-    for step in range(cp):
+    local = _Queries(_halves(q), _halves(dout), _halves(out), _halves(lse), _halves(dq), scale)
+    own = _pairs(cp, rank, rank)
+    mine = (torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32))
+    hop = ring.start([k, v]) if cp > 1 else None
+    local.backward([p for p in own if not p[2]], (k, v), mine)
+    arriving = _around(local, ring, hop)
+    local.backward([p for p in own if p[2]], (k, v), mine)
+    for total, part in zip(mine, arriving.wait() if arriving is not None else ()):
+        total.add_(part)
+    return dq, mine[0], mine[1]
+
+
+def _around(local: _Queries, ring: Ring, hop: Optional[Hop]) -> Optional[Hop]:
+    """Steps 1 … cp−1: each block from the previous rank attended, its dK/dV share added to the previous rank's
+    and sent on; the hop bringing this rank's own block's gradient, summed over the other ranks (None at cp 1)."""
+    cp, rank = C.size(ring.group), C.rank(ring.group)
+    grads: Optional[Hop] = None
+    for step in range(1, cp):
+        kv = tuple(hop.wait())  # type: ignore[union-attr]
         hop = ring.start(list(kv)) if step < cp - 1 else None
-        dk, dv = torch.zeros_like(kv[0], dtype=torch.float32), torch.zeros_like(kv[1], dtype=torch.float32)
-        ks, vs, dks, dvs = _halves(kv[0]), _halves(kv[1]), _halves(dk), _halves(dv)
-        for i, j, causal in _pairs(cp, rank, (rank - step) % cp):
-            grads = blocks.backward(douts[i], deltas[i], qs[i], ks[j], vs[j], lses[i], causal, scale)
-            for total, part in zip((dqs[i], dks[j], dvs[j]), grads):
-                total.add_(part)
-        grads_in = _pass_on(ring, grads_in, dk, dv)
-        kv = tuple(hop.wait()) if hop else kv
-    dk, dv = grads_in.wait() if cp > 1 else (dk, dv)  # type: ignore[union-attr]
-    return dq, dk, dv
+        dkv = (torch.zeros_like(kv[0], dtype=torch.float32), torch.zeros_like(kv[1], dtype=torch.float32))
+        local.backward(_pairs(cp, rank, (rank - step) % cp), kv, dkv)
+        grads = _pass_on(ring, grads, *dkv)
+    return grads
 
 
-def _pass_on(ring: Ring, arriving: Optional[Hop], dk: torch.Tensor, dv: torch.Tensor) -> Optional[Hop]:
+def _pass_on(ring: Ring, arriving: Optional[Hop], dk: torch.Tensor, dv: torch.Tensor) -> Hop:
     """Add the block's dK/dV from the previous rank to this rank's share and send the sum to the next."""
-    if C.size(ring.group) == 1:
-        return None
     for total, before in zip((dk, dv), arriving.wait() if arriving is not None else ()):
         total.add_(before)
     return ring.start([dk, dv])
