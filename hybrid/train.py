@@ -102,14 +102,14 @@ def _start(cfg: Config, log: Optional[RunLog], layout: Layout, device: torch.dev
     from hybrid.memory import summary as memory_summary
     from hybrid.model import analytic_param_count
     from hybrid.parallel.context import ParallelContext
-    from hybrid.parallel.rng import derive_seed
+    from hybrid.parallel.rng import stage_seed
     from hybrid.record.metrics import format_count
     from hybrid.sync import startup_lines
     from hybrid.trainer import Trainer, build_chunks
 
     ctx = ParallelContext.build(layout, cfg.parallel.timeout_s)
-    # dropout on replicated activations: the same stream on every TP rank, a different one per stage
-    torch.manual_seed(derive_seed(cfg.train.seed, "stage", ctx.pp_rank))
+    # dropout on replicated activations: the same stream on every TP rank, a different one per stage and CP rank
+    torch.manual_seed(stage_seed(cfg.train.seed, ctx.pp_rank, ctx.cp_rank))
     model = build_chunks(cfg, vocab, ctx).to(device)
     writer = ctx.rank == 0
     resume = plan_resume(cfg, vocab, writer, warn)  # before anything is written: a bad checkpoint is bad input

@@ -118,7 +118,7 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
 
 def _validate_context_parallel(cfg: Config) -> None:
     """What parallel.cp > 1 needs: 2·cp chunks of every sequence (split again by TP under sequence parallelism),
-    heads to spread over cp under a2a, no attention dropout on the ring."""
+    heads to spread over cp under a2a."""
     p, m, seq = cfg.parallel, cfg.model, cfg.data.seq_len
     if p.cp == 1:
         return
@@ -129,8 +129,6 @@ def _validate_context_parallel(cfg: Config) -> None:
     heads = m.n_heads // p.tp
     _require(p.cp_comm != "a2a" or heads % p.cp == 0, f"parallel.cp_comm=a2a spreads each TP rank's {heads} "
              f"attention heads over parallel.cp={p.cp}: not divisible (parallel.cp_comm=ring has no such rule)")
-    _require(p.cp_comm != "ring" or m.dropout == 0, f"parallel.cp_comm=ring has no attention dropout: set "
-             f"model.dropout=0 (got {m.dropout}) or parallel.cp_comm=a2a")
 
 
 def _validate_pipeline(p: ParallelConfig, m: ModelConfig, microbatches: int, compiled: bool) -> None:

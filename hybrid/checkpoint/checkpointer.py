@@ -324,7 +324,7 @@ class Checkpointer:
         if rng_key is not None:
             set_rng_state(model, unblob(state[rng_key]))
         else:
-            derive_rng_state(model, self.cfg.train.seed, step, self.ctx.pp_rank)
+            derive_rng_state(model, self.cfg.train.seed, step, self.ctx.pp_rank, self.ctx.cp_rank)
         hook = self.states.get("hook")
         if hook_blob_key is not None:
             if hasattr(hook, "load_state_dict"):

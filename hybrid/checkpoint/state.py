@@ -196,12 +196,12 @@ def set_rng_state(model: nn.ModuleList, state: dict[str, Any]) -> None:
         chunk.rng.load_state_dict(tp_state)
 
 
-def derive_rng_state(model: nn.ModuleList, seed: int, step: int, pp_rank: int) -> None:
+def derive_rng_state(model: nn.ModuleList, seed: int, step: int, pp_rank: int, cp_rank: int = 0) -> None:
     """Fresh streams for a rank whose saved ones do not exist (the layout changed): seeded from
     (seed, step, coordinates) as at start-up, so the continuation is reproducible."""
-    from hybrid.parallel.rng import derive_seed
+    from hybrid.parallel.rng import derive_seed, stage_seed
 
-    torch.manual_seed(derive_seed(seed, "stage", pp_rank, "step", step))
+    torch.manual_seed(stage_seed(seed, pp_rank, cp_rank, "step", step))
     for chunk in model:
         chunk.rng.seed = derive_seed(chunk.rng.seed, "step", step)
         chunk.rng.load_state_dict({})

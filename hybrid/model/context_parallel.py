@@ -18,6 +18,7 @@ from hybrid.parallel.collectives import Group
 from hybrid.parallel.cp.ring import ring_attention
 from hybrid.parallel.cp.sharding import positions
 from hybrid.parallel.cp.ulysses import ulysses_attention
+from hybrid.parallel.rng import derive_seed
 
 COMMS = ("ring", "a2a")
 
@@ -34,9 +35,13 @@ class ContextParallel:
         cp = C.size(self.group)
         return positions(local * cp, cp, C.rank(self.group), device)
 
+    def stream_seed(self, seed: int) -> int:
+        """A dropout stream's seed made this CP rank's own: its tokens are not its CP peers'."""
+        return derive_seed(seed, "cp", C.rank(self.group))
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-        """Causal attention of the local queries [b, h, s/cp, d] over the whole sequence (the ring has no
-        attention dropout: refused by validation)."""
+        """Causal attention of the local queries [b, h, s/cp, d] over the whole sequence, `dropout_p` on its
+        probabilities (drawn from the caller's stream: the TP rank's, forked)."""
         if self.comm == "ring":
-            return ring_attention(q, k, v, self.group)
+            return ring_attention(q, k, v, self.group, dropout_p)
         return ulysses_attention(q, k, v, self.group, dropout_p)

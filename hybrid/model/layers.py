@@ -279,8 +279,10 @@ class CausalLM(nn.Module):
         self.compiled = torch.compile(self.run, mode=torch_mode) if on and scope == "model" else None
 
     def set_context_parallel(self, cp: Optional[ContextParallel]) -> None:
-        """This part's tokens are a CP rank's load-balanced share of each sequence (`parallel.cp` > 1)."""
+        """This part's tokens are a CP rank's load-balanced share of each sequence (`parallel.cp` > 1); its TP
+        stream becomes the CP rank's own (once: call it once), as its tokens' masks must differ from its peers'."""
         self.cp = cp
+        self.rng.seed = cp.stream_seed(self.rng.seed) if cp is not None else self.rng.seed
         for layer in self.layers.values():
             layer.attn.cp = cp
 

@@ -34,6 +34,13 @@ def derive_seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & (2**63 - 1)
 
 
+def stage_seed(seed: int, pp_rank: int, cp_rank: int = 0, *more: object) -> int:
+    """The default generator's seed on a rank (the stream of dropout on replicated activations): one per pipeline
+    stage, and under context parallelism one per CP rank besides rank 0 (its tokens are not its peers'); the same
+    on the TP and DP ranks of the stage. `more`: further parts (a resume's step)."""
+    return derive_seed(seed, "stage", pp_rank, *(("cp", cp_rank) if cp_rank else ()), *more)
+
+
 def _default_generator(device: torch.device) -> tuple[str, torch.Generator]:
     """(a stable key, the default generator) of `device`."""
     if device.type == "cuda":

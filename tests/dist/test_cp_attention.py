@@ -2,7 +2,8 @@
 sequence.
 
 At cp 2, 3 (odd) and 4: each rank holds its load-balanced two chunks (`cp.sharding`) of q, k, v; the outputs and
-the gradients of q, k and v, put back in sequence order, equal causal SDPA's on the whole sequence and autograd's
+the gradients of q, k and v, put back in sequence order, equal causal SDPA's on the whole sequence (with the
+ring's attention dropout: the whole softmax dropped by the ring's masks laid side by side) and autograd's
 gradients (fp32, rtol 1e-5 / atol 1e-6: only the summation order differs), with grouped K/V heads (4 query heads
 and 2 K/V; 6 and 3) and without. All-to-all runs where the query heads divide by cp; K/V heads that do not are
 repeated first (6/3 at cp 2, 4/2 at cp 4). The bytes each rank sends on the cp group equal the formulas: ring,
@@ -22,7 +23,8 @@ from harness import run_ranks
 
 B, S, D = 2, 24, 8
 CASES = ((4, 2), (4, 4), (6, 3))  # (query heads, K/V heads)
-KINDS = ("ring", "a2a")
+KINDS = ("ring", "a2a", "ring_dropout")
+P, DROP_SEED = 0.25, 7  # the ring's attention dropout and the default generator's seed it draws its masks' seed from
 
 
 def full(heads: int, kv: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -38,9 +40,11 @@ def on_rank(rank: int, world: int) -> dict[str, Any]:
 
     group = dist.group.WORLD
     C.name_group(group, "cp")
-    attend = {"ring": ring_attention, "a2a": ulysses_attention}
+    torch.manual_seed(DROP_SEED)
+    attend = {"ring": ring_attention, "a2a": ulysses_attention,
+              "ring_dropout": lambda *a: ring_attention(*a, dropout_p=P)}
     out: dict[Any, Any] = {}
-    for (heads, kv), kind in ((c, k) for c in CASES for k in KINDS if k == "ring" or c[0] % world == 0):
+    for (heads, kv), kind in ((c, k) for c in CASES for k in KINDS if k != "a2a" or c[0] % world == 0):
         C.COUNTER.reset()
         q, k, v, dout = (shard(t, world, rank, dim=2) for t in full(heads, kv, seed=heads + kv))
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -56,19 +60,44 @@ def expected_bytes(kind: str, heads: int, kv: int, cp: int) -> int:
     per_head = B * (S // cp) * D * 4  # one head's local tokens
     if kind == "ring":
         return (cp - 1) * 2 * kv * per_head * 3  # K/V forward and backward, dK/dV
+    if kind == "ring_dropout":
+        return expected_bytes("ring", heads, kv, cp)
     sent_kv = kv if kv % cp == 0 else heads
     return 2 * (2 * heads + 2 * sent_kv) * per_head
 
 
+def dropout_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, draws: int) -> torch.Tensor:
+    """Whole-sequence causal attention with the ring's masks laid side by side: block (query chunk a, key chunk
+    c ≤ a) dropped by `Drop(P, derive_seed(seed, a, c))`, the seed the `draws`-th from the default generator."""
+    from hybrid.parallel.cp import blocks
+    from hybrid.parallel.rng import derive_seed
+
+    torch.manual_seed(DROP_SEED)
+    seed = [int(torch.randint(0, 2**62, (1,)).item()) for _ in range(draws)][-1]
+    n, heads = S // (2 * cp), q.shape[1]
+    keep = torch.zeros(B, heads, S, S)
+    for a in range(2 * cp):
+        for c in range(a + 1):
+            keep[:, :, a * n:(a + 1) * n, c * n:(c + 1) * n] = blocks.Drop(P, derive_seed(seed, a, c)).keep(
+                slice(0, n), torch.Size((B, heads, n, n)), q.device)
+    s = q @ k.repeat_interleave(heads // k.shape[1], 1).transpose(-1, -2) * D ** -0.5
+    s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    return (torch.softmax(s, dim=-1) * keep) @ v.repeat_interleave(heads // v.shape[1], 1)
+
+
 @pytest.mark.parametrize("cp", [2, 3, 4])
 def test_context_parallel_attention_equals_whole_sequence_sdpa(cp: int) -> None:
+    """Also with dropout on the ring: against the whole softmax dropped by the ring's masks, side by side."""
     from hybrid.parallel.cp.sharding import unshard
 
     ranks = run_ranks(on_rank, cp, timeout=120)
-    assert len(ranks[0]) == len(CASES) + sum(h % cp == 0 for h, _ in CASES)
+    assert len(ranks[0]) == 2 * len(CASES) + sum(h % cp == 0 for h, _ in CASES)
     for heads, kv, kind in ranks[0]:
         q, k, v, dout = (t.requires_grad_() for t in full(heads, kv, seed=heads + kv))
-        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if kind == "ring_dropout":
+            ref = dropout_reference(q, k, v, cp, draws=1 + list(CASES).index((heads, kv)))
+        else:
+            ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         ref.backward(dout)
         got = [r[heads, kv, kind] for r in ranks]
         tol = {"rtol": 1e-5, "atol": 1e-6, "msg": lambda m, c=(heads, kv, kind): f"{c}: {m}"}

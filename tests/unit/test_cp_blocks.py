@@ -84,3 +84,37 @@ def test_each_blocks_backward_from_the_final_lse_sums_to_autograds(kernel: str, 
         chunk(dq, qc).add_(g[0]), chunk(dk, kc).add_(g[1]), chunk(dv, kc).add_(g[2])
     for ours, ref in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+def _keep(drop: blocks.Drop, q_rows: int, like: torch.Tensor, keys: int) -> torch.Tensor:
+    """A block's whole dropout scale [b, h, q_rows, keys], tile by tile as the math kernel draws it."""
+    return torch.cat([drop.keep(rows, torch.Size((*like.shape[:2], rows.stop - rows.start, keys)), like.device)
+                      for rows in blocks._tiles(q_rows)], dim=2)
+
+
+@pytest.mark.parametrize("tile", [1024, 3])
+def test_dropout_blocks_equal_the_whole_softmax_with_their_masks(tile: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Queries of the last of 3 chunks against chunks 0, 1, 2, each block's probabilities dropped (p = 0.3) by its
+    own seeded mask: merged, and differentiated block by block, they equal the whole sequence's softmax with the
+    three masks side by side, `(softmax(s) ∘ keep) v`, and autograd's gradients of it."""
+    monkeypatch.setattr(blocks, "TILE", tile)
+    q, k, v = _qkv(12)
+    scale, rows = 8 ** -0.5, slice(8, 12)
+    drops = [blocks.Drop(0.3, seed) for seed in (11, 12, 13)]
+    keep = torch.cat([_keep(d, 4, q, 4) for d in drops], dim=-1)
+    assert 0 < (keep == 0).float().mean() < 1
+    s = q[:, :, rows] @ k.repeat_interleave(2, 1).transpose(-1, -2) * scale
+    s = s.masked_fill(torch.ones(4, 12, dtype=torch.bool).triu(9), float("-inf"))
+    ref = (torch.softmax(s, dim=-1) * keep) @ v.repeat_interleave(2, 1)
+    dout = torch.randn_like(ref)
+    ref.backward(dout)
+    qq, kk, vv = q.detach()[:, :, rows], k.detach(), v.detach()
+    acc = None
+    for c, drop in zip((0, 4, 8), drops):
+        acc = blocks.merge(acc, blocks.forward(qq, kk[:, :, c:c + 4], vv[:, :, c:c + 4], c == 8, scale, drop))
+    torch.testing.assert_close(acc[0], ref, rtol=1e-5, atol=1e-6)
+    grads = [blocks.backward(dout, acc[0], qq, kk[:, :, c:c + 4], vv[:, :, c:c + 4], acc[1], c == 8, scale, drop)
+             for c, drop in zip((0, 4, 8), drops)]
+    torch.testing.assert_close(sum(g[0] for g in grads), q.grad[:, :, rows], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.cat([g[1] for g in grads], dim=2), k.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.cat([g[2] for g in grads], dim=2), v.grad, rtol=1e-5, atol=1e-6)

@@ -29,28 +29,48 @@ from hybrid.parallel.collectives import Group
 from hybrid.parallel.cp import blocks
 from hybrid.parallel.cp.comm import Hop, Ring
 from hybrid.parallel.cp.sharding import chunks_of
+from hybrid.parallel.rng import derive_seed
 
 
-def _pairs(cp: int, rank: int, src: int) -> list[tuple[int, int, bool]]:
-    """(query chunk slot, key chunk slot, causal) of every block this rank attends while holding `src`'s K/V."""
-    mine, theirs = chunks_of(cp, rank), chunks_of(cp, src)
-    return [(i, j, kc == qc) for i, qc in enumerate(mine) for j, kc in enumerate(theirs) if kc <= qc]
+Pair = tuple[int, int, bool, Optional[blocks.Drop]]  # query chunk slot, key chunk slot, causal, its dropout
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """One ring attention call: the hop, the softmax scale, the dropout rate and the seed of its masks."""
+
+    ring: Ring
+    scale: float
+    p: float = 0.0
+    seed: int = 0
+
+    def pairs(self, src: int) -> list[Pair]:
+        """Every block this rank attends while holding CP rank `src`'s K/V: (query slot, key slot, causal,
+        dropout seeded by the two chunks' places in the sequence)."""
+        cp, rank = C.size(self.ring.group), C.rank(self.ring.group)
+        mine, theirs = chunks_of(cp, rank), chunks_of(cp, src)
+        return [(i, j, kc == qc, self._drop(qc, kc)) for i, qc in enumerate(mine) for j, kc in enumerate(theirs)
+                if kc <= qc]
+
+    def _drop(self, q_chunk: int, k_chunk: int) -> Optional[blocks.Drop]:
+        return blocks.Drop(self.p, derive_seed(self.seed, q_chunk, k_chunk)) if self.p > 0 else None
 
 
 def _halves(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return t.chunk(2, dim=2)
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float) -> blocks.Partial:
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: _Spec) -> blocks.Partial:
     """(output, log-sum-exp) of this rank's queries over the whole sequence, fp32."""
+    ring = spec.ring
     cp, rank = C.size(ring.group), C.rank(ring.group)
     acc: list[Optional[blocks.Partial]] = [None, None]
     kv, qs = (k, v), _halves(q)
     for step in range(cp):
         hop = ring.start(list(kv)) if step < cp - 1 else None
         ks, vs = _halves(kv[0]), _halves(kv[1])
-        for i, j, causal in _pairs(cp, rank, (rank - step) % cp):
-            acc[i] = blocks.merge(acc[i], blocks.forward(qs[i], ks[j], vs[j], causal, scale))
+        for i, j, causal, drop in spec.pairs((rank - step) % cp):
+            acc[i] = blocks.merge(acc[i], blocks.forward(qs[i], ks[j], vs[j], causal, spec.scale, drop))
         kv = tuple(hop.wait()) if hop else kv
     return torch.cat([acc[0][0], acc[1][0]], dim=2), torch.cat([acc[0][1], acc[1][1]], dim=2)  # type: ignore[index]
 
@@ -66,45 +86,47 @@ class _Queries:
     dq: tuple[torch.Tensor, ...]  # fp32, accumulated here
     scale: float
 
-    def backward(self, pairs: list[tuple[int, int, bool]], kv: tuple[torch.Tensor, ...],
-                 dkv: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def backward(self, pairs: list[Pair], kv: tuple[torch.Tensor, ...], dkv: tuple[torch.Tensor, torch.Tensor]
+                 ) -> None:
         """Add the gradients of the block pairs `pairs` against K/V `kv` to dq and to `dkv` (dK, dV)."""
         ks, vs, dks, dvs = _halves(kv[0]), _halves(kv[1]), _halves(dkv[0]), _halves(dkv[1])
-        for i, j, causal in pairs:
-            grads = blocks.backward(self.dout[i], self.out[i], self.q[i], ks[j], vs[j], self.lse[i], causal, self.scale)
+        for i, j, causal, drop in pairs:
+            grads = blocks.backward(self.dout[i], self.out[i], self.q[i], ks[j], vs[j], self.lse[i], causal,
+                                    self.scale, drop)
             for total, part in zip((self.dq[i], dks[j], dvs[j]), grads):
                 total.add_(part)
 
 
-def _backward(dout: torch.Tensor, saved: tuple[torch.Tensor, ...], ring: Ring, scale: float
+def _backward(dout: torch.Tensor, saved: tuple[torch.Tensor, ...], spec: _Spec
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) fp32 of this rank's chunks. The rank's own block is split around the ring: its full pair
     is attended while the first K/V hop travels, its two causal pairs while the last dK/dV hop does."""
     q, k, v, out, lse = saved
-    cp, rank = C.size(ring.group), C.rank(ring.group)
+    cp, rank = C.size(spec.ring.group), C.rank(spec.ring.group)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    local = _Queries(_halves(q), _halves(dout), _halves(out), _halves(lse), _halves(dq), scale)
-    own = _pairs(cp, rank, rank)
+    local = _Queries(_halves(q), _halves(dout), _halves(out), _halves(lse), _halves(dq), spec.scale)
+    own = spec.pairs(rank)
     mine = (torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32))
-    hop = ring.start([k, v]) if cp > 1 else None
+    hop = spec.ring.start([k, v]) if cp > 1 else None
     local.backward([p for p in own if not p[2]], (k, v), mine)
-    arriving = _around(local, ring, hop)
+    arriving = _around(local, spec, hop)
     local.backward([p for p in own if p[2]], (k, v), mine)
     for total, part in zip(mine, arriving.wait() if arriving is not None else ()):
         total.add_(part)
     return dq, mine[0], mine[1]
 
 
-def _around(local: _Queries, ring: Ring, hop: Optional[Hop]) -> Optional[Hop]:
+def _around(local: _Queries, spec: _Spec, hop: Optional[Hop]) -> Optional[Hop]:
     """Steps 1 … cp−1: each block from the previous rank attended, its dK/dV share added to the previous rank's
     and sent on; the hop bringing this rank's own block's gradient, summed over the other ranks (None at cp 1)."""
+    ring = spec.ring
     cp, rank = C.size(ring.group), C.rank(ring.group)
     grads: Optional[Hop] = None
     for step in range(1, cp):
         kv = tuple(hop.wait())  # type: ignore[union-attr]
         hop = ring.start(list(kv)) if step < cp - 1 else None
         dkv = (torch.zeros_like(kv[0], dtype=torch.float32), torch.zeros_like(kv[1], dtype=torch.float32))
-        local.backward(_pairs(cp, rank, (rank - step) % cp), kv, dkv)
+        local.backward(spec.pairs((rank - step) % cp), kv, dkv)
         grads = _pass_on(ring, grads, *dkv)
     return grads
 
@@ -120,10 +142,9 @@ class _RingAttention(torch.autograd.Function):
     """q [b, h, s/cp, d], k and v [b, hk, s/cp, d] (this rank's two chunks) → causal attention output, q's dtype."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,  # noqa: ANN001
-                scale: float) -> torch.Tensor:
-        ctx.ring, ctx.scale = Ring(group), scale
-        out, lse = _forward(q, k, v, ctx.ring, scale)
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: _Spec) -> torch.Tensor:  # noqa: ANN001
+        ctx.spec = spec
+        out, lse = _forward(q, k, v, spec)
         out = out.transpose(1, 2).contiguous().transpose(1, 2)  # [b, s, h, d] in memory, as SDPA's: the output
         ctx.save_for_backward(q, k, v, out, lse)  # projection's [b, s, h·d] input is then a view, not a copy
         return out.to(q.dtype)
@@ -131,14 +152,18 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         q, k, v = ctx.saved_tensors[:3]
-        dq, dk, dv = _backward(grad.float(), ctx.saved_tensors, ctx.ring, ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dq, dk, dv = _backward(grad.float(), ctx.saved_tensors, ctx.spec)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, dropout_p: float = 0.0,
                    scale: Optional[float] = None) -> torch.Tensor:
     """Causal attention of this CP rank's queries over the whole sequence (load-balanced layout, `sharding`):
-    equal to `scaled_dot_product_attention(is_causal=True, enable_gqa=True)` on the whole sequence, sharded."""
+    equal to `scaled_dot_product_attention(is_causal=True, enable_gqa=True)` on the whole sequence, sharded.
+    With `dropout_p` > 0 the masks' seed is one draw from the default generator of q's device (the caller's
+    stream: the TP rank's, forked), each block's mask then seeded by its chunks' places (`blocks.Drop`)."""
     if q.shape[2] % 2:
         raise ValueError(f"ring attention needs an even number of local tokens (two chunks), got {q.shape[2]}")
-    return _RingAttention.apply(q, k, v, group, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    seed = int(torch.randint(0, 2**62, (1,), device=q.device).item()) if dropout_p > 0 else 0
+    spec = _Spec(Ring(group), scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), dropout_p, seed)
+    return _RingAttention.apply(q, k, v, spec)
