@@ -37,6 +37,7 @@ from hybrid.model.context_parallel import ContextParallel
 from hybrid.nonfinite import Guard
 from hybrid.optim import lr_at, to_low_precision
 from hybrid.parallel import collectives as C
+from hybrid.parallel.clocks import clock_for
 from hybrid.parallel.context import ParallelContext, pp_streams
 from hybrid.parallel.cp.sharding import shard
 from hybrid.parallel.dp.data import CommHook, finalize_grads
@@ -44,7 +45,6 @@ from hybrid.parallel.params import count_params
 from hybrid.parallel.pp.actions import part_of
 from hybrid.parallel.pp.pipeline import P2P, PipelineStats, partition_layers, run_schedule
 from hybrid.parallel.pp.schedules import SCHEDULES, Schedule, build_schedule
-from hybrid.parallel.timing import clock_for
 from hybrid.record.profiling import StepProfiler
 from hybrid.record.report import StepReport, StepResult
 from hybrid.record.runlog import Tally, gather, open_metrics, peak_memory, summary, summary_line, write_summary

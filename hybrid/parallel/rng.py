@@ -15,6 +15,10 @@ Two streams per rank:
 a block and swaps it back, so library code that draws from the default generator
 (`F.dropout`, `scaled_dot_product_attention`) uses it without being told.
 
+Under context parallelism a CP rank's tokens are not its peers': both streams are made its own
+(`stage_seed` with the CP rank, `ContextParallel.stream_seed`), or every chunk of a sequence would get the
+same mask.
+
 Dropout masks are not layout-independent (tp=2 draws different masks than tp=1); losses
 equal the single-process run only at `model.dropout=0`.
 """

@@ -12,10 +12,9 @@ and where a step's time went.
 - `phase(name, start, end)`: a region of the step (data, forward, backward, optimizer). An exposed span
   inside a phase is taken out of it, so compute is forward + backward without the TP waits inside them.
 
-Two clocks, one interface (`mark`, `when_done`, `seconds`): `HostClock` (`time.perf_counter`, completion
-from the work's future callback) on CPU; `CudaClock` (CUDA events on the current stream; completion from
-an event recorded on a watcher stream made to wait on the work) on CUDA. CUDA events are read only after
-the step's final synchronize, so timing adds no host sync inside the step.
+Two clocks, one interface (`mark`, `when_done`, `seconds`; `clocks.py`, with the `Span`): `HostClock` on CPU,
+`CudaClock` on CUDA. CUDA events are read only after the step's final synchronize, so timing adds no host sync
+inside the step.
 
 With the timer off (`on=False`), every entry point returns at its first test: nothing is recorded.
 While a torch profiler runs (`profiling=True`), collectives are also labelled `comm:<group>:<op>`.
@@ -24,127 +23,18 @@ While a torch profiler runs (`profiling=True`), collectives are also labelled `c
 from __future__ import annotations
 
 import contextlib
-import os
-import queue
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from hybrid.parallel.clocks import ASYNC, BLOCKING, WAIT, Clock, HostClock, Mark, Span
 from hybrid.parallel.flight import FlightRecorder
-
-Mark = Union[float, "torch.cuda.Event"]
-BLOCKING, ASYNC, WAIT = "blocking", "async", "wait"
-
-
-class HostClock:
-    """`time.perf_counter` on the calling thread; an async work's end is when its future completes, or,
-    for works without a future (gloo's point-to-point ones), when a watcher thread's wait on it returns."""
-
-    def __init__(self) -> None:
-        self._watched: Optional[queue.SimpleQueue] = None
-        self._pid = 0  # the process the watcher thread runs in (a forked child starts its own)
-
-    def mark(self) -> float:
-        return time.perf_counter()
-
-    def when_done(self, work: dist.Work, span: Span) -> bool:
-        """Set `span.end` once `work` completes; True when a watcher thread now waits on `work` (a gloo
-        p2p work may be waited on once only: the owner then waits through `span.wait`)."""
-        try:
-            future = work.get_future()
-        except RuntimeError:  # "Work::getFuture not implemented"
-            self._watcher().put((work, span))
-            return True
-        future.add_done_callback(lambda _: span.set_end(time.perf_counter()))
-        return False
-
-    def _watcher(self) -> queue.SimpleQueue:
-        if self._watched is None or self._pid != os.getpid():
-            self._watched, self._pid = queue.SimpleQueue(), os.getpid()
-            threading.Thread(target=_watch, args=(self._watched,), daemon=True, name="hybrid-comm-timer").start()
-        return self._watched
-
-    def seconds(self, a: float, b: float) -> float:
-        return b - a
-
-
-def _watch(works: queue.SimpleQueue) -> None:
-    """The watcher thread: wait for each work in turn (the wait releases the GIL), note when it ended,
-    and keep a failed wait's error for the owner (`Span.wait` raises it)."""
-    while True:
-        work, span = works.get()
-        try:
-            work.wait()
-        except Exception as e:  # noqa: BLE001
-            span.error = e
-        span.set_end(time.perf_counter())
-
-
-class CudaClock:
-    """CUDA events on the current stream; an async work's end is an event recorded in its future's callback,
-    whose current stream already waits on the collective (a device-side dependency: the host never blocks,
-    and the work keeps holding its tensors until its owner waits on it)."""
-
-    def __init__(self) -> None:
-        self.watch = torch.cuda.Stream()
-
-    def mark(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def when_done(self, work: dist.Work, span: Span) -> bool:
-        try:
-            future = work.get_future()
-        except RuntimeError:  # no future: the watcher stream waits (the caller keeps the tensors alive)
-            with torch.cuda.stream(self.watch):
-                work.wait()
-                span.set_end(self.mark())
-            return False
-        future.then(lambda _: span.set_end(self.mark()))
-        return False
-
-    def seconds(self, a: torch.cuda.Event, b: torch.cuda.Event) -> float:
-        b.synchronize()
-        return a.elapsed_time(b) / 1e3
-
-
-Clock = Union[HostClock, CudaClock]
-
-
-def clock_for(device: torch.device) -> Clock:
-    return CudaClock() if device.type == "cuda" else HostClock()
-
-
-@dataclass
-class Span:
-    group: str
-    op: str
-    kind: str  # BLOCKING, ASYNC or WAIT
-    start: Mark
-    end: Optional[Mark] = None
-    error: Optional[Exception] = None  # a watched work's failed wait
-    exposed: bool = False  # the training thread waited on it (the outermost blocking or wait span)
-
-    def set_end(self, mark: Mark) -> None:
-        self.end = mark
-
-    def wait(self, work: dist.Work, watched: bool, poll_s: float = 5e-5) -> None:
-        """Wait for `work`, this span's collective: directly, or, when the watcher thread waits on it,
-        until the watcher noted its end (raising the error its wait raised)."""
-        if not watched:
-            work.wait()
-            return
-        while self.end is None:
-            time.sleep(poll_s)
-        if self.error is not None:
-            raise self.error
 
 
 @dataclass

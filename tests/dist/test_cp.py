@@ -1,6 +1,6 @@
 """Context parallelism in training, against the single-process run.
 
-Each case trains 3 steps of a 2-layer model on sequences of 16 tokens from the same init and data as one process
+Each case trains 3 steps of a 2-layer model on sequences of 24 tokens from the same init and data as one process
 without CP; the losses and gradient norms of every step equal the reference's within fp32 rounding (rtol 1e-5:
 the attention's and the gradients' summation orders differ) — so the loss averages over every token of the
 global batch exactly as without CP, the positions (GPT's learned, Llama's RoPE) follow each token's true index,
@@ -8,9 +8,11 @@ and the gradients averaged over CP × DP are the whole batch's. The last step's 
 `comm/cp/<op>/bytes`) equals `model.traffic.cp_bytes_per_microbatch` over its microbatches and layers; the
 ring's has `comm/overlap_cp`.
 
-Cases: GPT ring cp2 and Llama (GQA) all-to-all cp2 on 2 ranks; on 4 ranks GPT ring cp2dp2 with ZeRO-1, Llama
-ring cp2tp2 with sequence parallelism, GPT all-to-all cp2pp2 (1F1B), Llama ring cp2pp2 under zero-bubble's split
-backward (zb1p). Configs are composed and validated in the test process before the ranks fork.
+Cases: GPT ring cp2 and Llama (GQA) all-to-all cp2 on 2 ranks; Llama ring cp3 (odd) on 3; on 4 ranks GPT ring
+cp2dp2 with ZeRO-1, Llama ring cp2tp2 with sequence parallelism, GPT all-to-all cp2pp2 (1F1B), Llama ring cp2pp2
+under zero-bubble's split backward (zb1p), GPT ring cp2pp2 under zbv (4 layers), GPT ring cp4 and Llama
+all-to-all cp4. Dropout (`test_dropout_under_context_parallelism`): masks cannot match one process's, so the
+tests hold what must hold instead. Configs are composed and validated in the test process before the ranks fork.
 """
 
 from __future__ import annotations
@@ -27,15 +29,24 @@ from hybrid.config import compose_config
 from hybrid.model.traffic import cp_bytes_per_microbatch
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext
+from hybrid.parallel.rng import stage_seed
 from hybrid.trainer import Trainer, build_chunks
 from hybrid.validation import validate
 
-SEQ, STEPS = 16, 3
+SEQ, STEPS = 24, 3
 CASES = {2: [("gpt", ["parallel.cp=2"]), ("llama", ["parallel.cp=2", "parallel.cp_comm=a2a"])],
+         3: [("llama", ["parallel.cp=3"])],
          4: [("gpt", ["parallel.cp=2", "parallel.dp=2", "parallel.zero=1"]),
              ("llama", ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
              ("gpt", ["parallel.cp=2", "parallel.pp=2", "parallel.cp_comm=a2a"]),
-             ("llama", ["parallel.cp=2", "parallel.pp=2", "parallel.schedule=zb1p", "parallel.zb_memory=none"])]}
+             ("llama", ["parallel.cp=2", "parallel.pp=2", "parallel.schedule=zb1p", "parallel.zb_memory=none"]),
+             ("gpt", ["parallel.cp=2", "parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2",
+                      "parallel.zb_memory=none", "model.n_layers=4"]),
+             ("gpt", ["parallel.cp=4"]), ("llama", ["parallel.cp=4", "parallel.cp_comm=a2a"])]}
+DROPOUT = [(family, ["parallel.cp=2", f"parallel.cp_comm={comm}", "model.dropout=0.2", *recompute])
+           for family, comm in (("gpt", "ring"), ("llama", "a2a")) for recompute in ([], ["train.recompute=selective"])]
+"""Dropout > 0 on 2 ranks: each exchange without and with selective recomputation, which reruns the attention
+and must draw the same masks again."""
 
 
 @functools.cache
@@ -49,18 +60,19 @@ def config(family: str, extra: tuple[str, ...], world: int) -> Any:
     return cfg
 
 
-def train(cfg: Any, world: int) -> dict[str, list[float]]:
+def train(cfg: Any, world: int) -> dict[str, Any]:
     p = cfg.parallel
     layout = Layout.create(world, tp=p.tp, pp=p.pp, cp=p.cp) if world > 1 else Layout(world=1)
     ctx = ParallelContext.build(layout)
-    corpus = synthetic_corpus()
+    torch.manual_seed(stage_seed(cfg.train.seed, ctx.pp_rank, ctx.cp_rank))  # as hybrid.train seeds each run
+    corpus = synthetic_corpus(seq=SEQ)
     trainer = Trainer(cfg, ctx, build_chunks(cfg, corpus.vocab_size, ctx), corpus, torch.device("cpu"))
     steps = [trainer.train_step() for _ in range(STEPS - 1)]
     C.COUNTER.reset()
     steps.append(trainer.train_step(timed=True))  # the record of a logged, timed step
     record = trainer.step_metrics(steps[-1])
     return {"losses": [s.loss for s in steps], "norms": [s.grad_norm for s in steps],
-            "cp": {k: v for k, v in record.items() if "cp" in k}}
+            "cp": {k: v for k, v in record.items() if "cp" in k}, "streams": [c.rng.seed for c in trainer.model]}
 
 
 def expected_cp_bytes(cfg: Any, world: int) -> int:
@@ -72,16 +84,24 @@ def expected_cp_bytes(cfg: Any, world: int) -> int:
     return microbatches * sum(per.values())
 
 
-def on_rank(rank: int, world: int, cfgs: list[Any]) -> list[dict[str, list[float]]]:
+def on_rank(rank: int, world: int, cfgs: list[Any]) -> list[dict[str, Any]]:
     return [train(cfg, world) for cfg in cfgs]
+
+
+@functools.cache
+def launched(world: int) -> list[list[dict[str, Any]]]:
+    """Every rank's results of CASES[world] (and at world 2 DROPOUT after them), one launch."""
+    cases = CASES[world] + (DROPOUT if world == 2 else [])
+    return run_ranks(on_rank, world, [config(family, tuple(extra), world) for family, extra in cases], timeout=240)
 
 
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_context_parallel_training_equals_one_process(world: int) -> None:
     cfgs = [config(family, tuple(extra), world) for family, extra in CASES[world]]
-    ranks = run_ranks(on_rank, world, cfgs, timeout=240)
+    ranks = launched(world)
     for i, (family, extra) in enumerate(CASES[world]):
-        ref = train(config(family, ("parallel.dp=1",), 1), 1)
+        model = tuple(x for x in extra if x.startswith("model."))
+        ref = train(config(family, (*model, "parallel.dp=1"), 1), 1)
         cp, want, op = ranks[0][i]["cp"], expected_cp_bytes(cfgs[i], world), cfgs[i].parallel.cp_comm
         assert cp["bytes_cp"] == want and cp[f"comm/cp/{'ring' if op == 'ring' else 'all_to_all'}/bytes"] == want, cp
         assert op != "ring" or 0 <= cp["comm/overlap_cp"] <= 1, cp  # the hops run behind the blocks' attention
@@ -90,3 +110,17 @@ def test_context_parallel_training_equals_one_process(world: int) -> None:
                 label = f"{family} {extra} rank {r} {key}"
                 torch.testing.assert_close(got[i][key], ref[key], rtol=1e-5, atol=0,
                                            msg=lambda m, at=label: f"{at}: {m}")
+
+
+def test_dropout_under_context_parallelism() -> None:
+    """With dropout, each CP rank draws its own masks (its TP stream's seed differs from its peer's), training
+    differs from the dropout-free run, and selective recomputation reruns the attention with the same masks:
+    the same losses and gradient norms to the bit, ring and all-to-all."""
+    ranks = launched(2)
+    runs = [[r[len(CASES[2]) + i] for r in ranks] for i in range(len(DROPOUT))]
+    plain = {"gpt": ranks[0][0]["losses"], "llama": ranks[0][1]["losses"]}
+    for (family, extra), (once, again) in zip(DROPOUT[::2], zip(runs[::2], runs[1::2])):
+        assert once[0]["streams"] != once[1]["streams"], extra
+        assert once[0]["losses"] != plain[family] and all(torch.isfinite(torch.tensor(once[0]["losses"]))), extra
+        for key in ("losses", "norms"):
+            assert once[0][key] == again[0][key], (extra, key, once[0][key], again[0][key])

@@ -38,13 +38,13 @@ def tiny_cfg(family: str, dp: int, micro_batch: int, bucket_mb: float = 0.02) ->
     ])
 
 
-def synthetic_corpus(vocab: int = 200, n: int = 64) -> Corpus:
+def synthetic_corpus(vocab: int = 200, n: int = 64, seq: int = SEQ) -> Corpus:
     """Token streams with structure (arithmetic runs) so the loss can fall."""
     rng = np.random.default_rng(0)
     starts = rng.integers(0, vocab, size=(n, 1))
     steps = rng.integers(1, 4, size=(n, 1))
-    samples = ((starts + steps * np.arange(SEQ + 1)) % vocab).astype(np.int32)
-    return Corpus(tokenizer=None, vocab_size=vocab, eos_id=0, train=samples[:-8], eval=samples[-8:], seq_len=SEQ)
+    samples = ((starts + steps * np.arange(seq + 1)) % vocab).astype(np.int32)
+    return Corpus(tokenizer=None, vocab_size=vocab, eos_id=0, train=samples[:-8], eval=samples[-8:], seq_len=seq)
 
 
 def train_losses(rank: int, world: int, family: str, micro_batch: int, tp: int = 1) -> dict:

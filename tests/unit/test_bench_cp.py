@@ -1,11 +1,11 @@
-"""`hybrid.bench.cp_memory` and `hybrid.bench.cp_overlap` end to end at tiny sizes (no timing assertions: the
+"""`hybrid.bench.cp_memory`, `cp_overlap` and `cp_longest` end to end at tiny sizes (no timing assertions: the
 figures exist, and the exact ones — bytes saved for the backward, the estimate — agree)."""
 
 from __future__ import annotations
 
 import pytest
 
-from hybrid.bench import cp_memory, cp_overlap
+from hybrid.bench import cp_longest, cp_memory, cp_overlap
 
 
 def test_cp_memory_halves_what_a_rank_saves_and_follows_the_estimate(capsys: pytest.CaptureFixture[str]) -> None:
@@ -22,3 +22,20 @@ def test_cp_overlap_reports_every_side(capsys: pytest.CaptureFixture[str]) -> No
     assert got["ring"][0]["comm/cp/s"] > 0 and 0 <= got["ring"][0]["comm/overlap_cp"] <= 1
     assert got["cp1"][0]["comm/cp/s"] == 0.0
     assert "overlap_cp" in capsys.readouterr().out
+
+
+def test_cp_longest_measures_then_launches_the_longest_predicted_to_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    """A budget of 100 GiB: every grain fits, so the search launches --start, twice it, then --max, which trains."""
+    args = cp_longest.parse_args(["--quick", "--cp", "2", "--start", "128", "--grain", "128", "--max", "512",
+                                  "--budget-gib", "100"])
+    results = cp_longest.run(args)
+    assert [r["cp"] for r in results] == [2]
+    for r in results:
+        assert [x["seq"] for x in r["runs"]] == [128, 256, 512] and all(x["fits"] for x in r["runs"])
+        assert r["longest"] == 512 and r["next"] == 640
+    assert "longest tokens" in capsys.readouterr().out
+
+
+def test_cp_longest_refuses_a_cp_that_does_not_divide_the_world() -> None:
+    with pytest.raises(SystemExit):
+        cp_longest.parse_args(["--world", "8", "--cp", "3"])

@@ -9,8 +9,9 @@ import time
 
 import pytest
 
+from hybrid.parallel.clocks import HostClock, Span
 from hybrid.parallel.collectives import CommCounter, bus_factor
-from hybrid.parallel.timing import CommTimer, HostClock, Span, resolve, union_length
+from hybrid.parallel.timing import CommTimer, resolve, union_length
 from hybrid.record import comm_report
 
 
@@ -98,6 +99,34 @@ def test_watched_works_are_waited_once_and_their_errors_reach_the_owner() -> Non
         bad_span.wait(bad, True)
     assert bad.waits == 1
     assert timer.end_step().op_s[("pp", "send_recv")] >= 0.05
+
+
+class HeldWork(FakeWork):
+    """A watched work that completes only once `release` is set (a send whose receiver waits on this rank)."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+        self.release = threading.Event()
+
+    def wait(self) -> bool:
+        self.waits += 1
+        self.release.wait()
+        return True
+
+
+def test_an_owner_waits_on_its_work_itself_while_the_watcher_is_held_by_an_earlier_one() -> None:
+    """The watcher waits in launch order; an earlier work that completes only after the owner moves on must
+    not hold the owner's wait on a later one (a pipeline send in flight, then a ring hop): the owner claims it."""
+    timer = CommTimer()
+    timer.begin_step(True)
+    held, hop = HeldWork(), FakeWork(0.0)
+    timer.launched("pp", "send_recv", held, timer.mark())
+    span, watched = timer.launched("cp", "ring", hop, timer.mark())
+    owner = threading.Thread(target=span.wait, args=(hop, watched), daemon=True)
+    owner.start()
+    owner.join(timeout=30)  # a deadlock would never return; the wait itself takes no time
+    assert not owner.is_alive() and hop.waits == 1 and span.end is not None
+    held.release.set()
 
 
 def test_a_wait_inside_a_wait_and_other_threads_are_not_exposed_twice() -> None:

@@ -31,7 +31,6 @@ from hybrid.parallel.cp.comm import Hop, Ring
 from hybrid.parallel.cp.sharding import chunks_of
 from hybrid.parallel.rng import derive_seed
 
-
 Pair = tuple[int, int, bool, Optional[blocks.Drop]]  # query chunk slot, key chunk slot, causal, its dropout
 
 

@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 
 from hybrid.parallel import collectives as C
+from hybrid.parallel.clocks import Clock, HostClock, Mark, Span
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.pp.actions import Action, Op, Schedule, steps
 from hybrid.parallel.pp.simulator import simulate
 from hybrid.parallel.pp.split_backward import SavedTensors, WeightGrads, backward_input, run_backward
-from hybrid.parallel.timing import Clock, HostClock, Mark, Span
 
 ForwardStep = Callable[[int, int, Optional[torch.Tensor]], torch.Tensor]
 """(chunk, microbatch, received hidden states or None on the first part) → hidden states, or the
