@@ -5,23 +5,26 @@
 For each --cp size, --world gloo ranks (one torch thread each) train --model at `parallel.cp=cp` and
 dp = world / cp, one sequence per DP replica, with `parallel.zero=1` and --overrides: one full `Trainer` step
 (forward, backward, gradient sync, optimizer) per launch. Memory is the machine's, shared by every rank: a
-length fits when the sum of the ranks' peak resident memory stays within --budget-gib (default: what
-/proc/meminfo calls available at the start, less a 1.5 GiB margin).
+length fits when the machine's used memory (MemTotal − MemAvailable, sampled every 20 ms during the launch)
+grows by no more than --budget-gib (default: what /proc/meminfo calls available at the start, less a 1.5 GiB
+margin). The ranks' summed peak resident memory is reported beside it; it counts the pages forked ranks share
+once per rank, so it overstates what they hold together.
 
-The search measures rather than guesses: launches at --start and 2·--start tokens give the ranks' summed peak
-at two lengths; what does not grow with the tokens (the processes, weights, gradients, optimizer state) and
-what does (activations: flash attention keeps no score matrix, so they are linear in the tokens) are the
-intercept and slope of the line through them. The longest length on the grid (multiples of --grain) that line
-predicts to fit is then launched; if it does not fit after all, the next shorter one. Reported: every launch
-(length, the ranks' summed peak against the budget, the step time), and per cp size the longest length that
-trained within the budget with the next grain's prediction beyond it. A length is never launched past the
-prediction: on a machine without swap that would be the kernel's OOM killer, not a measurement.
+The search measures rather than guesses: it doubles the length from --start while launches fit; before each
+launch past the second it draws the line through the last two (what does not grow with the tokens — processes,
+weights, gradients, optimizer state — and what does: activations, linear in the tokens as flash attention keeps
+no score matrix) and, when the doubling is predicted not to fit, launches instead the longest multiple of
+--grain predicted to fit, and stops. Reported: every launch (length, the machine's growth and the ranks' summed
+peak against the budget, the step time), and per cp size the longest length that trained within the budget
+with the next grain's prediction beyond it. A length is never launched past the prediction: on a machine
+without swap that would be the kernel's OOM killer, not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
 import resource
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -70,11 +73,37 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def available_gib() -> float:
-    """What the kernel calls available memory now (/proc/meminfo), in GiB."""
+def meminfo_bytes(key: str) -> int:
+    """One /proc/meminfo field, in bytes."""
     with open("/proc/meminfo") as f:
         fields = dict(line.split(":", 1) for line in f)
-    return int(fields["MemAvailable"].split()[0]) * 1024 / GIB
+    return int(fields[key].split()[0]) * 1024
+
+
+def machine_used() -> int:
+    return meminfo_bytes("MemTotal") - meminfo_bytes("MemAvailable")
+
+
+class UsedPeak:
+    """The machine's used memory sampled every `every_s` on a thread while the block runs: `grown`, its peak
+    above what it was on entry."""
+
+    def __init__(self, every_s: float = 0.02) -> None:
+        self.every_s, self.grown, self._stop = every_s, 0, threading.Event()
+
+    def __enter__(self) -> UsedPeak:
+        self.base = machine_used()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.grown = max(self.grown, machine_used() - self.base)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def config(args: argparse.Namespace, cp: int, seq: int) -> Any:
@@ -101,51 +130,61 @@ def step_rank(rank: int, world: int, cfg: Any) -> dict[str, float]:
 
 
 def predicted(a: dict[str, Any], b: dict[str, Any], length: int) -> float:
-    """The ranks' summed peak at `length` tokens on the line through launches `a` and `b` (inf if either
-    failed)."""
-    return a["total"] + (b["total"] - a["total"]) * (length - a["seq"]) / (b["seq"] - a["seq"])
+    """The machine's growth at `length` tokens on the line through launches `a` and `b`."""
+    return a["used"] + (b["used"] - a["used"]) * (length - a["seq"]) / (b["seq"] - a["seq"])
 
 
 def search(args: argparse.Namespace, cp: int, budget: float, out: Callable[[str], None]) -> dict[str, Any]:
-    """Measure at --start and twice it, launch the longest predicted to fit, step down until one fits."""
-    runs = [_launch(args, cp, n, budget, out) for n in (args.start, 2 * args.start)]
-    grid = range(args.grain, args.max + 1, args.grain)
-    fitting = [n for n in grid if n > 2 * args.start and predicted(runs[0], runs[1], n) <= budget]
-    for length in reversed(fitting):
-        runs.append(_launch(args, cp, length, budget, out))
-        if runs[-1]["fits"]:
+    """Double the length while it fits; past two launches, stop at the longest grain the line predicts to fit."""
+    runs = [_launch(args, cp, args.start, budget, out)]
+    while runs[-1]["fits"] and runs[-1]["seq"] < args.max:
+        length = min(2 * runs[-1]["seq"], args.max)
+        if len(runs) >= 2 and predicted(runs[-2], runs[-1], length) > budget:
+            grid = range(runs[-1]["seq"] + args.grain, length, args.grain)
+            fitting = [n for n in grid if predicted(runs[-2], runs[-1], n) <= budget]
+            if fitting:
+                runs.append(_launch(args, cp, fitting[-1], budget, out))
             break
+        runs.append(_launch(args, cp, length, budget, out))
     done = [r for r in runs if r["fits"]]
-    last = max(done, key=lambda r: r["seq"], default=runs[0])
-    beyond = last["seq"] + args.grain  # predicted on the widest measured span: the first launch to the longest
-    far = last if last["seq"] != runs[0]["seq"] else runs[1]
-    return {"cp": cp, "runs": runs, "longest": last["seq"] if done else 0, "next": beyond,
-            "next_predicted": predicted(runs[0], far, beyond)}
+    if len(done) < 2:
+        return {"cp": cp, "runs": runs, "longest": done[0]["seq"] if done else 0, "next": 0, "next_predicted": 0.0}
+    beyond = done[-1]["seq"] + args.grain  # on the line through the two longest that fit
+    return {"cp": cp, "runs": runs, "longest": done[-1]["seq"], "next": beyond,
+            "next_predicted": predicted(done[-2], done[-1], beyond)}
 
 
 def _launch(args: argparse.Namespace, cp: int, seq: int, budget: float, out: Callable[[str], None]) -> dict[str, Any]:
     try:
-        ranks = launch(step_rank, args.world, config(args, cp, seq), timeout=args.timeout)
+        with UsedPeak() as used:
+            ranks = launch(step_rank, args.world, config(args, cp, seq), timeout=args.timeout)
     except Exception as e:  # noqa: BLE001 — a rank killed (out of memory) or timed out: this length did not train
         out(f"  cp={cp} seq={seq}: failed: {str(e).splitlines()[0][:200]}")
-        return {"cp": cp, "seq": seq, "ranks": [], "total": float("inf"), "fits": False, "step_s": float("nan")}
-    total = sum(r["peak"] for r in ranks)
-    row = {"cp": cp, "seq": seq, "ranks": ranks, "total": total, "fits": total <= budget,
-           "step_s": max(r["step_s"] for r in ranks)}
-    out(f"  cp={cp} seq={seq}: ranks' peak {total / GIB:.2f} GiB of {budget / GIB:.2f}, step {row['step_s']:.1f} s")
+        return {"cp": cp, "seq": seq, "used": float("inf"), "rss": float("inf"), "fits": False,
+                "step_s": float("nan")}
+    row = {"cp": cp, "seq": seq, "used": used.grown, "rss": sum(r["peak"] for r in ranks),
+           "fits": used.grown <= budget, "step_s": max(r["step_s"] for r in ranks)}
+    out(f"  cp={cp} seq={seq}: machine +{row['used'] / GIB:.2f} GiB of {budget / GIB:.2f} (ranks' summed peak "
+        f"{row['rss'] / GIB:.2f}), step {row['step_s']:.1f} s")
     return row
 
 
 def section(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[str, Any]]:
-    budget = (args.budget_gib if args.budget_gib is not None else available_gib() - MARGIN_GIB) * GIB
+    free = meminfo_bytes("MemAvailable") / GIB - MARGIN_GIB
+    budget = (args.budget_gib if args.budget_gib is not None else free) * GIB
     out(f"\n## {args.model} on {args.world} ranks, one sequence per DP replica, ZeRO-1, {' '.join(args.overrides)}; "
-        f"budget {budget / GIB:.2f} GiB for the ranks' summed peak resident memory")
+        f"budget: the machine's used memory may grow by {budget / GIB:.2f} GiB")
     results = [search(args, cp, budget, out) for cp in args.cp]
-    rows = [[f"cp{r['cp']} dp{args.world // r['cp']}", f"{r['longest']:,}",
-             f"{next(x['total'] for x in r['runs'] if x['seq'] == r['longest']) / GIB:.2f}" if r["longest"] else "—",
-             f"{r['next']:,}", f"{r['next_predicted'] / GIB:.2f}"] for r in results]
-    out("\n".join(common.table(["layout", "longest tokens", "its peak GiB", "next", "next predicted GiB"], rows)))
+    out("\n".join(common.table(["layout", "longest tokens", "its growth GiB", "next", "next predicted GiB"],
+                               [_row(args, r) for r in results])))
     return results
+
+
+def _row(args: argparse.Namespace, r: dict[str, Any]) -> list[str]:
+    grown = next((x["used"] for x in r["runs"] if x["seq"] == r["longest"] and x["fits"]), None)
+    return [f"cp{r['cp']} dp{args.world // r['cp']}", f"{r['longest']:,}",
+            f"{grown / GIB:.2f}" if grown is not None else "—",
+            f"{r['next']:,}" if r["next"] else "—", f"{r['next_predicted'] / GIB:.2f}" if r["next"] else "—"]
 
 
 def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> list[dict[str, Any]]:

@@ -25,17 +25,35 @@ def test_cp_overlap_reports_every_side(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_cp_longest_measures_then_launches_the_longest_predicted_to_fit(capsys: pytest.CaptureFixture[str]) -> None:
-    """A budget of 100 GiB: every grain fits, so the search launches --start, twice it, then --max, which trains."""
+    """A budget of 100 GiB: every length fits, so the search doubles from --start to --max."""
     args = cp_longest.parse_args(["--quick", "--cp", "2", "--start", "128", "--grain", "128", "--max", "512",
                                   "--budget-gib", "100"])
     results = cp_longest.run(args)
     assert [r["cp"] for r in results] == [2]
     for r in results:
         assert [x["seq"] for x in r["runs"]] == [128, 256, 512] and all(x["fits"] for x in r["runs"])
-        assert r["longest"] == 512 and r["next"] == 640
+        assert r["longest"] == 512 and r["next"] == 640 and all(x["rss"] > 0 for x in r["runs"])
     assert "longest tokens" in capsys.readouterr().out
 
 
 def test_cp_longest_refuses_a_cp_that_does_not_divide_the_world() -> None:
     with pytest.raises(SystemExit):
         cp_longest.parse_args(["--world", "8", "--cp", "3"])
+
+
+def test_cp_longest_stops_at_the_longest_grain_the_line_predicts_to_fit() -> None:
+    """Launches faked on a line (1 GiB + 1 MiB a token, budget 2.9 GiB): 512 and 1,024 fit, 2,048 is predicted
+    not to, so 1,536 is launched — and no length past it."""
+    seen: list[int] = []
+
+    def fake(args, cp, seq, budget, out):  # noqa: ANN001, ANN202
+        seen.append(seq)
+        used = cp_longest.GIB + seq * 2**20
+        return {"cp": cp, "seq": seq, "used": used, "rss": used, "fits": used <= budget, "step_s": 0.0}
+
+    args = cp_longest.parse_args(["--cp", "1", "--start", "512", "--grain", "512", "--max", "65536"])
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(cp_longest, "_launch", fake)
+        got = cp_longest.search(args, 1, 2.9 * cp_longest.GIB, print)
+    assert seen == [512, 1024, 1536] and got["longest"] == 1536 and got["next"] == 2048
+    assert got["next_predicted"] == cp_longest.GIB + 2048 * 2**20
