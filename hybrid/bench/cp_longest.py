@@ -5,17 +5,17 @@
 For each --cp size, --world gloo ranks (one torch thread each) train --model at `parallel.cp=cp` and
 dp = world / cp, one sequence per DP replica, with `parallel.zero=1` and --overrides: one full `Trainer` step
 (forward, backward, gradient sync, optimizer) per launch. Memory is the machine's, shared by every rank: a
-length fits when the machine's used memory (MemTotal − MemAvailable, sampled every 20 ms during the launch)
-grows by no more than --budget-gib (default: what /proc/meminfo calls available at the start, less a 1.5 GiB
-margin). The ranks' summed peak resident memory is reported beside it; it counts the pages forked ranks share
-once per rank, so it overstates what they hold together.
+length fits when the ranks' peak resident memories (`ru_maxrss`) sum to no more than --budget-gib (default:
+what /proc/meminfo calls available at the start, less a 1.5 GiB margin). The sum is slightly conservative
+(pages a forked rank still shares with its parent count once per rank); the machine's used memory sampled
+from a thread misses the head's short-lived logits peaks and let the kernel kill a rank, so it is not used.
 
 The search measures rather than guesses: it doubles the length from --start while launches fit; before each
 launch past the second it draws the line through the last two (what does not grow with the tokens — processes,
 weights, gradients, optimizer state — and what does: activations, linear in the tokens as flash attention keeps
 no score matrix) and, when the doubling is predicted not to fit, launches instead the longest multiple of
---grain predicted to fit, and stops. Reported: every launch (length, the machine's growth and the ranks' summed
-peak against the budget, the step time), and per cp size the longest length that trained within the budget
+--grain predicted to fit, and stops. Reported: every launch (length, the ranks' summed peak against the budget,
+the step time), and per cp size the longest length that trained within the budget
 with the next grain's prediction beyond it. A length is never launched past the prediction: on a machine
 without swap that would be the kernel's OOM killer, not a measurement.
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import resource
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -80,32 +79,6 @@ def meminfo_bytes(key: str) -> int:
     return int(fields[key].split()[0]) * 1024
 
 
-def machine_used() -> int:
-    return meminfo_bytes("MemTotal") - meminfo_bytes("MemAvailable")
-
-
-class UsedPeak:
-    """The machine's used memory sampled every `every_s` on a thread while the block runs: `grown`, its peak
-    above what it was on entry."""
-
-    def __init__(self, every_s: float = 0.02) -> None:
-        self.every_s, self.grown, self._stop = every_s, 0, threading.Event()
-
-    def __enter__(self) -> UsedPeak:
-        self.base = machine_used()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self.grown = max(self.grown, machine_used() - self.base)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def config(args: argparse.Namespace, cp: int, seq: int) -> Any:
     cfg = compose_config([f"model={args.model}", "model.dropout=0", f"model.max_seq_len={seq}",
                           f"data.seq_len={seq}", "train.micro_batch_size=1",
@@ -130,8 +103,8 @@ def step_rank(rank: int, world: int, cfg: Any) -> dict[str, float]:
 
 
 def predicted(a: dict[str, Any], b: dict[str, Any], length: int) -> float:
-    """The machine's growth at `length` tokens on the line through launches `a` and `b`."""
-    return a["used"] + (b["used"] - a["used"]) * (length - a["seq"]) / (b["seq"] - a["seq"])
+    """The ranks' summed peak at `length` tokens on the line through launches `a` and `b`."""
+    return a["rss"] + (b["rss"] - a["rss"]) * (length - a["seq"]) / (b["seq"] - a["seq"])
 
 
 def search(args: argparse.Namespace, cp: int, budget: float, out: Callable[[str], None]) -> dict[str, Any]:
@@ -156,16 +129,14 @@ def search(args: argparse.Namespace, cp: int, budget: float, out: Callable[[str]
 
 def _launch(args: argparse.Namespace, cp: int, seq: int, budget: float, out: Callable[[str], None]) -> dict[str, Any]:
     try:
-        with UsedPeak() as used:
-            ranks = launch(step_rank, args.world, config(args, cp, seq), timeout=args.timeout)
+        ranks = launch(step_rank, args.world, config(args, cp, seq), timeout=args.timeout)
     except Exception as e:  # noqa: BLE001 — a rank killed (out of memory) or timed out: this length did not train
         out(f"  cp={cp} seq={seq}: failed: {str(e).splitlines()[0][:200]}")
-        return {"cp": cp, "seq": seq, "used": float("inf"), "rss": float("inf"), "fits": False,
-                "step_s": float("nan")}
-    row = {"cp": cp, "seq": seq, "used": used.grown, "rss": sum(r["peak"] for r in ranks),
-           "fits": used.grown <= budget, "step_s": max(r["step_s"] for r in ranks)}
-    out(f"  cp={cp} seq={seq}: machine +{row['used'] / GIB:.2f} GiB of {budget / GIB:.2f} (ranks' summed peak "
-        f"{row['rss'] / GIB:.2f}), step {row['step_s']:.1f} s")
+        return {"cp": cp, "seq": seq, "rss": float("inf"), "fits": False, "step_s": float("nan")}
+    rss = sum(r["peak"] for r in ranks)
+    row = {"cp": cp, "seq": seq, "rss": rss, "fits": rss <= budget, "step_s": max(r["step_s"] for r in ranks)}
+    out(f"  cp={cp} seq={seq}: ranks' summed peak {rss / GIB:.2f} GiB of {budget / GIB:.2f}, "
+        f"step {row['step_s']:.1f} s")
     return row
 
 
@@ -173,15 +144,15 @@ def section(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[s
     free = meminfo_bytes("MemAvailable") / GIB - MARGIN_GIB
     budget = (args.budget_gib if args.budget_gib is not None else free) * GIB
     out(f"\n## {args.model} on {args.world} ranks, one sequence per DP replica, ZeRO-1, {' '.join(args.overrides)}; "
-        f"budget: the machine's used memory may grow by {budget / GIB:.2f} GiB")
+        f"budget {budget / GIB:.2f} GiB for the ranks' summed peak resident memory")
     results = [search(args, cp, budget, out) for cp in args.cp]
-    out("\n".join(common.table(["layout", "longest tokens", "its growth GiB", "next", "next predicted GiB"],
+    out("\n".join(common.table(["layout", "longest tokens", "its peak GiB", "next", "next predicted GiB"],
                                [_row(args, r) for r in results])))
     return results
 
 
 def _row(args: argparse.Namespace, r: dict[str, Any]) -> list[str]:
-    grown = next((x["used"] for x in r["runs"] if x["seq"] == r["longest"] and x["fits"]), None)
+    grown = next((x["rss"] for x in r["runs"] if x["seq"] == r["longest"] and x["fits"]), None)
     return [f"cp{r['cp']} dp{args.world // r['cp']}", f"{r['longest']:,}",
             f"{grown / GIB:.2f}" if grown is not None else "—",
             f"{r['next']:,}" if r["next"] else "—", f"{r['next_predicted'] / GIB:.2f}" if r["next"] else "—"]

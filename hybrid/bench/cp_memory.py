@@ -24,7 +24,7 @@ from hybrid.bench import common
 from hybrid.bench.common import launch
 from hybrid.bench.cp_common import add_shape, parse
 from hybrid.config import ModelConfig, compose_config
-from hybrid.memory import Micro, ends_bytes, layer_activation_bytes
+from hybrid.memory_terms import Micro, ends_bytes, layer_activation_bytes
 from hybrid.model import build_model
 from hybrid.model.context_parallel import ContextParallel
 from hybrid.parallel import collectives as C
@@ -79,9 +79,9 @@ def step_rank(rank: int, world: int, cfg: ModelConfig, batch: int, seq: int, com
     return {"saved": saved, "peak": tracked_peak(step)}
 
 
-def estimate(cfg: ModelConfig, batch: int, seq: int, cp: int) -> int:
+def estimate(cfg: ModelConfig, batch: int, seq: int, cp: int, comm: str = "ring") -> int:
     """`hybrid.memory`'s kept bytes of one microbatch at seq / cp tokens (fp32, CPU, the unfused head)."""
-    m = Micro(batch, seq // cp)
+    m = Micro(batch, seq // cp, cp=cp, cp_comm=comm)
     return cfg.n_layers * layer_activation_bytes(cfg, m) + ends_bytes(cfg, m, VOCAB, True, True)
 
 
@@ -91,7 +91,7 @@ def section(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[s
     for cp in sorted(set(args.cp) | {1}):
         per_rank = launch(step_rank, cp, cfg, args.batch, args.seq, args.comm, timeout=args.timeout)
         rows.append({"cp": cp, "saved": max(r["saved"] for r in per_rank), "peak": max(r["peak"] for r in per_rank),
-                     "estimate": estimate(cfg, args.batch, args.seq, cp)})
+                     "estimate": estimate(cfg, args.batch, args.seq, cp, args.comm)})
     base = rows[0]
     out(f"\n## {args.model} cut to {args.layers} layers, vocab {VOCAB}, {args.batch} × {args.seq} tokens, fp32, "
         f"cp_comm={args.comm}; per rank, the largest rank's")

@@ -27,7 +27,8 @@ import torch
 
 from hybrid.bench.common import check_models, reproduce_command, table, timed
 from hybrid.config import compose_config
-from hybrid.memory import Micro, ends_bytes, head_transient, loss_columns
+from hybrid.memory import loss_columns
+from hybrid.memory_terms import Micro, ends_bytes, head_transient
 from hybrid.model import build_model
 from hybrid.record.metrics import format_bytes
 from hybrid.testing.activations import tracked_peak

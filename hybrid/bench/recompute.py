@@ -25,7 +25,8 @@ import torch
 from hybrid.bench import common
 from hybrid.bench.common import launch, table
 from hybrid.bench.inputs import add_run_args, bench_trainer, run_overrides
-from hybrid.memory import Micro, ends_bytes, layer_activation_bytes, loss_columns
+from hybrid.memory import loss_columns
+from hybrid.memory_terms import Micro, ends_bytes, layer_activation_bytes
 from hybrid.testing.activations import saved_tally
 from hybrid.trainer import Trainer
 

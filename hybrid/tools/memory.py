@@ -73,7 +73,8 @@ def report(cfg: Config, vocab: int, layout: Layout, device_type: str, memory: in
     stages = stage_estimates(cfg, layout, chunks, device_type)
     schedule = training_schedule(cfg, layout, chunks, micro_of(cfg, device_type)).label if layout.pp > 1 else ""
     counted = PRECISIONS.get(t.precision, PRECISIONS["fp32"])
-    lines = [f"memory per rank: {cfg.model.name}, tp{layout.tp} pp{layout.pp} dp{layout.dp}, micro batch "
+    cp = f" cp{layout.cp} ({p.cp_comm}: seq {cfg.data.seq_len // layout.cp} a rank)" if layout.cp > 1 else ""
+    lines = [f"memory per rank: {cfg.model.name}, tp{layout.tp}{cp} pp{layout.pp} dp{layout.dp}, micro batch "
              f"{t.micro_batch_size} × seq {cfg.data.seq_len}, {schedule or 'one stage'}, "
              f"zero {p.zero}, recompute {t.recompute}, {device_type} ({counted})",
              f"{'stage':>5} {'params':>11} {'grads':>11} {'optimizer':>11} {'activations':>12} {'buffers':>11} "

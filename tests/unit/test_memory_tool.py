@@ -51,3 +51,16 @@ def test_bad_input_is_one_line_exit_2(argv: list[str], needle: str, capsys: pyte
 
 def test_sizes() -> None:
     assert parse_size("24GiB") == 24 * 2**30 and parse_size("80 GB") == 80 * 10**9 and parse_size("1000") == 1000
+
+
+def test_a_cp_rank_is_estimated_at_its_share_of_the_sequence(capsys: pytest.CaptureFixture[str]) -> None:
+    """At cp4 the header names the axis and a rank's tokens; the activations are cp1's at a quarter of the tokens
+    (seq 512 at cp4 against seq 128 at cp1, the same microbatch)."""
+    cp = ["model=gpt-tiny", "train.micro_batch_size=2", "train.global_batch_size=2"]
+    assert main([*cp, "parallel.cp=4", "data.seq_len=512", "--world", "4", "--vocab", "1000"]) == 0
+    at_cp4 = capsys.readouterr().out.splitlines()
+    assert "cp4 (ring: seq 128 a rank)" in at_cp4[0]
+    assert main([*cp, "data.seq_len=128", "--world", "1", "--vocab", "1000"]) == 0
+    at_cp1 = capsys.readouterr().out.splitlines()
+    activations = [next(line.split()[7:9] for line in out if line.split()[:1] == ["0"]) for out in (at_cp4, at_cp1)]
+    assert activations[0] == activations[1]
