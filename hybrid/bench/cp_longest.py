@@ -13,11 +13,12 @@ from a thread misses the head's short-lived logits peaks and let the kernel kill
 The search measures rather than guesses: it doubles the length from --start while launches fit; before each
 launch past the second it draws the line through the last two (what does not grow with the tokens — processes,
 weights, gradients, optimizer state — and what does: activations, linear in the tokens as flash attention keeps
-no score matrix) and, when the doubling is predicted not to fit, launches instead the longest multiple of
---grain predicted to fit, and stops. Reported: every launch (length, the ranks' summed peak against the budget,
-the step time), and per cp size the longest length that trained within the budget
-with the next grain's prediction beyond it. A length is never launched past the prediction: on a machine
-without swap that would be the kernel's OOM killer, not a measurement.
+no score matrix; learned positions add a little more) and stops doubling when the line says the doubling will
+not fit. Then it closes in, up to --refine launches: the longest multiple of --grain the line through the
+longest fitting launch and the shortest measured one above it predicts to fit. Reported: every launch (length,
+the ranks' summed peak against the budget, the step time), and per cp size the longest length that trained
+within the budget with the next grain's prediction beyond it. A length is never launched past the prediction:
+on a machine without swap that would be the kernel's OOM killer, not a measurement.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max", type=int, default=131072, help="the longest length considered")
     p.add_argument("--budget-gib", type=float, default=None, help="memory the ranks may hold together")
     p.add_argument("--overrides", nargs="*", default=["train.recompute=none"], help="hybrid.train overrides")
+    p.add_argument("--refine", type=int, default=3, help="launches closing in once doubling stops")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a launch is killed")
     return p
 
@@ -108,23 +110,41 @@ def predicted(a: dict[str, Any], b: dict[str, Any], length: int) -> float:
 
 
 def search(args: argparse.Namespace, cp: int, budget: float, out: Callable[[str], None]) -> dict[str, Any]:
-    """Double the length while it fits; past two launches, stop at the longest grain the line predicts to fit."""
+    """Double the length while it fits (past two launches, only where the line through the last two predicts a
+    fit); then close in, up to --refine launches (`_closer`)."""
     runs = [_launch(args, cp, args.start, budget, out)]
     while runs[-1]["fits"] and runs[-1]["seq"] < args.max:
         length = min(2 * runs[-1]["seq"], args.max)
         if len(runs) >= 2 and predicted(runs[-2], runs[-1], length) > budget:
-            grid = range(runs[-1]["seq"] + args.grain, length, args.grain)
-            fitting = [n for n in grid if predicted(runs[-2], runs[-1], n) <= budget]
-            if fitting:
-                runs.append(_launch(args, cp, fitting[-1], budget, out))
             break
         runs.append(_launch(args, cp, length, budget, out))
-    done = [r for r in runs if r["fits"]]
+    for _ in range(args.refine):
+        length = _closer(args, runs, budget)
+        if length is None:
+            break
+        runs.append(_launch(args, cp, length, budget, out))
+    done = sorted((r for r in runs if r["fits"]), key=lambda r: r["seq"])
     if len(done) < 2:
         return {"cp": cp, "runs": runs, "longest": done[0]["seq"] if done else 0, "next": 0, "next_predicted": 0.0}
     beyond = done[-1]["seq"] + args.grain  # on the line through the two longest that fit
     return {"cp": cp, "runs": runs, "longest": done[-1]["seq"], "next": beyond,
             "next_predicted": predicted(done[-2], done[-1], beyond)}
+
+
+def _closer(args: argparse.Namespace, runs: list[dict[str, Any]], budget: float) -> Optional[int]:
+    """The longest grain below what is known not to fit (a launch, or the doubling) that the line through the
+    longest fitting launch and the shortest measured one above it (else the two longest fitting) predicts to
+    fit; None when there is none."""
+    done = sorted((r for r in runs if r["fits"]), key=lambda r: r["seq"])
+    if not done:
+        return None
+    lo = done[-1]
+    above = sorted((r for r in runs if not r["fits"] and r["seq"] > lo["seq"]), key=lambda r: r["seq"])
+    measured = [r for r in above if r["rss"] != float("inf")]
+    line = (lo, measured[0]) if measured else (done[-2], lo) if len(done) >= 2 else None
+    top = above[0]["seq"] if above else min(2 * lo["seq"], args.max + args.grain)
+    fitting = [n for n in range(lo["seq"] + args.grain, top, args.grain) if line and predicted(*line, n) <= budget]
+    return fitting[-1] if fitting else None
 
 
 def _launch(args: argparse.Namespace, cp: int, seq: int, budget: float, out: Callable[[str], None]) -> dict[str, Any]:

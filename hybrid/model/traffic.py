@@ -32,7 +32,8 @@ Context parallelism (`cp_bytes_per_microbatch`, per layer, one rank, its local s
 the ring sends K and V on cp−1 hops forward and again backward, plus cp−1 hops of their fp32 gradients; the
 all-to-all exchange moves q, k, v and the output forward and their gradients backward (K/V repeated to one per
 query head when they do not divide by cp). Recomputation (selective reruns the attention core, full the block)
-repeats the forward's.
+repeats the forward's. Under CP every other formula here takes a rank's tokens: `seq_len` / cp (TP's regions
+and PP's hidden states carry only those).
 """
 
 from __future__ import annotations

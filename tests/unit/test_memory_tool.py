@@ -56,7 +56,7 @@ def test_sizes() -> None:
 def test_a_cp_rank_is_estimated_at_its_share_of_the_sequence(capsys: pytest.CaptureFixture[str]) -> None:
     """At cp4 the header names the axis and a rank's tokens; the activations are cp1's at a quarter of the tokens
     (seq 512 at cp4 against seq 128 at cp1, the same microbatch)."""
-    cp = ["model=gpt-tiny", "train.micro_batch_size=2", "train.global_batch_size=2"]
+    cp = ["model=gpt-tiny", "model.max_seq_len=512", "train.micro_batch_size=2", "train.global_batch_size=2"]
     assert main([*cp, "parallel.cp=4", "data.seq_len=512", "--world", "4", "--vocab", "1000"]) == 0
     at_cp4 = capsys.readouterr().out.splitlines()
     assert "cp4 (ring: seq 128 a rank)" in at_cp4[0]
