@@ -1,11 +1,11 @@
-"""`hybrid.bench.cp_memory`, `cp_overlap` and `cp_longest` end to end at tiny sizes (no timing assertions: the
+"""`hybrid.bench.cp_memory`, `cp_overlap`, `cp_longest` and `cp_kernels` end to end at tiny sizes (no timing assertions: the
 figures exist, and the exact ones — bytes saved for the backward, the estimate — agree)."""
 
 from __future__ import annotations
 
 import pytest
 
-from hybrid.bench import cp_longest, cp_memory, cp_overlap
+from hybrid.bench import cp_kernels, cp_longest, cp_memory, cp_overlap
 
 
 @pytest.mark.parametrize("comm", ["ring", "a2a"])
@@ -61,3 +61,9 @@ def test_cp_longest_stops_at_the_longest_grain_the_line_predicts_to_fit() -> Non
         got = cp_longest.search(args, 1, 2.9 * cp_longest.GIB, print)
     assert seen == [512, 1024, 1536] and got["longest"] == 1536 and got["next"] == 2048
     assert got["next_predicted"] == cp_longest.GIB + 2048 * 2**20
+
+
+def test_cp_kernels_ring_blocks_at_cp1_are_sdpa(capsys: pytest.CaptureFixture[str]) -> None:
+    got = cp_kernels.run(cp_kernels.parse_args(["--quick", "--device", "cpu"]))
+    assert got["max_diff"] < 1e-4 and set(got["median_s"]) == {"sdpa", "ring_cp1"}
+    assert "vs sdpa" in capsys.readouterr().out
