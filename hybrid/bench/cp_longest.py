@@ -126,9 +126,10 @@ def search(args: argparse.Namespace, cp: int, budget: float, out: Callable[[str]
     done = sorted((r for r in runs if r["fits"]), key=lambda r: r["seq"])
     if len(done) < 2:
         return {"cp": cp, "runs": runs, "longest": done[0]["seq"] if done else 0, "next": 0, "next_predicted": 0.0}
-    beyond = done[-1]["seq"] + args.grain  # on the line through the two longest that fit
-    return {"cp": cp, "runs": runs, "longest": done[-1]["seq"], "next": beyond,
-            "next_predicted": predicted(done[-2], done[-1], beyond)}
+    beyond = done[-1]["seq"] + args.grain  # measured if launched, else on the line through the two longest that fit
+    seen = [r["rss"] for r in runs if r["seq"] == beyond]
+    return {"cp": cp, "runs": runs, "longest": done[-1]["seq"], "next": beyond, "next_measured": bool(seen),
+            "next_predicted": seen[0] if seen else predicted(done[-2], done[-1], beyond)}
 
 
 def _closer(args: argparse.Namespace, runs: list[dict[str, Any]], budget: float) -> Optional[int]:
@@ -166,7 +167,7 @@ def section(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[s
     out(f"\n## {args.model} on {args.world} ranks, one sequence per DP replica, ZeRO-1, {' '.join(args.overrides)}; "
         f"budget {budget / GIB:.2f} GiB for the ranks' summed peak resident memory")
     results = [search(args, cp, budget, out) for cp in args.cp]
-    out("\n".join(common.table(["layout", "longest tokens", "its peak GiB", "next", "next predicted GiB"],
+    out("\n".join(common.table(["layout", "longest tokens", "its peak GiB", "next", "next's peak GiB"],
                                [_row(args, r) for r in results])))
     return results
 
@@ -175,7 +176,8 @@ def _row(args: argparse.Namespace, r: dict[str, Any]) -> list[str]:
     grown = next((x["rss"] for x in r["runs"] if x["seq"] == r["longest"] and x["fits"]), None)
     return [f"cp{r['cp']} dp{args.world // r['cp']}", f"{r['longest']:,}",
             f"{grown / GIB:.2f}" if grown is not None else "—",
-            f"{r['next']:,}" if r["next"] else "—", f"{r['next_predicted'] / GIB:.2f}" if r["next"] else "—"]
+            f"{r['next']:,}" if r["next"] else "—",
+            f"{r['next_predicted'] / GIB:.2f}{' (measured)' if r.get('next_measured') else ''}" if r["next"] else "—"]
 
 
 def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> list[dict[str, Any]]:

@@ -12,7 +12,8 @@ Cases: GPT ring cp2 and Llama (GQA) all-to-all cp2 on 2 ranks; Llama ring cp3 (o
 cp2dp2 with ZeRO-1, Llama ring cp2tp2 with sequence parallelism, GPT all-to-all cp2pp2 (1F1B), Llama ring cp2pp2
 under zero-bubble's split backward (zb1p), GPT ring cp2pp2 under zbv (4 layers), GPT ring cp4 and Llama
 all-to-all cp4. Dropout (`test_dropout_under_context_parallelism`): masks cannot match one process's, so the
-tests hold what must hold instead. Configs are composed and validated in the test process before the ranks fork.
+tests hold what must hold instead. Llama ring cp2 under bf16 parameters with full recomputation: within bf16
+rounding of one process. Configs are composed and validated in the test process before the ranks fork.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ DROPOUT = [(family, ["parallel.cp=2", f"parallel.cp_comm={comm}", "model.dropout
            for family, comm in (("gpt", "ring"), ("llama", "a2a")) for recompute in ([], ["train.recompute=selective"])]
 """Dropout > 0 on 2 ranks: each exchange without and with selective recomputation, which reruns the attention
 and must draw the same masks again."""
+LOW = [("llama", ["parallel.cp=2", "train.precision=bf16_params", "train.recompute=full"])]
+"""bf16 parameters with full recomputation on 2 ranks: the single process's curve within bf16 rounding (the ring
+merges in fp32 where the single process's kernel rounds its output to bf16)."""
 
 
 @functools.cache
@@ -90,8 +94,8 @@ def on_rank(rank: int, world: int, cfgs: list[Any]) -> list[dict[str, Any]]:
 
 @functools.cache
 def launched(world: int) -> list[list[dict[str, Any]]]:
-    """Every rank's results of CASES[world] (and at world 2 DROPOUT after them), one launch."""
-    cases = CASES[world] + (DROPOUT if world == 2 else [])
+    """Every rank's results of CASES[world] (and at world 2 DROPOUT and LOW after them), one launch."""
+    cases = CASES[world] + (DROPOUT + LOW if world == 2 else [])
     return run_ranks(on_rank, world, [config(family, tuple(extra), world) for family, extra in cases], timeout=240)
 
 
@@ -124,3 +128,13 @@ def test_dropout_under_context_parallelism() -> None:
         assert once[0]["losses"] != plain[family] and all(torch.isfinite(torch.tensor(once[0]["losses"]))), extra
         for key in ("losses", "norms"):
             assert once[0][key] == again[0][key], (extra, key, once[0][key], again[0][key])
+
+
+def test_bf16_parameters_and_full_recomputation_follow_one_process() -> None:
+    ranks = launched(2)
+    for i, (family, extra) in enumerate(LOW):
+        got = ranks[0][len(CASES[2]) + len(DROPOUT) + i]
+        model = tuple(x for x in extra if not x.startswith("parallel."))
+        ref = train(config(family, (*model, "parallel.dp=1"), 1), 1)
+        torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-2, atol=0, msg=lambda m, x=extra: f"{x}: {m}")
+        assert got["losses"][-1] < got["losses"][0], got["losses"]
