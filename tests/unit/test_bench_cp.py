@@ -1,5 +1,5 @@
-"""`hybrid.bench.cp_memory`, `cp_overlap`, `cp_longest` and `cp_kernels` end to end at tiny sizes (no timing assertions: the
-figures exist, and the exact ones — bytes saved for the backward, the estimate — agree)."""
+"""`hybrid.bench.cp_memory`, `cp_overlap`, `cp_longest` and `cp_kernels` end to end at tiny sizes (no timing
+assertions: the figures exist, and the exact ones — bytes saved for the backward, the estimate — agree)."""
 
 from __future__ import annotations
 
