@@ -10,10 +10,11 @@ ring's has `comm/overlap_cp`.
 
 Cases: GPT ring cp2 and Llama (GQA) all-to-all cp2 on 2 ranks; Llama ring cp3 (odd) on 3; on 4 ranks GPT ring
 cp2dp2 with ZeRO-1, Llama ring cp2tp2 with sequence parallelism, GPT all-to-all cp2pp2 (1F1B), Llama ring cp2pp2
-under zero-bubble's split backward (zb1p), GPT ring cp2pp2 under zbv (4 layers), GPT ring cp4 and Llama
-all-to-all cp4. Dropout (`test_dropout_under_context_parallelism`): masks cannot match one process's, so the
-tests hold what must hold instead. Llama ring cp2 under bf16 parameters with full recomputation: within bf16
-rounding of one process. Configs are composed and validated in the test process before the ranks fork.
+under zero-bubble's split backward (zb1p), GPT ring cp2pp2 under zbv (4 layers), GPT ring cp4, Llama all-to-all
+cp4, Llama ring cp2pp2 interleaved (4 layers). Dropout (`test_dropout_under_context_parallelism`): masks cannot
+match one process's, so the tests hold what must hold instead. Within bf16 rounding of one process: Llama ring cp2
+under bf16 parameters with full recomputation, GPT cp2dp2 with the gradient sync compressed to bf16. Configs are
+composed and validated in the test process before the ranks fork.
 """
 
 from __future__ import annotations
@@ -43,14 +44,18 @@ CASES = {2: [("gpt", ["parallel.cp=2"]), ("llama", ["parallel.cp=2", "parallel.c
              ("llama", ["parallel.cp=2", "parallel.pp=2", "parallel.schedule=zb1p", "parallel.zb_memory=none"]),
              ("gpt", ["parallel.cp=2", "parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2",
                       "parallel.zb_memory=none", "model.n_layers=4"]),
-             ("gpt", ["parallel.cp=4"]), ("llama", ["parallel.cp=4", "parallel.cp_comm=a2a"])]}
+             ("gpt", ["parallel.cp=4"]), ("llama", ["parallel.cp=4", "parallel.cp_comm=a2a"]),
+             ("llama", ["parallel.cp=2", "parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
+                        "model.n_layers=4"])]}
 DROPOUT = [(family, ["parallel.cp=2", f"parallel.cp_comm={comm}", "model.dropout=0.2", *recompute])
            for family, comm in (("gpt", "ring"), ("llama", "a2a")) for recompute in ([], ["train.recompute=selective"])]
 """Dropout > 0 on 2 ranks: each exchange without and with selective recomputation, which reruns the attention
 and must draw the same masks again."""
-LOW = [("llama", ["parallel.cp=2", "train.precision=bf16_params", "train.recompute=full"])]
-"""bf16 parameters with full recomputation on 2 ranks: the single process's curve within bf16 rounding (the ring
-merges in fp32 where the single process's kernel rounds its output to bf16)."""
+LOOSE = {2: [("llama", ["parallel.cp=2", "train.precision=bf16_params", "train.recompute=full"])],
+         4: [("gpt", ["parallel.cp=2", "parallel.dp=2", "compression=bf16"])]}
+"""Within bf16 rounding of the single process: bf16 parameters with full recomputation (the ring merges in fp32
+where the single process's kernel rounds its output to bf16); a bf16-compressed gradient sync on the cp-dp group
+of 4 ranks."""
 
 
 @functools.cache
@@ -94,8 +99,8 @@ def on_rank(rank: int, world: int, cfgs: list[Any]) -> list[dict[str, Any]]:
 
 @functools.cache
 def launched(world: int) -> list[list[dict[str, Any]]]:
-    """Every rank's results of CASES[world] (and at world 2 DROPOUT and LOW after them), one launch."""
-    cases = CASES[world] + (DROPOUT + LOW if world == 2 else [])
+    """Every rank's results of CASES[world], then (world 2) DROPOUT, then LOOSE[world]: one launch."""
+    cases = CASES[world] + (DROPOUT if world == 2 else []) + LOOSE.get(world, [])
     return run_ranks(on_rank, world, [config(family, tuple(extra), world) for family, extra in cases], timeout=240)
 
 
@@ -130,11 +135,12 @@ def test_dropout_under_context_parallelism() -> None:
             assert once[0][key] == again[0][key], (extra, key, once[0][key], again[0][key])
 
 
-def test_bf16_parameters_and_full_recomputation_follow_one_process() -> None:
-    ranks = launched(2)
-    for i, (family, extra) in enumerate(LOW):
-        got = ranks[0][len(CASES[2]) + len(DROPOUT) + i]
-        model = tuple(x for x in extra if not x.startswith("parallel."))
+@pytest.mark.parametrize("world", sorted(LOOSE))
+def test_bf16_runs_follow_one_process_within_bf16_rounding(world: int) -> None:
+    ranks = launched(world)
+    for i, (family, extra) in enumerate(LOOSE[world]):
+        got = ranks[0][len(CASES[world]) + (len(DROPOUT) if world == 2 else 0) + i]
+        model = tuple(x for x in extra if not x.startswith(("parallel.", "compression")))
         ref = train(config(family, (*model, "parallel.dp=1"), 1), 1)
         torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-2, atol=0, msg=lambda m, x=extra: f"{x}: {m}")
         assert got["losses"][-1] < got["losses"][0], got["losses"]
