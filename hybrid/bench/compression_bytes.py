@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from hybrid.config import CompressionConfig
 
 MODULE = "hybrid.bench.compression_bytes"
-TARGETS = {"fp16": 2.0, "bf16": 2.0, "int8": 3.5, "sign": 20.0, "topk": 20.0, "powersgd": 20.0}
+TARGETS = {"fp16": 2.0, "bf16": 2.0, "int8": 3.5, "int4": 6.5, "sign": 20.0, "topk": 20.0, "powersgd": 20.0}
 """The targets: uncompressed all-reduce wire bytes / the method's, at least this."""
 QUICK = {"model": "gpt-tiny", "dp": [2], "timeout": 300.0}
 

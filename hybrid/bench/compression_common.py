@@ -22,6 +22,7 @@ BYTES_METHODS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("fp16", ("compression=fp16",)),
     ("bf16", ("compression=bf16",)),
     ("int8", ("compression=int8",)),
+    ("int4", ("compression=int4",)),
     ("sign", ("compression=sign",)),
     ("topk", ("compression=topk", "compression.fraction=0.01")),
     ("powersgd", ("compression=powersgd", "compression.rank=4")),
@@ -31,8 +32,8 @@ BYTES_METHODS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("hier+powersgd", ("compression=hierarchical", "compression.inner=powersgd", "compression.rank=4")),
 )
 """Every method of the bytes benchmark, with its config overrides (the speed benchmark's ratios use them too)."""
-SPEED_METHODS = ("fp16", "bf16", "int8", "sign", "topk", "powersgd")
-TWO_PHASE = ("int8", "sign", "topk")
+SPEED_METHODS = ("fp16", "bf16", "int8", "int4", "sign", "topk", "powersgd")
+TWO_PHASE = ("int8", "int4", "sign", "topk")
 """The codecs' methods: all-to-all of encoded chunks, then all-gather of the re-encoded reduced chunk."""
 
 

@@ -2,7 +2,7 @@
 
 A reduce-scatter leaves each DP rank the mean of its own shard of a bucket, so a method can run there only if
 it needs no whole bucket and keeps nothing across steps: a plain dtype (fp32, fp16, bf16) or a codec without
-error feedback (int8) as an encoded all-to-all (`codecs.reduce_scatter_encoded`). PowerSGD, sign, top-k, DGC,
+error feedback (int8, int4) as an encoded all-to-all (`codecs.reduce_scatter_encoded`). PowerSGD, sign, top-k, DGC,
 1-bit Adam and hierarchical exchanges are refused by `validate` with one line.
 """
 
@@ -24,7 +24,7 @@ REDUCE_SCATTER_DTYPES: dict[str, torch.dtype] = {"none": torch.float32, "fp16": 
                                                  "bf16": torch.bfloat16}
 """The methods the distributed optimizer (`parallel.zero=1`) runs as a reduce-scatter in a dtype."""
 
-REDUCE_SCATTER_CODECS = ("int8",)
+REDUCE_SCATTER_CODECS = ("int8", "int4")
 """The codecs the distributed optimizer runs as an encoded reduce-scatter (`codecs.reduce_scatter_encoded`):
 without error feedback, so no residual must survive from one step to the next."""
 
@@ -33,7 +33,7 @@ ZERO_METHODS = (*REDUCE_SCATTER_DTYPES, *REDUCE_SCATTER_CODECS)
 
 
 def encoded_reduce_scatter(cfg: CompressionConfig) -> Optional[Callable[[torch.Tensor, Group], torch.Tensor]]:
-    """ZeRO-1's reduce-scatter through `cfg`'s codec (int8: `codecs.reduce_scatter_encoded`), or None (a plain
+    """ZeRO-1's reduce-scatter through `cfg`'s codec (int8, int4: `codecs.reduce_scatter_encoded`), or None (a plain
     one, in `REDUCE_SCATTER_DTYPES`' dtype)."""
     if cfg.method not in REDUCE_SCATTER_CODECS:
         return None

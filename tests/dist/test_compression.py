@@ -38,7 +38,8 @@ SHAPES = [[(64, 48), (48,)], [(100, 3), (20, 30), (7,)], [(16, 8, 4), (32,)]]
 compresses and a bias; a 3-D tensor (compressed as its 16 × 32 view) and a bias."""
 RANK, BLOCK, FRACTION, MIN_RATE = 4, 32, 0.1, 2.0
 CASES: dict[str, dict] = {
-    "none": {}, "fp16": {}, "bf16": {}, "int8": {"block_size": BLOCK}, "sign": {"block_size": BLOCK},
+    "none": {}, "fp16": {}, "bf16": {}, "int8": {"block_size": BLOCK}, "int4": {"block_size": BLOCK},
+    "sign": {"block_size": BLOCK},
     "topk": {"fraction": FRACTION}, "powersgd": {"rank": RANK}, "torch_fp16": {}, "torch_bf16": {},
     "torch_powersgd": {"rank": RANK, "warmup_steps": 2},
 }
@@ -147,15 +148,15 @@ def cast_bound(inputs: list, dtype: torch.dtype) -> torch.Tensor:
     return (n + 1) * (fi.eps / 2) * sum(x.abs() for x in inputs) / n + (n + 1) * fi.smallest_normal * fi.eps
 
 
-def int8_bound(inputs: list, block: int) -> torch.Tensor:
-    """|two-phase int8 mean − exact mean| per element: each rank's block quantised with scale absmax/127
-    (error ≤ absmax/254), the n decoded copies averaged, the average requantised (error ≤ its absmax/254,
-    and its absmax ≤ the exact mean's absmax + the first error)."""
-    n, size = len(inputs), inputs[0].numel()
-    length = codecs.chunk_len(codecs.Int8Codec(block), size, n)
+def absmax_bound(inputs: list, codec: codecs.Int8Codec) -> torch.Tensor:
+    """|two-phase absmax mean − exact mean| per element: each rank's block quantised with scale absmax/L
+    (L = 127 for int8, 7 for int4: error ≤ absmax/2L), the n decoded copies averaged, the average requantised
+    (error ≤ its absmax/2L, and its absmax ≤ the exact mean's absmax + the first error)."""
+    n, size, block, steps = len(inputs), inputs[0].numel(), codec.block, 2 * codec.LEVELS
+    length = codecs.chunk_len(codec, size, n)
     x = torch.stack([F.pad(t, (0, n * length - size)) for t in inputs]).view(n, -1, block)
-    first = (x.abs().amax(-1) / 254).mean(0)
-    second = (x.mean(0).abs().amax(-1) + first) / 254
+    first = (x.abs().amax(-1) / steps).mean(0)
+    second = (x.mean(0).abs().amax(-1) + first) / steps
     slack = 1e-6 * x.abs().amax(-1).amax(0)  # fp32 rounding of x/scale·scale and of the averages
     return (first + second + slack).repeat_interleave(block)[:size]
 
@@ -173,7 +174,7 @@ def one_step_worker(rank: int, world: int) -> dict:
     C.name_group(group, "dp")
     mine = grads(rank, 0)
     out: dict = {"exact": exact_mean(mine, group), "outputs": {}, "bytes": {}}
-    for method in ("none", "fp16", "bf16", "int8", "torch_fp16", "torch_bf16"):
+    for method in ("none", "fp16", "bf16", "int8", "int4", "torch_fp16", "torch_bf16"):
         hook, state = make_hook(cfg(method), group)
         out["outputs"][method] = step(hook, state, mine)
 
@@ -231,13 +232,15 @@ def test_16_bit_casts_within_rounding_bound(one_step: tuple[int, list], method: 
         torch.testing.assert_close(results[-1]["outputs"][method][b], results[0]["outputs"][method][b], rtol=0, atol=0)
 
 
-def test_int8_within_two_quantisations(one_step: tuple[int, list]) -> None:
+@pytest.mark.parametrize("method,codec", [("int8", codecs.Int8Codec(BLOCK)), ("int4", codecs.Int4Codec(BLOCK))])
+def test_absmax_codecs_within_two_quantisations(one_step: tuple[int, list], method: str,
+                                                codec: codecs.Int8Codec) -> None:
     world, results = one_step
     inputs = [grads(r, 0) for r in range(world)]
     for r in results:
-        for b, (out, exact) in enumerate(zip(r["outputs"]["int8"], r["exact"])):
-            assert_within(out, exact, int8_bound([x[b] for x in inputs], BLOCK), f"int8 bucket {b}")
-        for out, first in zip(r["outputs"]["int8"], results[0]["outputs"]["int8"]):
+        for b, (out, exact) in enumerate(zip(r["outputs"][method], r["exact"])):
+            assert_within(out, exact, absmax_bound([x[b] for x in inputs], codec), f"{method} bucket {b}")
+        for out, first in zip(r["outputs"][method], results[0]["outputs"][method]):
             torch.testing.assert_close(out, first, rtol=0, atol=0)
 
 
@@ -248,10 +251,8 @@ def expected_bytes(method: str, shapes: list, n: int) -> int:
         return 4 * size
     if method in CAST:
         return 2 * size
-    if method in ("int8", "sign", "topk"):
-        codec = {"int8": codecs.Int8Codec(BLOCK), "sign": codecs.SignCodec(BLOCK),
-                 "topk": codecs.TopKCodec(FRACTION)}[method]
-        return codecs.payload_bytes(codec, size, n)
+    if method in codecs.CODECS:
+        return codecs.payload_bytes(codecs.CODECS[method].build(cfg(method)), size, n)
     assert method in ("powersgd", "torch_powersgd")
     return powersgd.payload_bytes([torch.Size(s) for s in shapes], RANK, MIN_RATE)
 
@@ -552,7 +553,8 @@ def test_our_hooks_in_torch_ddp_give_the_mean(ddp_runs: list, method: str) -> No
             names = [b[0] for b in ranks[0]["buckets"]]
             assert all([b[0] for b in s["buckets"]] == names for s in ranks)
             inputs = [[b[1] for b in s["buckets"]] for s in ranks]
-            bounds = per_parameter([int8_bound(list(per_bucket), BLOCK) for per_bucket in zip(*inputs)], names, numels)
+            int8 = codecs.Int8Codec(BLOCK)
+            bounds = per_parameter([absmax_bound(list(per_bucket), int8) for per_bucket in zip(*inputs)], names, numels)
         for s in ranks:
             for n, exact in s["exact"].items():
                 got = s["synced"][n]
@@ -743,7 +745,7 @@ def test_hierarchical_gives_the_mean(hierarchical_runs: list, inner: str) -> Non
                 sizes = [torch.Size(s) for s in HIER_SHAPES[b]]
                 for lo, hi in row_ranges(sizes, NODE):
                     node_sums = [sum(x[b][lo:hi] for x in inputs[k * NODE:(k + 1) * NODE]) for k in range(2)]
-                    bound[lo:hi] = int8_bound(node_sums, BLOCK) / NODE
+                    bound[lo:hi] = absmax_bound(node_sums, codecs.Int8Codec(BLOCK)) / NODE
                 bound += 1e-6 * scale  # the intra-node sums' own rounding
                 assert_within(out, exact, bound, f"hierarchical int8 bucket {b}")
     first = hierarchical_runs[0][inner]["outputs"]

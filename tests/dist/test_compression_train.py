@@ -43,7 +43,7 @@ COMMON = [f"train.steps={STEPS}", "train.lr=1e-2", "model.n_layers=4"]
 # label → (case, ranks per node, overrides); all on 4 ranks, nodes of 2
 RUNS: dict[str, tuple[Case, int, list[str]]] = {
     m: (Case(pp=2), 2, [f"compression={m}"])
-    for m in ("none", "fp16", "bf16", "int8", "sign", "topk", "powersgd", "torch_fp16", "torch_powersgd")
+    for m in ("none", "fp16", "bf16", "int8", "int4", "sign", "topk", "powersgd", "torch_fp16", "torch_powersgd")
 }
 RUNS["hierarchical"] = (Case(pp=2), 2, ["compression=hierarchical", "compression.inner=powersgd"])
 # pp2dp2 on nodes of 2 keeps each DP pair inside a node (the inter-node part is one rank): there
@@ -69,9 +69,7 @@ def _flat(method: str, c: Any, numel: int, shapes: list[torch.Size], n: int) -> 
         return 2 * numel, ALL_REDUCE
     if method in ("powersgd", "torch_powersgd"):
         return powersgd.payload_bytes(shapes, c.rank, c.min_compression_rate), ALL_REDUCE
-    codec = {"int8": lambda: codecs.Int8Codec(c.block_size), "sign": lambda: codecs.SignCodec(c.block_size),
-             "topk": lambda: codecs.TopKCodec(c.fraction)}[method]()
-    return codecs.payload_bytes(codec, numel, n), TWO_PHASE
+    return codecs.payload_bytes(codecs.CODECS[method].build(c), numel, n), TWO_PHASE
 
 
 def expected_step(c: Any, step: int, buckets: list[Any], ctx: ParallelContext) -> tuple[dict[str, int], float]:

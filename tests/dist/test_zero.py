@@ -42,7 +42,7 @@ from test_checkpoint import (
 from tp_helpers import run_frozen
 
 from hybrid.checkpoint import step_path
-from hybrid.compression.codecs import Int8Codec
+from hybrid.compression.codecs import Int4Codec, Int8Codec
 from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.dp.buckets import SHARD_ALIGN
 
@@ -61,8 +61,10 @@ ZERO = [case(zero=1), case(tp=2, zero=1), case("llama", tp=2, zero=1), case(tp=2
         case("gpt", *OVERLAP, zero=1), case("gpt", *OVERLAP, pp=2, schedule="interleaved", v=2, zero=1)]
 BF16 = ("compression=bf16",)
 INT8 = ("compression=int8", "compression.block_size=32")
+INT4 = ("compression=int4", "compression.block_size=32")
 PLAIN = [case(tp=2), case(), case("gpt", *BF16), case("gpt", *BF16, zero=1),  # the plain optimizer; bf16 both ways
-         case("gpt", *INT8), case("gpt", *INT8, zero=1)]  # int8: two-phase all-reduce; encoded reduce-scatter
+         case("gpt", *INT8), case("gpt", *INT8, zero=1),  # int8: two-phase all-reduce; encoded reduce-scatter
+         case("gpt", *INT4), case("gpt", *INT4, zero=1)]
 WORLD = 4
 
 
@@ -92,9 +94,9 @@ def test_zero1_matches_single_process(run: Case) -> None:
     assert_matches_reference(results, reference(run.family))
 
 
-@pytest.mark.parametrize("method", ["bf16", "int8"])
+@pytest.mark.parametrize("method", ["bf16", "int8", "int4"])
 def test_zero1_compressed_reduce_scatter_tracks_exact_training_as_the_all_reduce_does(method: str) -> None:
-    """fp16/bf16: the reduce-scatter in 16 bits; int8: each shard encoded, one all-to-all, the shard's owner
+    """fp16/bf16: the reduce-scatter in 16 bits; int8, int4: each shard encoded, one all-to-all, the shard's owner
     sums the decoded copies (the two-phase all-reduce's first half; its re-encoded second half is not run)."""
     exact = reference("gpt")["losses"]
     plain, zero = (launched()[str(c)][0]["losses"] for c in PLAIN if c.extra and method in c.extra[0])
@@ -131,17 +133,17 @@ def test_zero1_moments_are_the_plain_optimizers_split_over_dp(run: Case) -> None
             assert padding < len(r["bucket_numel"]) * dp * SHARD_ALIGN
 
 
-@pytest.mark.parametrize("run", ZERO + PLAIN[3:4] + PLAIN[5:], ids=str)
+@pytest.mark.parametrize("run", ZERO + [c for c in PLAIN if c.zero and c.extra], ids=str)
 def test_zero1_dp_bytes_are_one_reduce_scatter_and_one_all_gather_per_bucket(run: Case) -> None:
-    """Per step and rank: the reduce-scatter counts its input (every padded bucket, in the reduce dtype; int8:
-    the all-to-all's input, each of the dp shards encoded), the all-gather its output (every padded bucket in
-    fp32), and the norm's one fp32 scalar is all-reduced."""
+    """Per step and rank: the reduce-scatter counts its input (every padded bucket, in the reduce dtype; int8,
+    int4: the all-to-all's input, each of the dp shards encoded), the all-gather its output (every padded bucket
+    in fp32), and the norm's one fp32 scalar is all-reduced."""
     rs_bytes = 2 if BF16[0] in run.extra else 4
-    codec = Int8Codec(32)
+    codec = Int4Codec(32) if INT4[0] in run.extra else Int8Codec(32)
     for r in launched()[str(run)]:
         padded = sum(p for _, p in r["bucket_numel"])
         want = {("dp", "reduce_scatter"): rs_bytes * padded, ("dp", "all_gather"): 4 * padded, ("dp", "all_reduce"): 4}
-        if INT8[0] in run.extra:
+        if INT8[0] in run.extra or INT4[0] in run.extra:
             encoded = sum(WORLD * codec.encoded_bytes(codec.chunk_len(p // WORLD)) for _, p in r["bucket_numel"])
             want = {("dp", "all_to_all"): encoded} | {k: v for k, v in want.items() if k[1] != "reduce_scatter"}
         for step in r["bytes"]:

@@ -16,7 +16,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_co
 from hybrid.compression import codecs, powersgd
 from hybrid.compression.hierarchical import piece_shapes, row_ranges
 
-CODECS = [codecs.Int8Codec(4), codecs.Int8Codec(32), codecs.Int8Codec(256), codecs.SignCodec(32),
+CODECS = [codecs.Int8Codec(4), codecs.Int8Codec(32), codecs.Int8Codec(256), codecs.Int4Codec(4), codecs.Int4Codec(32),
+          codecs.Int4Codec(3), codecs.SignCodec(32),
           codecs.SignCodec(256), codecs.TopKCodec(0.01), codecs.TopKCodec(0.1), codecs.TopKCodec(0.5),
           codecs.TopKCodec(1.0)]
 NUMELS = [1, 7, 100, 1000, 3121]
@@ -35,8 +36,8 @@ def test_every_registered_codec_is_a_two_phase_method() -> None:
 
     cfg = CompressionConfig(block_size=32, fraction=0.1)
     built = {name: spec.build(cfg) for name, spec in codecs.CODECS.items()}
-    assert {n: codec_id(c) for n, c in built.items()} == {"int8": "Int8Codec-32", "sign": "SignCodec-32",
-                                                          "topk": "TopKCodec-0.1"}
+    assert {n: codec_id(c) for n, c in built.items()} == {"int8": "Int8Codec-32", "int4": "Int4Codec-32",
+                                                          "sign": "SignCodec-32", "topk": "TopKCodec-0.1"}
     for name, codec in built.items():
         assert isinstance(codec, codecs.Codec) and name in hooks.METHODS
         hook, state = hooks.REGISTRY[name](cfg, None)
@@ -67,8 +68,8 @@ def test_encoded_length_is_encoded_bytes(codec: codecs.Codec) -> None:
 
 @pytest.mark.parametrize("codec", CODECS, ids=codec_id)
 def test_chunk_len_is_the_smallest_aligned_cover(codec: codecs.Codec) -> None:
-    align = {codecs.Int8Codec: lambda c: c.block, codecs.SignCodec: lambda c: math.lcm(c.block, 8),
-             codecs.TopKCodec: lambda c: 1}[type(codec)](codec)
+    align = {codecs.Int8Codec: lambda c: c.block, codecs.Int4Codec: lambda c: math.lcm(c.block, 2),
+             codecs.SignCodec: lambda c: math.lcm(c.block, 8), codecs.TopKCodec: lambda c: 1}[type(codec)](codec)
     for size in NUMELS:
         for n in RANKS:
             share = math.ceil(size / n)
@@ -81,7 +82,7 @@ def test_chunk_len_is_the_smallest_aligned_cover(codec: codecs.Codec) -> None:
 BLOCKS = [1, 3, 8, 16, 24, 32, 100, 256]
 
 
-@pytest.mark.parametrize("make", [codecs.Int8Codec, codecs.SignCodec], ids=["int8", "sign"])
+@pytest.mark.parametrize("make", [codecs.Int8Codec, codecs.Int4Codec, codecs.SignCodec], ids=["int8", "int4", "sign"])
 @pytest.mark.parametrize("block", BLOCKS)
 def test_decode_reads_every_chunk_of_a_stack(make: type, block: int) -> None:
     """The two-phase hook decodes rows of a stack of encoded chunks (the all-to-all / all-gather
@@ -96,17 +97,20 @@ def test_decode_reads_every_chunk_of_a_stack(make: type, block: int) -> None:
             torch.testing.assert_close(codec.decode(stacked[k], length), alone, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("make", [codecs.Int8Codec, codecs.Int4Codec], ids=["int8", "int4"])
 @pytest.mark.parametrize("block", [4, 32, 256])
-def test_int8_error_is_at_most_half_a_step_per_block(block: int) -> None:
-    codec = codecs.Int8Codec(block)
+def test_absmax_error_is_at_most_half_a_step_per_block(make: type, block: int) -> None:
+    """int8: steps of absmax/127; int4: absmax/7, two values a byte."""
+    codec = make(block)
     length = codecs.chunk_len(codec, 5000, 1)
     x = blocky(length, block)
     y = codec.decode(codec.encode(x), length)
     absmax = x.view(-1, block).abs().amax(1).repeat_interleave(block)
     err = (y - x).abs()
-    assert bool((err <= absmax / 254 * (1 + 1e-5)).all()), float((err / absmax).max())
-    assert float(err.max()) > 0  # it is lossy: 8 bits per element
-    # the absmax element of each block is one of the 255 levels: kept up to fp32 rounding
+    assert bool((err <= absmax / (2 * codec.LEVELS) * (1 + 1e-5)).all()), float((err / absmax).max())
+    assert float(err.max()) > 0  # it is lossy
+    assert float(err.max()) > float(absmax.max()) / (2 * codec.LEVELS) / 4  # and as coarse as its levels
+    # the absmax element of each block is one of the 2·LEVELS + 1 levels: kept up to fp32 rounding
     top = x.view(-1, block).abs().argmax(1) + torch.arange(0, length, block)
     torch.testing.assert_close(y[top], x[top], rtol=1e-6, atol=0)
 
@@ -142,7 +146,8 @@ def test_all_zero_input_decodes_to_zero(codec: codecs.Codec) -> None:
     assert torch.equal(y, torch.zeros(length))
 
 
-@pytest.mark.parametrize("make", [lambda: codecs.Int8Codec(32), lambda: codecs.SignCodec(32)], ids=["int8", "sign"])
+@pytest.mark.parametrize("make", [lambda: codecs.Int8Codec(32), lambda: codecs.Int4Codec(32),
+                                  lambda: codecs.SignCodec(32)], ids=["int8", "int4", "sign"])
 def test_zero_block_between_nonzero_blocks_stays_zero(make: object) -> None:
     codec = make()
     x = blocky(128, 32)
