@@ -40,6 +40,7 @@ PARITY_RUNS: tuple[tuple[str, tuple[str, ...], bool], ...] = (  # (label, overri
     ("fp16", ("compression=fp16",), True),
     ("bf16", ("compression=bf16",), True),
     ("int8", ("compression=int8",), True),
+    ("int4", ("compression=int4",), True),
     ("sign EF", ("compression=sign",), True),
     ("sign no-EF", ("compression=sign", "compression.error_feedback=false"), False),
     ("topk EF", ("compression=topk", "compression.fraction=0.01"), True),
@@ -216,7 +217,7 @@ def print_parity(args: argparse.Namespace, rows: list[dict[str, Any]], corpus: C
         f"steps (warm-up included), mean error (`compression_error` = "
         f"‖ĝ − g‖/‖g‖ against the exact DP mean of this step's gradients, metered every {args.error_every} steps; "
         "with error feedback ĝ also carries earlier steps' residuals, so it can exceed 1) and bytes_dp (COUNTER "
-        "payload of the DP groups per rank per step) over the steps after the warm-up. 3% goal: fp16, bf16, int8 "
+        "payload of the DP groups per rank per step) over the steps after the warm-up. 3% goal: fp16, bf16, int8, int4 "
         "and the EF runs of sign, topk and powersgd; the no-EF runs and torch's are context.")
 
 
