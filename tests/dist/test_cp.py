@@ -11,10 +11,11 @@ ring's has `comm/overlap_cp`.
 Cases: GPT ring cp2 and Llama (GQA) all-to-all cp2 on 2 ranks; Llama ring cp3 (odd) on 3; on 4 ranks GPT ring
 cp2dp2 with ZeRO-1, Llama ring cp2tp2 with sequence parallelism, GPT all-to-all cp2pp2 (1F1B), Llama ring cp2pp2
 under zero-bubble's split backward (zb1p), GPT ring cp2pp2 under zbv (4 layers), GPT ring cp4, Llama all-to-all
-cp4, Llama ring cp2pp2 interleaved (4 layers). Dropout (`test_dropout_under_context_parallelism`): masks cannot
-match one process's, so the tests hold what must hold instead. Within bf16 rounding of one process: Llama ring cp2
-under bf16 parameters with full recomputation, GPT cp2dp2 with the gradient sync compressed to bf16. Configs are
-composed and validated in the test process before the ranks fork.
+cp4, Llama ring cp2pp2 interleaved (4 layers), GPT ring cp2pp2 GPipe. Dropout
+(`test_dropout_under_context_parallelism`): masks cannot match one process's, so the tests hold what must hold
+instead. Within bf16 rounding of one process: Llama ring cp2 under bf16 parameters with full recomputation, GPT
+cp2dp2 with the gradient sync compressed to bf16. Configs are composed and validated in the test process before
+the ranks fork.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ CASES = {2: [("gpt", ["parallel.cp=2"]), ("llama", ["parallel.cp=2", "parallel.c
                       "parallel.zb_memory=none", "model.n_layers=4"]),
              ("gpt", ["parallel.cp=4"]), ("llama", ["parallel.cp=4", "parallel.cp_comm=a2a"]),
              ("llama", ["parallel.cp=2", "parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
-                        "model.n_layers=4"])]}
+                        "model.n_layers=4"]),
+             ("gpt", ["parallel.cp=2", "parallel.pp=2", "parallel.schedule=gpipe", "model.dropout=0"])]}
 DROPOUT = [(family, ["parallel.cp=2", f"parallel.cp_comm={comm}", "model.dropout=0.2", *recompute])
            for family, comm in (("gpt", "ring"), ("llama", "a2a")) for recompute in ([], ["train.recompute=selective"])]
 """Dropout > 0 on 2 ranks: each exchange without and with selective recomputation, which reruns the attention
