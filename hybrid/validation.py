@@ -55,6 +55,19 @@ def _require(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def layout_of(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None) -> Layout:
+    """`cfg.parallel`'s layout on `world_size` ranks (`parallel.ranks_per_node` over the detected node size), TP
+    and CP kept inside nodes unless allowed; a layout that does not fit is a ConfigError."""
+    from hybrid.parallel.context import Layout, LayoutError
+
+    p = cfg.parallel
+    try:
+        return Layout.create(world_size, p.tp, p.pp, p.dp, p.ranks_per_node or ranks_per_node,
+                             p.allow_tp_across_nodes, cp=p.cp, allow_cp_across_nodes=p.allow_cp_across_nodes)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+
+
 def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None) -> Layout:
     """Check everything knowable before groups exist; return the layout. Raises ConfigError.
 
@@ -62,17 +75,12 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
     `parallel.ranks_per_node` overrides it.
     """
     from hybrid.model.family import family_names
-    from hybrid.parallel.context import Layout, LayoutError
 
     _validate_compression(cfg.compression)
     for key, allowed in ({"model.family": family_names()} | _CHOICES).items():
         _require(_get(cfg, key) in allowed, f"{key}={_get(cfg, key)!r} is not one of {', '.join(allowed)}")
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    try:
-        layout = Layout.create(world_size, p.tp, p.pp, p.dp, p.ranks_per_node or ranks_per_node,
-                               p.allow_tp_across_nodes, cp=p.cp, allow_cp_across_nodes=p.allow_cp_across_nodes)
-    except LayoutError as e:
-        raise ConfigError(str(e)) from None
+    layout = layout_of(cfg, world_size, ranks_per_node)
     _validate_model(m, p.tp)
     _require(p.virtual_stages >= 1, f"parallel.virtual_stages must be >= 1, got {p.virtual_stages}")
     _require(m.n_layers >= p.pp * p.virtual_stages,

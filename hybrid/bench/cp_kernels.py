@@ -7,9 +7,9 @@ One causal attention forward and backward of a --batch × --seq sequence (fp32, 
 alternating A B A B for --repeats rounds after one warm-up each:
 
 - `sdpa`: `scaled_dot_product_attention(is_causal=True)` on the whole sequence, autograd's backward;
-- `ring_cp1`: the ring's blocks as one CP rank holding the whole sequence does them (`parallel/cp/blocks.py`):
-  its two chunks as three block pairs, merged by log-sum-exp, then each pair's backward from the final output
-  and log-sum-exp — the CP math with cp = 1, on this device's block kernel (`blocks.fused`).
+- `ring_cp1`: `ring_attention` on a CP group of one rank holding the whole sequence: its two chunks as three
+  block pairs (`parallel/cp/blocks.py`), merged by log-sum-exp, then each pair's backward from the final output
+  and log-sum-exp — the CP math with cp = 1, on this device's block kernel (`blocks.fused`), no hop.
 
 Reported: each side's median seconds and `ring_cp1 / sdpa`, and the largest difference of the outputs and the
 gradients (fp32 rounding apart, they are the same attention). On CUDA it synchronizes around each timed call.
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from hybrid.bench import common
 from hybrid.parallel.cp import blocks
+from hybrid.parallel.cp.ring import ring_attention
 
 MODULE = "hybrid.bench.cp_kernels"
 QUICK = {"seq": 256, "heads": 2, "head_dim": 16, "repeats": 2}
@@ -57,30 +58,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> tuple[torch.Tensor, Grads]:
+def _through_autograd(attend: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      dout: torch.Tensor) -> tuple[torch.Tensor, Grads]:
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    out = attend(*leaves)
     out.backward(dout)
     return out.detach(), tuple(t.grad for t in leaves)  # type: ignore[return-value]
 
 
-PAIRS = ((0, 0, True), (1, 0, False), (1, 1, True))  # (query chunk, key chunk, causal): one rank, two chunks
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> tuple[torch.Tensor, Grads]:
+    return _through_autograd(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True), q, k, v, dout)
 
 
 def ring_cp1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> tuple[torch.Tensor, Grads]:
-    """The ring's block math with the whole sequence on one rank, fp32 accumulation as the ring's."""
-    qs, ks, vs, douts = (t.chunk(2, dim=2) for t in (q, k, v, dout.float()))
-    scale = q.shape[-1] ** -0.5
-    acc: list[Any] = [None, None]
-    for i, j, causal in PAIRS:
-        acc[i] = blocks.merge(acc[i], blocks.forward(qs[i], ks[j], vs[j], causal, scale))
-    grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v)]
-    dq, dk, dv = (g.chunk(2, dim=2) for g in grads)
-    for i, j, causal in PAIRS:
-        parts = blocks.backward(douts[i], acc[i][0], qs[i], ks[j], vs[j], acc[i][1], causal, scale)
-        for total, part in zip((dq[i], dk[j], dv[j]), parts):
-            total.add_(part)
-    return torch.cat([acc[0][0], acc[1][0]], dim=2), tuple(grads)  # type: ignore[return-value]
+    """`ring_attention` itself on a CP group of one (no process group): no hop, the block math alone."""
+    return _through_autograd(lambda *t: ring_attention(*t, None), q, k, v, dout)
 
 
 SIDES: dict[str, Callable[..., tuple[torch.Tensor, Grads]]] = {"sdpa": sdpa, "ring_cp1": ring_cp1}

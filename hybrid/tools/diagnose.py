@@ -48,7 +48,7 @@ from hybrid.diagnostics.report import Probe, Report, render, size_text
 from hybrid.diagnostics.system import Facts, gather_facts, node_size, rank_facts
 from hybrid.parallel.context import Layout, LayoutError
 from hybrid.sync import bytes_cut_by
-from hybrid.validation import validate
+from hybrid.validation import layout_of, validate
 
 KNOWN_ERRORS = (ConfigError, DiagnosticsError, LayoutError)
 UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
@@ -187,11 +187,7 @@ def resolve_layout(cfg: Config, facts: list[Facts]) -> tuple[Layout, str, list[A
             return validate(cfg, world, detected), source, []
         except ConfigError as e:
             refused = str(e)
-        try:
-            layout = Layout.create(world, p.tp, p.pp, p.dp, p.ranks_per_node or detected, p.allow_tp_across_nodes,
-                                   cp=p.cp, allow_cp_across_nodes=p.allow_cp_across_nodes)
-        except LayoutError as e:
-            raise ConfigError(str(e)) from None
+        layout = layout_of(cfg, world, detected)
     return layout, source, [A.Finding("config_refused", f"the layout fits, but hybrid.train would refuse this "
                                       f"config: {refused}")]
 
