@@ -64,7 +64,8 @@ class ParallelConfig:
     allow_tp_across_nodes: bool = False  # permit a TP group spanning nodes (warns)
     allow_cp_across_nodes: bool = False  # permit a CP group spanning nodes (warns)
     bucket_mb: float = 25.0  # DP gradient bucket size in MB (fp32)
-    zero: int = 0  # 1: the distributed optimizer (ZeRO-1): gradients reduce-scattered, Adam's moments sharded over DP
+    zero: int = 0  # 1: the distributed optimizer (ZeRO-1): gradients reduce-scattered, Adam's moments sharded over DP;
+    # 2: gradients kept only as shards too (reduce-scattered every microbatch, ZeRO-2)
     # ZeRO-1: leave the parameter all-gather in flight after the step; each block waits for its own parameters
     # when its next forward starts (Megatron's --overlap-param-gather)
     overlap_param_gather: bool = False

@@ -3,9 +3,10 @@
 Per rank, in bytes (docs/memory.md has the derivations):
 
 - **parameters**: this rank's chunks (TP shard, stage, the tied head's copy on the last stage), fp32;
-- **gradients**: the DP buckets (fp32, padded to dp shards under `parallel.zero=1`);
+- **gradients**: the DP buckets (fp32, padded to dp shards under `parallel.zero=1`; this rank's shards only under
+  `parallel.zero=2`, whose microbatch rounds are buffers);
 - **optimizer**: the optimizer's fp32 state (AdamW's two moments, SGD's momentum) — of the whole rank's
-  parameters, or of its 1/dp shard under ZeRO-1; a replica sync mode's own (DiLoCo's anchors and momentum;
+  parameters, or of its 1/dp shard under ZeRO-1 and 2; a replica sync mode's own (DiLoCo's anchors and momentum;
   none on a parameter-server worker: `hybrid.sync.footprint`);
 - **activations**: what autograd keeps for the backward (`layer_activation_bytes` per layer and
   microbatch, `ends_bytes` for the embedding and the head), times the microbatches a rank holds at once
@@ -117,11 +118,12 @@ def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank:
     numel = sum(p.numel() for p in params)
     buckets = assign_buckets(params, int(cfg.parallel.bucket_mb * 2**20))
     sizes = [sum(p.numel() for p in b) for b in buckets]
-    if cfg.parallel.zero == 1:
+    zero = cfg.parallel.zero
+    if zero >= 1:
         sizes = [padded_numel(n, dp) for n in sizes]
     low = cfg.train.precision == "bf16_params"  # bf16 parameters; fp32 main weights beside the moments
-    grads = F32 * sum(sizes)
-    held = sum(sizes) // dp if cfg.parallel.zero == 1 else numel  # elements whose optimizer state is here
+    grads = F32 * sum(sizes) // (dp if zero >= 2 else 1)  # ZeRO-2 keeps this rank's shards only
+    held = sum(sizes) // dp if zero >= 1 else numel  # elements whose optimizer state is here
     optimizer = (optimizer_moments(cfg.optim) + low) * F32 * held
     per_chunk, kept = [], []
     for chunk in chunks:
@@ -137,8 +139,10 @@ def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank:
     transient = max(logits_grad, layer)
     codec = lambda n, group: exchange_bytes(cfg, [n], group, m.device)[1]  # noqa: E731 - an outer hook's state
     optimizer, copies, state = mode_footprint(cfg, params, sizes, dp, share, m.device, host).terms(optimizer, codec)
-    # the exchange's copies grow in the backward as the activations are freed: what exceeds them adds
-    buffers = transient + max(0, copies - activations) + state
+    # the exchange's copies grow in the backward as the activations are freed: what exceeds them adds; ZeRO-2's
+    # microbatch rounds are there from the backward's first gradients on
+    freed = activations if cfg.parallel.zero < 2 else 0
+    buffers = transient + max(0, copies - freed) + state
     return RankMemory((2 if low else F32) * numel, grads, optimizer, activations, buffers)
 
 

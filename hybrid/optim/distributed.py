@@ -99,18 +99,18 @@ class ShardedBucket:
         return out
 
 
-def shard_bucket(bucket: GradBucket, dp: int, dp_rank: int,
+def shard_bucket(bucket: GradBucket, grads: torch.Tensor, dp: int, dp_rank: int,
                  main: Optional[dict[nn.Parameter, torch.Tensor]] = None) -> ShardedBucket:
     """Move `bucket`'s parameters into one flat buffer of their dtype (each `p.data` a view of it) and cut out
-    this rank's fragments; `main` holds the fp32 values of bf16 parameters (their shard becomes the bucket's
-    main weights). Padding stays zero: its gradient is zero, so AdamW leaves it there."""
-    grads = bucket.buffer()
-    dtype = bucket.parameters()[0].dtype
-    params = torch.zeros(grads.numel(), dtype=dtype, device=grads.device)
-    k = grads.numel() // dp
+    this rank's fragments, whose gradients are ranges of `grads` (this rank's reduced gradient shard); `main`
+    holds the fp32 values of bf16 parameters (their shard becomes the bucket's main weights). Padding stays
+    zero: its gradient is zero, so AdamW leaves it there."""
+    first = bucket.parameters()[0]
+    params = torch.zeros(bucket.numel(), dtype=first.dtype, device=first.device)
+    k = bucket.numel() // dp
     shard = params[dp_rank * k: (dp_rank + 1) * k]
-    sb = ShardedBucket(bucket, params, dp_rank * k, k, shard if main is None else torch.zeros_like(grads[:k]))
-    sb.moments = {m: torch.zeros(k, dtype=torch.float32, device=grads.device) for m in MOMENTS}
+    sb = ShardedBucket(bucket, params, dp_rank * k, k, shard if main is None else torch.zeros_like(grads))
+    sb.moments = {m: torch.zeros(k, dtype=torch.float32, device=first.device) for m in MOMENTS}
     for p, offset, lo, hi in sb.spans():
         params[offset: offset + p.numel()].copy_(p.detach().reshape(-1))
         p.data = params[offset: offset + p.numel()].view_as(p)
@@ -119,7 +119,7 @@ def shard_bucket(bucket: GradBucket, dp: int, dp_rank: int,
             if main is not None:
                 sb.main[at: at + hi - lo].copy_(main[p].reshape(-1)[lo:hi])
             view = nn.Parameter(sb.main[at: at + hi - lo])
-            view.grad = grads[offset + lo: offset + hi]
+            view.grad = grads[at: at + hi - lo]
             sb.fragments.append(Fragment(p, lo, offset + lo, hi - lo, view))
     return sb
 
@@ -137,7 +137,8 @@ class DistributedOptimizer:
             raise ValueError("DistributedOptimizer needs GradSync(sharded=True)")
         self.ctx, self.grad_clip, self.dp_group = ctx, cfg.grad_clip, grad_sync.group
         dp, dp_rank = C.size(self.dp_group), C.rank(self.dp_group)
-        self.buckets = [shard_bucket(b, dp, dp_rank, main) for b in grad_sync.buckets]
+        self.buckets = [shard_bucket(b, grad_sync.grad_shard(i), dp, dp_rank, main)
+                        for i, b in enumerate(grad_sync.buckets)]
         self.steps = 0  # AdamW's step count (also in every fragment's state; a rank may own no fragment)
         decay = [f.view for f in self.fragments() if f.param.ndim >= 2]
         no_decay = [f.view for f in self.fragments() if f.param.ndim < 2]
@@ -276,7 +277,7 @@ class DistributedOptimizer:
         for sb in self.buckets:
             names = MOMENTS + (("main",) if sb.separate_main() else ())
             shards = {**sb.moments, "main": sb.main}
-            full = {m: torch.empty_like(sb.bucket.buffer()) for m in names}
+            full = {m: torch.empty(sb.bucket.numel(), device=sb.params.device) for m in names}
             for m in names:
                 C.all_gather_flat(full[m], shards[m], self.dp_group)
             for p, offset, _, _ in sb.spans():

@@ -63,7 +63,7 @@ class SynchronousDP:
             watcher.exact_params = apart
         report = SyncReport(error=c.measure_error, exact=c.method == "none", inter_node=c.method == "hierarchical")
         grad_sync = GradSync(list(model.parameters()), ctx.grad_group, run, state, cfg.parallel.bucket_mb, report,
-                             apart=apart, main_grads=main is not None, sharded=cfg.parallel.zero == 1,
+                             apart=apart, main_grads=main is not None, zero=cfg.parallel.zero,
                              encoded_reduce_scatter=encoded_reduce_scatter(c),
                              reduce_dtype=REDUCE_SCATTER_DTYPES.get(c.method, torch.float32))
         onebit = state if c.method == "onebit_adam" else None  # 1-bit Adam's optimizer drives its momentum exchange

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from hybrid.compression.codecs import CODECS
 from hybrid.compression.schedule import exact_kinds
-from hybrid.compression.zero import ZERO_METHODS
+from hybrid.compression.zero import REDUCE_SCATTER_CODECS, ZERO_METHODS
 from hybrid.config import CompressionConfig, Config, ConfigError, ParallelConfig
 
 if TYPE_CHECKING:
@@ -33,7 +33,8 @@ def check(cfg: Config, layout: Layout) -> None:
     Raises ConfigError (one line)."""
     p, t, c = cfg.parallel, cfg.train, cfg.compression
     require(cfg.optim.name == "adamw" or (p.zero == 0 and c.method != "onebit_adam"),
-             f"optim.name={cfg.optim.name} cannot run with parallel.zero=1 or compression=onebit_adam (AdamW's)")
+             f"optim.name={cfg.optim.name} cannot run with parallel.zero={p.zero} or compression=onebit_adam "
+             "(the distributed optimizer and 1-bit Adam are AdamW's)")
     check_zero(p, c)
     require(t.precision != "bf16_params" or c.method != "onebit_adam", "train.precision=bf16_params "
              "keeps fp32 main weights that compression=onebit_adam's optimizer does not: use train.precision=bf16 "
@@ -52,15 +53,16 @@ def check(cfg: Config, layout: Layout) -> None:
 def check_zero(p: ParallelConfig, c: CompressionConfig) -> None:
     """The distributed optimizer reduce-scatters each bucket: a method that needs the whole bucket (a codec,
     PowerSGD, 1-bit Adam's momentum) or a per-step stage change cannot run there."""
-    require(p.zero in (0, 1), f"parallel.zero must be 0 (off) or 1 (the distributed optimizer), got {p.zero}")
-    require(p.zero == 1 or not p.overlap_param_gather, "parallel.overlap_param_gather=true overlaps the "
-             "distributed optimizer's parameter all-gather: it needs parallel.zero=1")
+    require(p.zero in (0, 1, 2), f"parallel.zero must be 0 (off), 1 (the distributed optimizer: Adam's moments "
+             f"sharded over DP) or 2 (gradients sharded too), got {p.zero}")
+    require(p.zero >= 1 or not p.overlap_param_gather, "parallel.overlap_param_gather=true overlaps the "
+             "distributed optimizer's parameter all-gather: it needs parallel.zero=1 or 2")
     if p.zero == 0:
         return
-    require(c.method in ZERO_METHODS, f"parallel.zero=1 reduce-scatters the gradients, which "
+    require(c.method in ZERO_METHODS, f"parallel.zero={p.zero} reduce-scatters the gradients, which "
              f"compression={c.method} cannot do (it needs each bucket whole): use compression="
              f"{'|'.join(ZERO_METHODS)}, or parallel.zero=0")
-    require(c.schedule == "fixed" and c.warmup_steps == 0, "parallel.zero=1 runs one reduce-scatter dtype for "
+    require(c.schedule == "fixed" and c.warmup_steps == 0, f"parallel.zero={p.zero} runs one reduce-scatter dtype for "
              f"the whole run: compression.schedule={c.schedule} with warmup_steps={c.warmup_steps} needs "
              "schedule=fixed and warmup_steps=0")
 
@@ -72,6 +74,17 @@ def check_block_size(c: CompressionConfig, bucket_mb: float, dp: int) -> None:
     require(c.block_size <= limit, f"compression.block_size={c.block_size} exceeds one DP rank's chunk of a "
              f"bucket ({limit} fp32 elements = parallel.bucket_mb={bucket_mb} MB / dp={dp}); each chunk is "
              "padded to whole blocks")
+
+
+def zero2_copies(c: CompressionConfig, largest: Sequence[int], device: str) -> int:
+    """ZeRO-2's transient gradient buffers, `largest` being the two largest buckets' sizes: a microbatch's round
+    being filled and the one in flight (fp32), with the larger's reduce-scatter input again (gloo's copy on CPU,
+    the 16-bit cast) or a codec's encoded shards sent and received."""
+    n = max(largest)
+    if c.method in REDUCE_SCATTER_CODECS:
+        return F32 * sum(largest) + 2 * (n + 4 * n // c.block_size)
+    again = F32 * n if device != "cuda" else 0
+    return F32 * sum(largest) + max(again, 2 * n if c.method != "none" else 0)
 
 
 def compression_summary(c: CompressionConfig, layout: Layout) -> str:
@@ -119,6 +132,8 @@ def exchange_bytes(cfg: Config, sizes: Sequence[int], dp: int, device: str) -> t
     c = cfg.compression
     if dp == 1 or not sizes:
         return 0, 0
+    if cfg.parallel.zero == 2:
+        return zero2_copies(c, sorted(sizes)[-2:], device), 0
     if c.method in ("none", "fp16", "bf16", "torch_fp16", "torch_bf16"):
         cast = 2 * sum(sizes) if c.method != "none" else 0
         return max(cast, F32 * sum(sizes) if cfg.parallel.zero == 1 and device != "cuda" else 0), 0

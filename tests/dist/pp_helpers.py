@@ -70,7 +70,7 @@ class Case:
         parts = "-" + "_".join(map(str, self.stage_layers)) if self.stage_layers else ""
         layers = f"-{self.layers}L" if self.layers != LAYERS else ""
         return (f"{self.family}{layers}-tp{self.tp}pp{self.pp}{sp}-{self.schedule}{v}{parts}"
-                f"{'-zero1' if self.zero else ''}" + (f"-{','.join(self.extra)}" if self.extra else ""))
+                f"{f'-zero{self.zero}' if self.zero else ''}" + (f"-{','.join(self.extra)}" if self.extra else ""))
 
 
 def make_cfg(case: Case, world: int, bucket_mb: float = 0.05, extra: Sequence[str] = ()) -> Any:
@@ -148,10 +148,12 @@ def train_case(ctx: ParallelContext, case: Case, world: int) -> dict[str, Any]:
     tied = sum(p.numel() for p in model.parameters() if param_info(p).pp_tied)  # this rank's shard
     return {"case": str(case), "coord": (c.pp, c.dp, c.tp), "losses": losses, "norms": norms,
             "bytes": step_bytes, "launch_logs": launch_logs, "buckets": len(trainer.grad_sync.buckets),
-            "microbatches": trainer.num_microbatches, "eval": eval_loss, "tied_numel": tied, "inflight": inflight,
+            "microbatches": trainer.num_microbatches, "grad_bytes": trainer.grad_sync.held_bytes(),
+            "grads_none": all(p.grad is None for p in model.parameters()),
+            "eval": eval_loss, "tied_numel": tied, "inflight": inflight,
             "n_params": trainer.n_params, "analytic_params": analytic_param_count(cfg.model, VOCAB, case.tp),
             "state": full if c.tp == 0 and c.dp == 0 else None, "moments": moment_bytes(trainer.optimizer),
-            "bucket_numel": [(sum(p.numel() for p in b.parameters()), b.buffer().numel())
+            "bucket_numel": [(sum(p.numel() for p in b.parameters()), b.numel())
                              for b in trainer.grad_sync.buckets]}
 
 

@@ -4,7 +4,7 @@
   the estimate exactly for GPT and Llama (GQA and not), dropout 0 and 0.1, every recomputation mode, fp32 and
   bf16 parameters; and with the fused head (its gradients kept instead of the probabilities).
 - Schedules: the microbatches the estimate replays a rank holding equal the simulator's peak in flight.
-- Thirteen (model, layout, schedule, precision, compression, ZeRO, recomputation, dropout, head) combinations on 4 gloo
+- Sixteen (model, layout, schedule, precision, compression, ZeRO, recomputation, dropout, head) combinations on 4 gloo
   ranks, each rank estimated from its own chunks built on the meta device: parameters, gradients and optimizer
   state equal the trainer's tensors exactly; at tp=1 or 2 without a pipeline, the activations equal the tally; the
   total is within 10 % of the states plus the peak the profiler tracks over a training step.
@@ -117,13 +117,16 @@ COMBOS = [
     Case("llama", pp=2, schedule="zbv", v=2, extra=("parallel.zb_memory=none",)),  # its own order, split
     Case("llama", tp=2, sp=True, extra=FUSED),  # the fused head: 4 chunks of a microbatch's 32 tokens
     Case("gpt", pp=2, schedule="zb1p", extra=(*FUSED, "train.precision=bf16_params", "parallel.zb_memory=none")),
+    Case("gpt", zero=2, extra=("train.recompute=selective",)),  # gradient shards only, the rounds as buffers
+    Case("gpt", pp=2, schedule="zb1p", zero=2, extra=("train.precision=bf16_params",)),
+    Case("llama", tp=2, sp=True, zero=2, extra=("compression=int4", "compression.block_size=32")),
 ]
 
 
 def _states(trainer: Trainer) -> tuple[int, int, int]:
     """Bytes of the parameters, the gradient buckets and the optimizer's state (moments; fp32 main weights)."""
     params = sum(p.element_size() * p.numel() for p in trainer.model.parameters())
-    grads = sum(4 * b.buffer().numel() for b in trainer.grad_sync.buckets)
+    grads = trainer.grad_sync.held_bytes()
     opt = trainer.optimizer
     if isinstance(opt, MainWeightsOptimizer):
         main = sum(4 * m.numel() for m in opt.mains.values())
@@ -244,7 +247,7 @@ def measure_sync(rank: int, world: int) -> list[dict[str, Any]]:
         est = rank_memory(cfg, chunks, trainer.schedule, ctx.pp_rank, ctx.dp_size, micro_of(cfg), 2,
                           host=ctx.dp_rank < cfg.sync.servers)
         params = sum(4 * p.numel() for p in trainer.model.parameters())
-        grads = sum(4 * b.buffer().numel() for b in trainer.grad_sync.buckets)
+        grads = trainer.grad_sync.held_bytes()
         inner = 0 if cfg.sync.mode == "ps" else moment_bytes(trainer.optimizer)[1]
         outer, codec = _outer_state(trainer)
         server = _server_state(trainer.dp.replica)

@@ -40,9 +40,10 @@ BF16 = ("train.precision=bf16_params",)
 L4 = ("model.n_layers=4",)  # the launch's model: a layer per part of the interleaved pp2 × 2
 L2 = ("model.n_layers=2",)  # the checkpoint's
 LOW = (*BF16, *L4)
+ZERO2_LOW = Case(pp=2, zero=2, extra=LOW)
 CASES = [Case(extra=LOW), Case(zero=1, extra=LOW), Case(tp=2, pp=2, extra=LOW),
          Case(tp=2, sp=True, zero=1, extra=LOW), Case(pp=2, schedule="interleaved", v=2, zero=1, extra=LOW),
-         Case(tp=2, pp=2, extra=L4)]
+         ZERO2_LOW, Case(tp=2, pp=2, extra=L4)]
 WORLD = 4
 LOSS_TOL = {"rtol": 2e-3, "atol": 2e-3}  # the losses of one model whose bf16 weights differ by an ulp here and there
 UPDATE_TOL = (0.4, 0.15)  # ‖w − w_ref‖ / ‖w_ref − w_0‖ per parameter, whole model (measured: 0.27, 0.05 at tp2)
@@ -146,6 +147,17 @@ def test_zero1_all_gathers_bf16_parameters() -> None:
     for r in launched()[str(CASES[1])]:
         padded = sum(p for _, p in r["bucket_numel"])
         want = {("dp", "reduce_scatter"): 4 * padded, ("dp", "all_gather"): 2 * padded, ("dp", "all_reduce"): 4}
+        for step in r["bytes"]:
+            assert {k: b for k, b in step.items() if k[0] == "dp"} == want, (r["coord"], step)
+
+
+def test_zero2_reduce_scatters_fp32_main_gradients_every_microbatch_and_gathers_bf16() -> None:
+    """ZeRO-2 under bf16 parameters: each microbatch's bf16 gradients are added into an fp32 round, reduce-scattered
+    (4 bytes per padded element and microbatch) into fp32 shards; the all-gather moves bf16 parameters."""
+    for r in launched()[str(ZERO2_LOW)]:
+        padded, m = sum(p for _, p in r["bucket_numel"]), r["microbatches"]
+        want = {("dp", "reduce_scatter"): 4 * m * padded, ("dp", "all_gather"): 2 * padded, ("dp", "all_reduce"): 4}
+        assert m == 2 and r["grad_bytes"] == 4 * padded // 2 and r["grads_none"]
         for step in r["bytes"]:
             assert {k: b for k, b in step.items() if k[0] == "dp"} == want, (r["coord"], step)
 

@@ -102,9 +102,10 @@ CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece o
      "train.precision=bf16_params keeps fp32 main weights that compression=onebit_adam's optimizer does not"),
     ("adamw-kernels", ["optim.implementation=triton"], "optim.implementation='triton' is not one of fused, foreach"),
     ("overlap-without-zero", ["parallel.overlap_param_gather=true"], "parallel.overlap_param_gather=true overlaps "
-     "the distributed optimizer's parameter all-gather: it needs parallel.zero=1"),
-    ("zero-2", ["parallel.zero=2"], "parallel.zero must be 0 (off) or 1 (the distributed optimizer), got 2"),
-    ("zero-codec", ["parallel.zero=1", "compression=powersgd"], "parallel.zero=1 reduce-scatters the gradients, "
+     "the distributed optimizer's parameter all-gather: it needs parallel.zero=1 or 2"),
+    ("zero-4", ["parallel.zero=4"], "parallel.zero must be 0 (off), 1 (the distributed optimizer: Adam's moments "
+     "sharded over DP) or 2 (gradients sharded too), got 4"),
+    ("zero-codec", ["parallel.zero=2", "compression=powersgd"], "parallel.zero=2 reduce-scatters the gradients, "
      "which compression=powersgd cannot do (it needs each bucket whole): use compression=none|fp16|bf16|int8"),
     ("zero-warmup", ["parallel.zero=1", "compression=bf16", "compression.warmup_steps=2"],
      "needs schedule=fixed and warmup_steps=0"),

@@ -3,11 +3,13 @@
 `assign_buckets` groups the parameters in reverse registration order (the order their gradients become
 final in the backward) into buckets of about `parallel.bucket_mb`, each holding one sync class
 (`sync_class`) and, apart, the parameters a compression keeps exact. `GradBucket` is what
-`torch.distributed.GradBucket` offers a DDP comm hook, over one such buffer. Under ZeRO-1 a bucket's
+`torch.distributed.GradBucket` offers a DDP comm hook, over one such buffer. Under ZeRO a bucket's
 buffer is `padded_numel` long: dp equal shards of a multiple of `SHARD_ALIGN` elements.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
@@ -18,21 +20,45 @@ SHARD_ALIGN = 32
 """ZeRO-1: elements per shard are a multiple of this (fp32: 128 bytes)."""
 
 class GradBucket:
-    """What `torch.distributed.GradBucket` offers a comm hook, over one flat fp32 buffer."""
+    """What `torch.distributed.GradBucket` offers a comm hook, over one flat fp32 buffer. Under ZeRO-2 the
+    buffer is transient (`numel` given, no buffer): attached for one microbatch's gradients, released to be
+    reduce-scattered (`attach`, `release`)."""
 
-    def __init__(self, index: int, buffer: torch.Tensor, params: list[nn.Parameter], is_last: bool) -> None:
-        self._index, self._buffer, self._params, self._is_last = index, buffer, params, is_last
+    def __init__(self, index: int, buffer: Optional[torch.Tensor], params: list[nn.Parameter], is_last: bool,
+                 numel: Optional[int] = None) -> None:
+        self._index, self._params, self._is_last = index, params, is_last
+        self._numel = buffer.numel() if buffer is not None else int(numel or 0)
+        self._buffer: Optional[torch.Tensor] = None
         self._views: list[torch.Tensor] = []
-        offset = 0
-        for p in params:
+        if buffer is not None:
+            self.attach(buffer)
+
+    def attach(self, buffer: torch.Tensor) -> None:
+        """Hold `buffer` (`numel()` elements) and cut each parameter's gradient view of it."""
+        self._buffer, self._views, offset = buffer, [], 0
+        for p in self._params:
             self._views.append(buffer[offset: offset + p.numel()].view_as(p))
             offset += p.numel()
+
+    def release(self) -> torch.Tensor:
+        """Hand the buffer over and hold none (its views go with it)."""
+        buffer, self._buffer, self._views = self._buffer, None, []
+        assert buffer is not None, "a released bucket holds no buffer"
+        return buffer
 
     def index(self) -> int:
         return self._index
 
+    def numel(self) -> int:
+        """The buffer's length (padded to dp shards under ZeRO), whether or not one is held now."""
+        return self._numel
+
     def buffer(self) -> torch.Tensor:
+        assert self._buffer is not None, "the bucket holds no buffer now (ZeRO-2 between microbatches)"
         return self._buffer
+
+    def held(self) -> bool:
+        return self._buffer is not None
 
     def is_last(self) -> bool:
         return self._is_last
@@ -44,7 +70,7 @@ class GradBucket:
         return list(self._views)
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
-        self._buffer.copy_(tensor)
+        self.buffer().copy_(tensor)
 
 
 def assign_buckets(params: list[nn.Parameter], bucket_bytes: int,
@@ -84,7 +110,8 @@ def sync_class(p: nn.Parameter) -> int:
 
 
 def _by_class(bucket: list[nn.Parameter], apart: frozenset[int]) -> list[list[nn.Parameter]]:
-    parts: dict[tuple[int, bool], list[nn.Parameter]] = {}
+    parts: dict[tuple[int, bool, int], list[nn.Parameter]] = {}
     for p in bucket:
-        parts.setdefault((sync_class(p), id(p) in apart), []).append(p)
+        alone = id(p) if sync_class(p) == 1 else 0  # two tied copies on one rank (a V placement): one bucket each
+        parts.setdefault((sync_class(p), id(p) in apart, alone), []).append(p)
     return list(parts.values())

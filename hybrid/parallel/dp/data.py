@@ -20,9 +20,10 @@ Main gradients (`main_grads=True`, under `train.precision=bf16_params`): the par
 the buffer view; the post-accumulate hook adds the bf16 `.grad` autograd produced into it and drops `.grad`,
 so the microbatches accumulate in fp32. `grads.grad_of(p)` is the gradient everything after the backward reads.
 
-Sharded (`sharded=True`, the distributed optimizer's): each bucket is padded to dp equal shards and
+Sharded (`zero=1`, the distributed optimizer's): each bucket is padded to dp equal shards and
 reduce-scattered instead, from the same trigger; DP rank r keeps the mean of shard r, and the optimizer
-(`hybrid.optim.distributed`) updates that shard and all-gathers the parameters.
+(`hybrid.optim.distributed`) updates that shard and all-gathers the parameters. Under `zero=2` no bucket keeps
+a buffer: each microbatch's gradients are reduce-scattered into kept fp32 shards (`sharded.ShardedGrads`).
 
 `finalize_grads` is the one place where a step's gradients become final: the DP buckets, then
 the model-parallel sums of `grads.py` (tied embedding, sequence-parallel replicated parameters).
@@ -43,11 +44,9 @@ from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.dp.buckets import GradBucket, assign_buckets, padded_numel
 from hybrid.parallel.dp.grads import sync_sequence_parallel_grads, sync_tied_grads
+from hybrid.parallel.dp.sharded import EncodedReduceScatter, ShardedGrads, shard_of
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
-EncodedReduceScatter = Callable[[torch.Tensor, Group], Any]
-"""ZeRO-1's compressed reduce-scatter: (flat buffer pre-divided by dp, DP group) → this rank's shard of the sum
-written in place (`compression.codecs.reduce_scatter_encoded` with a codec)."""
 
 DP_GROUPS = ("dp", "dp_intra", "dp_inter")
 """The counter names whose traffic is gradient sync (`bytes_dp`); the last two only under hierarchical."""
@@ -101,14 +100,15 @@ class GradSync:
 
     def __init__(self, params: list[nn.Parameter], group: Group, hook: CommHook, state: Any,
                  bucket_mb: float = 25.0, report: SyncReport = SyncReport(), in_backward: bool = True,
-                 apart: frozenset[int] = frozenset(), sharded: bool = False,
+                 apart: frozenset[int] = frozenset(), zero: int = 0,
                  reduce_dtype: torch.dtype = torch.float32, main_grads: bool = False,
                  encoded_reduce_scatter: Optional[EncodedReduceScatter] = None) -> None:
         self.group, self.hook, self.state, self.report = group, hook, state, report
         self.main_grads = main_grads  # fp32 `p.main_grad` views, the low-precision `.grad` folded in by the hook
         self.in_backward = in_backward  # False: every bucket waits for finish() (no overlap; a test switch)
         self.enabled = C.size(group) > 1
-        self.sharded = sharded  # ZeRO-1: reduce-scatter each bucket, the optimizer updates this rank's shard
+        self.zero = zero  # 1: reduce-scatter each bucket once a step; 2: every microbatch, into kept shards
+        self.sharded = zero >= 1  # the optimizer updates this rank's shard of each bucket
         self.reduce_dtype = reduce_dtype  # the sharded path's reduce-scatter dtype (fp16/bf16: half the bytes)
         self.encoded = encoded_reduce_scatter  # or an encoded one (int8: an all-to-all of about a quarter)
         groups = assign_buckets([p for p in params if p.requires_grad], int(bucket_mb * 2**20), apart)
@@ -117,17 +117,22 @@ class GradSync:
         self._bucket_of: dict[int, int] = {}
         for i, ps in enumerate(groups):
             numel = sum(p.numel() for p in ps)
-            buf = torch.zeros(padded_numel(numel, C.size(group)) if sharded else numel, dtype=torch.float32,
-                              device=ps[0].device)
-            bucket = GradBucket(i, buf, ps, is_last=i == len(groups) - 1)
+            numel = padded_numel(numel, C.size(group)) if self.sharded else numel
+            held = None if zero >= 2 else torch.zeros(numel, dtype=torch.float32, device=ps[0].device)
+            bucket = GradBucket(i, held, ps, is_last=i == len(groups) - 1, numel=numel)
             for p, view in zip(ps, bucket.gradients()):
                 if main_grads:
                     p.main_grad = view
                 else:
                     p.grad = view
+            for p in ps:
                 self._bucket_of[id(p)] = i
                 p.register_post_accumulate_grad_hook(on_ready)
             self.buckets.append(bucket)
+        self.reduced = ShardedGrads(self.buckets, group, reduce_dtype, encoded_reduce_scatter) if zero >= 2 else None
+        for p, i in ((p, i) for i, b in enumerate(self.buckets) for p in b.parameters()):
+            if self.reduced is not None:
+                p.main_grad = self.reduced.fragment(p, i)  # what the step reads of p's gradient: its fragment
         self._metered = False  # whether this step meters the compression error (`meter`)
         self.launch_log: list[tuple[int, bool]] = []  # (bucket index, launched by the gradient-ready hook)
         self.last_launch_log: list[tuple[int, bool]] = []  # the previous step's, kept by finish()
@@ -144,6 +149,10 @@ class GradSync:
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         b = self._bucket_of[id(p)]
+        if self.reduced is not None:  # ZeRO-2: into the bucket's round, reduce-scattered once it is whole
+            grad, p.grad = p.grad, None
+            self.reduced.add(b, p, grad)
+            return
         if self.main_grads:
             p.main_grad.add_(p.grad)  # fp32 accumulation of the microbatches' low-precision gradients
             p.grad = None
@@ -184,14 +193,21 @@ class GradSync:
 
     def shard(self, bucket: GradBucket, buf: Optional[torch.Tensor] = None) -> torch.Tensor:
         """This DP rank's contiguous 1/dp of a sharded bucket's buffer (or of `buf`, laid out alike)."""
-        buf = bucket.buffer() if buf is None else buf
-        k = buf.numel() // C.size(self.group)
-        return buf[C.rank(self.group) * k: (C.rank(self.group) + 1) * k]
+        return shard_of(bucket.buffer() if buf is None else buf, self.group)
+
+    def grad_shard(self, i: int) -> torch.Tensor:
+        """This DP rank's reduced shard of bucket `i` after `finish`: a range of its buffer (ZeRO-1) or the
+        kept shard (ZeRO-2)."""
+        return self.reduced.shards[i] if self.reduced is not None else self.shard(self.buckets[i])
 
     def finish(self) -> None:
         """Launch what has not launched (unused parameters), wait, write the results back. The launches
         and the waits here are time the training thread spends on DP communication: the DP group's
         exposed time under `C.TIMER`."""
+        if self.reduced is not None:
+            self.reduced.finish()
+            self.launch_log, self.last_launch_log = [], list(self.reduced.rounds)
+            return
         with C.TIMER.waiting(C.group_name(self.group)) if self.enabled else contextlib.nullcontext():
             while self._next < len(self.buckets):
                 self._launch(self._next, in_backward=False)
@@ -203,8 +219,16 @@ class GradSync:
         self.begin_step(self._expected)
 
     def zero_grad(self) -> None:
+        if self.reduced is not None:
+            self.reduced.zero_()
+            return
         for b in self.buckets:
             b.buffer().zero_()
+
+    def held_bytes(self) -> int:
+        """Bytes of gradient storage held now: the buckets' buffers (none between ZeRO-2's rounds) and shards."""
+        shards = self.reduced.shards if self.reduced is not None else []
+        return sum(b.buffer().nbytes for b in self.buckets if b.held()) + sum(s.nbytes for s in shards)
 
     def parameters(self) -> list[nn.Parameter]:
         """Every synced parameter, in bucket order (the order the gradient norm sums them in)."""
@@ -226,7 +250,7 @@ class GradSync:
         ring-wire bytes they imply, the wire bytes of an exact fp32 ring all-reduce of the buckets,
         Σ‖ĝ − g‖² and Σ‖g‖² (taken from a metered state, which clears them)."""
         count, n = C.COUNTER, C.size(self.group)
-        numel = sum(b.buffer().numel() for b in self.buckets)
+        numel = sum(b.numel() for b in self.buckets)
         plain_wire = 4 * numel * 2 * (n - 1) / n  # what the exact fp32 ring all-reduce would send
         err_sq, ref_sq = self.state.take_error() if isinstance(self.state, MeteredState) else (0.0, 0.0)
         return [sum(count.group_bytes(g) for g in DP_GROUPS), count.group_bytes("dp_inter"),
