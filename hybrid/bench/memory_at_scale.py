@@ -5,7 +5,8 @@
         [--seq-len 256] [--micro-batch 1] [--global-batch N] [--steps 2] [--budget-gib 16] [--largest] [--json F]
 
 A run is "MODEL LAYOUT RECOMPUTE [zero] [layers=N]": MODEL a configs/model name, LAYOUT `tpXppY` or
-`ppYdpZ` (dp = 8 / (tp·pp)), RECOMPUTE none|selective|full, `zero` for ZeRO-1, `layers=N` overriding the
+`ppYdpZ` (dp = 8 / (tp·pp)), RECOMPUTE none|selective|full, `zero` (or `zero1`) for ZeRO-1, `zero2` for ZeRO-2,
+`layers=N` overriding the
 model's layer count (same width). The global batch defaults to micro batch × dp × pp: pp microbatches per DP
 rank, the fewest that fill 1F1B (its first stage then holds pp microbatches, as with more).
 
@@ -82,7 +83,7 @@ class Spec:
         return f"tp{self.tp}pp{self.pp}dp{self.dp}"
 
     def __str__(self) -> str:
-        return " ".join([self.model, self.layout, self.recompute, *(["zero"] if self.zero else []),
+        return " ".join([self.model, self.layout, self.recompute, *([f"zero{self.zero}"] if self.zero else []),
                          *([f"layers={self.layers}"] if self.layers else [])])
 
 
@@ -102,10 +103,8 @@ def parse_spec(text: str) -> Spec:
         raise ValueError(f"run {text!r}: recompute {recompute!r} is not one of {', '.join(RECOMPUTE)}")
     zero, layers = 0, None
     for w in rest:
-        if w in ("zero", "zero1"):
-            zero = 1
-        elif w == "zero0":
-            zero = 0
+        if w == "zero" or re.fullmatch(r"zero[0-2]", w):
+            zero = int(w[4:] or 1)
         elif w.startswith("layers=") and w[7:].isdigit():
             layers = int(w[7:])
         else:

@@ -1,7 +1,8 @@
-"""The distributed optimizer (ZeRO-1, `parallel.zero=1`): AdamW's fp32 moments sharded over DP.
+"""The distributed optimizer (ZeRO-1 and 2, `parallel.zero=1|2`): AdamW's fp32 moments sharded over DP.
 
-`GradSync(sharded=True)` pads every gradient bucket to dp equal shards and reduce-scatters it inside the
-backward, so after `finalize_grads` DP rank r holds the DP mean of its shard `[r·k, (r+1)·k)` of each bucket.
+`GradSync(zero=1)` pads every gradient bucket to dp equal shards and reduce-scatters it inside the
+backward, so after `finalize_grads` DP rank r holds the DP mean of its shard `[r·k, (r+1)·k)` of each bucket
+(`GradSync(zero=2)`: in a kept shard of its own, reduce-scattered every microbatch; `GradSync.grad_shard`).
 This optimizer keeps, per bucket, a flat fp32 parameter buffer laid out as the gradient buffer (every
 `p.data` is a view into it, Megatron's parameter buffer) and the Adam moments of its own shard only. A
 parameter's *fragment* is the part of it that falls in the shard: a 1-D view of the parameter buffer whose
@@ -134,7 +135,7 @@ class DistributedOptimizer:
                  grad_sync: GradSync, main: Optional[dict[nn.Parameter, torch.Tensor]] = None,
                  overlap: bool = False) -> None:
         if not grad_sync.sharded:
-            raise ValueError("DistributedOptimizer needs GradSync(sharded=True)")
+            raise ValueError("DistributedOptimizer needs GradSync(zero=1 or 2)")
         self.ctx, self.grad_clip, self.dp_group = ctx, cfg.grad_clip, grad_sync.group
         dp, dp_rank = C.size(self.dp_group), C.rank(self.dp_group)
         self.buckets = [shard_bucket(b, grad_sync.grad_shard(i), dp, dp_rank, main)

@@ -15,6 +15,7 @@ GIB = 2**30
     ("gpt-350m pp2dp4 full zero", mas.Spec("gpt-350m", 1, 2, "full", 1, None)),
     ("gpt-350m tp1pp2 selective zero1 layers=8", mas.Spec("gpt-350m", 1, 2, "selective", 1, 8)),
     ("gpt-1b tp2pp4dp1 full zero0 layers=12", mas.Spec("gpt-1b", 2, 4, "full", 0, 12)),
+    ("gpt-350m pp2dp4 none zero2", mas.Spec("gpt-350m", 1, 2, "none", 2, None)),
     ("gpt-tiny dp8 none", mas.Spec("gpt-tiny", 1, 1, "none", 0, None)),
 ])
 def test_a_spec_names_its_layout_and_features(text: str, want: mas.Spec) -> None:
@@ -24,7 +25,7 @@ def test_a_spec_names_its_layout_and_features(text: str, want: mas.Spec) -> None
 
 
 @pytest.mark.parametrize("text", ["gpt-1b tp2pp4", "gpt-1b tp3pp2 none", "gpt-1b pp2dp2 none",
-                                  "gpt-1b tp2pp4 fast", "gpt-1b tp2pp4 none zero2", "gpt-1b x4 none"])
+                                  "gpt-1b tp2pp4 fast", "gpt-1b tp2pp4 none zero5", "gpt-1b x4 none"])
 def test_a_bad_spec_is_refused(text: str) -> None:
     with pytest.raises(ValueError, match="run"):
         mas.parse_spec(text)
