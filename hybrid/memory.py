@@ -45,7 +45,8 @@ from hybrid.memory_terms import (
     weight_pass_bytes,
 )
 from hybrid.parallel.context import Layout, ParallelContext
-from hybrid.parallel.dp.buckets import assign_buckets, padded_numel
+from hybrid.parallel.dp.buckets import assign_buckets, assign_units, padded_numel
+from hybrid.parallel.dp.units import unit_groups, unit_params
 from hybrid.parallel.pp.actions import Op
 from hybrid.parallel.pp.schedules import SCHEDULES, Schedule, ScheduleError, build_schedule, most_waiting
 from hybrid.parallel.tp.fused_head import head_chunk
@@ -116,13 +117,15 @@ def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank:
     `host`: it hosts a parameter-server shard (sync=ps, as DP rank 0 does)."""
     params = [p for p in chunks.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
-    buckets = assign_buckets(params, int(cfg.parallel.bucket_mb * 2**20))
+    zero, size = cfg.parallel.zero, int(cfg.parallel.bucket_mb * 2**20)
+    buckets = assign_units(unit_params(chunks), size) if zero >= 1 else assign_buckets(params, size)
     sizes = [sum(p.numel() for p in b) for b in buckets]
-    zero = cfg.parallel.zero
     if zero >= 1:
         sizes = [padded_numel(n, dp) for n in sizes]
     low = cfg.train.precision == "bf16_params"  # bf16 parameters; fp32 main weights beside the moments
-    grads = F32 * sum(sizes) // (dp if zero >= 2 else 1)  # ZeRO-2 keeps this rank's shards only
+    itemsize = 2 if low else F32
+    weights = itemsize * (sum(sizes) // dp if zero == 3 else numel)  # ZeRO-3 keeps this rank's shards only
+    grads = F32 * sum(sizes) // (dp if zero >= 2 else 1)  # ZeRO-2 and 3 keep this rank's shards only
     held = sum(sizes) // dp if zero >= 1 else numel  # elements whose optimizer state is here
     optimizer = (optimizer_moments(cfg.optim) + low) * F32 * held
     per_chunk, kept = [], []
@@ -142,8 +145,20 @@ def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank:
     # the exchange's copies grow in the backward as the activations are freed: what exceeds them adds; ZeRO-2's
     # microbatch rounds are there from the backward's first gradients on
     freed = activations if cfg.parallel.zero < 2 else 0
-    buffers = transient + max(0, copies - freed) + state
-    return RankMemory((2 if low else F32) * numel, grads, optimizer, activations, buffers)
+    gathered = itemsize * zero3_gathered(chunks, size, dp, m.device != "cuda") if zero == 3 else 0
+    buffers = transient + max(0, copies - freed) + state + gathered
+    return RankMemory(weights, grads, optimizer, activations, buffers)
+
+
+def zero3_gathered(chunks: nn.ModuleList, bucket_bytes: int, dp: int, gloo: bool) -> int:
+    """Parameter elements ZeRO-3 holds gathered at once: every chunk's root (kept from its forward to its
+    backward) and the two largest blocks (the one computing, the next prefetched), buckets padded; on CPU
+    (`gloo`) a third, gloo's own output buffer of the all-gather in flight."""
+    roots, blocks = [], []
+    for root, ps in unit_groups(chunks):
+        n = sum(padded_numel(sum(p.numel() for p in b), dp) for b in assign_buckets(ps, bucket_bytes))
+        (roots if root else blocks).append(n)
+    return sum(roots) + sum(sorted(blocks)[-(3 if gloo else 2):])
 
 
 def meta_stages(layout: Layout, build: Build) -> list[nn.ModuleList]:

@@ -153,6 +153,7 @@ class Trainer:
             if init_from:
                 self.message(f"note: model.init_from={init_from} ignored: resuming {resume[0]} wins")
         elif init_from:
+            getattr(self.optimizer, "wait_params", lambda: None)()  # every parameter writable (ZeRO-3: gathered)
             self.message(pretrained(self.model, self.cfg.model))
             self.optimizer.reload_main()  # bf16 parameters: the main weights start from them
             self.dp.restart(self.step)  # DiLoCo's anchors, the servers' shards: from the loaded weights

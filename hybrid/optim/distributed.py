@@ -36,93 +36,20 @@ resume under any DP size, with or without it.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
 
 from hybrid.optim.adamw import adamw_over, clip_grads, counted_here, guarded_step, skips_on_device, total_squares
+from hybrid.optim.shards import MOMENTS, Fragment, shard_bucket
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
+from hybrid.parallel.dp.units import FlatParams, Units
 
 if TYPE_CHECKING:
     from hybrid.config import OptimConfig
-    from hybrid.parallel.dp.buckets import GradBucket
     from hybrid.parallel.dp.data import GradSync
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-@dataclass
-class Fragment:
-    """The part of `param` that lies in this rank's shard: elements `[lo, lo + n)` of the flattened
-    parameter, at `at` in the bucket; `view` is that range of the parameter buffer as an AdamW parameter,
-    its `.grad` the same range of the gradient buffer."""
-
-    param: nn.Parameter
-    lo: int
-    at: int
-    n: int
-    view: nn.Parameter
-
-
-@dataclass
-class ShardedBucket:
-    """One gradient bucket's parameter buffer (the parameters' dtype), this rank's shard `[start, start + k)`
-    of it, the fragments in it, the shard's fp32 main weights (`main`: a view of the parameter buffer when
-    that is fp32, its own k elements under bf16 parameters) and Adam moments (flat, `k` elements each)."""
-
-    bucket: GradBucket
-    params: torch.Tensor
-    start: int
-    k: int
-    main: torch.Tensor
-    fragments: list[Fragment] = field(default_factory=list)
-    moments: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def shard(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.start: self.start + self.k]
-
-    def separate_main(self) -> bool:
-        """Whether the main weights are a copy (bf16 parameters) rather than the parameter buffer itself."""
-        return self.main.data_ptr() != self.shard(self.params).data_ptr()
-
-    def spans(self) -> list[tuple[nn.Parameter, int, int, int]]:
-        """Every parameter of the bucket with its offset in the bucket and the flat range `[lo, hi)` of it
-        that lies in this rank's shard (empty when lo == hi)."""
-        out, offset = [], 0
-        for p in self.bucket.parameters():
-            n = p.numel()
-            lo, hi = max(offset, self.start), min(offset + n, self.start + self.k)
-            out.append((p, offset, lo - offset, max(lo, hi) - offset))
-            offset += n
-        return out
-
-
-def shard_bucket(bucket: GradBucket, grads: torch.Tensor, dp: int, dp_rank: int,
-                 main: Optional[dict[nn.Parameter, torch.Tensor]] = None) -> ShardedBucket:
-    """Move `bucket`'s parameters into one flat buffer of their dtype (each `p.data` a view of it) and cut out
-    this rank's fragments, whose gradients are ranges of `grads` (this rank's reduced gradient shard); `main`
-    holds the fp32 values of bf16 parameters (their shard becomes the bucket's main weights). Padding stays
-    zero: its gradient is zero, so AdamW leaves it there."""
-    first = bucket.parameters()[0]
-    params = torch.zeros(bucket.numel(), dtype=first.dtype, device=first.device)
-    k = bucket.numel() // dp
-    shard = params[dp_rank * k: (dp_rank + 1) * k]
-    sb = ShardedBucket(bucket, params, dp_rank * k, k, shard if main is None else torch.zeros_like(grads))
-    sb.moments = {m: torch.zeros(k, dtype=torch.float32, device=first.device) for m in MOMENTS}
-    for p, offset, lo, hi in sb.spans():
-        params[offset: offset + p.numel()].copy_(p.detach().reshape(-1))
-        p.data = params[offset: offset + p.numel()].view_as(p)
-        if lo < hi:
-            at = offset + lo - sb.start
-            if main is not None:
-                sb.main[at: at + hi - lo].copy_(main[p].reshape(-1)[lo:hi])
-            view = nn.Parameter(sb.main[at: at + hi - lo])
-            view.grad = grads[at: at + hi - lo]
-            sb.fragments.append(Fragment(p, lo, offset + lo, hi - lo, view))
-    return sb
 
 
 class DistributedOptimizer:
@@ -135,11 +62,17 @@ class DistributedOptimizer:
                  grad_sync: GradSync, main: Optional[dict[nn.Parameter, torch.Tensor]] = None,
                  overlap: bool = False) -> None:
         if not grad_sync.sharded:
-            raise ValueError("DistributedOptimizer needs GradSync(zero=1 or 2)")
+            raise ValueError("DistributedOptimizer needs GradSync(zero=1, 2 or 3)")
         self.ctx, self.grad_clip, self.dp_group = ctx, cfg.grad_clip, grad_sync.group
-        dp, dp_rank = C.size(self.dp_group), C.rank(self.dp_group)
-        self.buckets = [shard_bucket(b, grad_sync.grad_shard(i), dp, dp_rank, main)
+        dp, dp_rank, keep = C.size(self.dp_group), C.rank(self.dp_group), grad_sync.zero >= 3
+        self.buckets = [shard_bucket(b, grad_sync.grad_shard(i), dp, dp_rank, main, keep)
                         for i, b in enumerate(grad_sync.buckets)]
+        self.units: Optional[Units] = None  # ZeRO-3: the parameters gathered unit by unit, freed between uses
+        if keep:
+            self.flats = [FlatParams(sb.params, sb.param_shard(), self.dp_group) for sb in self.buckets]
+            self.units = Units(model, {id(p): f for sb, f in zip(self.buckets, self.flats)
+                                       for p in sb.bucket.parameters()})
+            self.units.free_all()
         self.steps = 0  # AdamW's step count (also in every fragment's state; a rank may own no fragment)
         decay = [f.view for f in self.fragments() if f.param.ndim >= 2]
         no_decay = [f.view for f in self.fragments() if f.param.ndim < 2]
@@ -167,7 +100,8 @@ class DistributedOptimizer:
         all-gather the updated parameter shards over DP (left in flight under `overlap`); return the norm
         before clipping. A non-finite norm updates nothing (refused on the device by the fused kernels; else no step
         and no all-gather: the parameters stand)."""
-        self.wait_params()  # a parameter no forward used may still be gathering
+        if self.units is None:
+            self.wait_params()  # a parameter no forward used may still be gathering
         self._take_view()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -177,8 +111,16 @@ class DistributedOptimizer:
             return norm
         self._count_step()
         self._round_shards()  # a step refused on the device rounds and gathers the parameters it left as they were
-        self.gather_params(wait=not self.overlap)
+        self._publish()
         return norm
+
+    def _publish(self) -> None:
+        """The updated shards to the model: all-gathered (ZeRO-1, 2), or every gathered unit freed, to be gathered
+        afresh where it is used next (ZeRO-3)."""
+        if self.units is not None:
+            self.units.free_all()
+        else:
+            self.gather_params(wait=not self.overlap)
 
     @property
     def steps(self) -> int:
@@ -206,7 +148,7 @@ class DistributedOptimizer:
         """Under bf16 parameters: this rank's updated fp32 main weights rounded into its parameter shards."""
         for sb in self.buckets:
             if sb.separate_main():
-                sb.shard(sb.params).copy_(sb.main)
+                sb.param_shard().copy_(sb.main)
 
     def grad_norm(self) -> torch.Tensor:
         """The global gradient norm from this rank's fragments: the squares all-reduced over DP (each
@@ -231,7 +173,11 @@ class DistributedOptimizer:
             self.wait_params()
 
     def wait_params(self, buckets: Optional[Iterable[int]] = None) -> None:
-        """Wait for the parameter all-gathers of `buckets` (default: all) still in flight."""
+        """Wait for the parameter all-gathers of `buckets` (default: all) still in flight: every parameter is
+        readable on return. Under ZeRO-3 every unit is gathered (collective; freed again by the next step)."""
+        if self.units is not None:
+            self.units.gather_all()
+            return
         for i in list(self._inflight) if buckets is None else buckets:
             work = self._inflight.pop(i, None)
             if work is not None:
@@ -308,17 +254,32 @@ class DistributedOptimizer:
         """After a checkpoint load: under bf16 parameters the loaded main weights are this rank's shards, then
         every parameter (rounding and an all-gather over DP: collective, as the load). In fp32 the load wrote
         the parameters themselves; the moments are taken from the view at the next step either way."""
+        if self.units is not None:  # the load wrote the gathered parameters (fp32) or the view's main weights
+            self._keep_gathered()
         if any(sb.separate_main() for sb in self.buckets):
             self._take_view()
             self._round_shards()
-            self.gather_params()
+        if self.units is not None or any(sb.separate_main() for sb in self.buckets):
+            self._publish()
+
+    @torch.no_grad()
+    def _keep_gathered(self) -> None:
+        """ZeRO-3: this rank's shard of the gathered parameters (written by a load) into its kept shard."""
+        for sb, flat in zip(self.buckets, self.flats):
+            if flat.gathered and sb.kept is not None:
+                sb.kept.copy_(sb.shard(sb.params))
 
     def reload_main(self) -> None:
-        """After `model.init_from` wrote the (bf16) parameters: this rank's main weights take their values."""
+        """After `model.init_from` wrote the (bf16) parameters: this rank's main weights take their values (under
+        ZeRO-3 the gathered parameters' shards, first, its kept shards)."""
+        if self.units is not None:
+            self._keep_gathered()
         with torch.no_grad():
             for sb in self.buckets:
                 if sb.separate_main():
-                    sb.main.copy_(sb.shard(sb.params))
+                    sb.main.copy_(sb.param_shard())
+        if self.units is not None:
+            self.units.free_all()
 
     def state_dict(self) -> dict[str, Any]:
         """The per-parameter view (a collective on first access after a step)."""

@@ -24,6 +24,7 @@ from hybrid.compression.zero import REDUCE_SCATTER_DTYPES, encoded_reduce_scatte
 from hybrid.config import Config, ConfigError
 from hybrid.optim import build_optimizer
 from hybrid.parallel.dp.data import CommHook, GradSync, SyncReport
+from hybrid.parallel.dp.units import unit_params
 from hybrid.sync import exchange
 from hybrid.sync.footprint import Footprint
 from hybrid.sync.plan import DPPlan, register_sync_mode
@@ -65,6 +66,7 @@ class SynchronousDP:
         report = SyncReport(error=c.measure_error, exact=c.method == "none", inter_node=c.method == "hierarchical")
         grad_sync = GradSync(list(model.parameters()), ctx.grad_group, run, state, cfg.parallel.bucket_mb, report,
                              apart=apart, main_grads=main is not None, zero=cfg.parallel.zero,
+                             units=unit_params(model) if cfg.parallel.zero >= 1 else None,
                              encoded_reduce_scatter=encoded_reduce_scatter(c),
                              reduce_dtype=REDUCE_SCATTER_DTYPES.get(c.method, torch.float32))
         onebit = state if c.method == "onebit_adam" else None  # 1-bit Adam's optimizer drives its momentum exchange

@@ -36,6 +36,8 @@ def check(cfg: Config, layout: Layout) -> None:
              f"optim.name={cfg.optim.name} cannot run with parallel.zero={p.zero} or compression=onebit_adam "
              "(the distributed optimizer and 1-bit Adam are AdamW's)")
     check_zero(p, c)
+    require(p.zero != 3 or not t.compile, "parallel.zero=3 gathers and frees each block's parameters from hooks "
+             "around it, which a compiled block cannot run: set train.compile=false or parallel.zero=2")
     require(t.precision != "bf16_params" or c.method != "onebit_adam", "train.precision=bf16_params "
              "keeps fp32 main weights that compression=onebit_adam's optimizer does not: use train.precision=bf16 "
              "(autocast) or fp32 with it")
@@ -53,10 +55,11 @@ def check(cfg: Config, layout: Layout) -> None:
 def check_zero(p: ParallelConfig, c: CompressionConfig) -> None:
     """The distributed optimizer reduce-scatters each bucket: a method that needs the whole bucket (a codec,
     PowerSGD, 1-bit Adam's momentum) or a per-step stage change cannot run there."""
-    require(p.zero in (0, 1, 2), f"parallel.zero must be 0 (off), 1 (the distributed optimizer: Adam's moments "
-             f"sharded over DP) or 2 (gradients sharded too), got {p.zero}")
-    require(p.zero >= 1 or not p.overlap_param_gather, "parallel.overlap_param_gather=true overlaps the "
-             "distributed optimizer's parameter all-gather: it needs parallel.zero=1 or 2")
+    require(p.zero in (0, 1, 2, 3), f"parallel.zero must be 0 (off), 1 (the distributed optimizer: Adam's moments "
+             f"sharded over DP), 2 (gradients sharded too) or 3 (parameters too), got {p.zero}")
+    require(p.zero in (1, 2) or not p.overlap_param_gather, "parallel.overlap_param_gather=true overlaps the "
+             "distributed optimizer's parameter all-gather: it needs parallel.zero=1 or 2 (zero=3 gathers each "
+             "block before its use, prefetching the next)")
     if p.zero == 0:
         return
     require(c.method in ZERO_METHODS, f"parallel.zero={p.zero} reduce-scatters the gradients, which "
@@ -132,7 +135,7 @@ def exchange_bytes(cfg: Config, sizes: Sequence[int], dp: int, device: str) -> t
     c = cfg.compression
     if dp == 1 or not sizes:
         return 0, 0
-    if cfg.parallel.zero == 2:
+    if cfg.parallel.zero >= 2:  # ZeRO-2 and 3: the microbatch rounds
         return zero2_copies(c, sorted(sizes)[-2:], device), 0
     if c.method in ("none", "fp16", "bf16", "torch_fp16", "torch_bf16"):
         cast = 2 * sum(sizes) if c.method != "none" else 0

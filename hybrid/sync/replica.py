@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from hybrid.parallel.context import ParallelContext
 
 INCOMPATIBLE = {"compression.method": ("hierarchical", "onebit_adam"), "compression.schedule": ("auto",),
-                "parallel.zero": (1, 2)}
+                "parallel.zero": (1, 2, 3)}
 """Options a replica-level mode refuses: hierarchical compression (use `sync.scope=inter`), 1-bit Adam (an
 optimizer-side gradient compression), the auto compression schedule (it watches every step's gradient
 exchange), the distributed optimizer (its shards assume replicas that agree)."""

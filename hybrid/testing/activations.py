@@ -18,14 +18,14 @@ def saved_tally(model: torch.nn.Module) -> Iterator[dict[int, tuple[str, int]]]:
 
     region: "layers" inside a transformer block (a module of `model.layers`), else "ends".
     """
-    params = {p.untyped_storage().data_ptr() for p in (*model.parameters(), *model.buffers())}
+    state = lambda: {p.untyped_storage().data_ptr() for p in (*model.parameters(), *model.buffers())}  # noqa: E731
     seen: dict[int, tuple[str, int]] = {}
     region = ["ends"]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if not isinstance(t, torch.nn.Parameter) and ptr not in params and ptr not in seen and storage.nbytes():
+        ptr = storage.data_ptr()  # the parameters' storages now (ZeRO-3 gathers them into fresh storage)
+        if not isinstance(t, torch.nn.Parameter) and ptr not in state() and ptr not in seen and storage.nbytes():
             seen[ptr] = (region[0], storage.nbytes())
         return t
 

@@ -140,8 +140,13 @@ def train_case(ctx: ParallelContext, case: Case, world: int) -> dict[str, Any]:
         norms.append(r.grad_norm)
         step_bytes.append({key: b for key, b in C.COUNTER.bytes.items() if b})
         launch_logs.append(list(trainer.grad_sync.last_launch_log))
+    units = getattr(trainer.optimizer, "units", None)  # ZeRO-3: the kept shards; what a step leaves gathered
+    zero3 = None if units is None else {"kept": sum(f.shard.nbytes for f in units.flats()),
+                                        "gathered": sum(f.nbytes for f in units.flats() if f.gathered),
+                                        "units": [(u.root, sum(f.full.numel() for f in u.flats)) for u in units.units]}
     eval_loss = trainer.evaluate()
     full: dict[str, torch.Tensor] = {}
+    getattr(trainer.optimizer, "wait_params", lambda: None)()  # every parameter readable (ZeRO-3: gathered)
     for chunk in model:  # a collective over TP: every TP rank gathers
         full.update(full_state_dict(chunk, ctx.tp_group))
     c = ctx.coord
@@ -150,7 +155,7 @@ def train_case(ctx: ParallelContext, case: Case, world: int) -> dict[str, Any]:
             "bytes": step_bytes, "launch_logs": launch_logs, "buckets": len(trainer.grad_sync.buckets),
             "microbatches": trainer.num_microbatches, "grad_bytes": trainer.grad_sync.held_bytes(),
             "grads_none": all(p.grad is None for p in model.parameters()),
-            "eval": eval_loss, "tied_numel": tied, "inflight": inflight,
+            "eval": eval_loss, "tied_numel": tied, "inflight": inflight, "zero3": zero3,
             "n_params": trainer.n_params, "analytic_params": analytic_param_count(cfg.model, VOCAB, case.tp),
             "state": full if c.tp == 0 and c.dp == 0 else None, "moments": moment_bytes(trainer.optimizer),
             "bucket_numel": [(sum(p.numel() for p in b.parameters()), b.numel())

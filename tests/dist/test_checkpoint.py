@@ -72,6 +72,7 @@ def _train(trainer: Trainer) -> list[float]:
 def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     """This stage's gathered, globally named weights (a collective over TP), real vocabulary rows only."""
     out = {}
+    getattr(trainer.optimizer, "wait_params", lambda: None)()  # every parameter readable (ZeRO-3: gathered)
     for chunk in trainer.model:
         for name, t in full_state_dict(chunk, trainer.ctx.tp_group).items():
             out[name] = t[:VOCAB] if name in ("tok_embed.weight", "head.weight") else t

@@ -4,7 +4,7 @@
   the estimate exactly for GPT and Llama (GQA and not), dropout 0 and 0.1, every recomputation mode, fp32 and
   bf16 parameters; and with the fused head (its gradients kept instead of the probabilities).
 - Schedules: the microbatches the estimate replays a rank holding equal the simulator's peak in flight.
-- Sixteen (model, layout, schedule, precision, compression, ZeRO, recomputation, dropout, head) combinations on 4 gloo
+- Nineteen (model, layout, schedule, precision, compression, ZeRO, recomputation, dropout, head) combinations on 4 gloo
   ranks, each rank estimated from its own chunks built on the meta device: parameters, gradients and optimizer
   state equal the trainer's tensors exactly; at tp=1 or 2 without a pipeline, the activations equal the tally; the
   total is within 10 % of the states plus the peak the profiler tracks over a training step.
@@ -120,12 +120,17 @@ COMBOS = [
     Case("gpt", zero=2, extra=("train.recompute=selective",)),  # gradient shards only, the rounds as buffers
     Case("gpt", pp=2, schedule="zb1p", zero=2, extra=("train.precision=bf16_params",)),
     Case("llama", tp=2, sp=True, zero=2, extra=("compression=int4", "compression.block_size=32")),
+    Case("gpt", zero=3, extra=("train.recompute=full",)),  # parameter shards, the gathered blocks as buffers
+    Case("llama", pp=2, zero=3, extra=("train.precision=bf16_params",)),
+    Case("gpt", tp=2, zero=3, extra=("compression=int8", "compression.block_size=32")),
 ]
 
 
 def _states(trainer: Trainer) -> tuple[int, int, int]:
     """Bytes of the parameters, the gradient buckets and the optimizer's state (moments; fp32 main weights)."""
-    params = sum(p.element_size() * p.numel() for p in trainer.model.parameters())
+    units = getattr(trainer.optimizer, "units", None)  # ZeRO-3: the kept shards (what is gathered is a buffer)
+    params = (sum(f.shard.nbytes for f in units.flats()) if units is not None else
+              sum(p.element_size() * p.numel() for p in trainer.model.parameters()))
     grads = trainer.grad_sync.held_bytes()
     opt = trainer.optimizer
     if isinstance(opt, MainWeightsOptimizer):

@@ -77,13 +77,19 @@ ZERO2 = [case(zero=2), case(tp=2, zero=2), case("llama", tp=2, zero=2), case(tp=
          case("gpt", *ONE_BUCKET, pp=2, schedule="zbv", v=2, zero=2),
          case("gpt", *OVERLAP, pp=2, zero=2)]
 ZERO2_COMPRESSED = [case("gpt", *BF16, zero=2), case("gpt", *INT8, zero=2), case("gpt", *INT4, zero=2)]
+FULL, SELECTIVE = ("train.recompute=full",), ("train.recompute=selective",)
+ZERO3 = [case(zero=3), case(tp=2, zero=3), case("llama", tp=2, sp=True, zero=3), case(pp=2, zero=3),
+         case(pp=2, schedule="interleaved", v=2, zero=3), case(pp=2, schedule="zb1p", zero=3),
+         case("gpt", *ONE_BUCKET, pp=2, schedule="zbv", v=2, zero=3), case("gpt", *FULL, zero=3),
+         case("llama", *SELECTIVE, pp=2, zero=3)]
+ZERO3_COMPRESSED = [case("gpt", *BF16, zero=3), case("gpt", *INT8, zero=3)]
 WORLD = 4
 
 
 @functools.cache
 def launched() -> dict[str, list[dict[str, Any]]]:
     torch.set_num_threads(1)
-    cases = ZERO + PLAIN + ZERO2 + ZERO2_COMPRESSED
+    cases = ZERO + PLAIN + ZERO2 + ZERO2_COMPRESSED + ZERO3 + ZERO3_COMPRESSED
     for run in cases:  # composed here once, inherited by the forked ranks
         make_cfg(run, WORLD)
     results = run_frozen(train_cases, WORLD, cases, timeout=TIMEOUT)
@@ -219,13 +225,72 @@ def test_zero2_compressed_reduce_scatter_tracks_exact_training_as_zero1s_does(me
     assert 0 < gap(zero2) < 2e-2 and gap(zero2) < 4 * gap(zero1) + 1e-4, (zero2, zero1, exact)
 
 
-def test_zero2_checkpoint_resumes_across_stages_and_dp_sizes(tmp_path: Path) -> None:
-    """Saved under ZeRO-2 at dp4; resumed there (bit for bit), at dp2 under ZeRO-1, at dp2 without ZeRO and in one
-    process: the same loss curve (the files are the plain optimizer's, whatever the stage)."""
-    resharded = [Case(tp=2, zero=1), Case(tp=2)]
+@pytest.mark.parametrize("run", ZERO3, ids=str)
+def test_zero3_matches_single_process(run: Case) -> None:
+    results = launched()[str(run)]
+    assert_matches_reference(results, reference(run.family))
+
+
+@pytest.mark.parametrize("run", [case(zero=3), case(pp=2, zero=3), case("gpt", *ONE_BUCKET, pp=2, schedule="zbv", v=2,
+                                                                        zero=3)], ids=str)
+def test_zero3_is_zero2_bit_for_bit_and_zero1_with_one_microbatch(run: Case) -> None:
+    """Only where the parameters live differs: the buckets, their shards, the reductions and the sums are ZeRO-2's
+    (and ZeRO-1's, but for its one reduce-scatter of the microbatches' sum)."""
+    for stage in (1, 2):
+        other = launched().get(str(replace(run, zero=stage)))
+        if other is None:
+            continue
+        for a, b in zip(launched()[str(run)], other):
+            if stage == 2 or a["microbatches"] == 1:
+                assert (a["losses"], a["norms"]) == (b["losses"], b["norms"]), (stage, a["losses"], b["losses"])
+                if a["state"] is not None:
+                    assert all(torch.equal(a["state"][k], v) for k, v in b["state"].items())
+
+
+@pytest.mark.parametrize("run", ZERO3 + ZERO3_COMPRESSED, ids=str)
+def test_zero3_keeps_parameter_shards_only(run: Case) -> None:
+    """After a step each rank keeps its 1/dp of every padded bucket's parameters (fp32) and gathers nothing, and
+    its gradients are shards (ZeRO-2's)."""
+    dp = WORLD // (run.tp * run.pp)
+    for r in launched()[str(run)]:
+        padded = sum(p for _, p in r["bucket_numel"])
+        assert r["zero3"]["kept"] == 4 * padded // dp and r["zero3"]["gathered"] == 0, (r["coord"], r["zero3"])
+        assert r["grad_bytes"] == 4 * padded // dp and r["grads_none"]
+
+
+@pytest.mark.parametrize("run", [c for c in ZERO3 + ZERO3_COMPRESSED if c.schedule in ("1f1b", "interleaved")],
+                         ids=str)
+def test_zero3_gathers_each_block_twice_and_each_root_once_per_microbatch(run: Case) -> None:
+    """Per step and rank: every block's buckets all-gathered before its forward and again before its backward,
+    the chunk's root (embedding, final norm, head) once (kept from its forward through its backward), per
+    microbatch (fp32); the gradients reduce-scattered per microbatch as under ZeRO-2; the norm one scalar."""
+    rs_bytes = 2 if BF16[0] in run.extra else 4
+    for r in launched()[str(run)]:
+        m, padded = r["microbatches"], sum(p for _, p in r["bucket_numel"])
+        gathered = sum(n * (1 if root else 2) for root, n in r["zero3"]["units"])
+        want = {("dp", "all_gather"): 4 * m * gathered, ("dp", "all_reduce"): 4}
+        want |= {("dp", "all_to_all"): m * sum(WORLD * Int8Codec(32).encoded_bytes(Int8Codec(32).chunk_len(p // WORLD))
+                                           for _, p in r["bucket_numel"])} if INT8[0] in run.extra else \
+            {("dp", "reduce_scatter"): m * rs_bytes * padded}
+        for step in r["bytes"]:
+            assert {k: b for k, b in step.items() if k[0] == "dp"} == want, (str(run), r["coord"], step)
+
+
+@pytest.mark.parametrize("method", ["bf16", "int8"])
+def test_zero3_compressed_reduce_scatter_is_zero2s(method: str) -> None:
+    zero2, zero3 = (launched()[str(c)][0]["losses"] for c in ZERO2_COMPRESSED + ZERO3_COMPRESSED
+                    if method in c.extra[0])
+    assert zero2 == zero3
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_checkpoint_resumes_across_stages_and_dp_sizes(tmp_path: Path, zero: int) -> None:
+    """Saved under ZeRO-2 or 3 at dp4; resumed there (bit for bit), at dp2 under ZeRO-1 (and 3), at dp2 without
+    ZeRO and in one process: the same loss curve (the files are the plain optimizer's, whatever the stage)."""
+    resharded = [Case(tp=2, zero=1), Case(tp=2), *([Case(tp=2, zero=3)] if zero == 3 else [])]
     torch.set_num_threads(1)
-    resume_cfgs(WORLD, tmp_path, Case(zero=2), resharded, L2)
-    results = run_frozen(resume_runs, WORLD, tmp_path, Case(zero=2), resharded, L2, timeout=TIMEOUT)
+    resume_cfgs(WORLD, tmp_path, Case(zero=zero), resharded, L2)
+    results = run_frozen(resume_runs, WORLD, tmp_path, Case(zero=zero), resharded, L2, timeout=TIMEOUT)
     for r in results:  # the same layout: moments and step count restored through the gathered view
         assert r["same"]["losses"] == r["base"]["losses"][SAVE_AT:]
         assert all(torch.equal(r["same_final"][name], w) for name, w in r["final"].items())

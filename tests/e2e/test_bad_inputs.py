@@ -104,7 +104,11 @@ CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece o
     ("overlap-without-zero", ["parallel.overlap_param_gather=true"], "parallel.overlap_param_gather=true overlaps "
      "the distributed optimizer's parameter all-gather: it needs parallel.zero=1 or 2"),
     ("zero-4", ["parallel.zero=4"], "parallel.zero must be 0 (off), 1 (the distributed optimizer: Adam's moments "
-     "sharded over DP) or 2 (gradients sharded too), got 4"),
+     "sharded over DP), 2 (gradients sharded too) or 3 (parameters too), got 4"),
+    ("zero3-compile", ["parallel.zero=3", "train.compile=true"], "parallel.zero=3 gathers and frees each block's "
+     "parameters from hooks around it, which a compiled block cannot run"),
+    ("zero3-overlap", ["parallel.zero=3", "parallel.overlap_param_gather=true"], "it needs parallel.zero=1 or 2 "
+     "(zero=3 gathers each block before its use, prefetching the next)"),
     ("zero-codec", ["parallel.zero=2", "compression=powersgd"], "parallel.zero=2 reduce-scatters the gradients, "
      "which compression=powersgd cannot do (it needs each bucket whole): use compression=none|fp16|bf16|int8"),
     ("zero-warmup", ["parallel.zero=1", "compression=bf16", "compression.warmup_steps=2"],

@@ -89,6 +89,14 @@ def assign_buckets(params: list[nn.Parameter], bucket_bytes: int,
     return [part for b in buckets for part in _by_class(b, apart)]
 
 
+def assign_units(units: list[list[nn.Parameter]], bucket_bytes: int,
+                 apart: frozenset[int] = frozenset()) -> list[list[nn.Parameter]]:
+    """Under ZeRO: each unit's parameters (a block, a chunk's root) bucketed alone by `assign_buckets`, the last
+    unit's first (the order the backward finishes them). ZeRO-3 gathers and frees a bucket with its unit; ZeRO-1
+    and 2 lay their buckets out alike, so the three stages shard, reduce and sum in the same order."""
+    return [b for unit in reversed(units) for b in assign_buckets(unit, bucket_bytes, apart)]
+
+
 def padded_numel(numel: int, dp: int) -> int:
     """A sharded bucket's length: `numel` rounded up so that each of the dp shards holds a multiple of
     `SHARD_ALIGN` elements (equal shards for the reduce-scatter and all-gather; 128-byte aligned)."""

@@ -42,7 +42,7 @@ from torch import nn
 
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
-from hybrid.parallel.dp.buckets import GradBucket, assign_buckets, padded_numel
+from hybrid.parallel.dp.buckets import GradBucket, assign_buckets, assign_units, padded_numel
 from hybrid.parallel.dp.grads import sync_sequence_parallel_grads, sync_tied_grads
 from hybrid.parallel.dp.sharded import EncodedReduceScatter, ShardedGrads, shard_of
 
@@ -102,16 +102,19 @@ class GradSync:
                  bucket_mb: float = 25.0, report: SyncReport = SyncReport(), in_backward: bool = True,
                  apart: frozenset[int] = frozenset(), zero: int = 0,
                  reduce_dtype: torch.dtype = torch.float32, main_grads: bool = False,
-                 encoded_reduce_scatter: Optional[EncodedReduceScatter] = None) -> None:
+                 encoded_reduce_scatter: Optional[EncodedReduceScatter] = None,
+                 units: Optional[list[list[nn.Parameter]]] = None) -> None:
         self.group, self.hook, self.state, self.report = group, hook, state, report
         self.main_grads = main_grads  # fp32 `p.main_grad` views, the low-precision `.grad` folded in by the hook
         self.in_backward = in_backward  # False: every bucket waits for finish() (no overlap; a test switch)
         self.enabled = C.size(group) > 1
-        self.zero = zero  # 1: reduce-scatter each bucket once a step; 2: every microbatch, into kept shards
+        self.zero = zero  # 1: reduce-scatter each bucket once a step; 2, 3: every microbatch, into kept shards
         self.sharded = zero >= 1  # the optimizer updates this rank's shard of each bucket
         self.reduce_dtype = reduce_dtype  # the sharded path's reduce-scatter dtype (fp16/bf16: half the bytes)
         self.encoded = encoded_reduce_scatter  # or an encoded one (int8: an all-to-all of about a quarter)
-        groups = assign_buckets([p for p in params if p.requires_grad], int(bucket_mb * 2**20), apart)
+        size = int(bucket_mb * 2**20)  # ZeRO: buckets inside `units` (ZeRO-3 gathers and frees them with a unit)
+        groups = (assign_units(units, size, apart) if units is not None else
+                  assign_buckets([p for p in params if p.requires_grad], size, apart))
         self.buckets: list[GradBucket] = []
         on_ready = _weak_hook(self)
         self._bucket_of: dict[int, int] = {}

@@ -72,15 +72,20 @@ def unit_modules(model: nn.ModuleList) -> list[tuple[nn.Module, list[nn.Module]]
     return [(chunk, list(chunk.layers.values()) if hasattr(chunk, "layers") else []) for chunk in model]
 
 
-def unit_params(model: nn.ModuleList) -> list[list[nn.Parameter]]:
-    """The trainable parameters of each unit — a chunk's root (all but its blocks'), then each block —, in
-    registration order, chunk by chunk: `GradSync`'s buckets under ZeRO-3 never span two units."""
+def unit_groups(model: nn.ModuleList) -> list[tuple[bool, list[nn.Parameter]]]:
+    """(is the root, its trainable parameters) of each unit — a chunk's root (all but its blocks'), then each
+    block —, in registration order, chunk by chunk; units without any left out."""
     out = []
     for chunk, blocks in unit_modules(model):
         inside = {id(p) for b in blocks for p in b.parameters()}
-        out.append([p for p in chunk.parameters() if p.requires_grad and id(p) not in inside])
-        out += [[p for p in b.parameters() if p.requires_grad] for b in blocks]
-    return [u for u in out if u]
+        out.append((True, [p for p in chunk.parameters() if p.requires_grad and id(p) not in inside]))
+        out += [(False, [p for p in b.parameters() if p.requires_grad]) for b in blocks]
+    return [(root, ps) for root, ps in out if ps]
+
+
+def unit_params(model: nn.ModuleList) -> list[list[nn.Parameter]]:
+    """Each unit's trainable parameters: `GradSync`'s buckets under ZeRO-3 never span two units."""
+    return [ps for _, ps in unit_groups(model)]
 
 
 class Unit:
