@@ -42,6 +42,7 @@ FAST_S, SLOW_S = 0.1, 1.0  # made-up compute seconds per step handed to the chec
 SLOWED = ("health.straggler_every=2", "health.straggler_threshold=0.5")
 CHECKED = ("health.divergence_every=2", "health.straggler_every=0")
 PLAIN, ZERO = Case(tp=2, layers=2), Case(tp=2, zero=1, extra=("parallel.overlap_param_gather=true",), layers=2)
+ZERO3 = Case(tp=2, zero=3, layers=2)  # the check gathers every parameter first
 SLOW_CASES = {2: (Case(layers=2), 1), 4: (Case(pp=2, layers=2), 2)}  # world → (case, the slowed rank)
 
 
@@ -96,7 +97,7 @@ def launched(world: int) -> dict[str, list[Any]]:
     torch.set_num_threads(1)
     health_cfg(SLOW_CASES[world][0], world, *SLOWED)
     if world == 4:
-        for case in (PLAIN, ZERO):
+        for case in (PLAIN, ZERO, ZERO3):
             health_cfg(case, world, *CHECKED)
     results = run_ranks(runs, world, timeout=TIMEOUT)
     return {name: [r[name] for r in results] for name in results[0]}
@@ -146,7 +147,7 @@ def _run_checked(rank: int, world: int, case: Case, nudge: tuple[str, int] | Non
 def drifted(rank: int, world: int) -> dict[str, Any]:
     return {"dp": _run_checked(rank, world, PLAIN, ("layers.1.mlp.up.weight", 3)),
             "tp": _run_checked(rank, world, PLAIN, ("layers.0.attn_norm.weight", 1)),
-            "clean": _run_checked(rank, world, ZERO, None)}
+            "clean": _run_checked(rank, world, ZERO, None), "clean3": _run_checked(rank, world, ZERO3, None)}
 
 
 def test_a_drifted_replica_stops_the_run_naming_the_parameter() -> None:
@@ -154,6 +155,7 @@ def test_a_drifted_replica_stops_the_run_naming_the_parameter() -> None:
     # tp2·dp2: ranks 1 and 3 are one DP group (tp rank 1), ranks 0 and 1 one TP group (dp rank 0)
     for r in results:
         assert r["clean"] is None  # ZeRO-1's overlapped gathers are waited for: no false alarm
+        assert r["clean3"] is None  # ZeRO-3's parameters are gathered for the check
         assert r["dp"] is not None and r["dp"].startswith("replica divergence after step 4: "), r["dp"]
         assert r["tp"] is not None and r["tp"].startswith("replica divergence after step 4: "), r["tp"]
     for rank in (1, 3):  # two replicas: which one drifted cannot be told

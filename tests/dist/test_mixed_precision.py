@@ -41,9 +41,10 @@ L4 = ("model.n_layers=4",)  # the launch's model: a layer per part of the interl
 L2 = ("model.n_layers=2",)  # the checkpoint's
 LOW = (*BF16, *L4)
 ZERO2_LOW = Case(pp=2, zero=2, extra=LOW)
+ZERO3_LOW = Case(tp=2, sp=True, zero=3, extra=LOW)
 CASES = [Case(extra=LOW), Case(zero=1, extra=LOW), Case(tp=2, pp=2, extra=LOW),
          Case(tp=2, sp=True, zero=1, extra=LOW), Case(pp=2, schedule="interleaved", v=2, zero=1, extra=LOW),
-         ZERO2_LOW, Case(tp=2, pp=2, extra=L4)]
+         ZERO2_LOW, ZERO3_LOW, Case(tp=2, pp=2, extra=L4)]
 WORLD = 4
 LOSS_TOL = {"rtol": 2e-3, "atol": 2e-3}  # the losses of one model whose bf16 weights differ by an ulp here and there
 UPDATE_TOL = (0.4, 0.15)  # ‖w − w_ref‖ / ‖w_ref − w_0‖ per parameter, whole model (measured: 0.27, 0.05 at tp2)
@@ -158,6 +159,20 @@ def test_zero2_reduce_scatters_fp32_main_gradients_every_microbatch_and_gathers_
         padded, m = sum(p for _, p in r["bucket_numel"]), r["microbatches"]
         want = {("dp", "reduce_scatter"): 4 * m * padded, ("dp", "all_gather"): 2 * padded, ("dp", "all_reduce"): 4}
         assert m == 2 and r["grad_bytes"] == 4 * padded // 2 and r["grads_none"]
+        for step in r["bytes"]:
+            assert {k: b for k, b in step.items() if k[0] == "dp"} == want, (r["coord"], step)
+
+
+def test_zero3_keeps_bf16_shards_and_gathers_bf16_blocks() -> None:
+    """ZeRO-3 under bf16 parameters: each rank keeps its bf16 parameter shard (2 bytes per padded element / dp)
+    beside its fp32 main weights; the all-gathers move bf16 (2 bytes: each block twice, the root once, per
+    microbatch), the reduce-scatters fp32 main gradients."""
+    for r in launched()[str(ZERO3_LOW)]:
+        padded, m = sum(p for _, p in r["bucket_numel"]), r["microbatches"]
+        gathered = sum(n * (1 if root else 2) for root, n in r["zero3"]["units"])
+        want = {("dp", "reduce_scatter"): 4 * m * padded, ("dp", "all_gather"): 2 * m * gathered,
+                ("dp", "all_reduce"): 4}
+        assert r["zero3"]["kept"] == 2 * padded // 2 and r["zero3"]["gathered"] == 0
         for step in r["bytes"]:
             assert {k: b for k, b in step.items() if k[0] == "dp"} == want, (r["coord"], step)
 

@@ -52,6 +52,7 @@ from pp_helpers import (
 )
 
 from hybrid.model.traffic import pp_bytes_per_step
+from hybrid.parallel.dp.buckets import padded_numel
 from hybrid.parallel.pp.actions import place_of
 from hybrid.parallel.pp.schedules import SCHEDULES
 
@@ -94,7 +95,7 @@ LAUNCHES: dict[str, tuple[int, list[Case]]] = {
     "pp2dp2": (4, cases("gpt", 1, 2, ALL)  # and the distributed optimizer (ZeRO-1), also interleaved:
                + [Case("gpt", 1, 2, "1f1b", zero=1), Case("llama", 1, 2, "interleaved", 2, zero=1)]),
     "tp2pp2dp2": (8, [Case("gpt", 2, 2, "1f1b"), Case("gpt", 2, 2, "interleaved", 2, zero=1),
-                      Case("llama", 2, 2, "zb1p", sp=True, zero=2)]),
+                      Case("llama", 2, 2, "zb1p", sp=True, zero=2), Case("gpt", 2, 2, "interleaved", 2, zero=3)]),
     # the zero-bubble schedules (zb1p paired with the 1f1b cases above), with recomputation, SP (zb1p's split
     # backward through the TP layers; zbv's V placement is TP's business nowhere), ZeRO-1 and compression; the
     # tied embedding in both placements (zbv puts the embedding and the head on rank 0: gpt at pp2 and pp2dp2);
@@ -208,9 +209,9 @@ def test_dp_buckets_launch_inside_the_backward_under_every_schedule(name: str) -
             assert r["buckets"] > 2, (str(case), r["coord"], r["buckets"])  # small bucket_mb: several buckets
             for step, log in enumerate(r["launch_logs"]):
                 # every parameter of a stage gets a gradient, so every bucket must launch from the
-                # gradient-ready hook while autograd runs (not from finish()), in index order; under ZeRO-2 once
+                # gradient-ready hook while autograd runs (not from finish()), in index order; under ZeRO-2, 3 once
                 # per microbatch, as its rounds complete
-                if case.zero == 2:
+                if case.zero >= 2:
                     want = {b: r["microbatches"] for b in range(r["buckets"])}
                     assert Counter(i for i, _ in log) == want, (str(case), r["coord"], step, log)
                 else:
@@ -223,6 +224,16 @@ def test_dp_launches_cover_every_schedule_family() -> None:
     """The DP launches together run every schedule at dp > 1 (each checked above)."""
     schedules = {c.schedule for n in DP_LAUNCHES for c in LAUNCHES[n][1]}
     assert schedules == {"gpipe", "1f1b", "interleaved", "zb1p", "zbv"}
+
+
+def tied_share(r: dict[str, Any], case: Case, world: int) -> int:
+    """The elements of the tied embedding whose gradient this rank sums over the embedding group: its TP shard, or
+    under ZeRO-2 and 3 the part of it in this DP rank's gradient shard (the tied copy has a bucket of its own)."""
+    if case.zero < 2:
+        return r["tied_numel"]
+    dp = world // (case.tp * case.pp)
+    k = padded_numel(r["tied_numel"], dp) // dp
+    return min(k, max(0, r["tied_numel"] - r["coord"][1] * k))
 
 
 @pytest.mark.parametrize("name", list(LAUNCHES))
@@ -240,7 +251,7 @@ def test_pp_bytes_equal_the_analytic_figure(name: str) -> None:
             ends = {place_of(placement, case.pp, part)[0] for part in (0, case.pp * case.v - 1)}
             tied = case.family == "gpt" and pp_rank in ends
             assert (r["tied_numel"] > 0) == tied, (str(case), r["coord"])
-            embedding = {"all_reduce": 4 * r["tied_numel"]} if tied and len(ends) == 2 else {}
+            embedding = {"all_reduce": 4 * tied_share(r, case, world)} if tied and len(ends) == 2 else {}
             for step, counted in enumerate(r["bytes"]):
                 got = {op: b for (g, op), b in counted.items() if g == "pp"}
                 assert got == want, (str(case), r["coord"], step, got, want)
