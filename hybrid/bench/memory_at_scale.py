@@ -5,7 +5,7 @@
         [--seq-len 256] [--micro-batch 1] [--global-batch N] [--steps 2] [--budget-gib 16] [--largest] [--json F]
 
 A run is "MODEL LAYOUT RECOMPUTE [zero] [layers=N]": MODEL a configs/model name, LAYOUT `tpXppY` or
-`ppYdpZ` (dp = 8 / (tp·pp)), RECOMPUTE none|selective|full, `zero` (or `zero1`) for ZeRO-1, `zero2` for ZeRO-2,
+`ppYdpZ` (dp = 8 / (tp·pp)), RECOMPUTE none|selective|full, `zero` (or `zero1`) for ZeRO-1, `zero2`, `zero3`,
 `layers=N` overriding the
 model's layer count (same width). The global batch defaults to micro batch × dp × pp: pp microbatches per DP
 rank, the fewest that fill 1F1B (its first stage then holds pp microbatches, as with more).
@@ -103,7 +103,7 @@ def parse_spec(text: str) -> Spec:
         raise ValueError(f"run {text!r}: recompute {recompute!r} is not one of {', '.join(RECOMPUTE)}")
     zero, layers = 0, None
     for w in rest:
-        if w == "zero" or re.fullmatch(r"zero[0-2]", w):
+        if w == "zero" or re.fullmatch(r"zero[0-3]", w):
             zero = int(w[4:] or 1)
         elif w.startswith("layers=") and w[7:].isdigit():
             layers = int(w[7:])
@@ -249,8 +249,9 @@ def most_layers(fits: Callable[[int], bool], start: int, stop: int) -> Optional[
 
 LARGEST = [("gpt-1b", "tp2pp4", "none"), ("gpt-1b", "tp2pp4", "full"), ("gpt-1b", "pp2dp4", "none"),
            ("gpt-1b", "pp2dp4", "full zero"), ("gpt-350m", "tp2pp4", "none"), ("gpt-350m", "tp2pp4", "full"),
-           ("gpt-350m", "pp2dp4", "none"), ("gpt-350m", "pp2dp4", "full zero")]
-"""(width, layout, features) searched by `--largest` (ZeRO-1 only where dp > 1: at tp2pp4 dp is 1)."""
+           ("gpt-350m", "pp2dp4", "none"), ("gpt-350m", "pp2dp4", "full zero"), ("gpt-1b", "pp2dp4", "full zero3"),
+           ("gpt-350m", "pp2dp4", "full zero3")]
+"""(width, layout, features) searched by `--largest` (ZeRO only where dp > 1: at tp2pp4 dp is 1)."""
 
 
 def largest(args: argparse.Namespace, machine_gib: float, stop: int = 96) -> list[list[Any]]:

@@ -181,7 +181,7 @@ class DistributedOptimizer:
         for i in list(self._inflight) if buckets is None else buckets:
             work = self._inflight.pop(i, None)
             if work is not None:
-                with C.TIMER.waiting(C.group_name(self.dp_group)):
+                with C.TIMER.waiting(C.group_name(self.dp_group), "all_gather"):
                     work.wait()
 
     def _wait_in_forward(self, model: nn.Module) -> None:

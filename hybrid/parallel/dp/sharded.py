@@ -103,7 +103,7 @@ class ShardedGrads:
         b, low, work = self._inflight
         self._inflight = None
         if work is not None:
-            with C.TIMER.waiting(C.group_name(self.group)):
+            with C.TIMER.waiting(C.group_name(self.group), "reduce_scatter"):
                 work.wait()
         self.shards[b].add_(shard_of(low, self.group))
 

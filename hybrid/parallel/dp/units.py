@@ -56,7 +56,7 @@ class FlatParams:
         """Gathered on return (launched here if it was not)."""
         self.launch()
         if self.work is not None and self.work is not _DONE:
-            with C.TIMER.waiting(C.group_name(self.group)):
+            with C.TIMER.waiting(C.group_name(self.group), "all_gather"):  # comm/dp/all_gather/exposed_s
                 self.work.wait()
         self.work, self.gathered = None, True
 

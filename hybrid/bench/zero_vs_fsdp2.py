@@ -1,0 +1,161 @@
+"""ZeRO-3 (`parallel.zero=3`) beside torch's FSDP2 (`fully_shard`) on the same model, ranks and batches.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python -m hybrid.bench.zero_vs_fsdp2 [--dp 4] [--model gpt-125m] [--seq 256]
+        [--rounds 3] [--steps 3] [--quick]
+
+Each round launches, in alternating order (A B, B A, …), --dp gloo ranks twice: hybrid's Trainer under
+`parallel.zero=3`, and the same model (`build_chunks`, tp = pp = 1) with `fully_shard` on every transformer block
+and on the whole chunk (FSDP2's per-block units and root, `reshard_after_forward=True`), AdamW (foreach: the fused
+CPU kernel takes no DTensor) over hybrid's decay groups, `clip_grad_norm_` at `optim.grad_clip`, the same LR
+schedule and the same samples per rank (`StepSampler`). Reported per side, medians over rounds: the step time, each
+rank's peak resident set over its timed steps less its resident set before them (VmHWM after clearing), and the
+losses of the first steps — the two must train alike (`tests/dist/test_zero.py` holds them to 1e-5).
+
+FSDP2 does not run where hybrid needs its own ZeRO: its DTensor parameters lose hybrid's parameter records (the
+checkpoint, export, norm and TP gradient sums read them), its gradients are DTensors that hybrid's fragment norm
+cannot read, bf16 main gradients cannot be views, the zero-bubble schedules' split backward fails on its freed
+parameters, and it has no hook for a codec's compressed all-gather or a second in-node partition (hpZ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hybrid.bench import common
+from hybrid.bench.common import launch
+from hybrid.bench.memory import rss_mib
+from hybrid.config import compose_config
+from hybrid.data import Corpus
+from hybrid.optim import lr_at, param_groups
+from hybrid.optim.adamw import adamw_over
+from hybrid.parallel.context import Layout, ParallelContext
+from hybrid.sampler import StepSampler, batch_from
+from hybrid.trainer import Trainer, build_chunks
+
+MODULE = "hybrid.bench.zero_vs_fsdp2"
+VOCAB = 8192
+QUICK = {"model": "gpt-tiny", "dp": 2, "seq": 64, "rounds": 1, "steps": 2, "timeout": 120.0}
+SIDES = ("zero3", "fsdp2")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
+    common.add_quick(p, "gpt-tiny at dp2, 64 tokens, one round of two steps, seconds")
+    p.add_argument("--model", default="gpt-125m", help="a configs/model name")
+    p.add_argument("--layers", type=int, default=0, help="layers of the model (0: the config's)")
+    p.add_argument("--dp", type=int, default=4, help="DP ranks")
+    p.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=1, help="sequences per microbatch and rank")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, the order of the sides alternating")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per side per round")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a set of ranks is killed")
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = build_parser()
+    args = common.parse_with_quick(p, argv, QUICK)
+    common.check_models(p, args.model)
+    if args.dp < 2 or min(args.seq, args.batch, args.rounds, args.steps) < 1 or args.layers < 0:
+        p.error("--dp must be >= 2; --seq, --batch, --rounds, --steps >= 1; --layers >= 0")
+    return args
+
+
+def config(model: str, layers: int, dp: int, seq: int, batch: int, steps: int, *extra: str) -> Any:
+    """ZeRO-3 over `dp` ranks, fp32, no dropout, one microbatch of `batch` sequences per rank and step."""
+    cut = [f"model.n_layers={layers}"] if layers else []
+    return compose_config([f"model={model}", *cut, "model.dropout=0", f"data.seq_len={seq}",
+                           f"train.micro_batch_size={batch}", f"train.global_batch_size={batch * dp}",
+                           "train.eval_every=0", f"train.steps={steps}", f"parallel.dp={dp}", "parallel.zero=3",
+                           "train.fused_head=off", "optim.implementation=foreach", "train.precision=fp32", *extra])
+
+
+def corpus(seq: int, n: int = 64) -> Corpus:
+    samples = np.random.default_rng(0).integers(0, VOCAB, size=(n, seq + 1)).astype(np.int32)
+    return Corpus(tokenizer=None, vocab_size=VOCAB, eos_id=0, train=samples, eval=samples[:2], seq_len=seq)
+
+
+def zero3_steps(cfg: Any, ctx: ParallelContext, data: Corpus, steps: int) -> list[Callable[[], float]]:
+    """hybrid's Trainer under ZeRO-3: one callable per step, returning the step's DP-mean loss."""
+    trainer = Trainer(cfg, ctx, build_chunks(cfg, VOCAB, ctx), data, torch.device("cpu"))
+    return [lambda: trainer.train_step().loss for _ in range(steps)]
+
+
+def fsdp2_steps(cfg: Any, ctx: ParallelContext, data: Corpus, steps: int) -> list[Callable[[], float]]:
+    """The same model under `fully_shard` (blocks, then the chunk) and the same optimizer, schedule and samples."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    chunk = build_chunks(cfg, VOCAB, ctx)[0]
+    mesh = DeviceMesh.from_group(ctx.dp_group, "cpu")
+    for block in chunk.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(chunk, mesh=mesh)
+    t, o = cfg.train, cfg.optim
+    opt = adamw_over(param_groups(chunk, o.weight_decay), o, t.lr)
+    sampler = StepSampler(len(data.train), t.micro_batch_size, 1, ctx.dp_size, ctx.dp_rank, t.seed)
+
+    def step(n: int) -> float:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(n, t.lr, t.steps, o.warmup_steps, o.min_lr_ratio)
+        ids, labels = batch_from(data.train, sampler.next_step()[0])
+        loss = chunk(ids, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(chunk.parameters()), o.grad_clip)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=ctx.dp_group)
+        return float(mean) / ctx.dp_size
+
+    return [lambda n=n: step(n) for n in range(steps)]
+
+
+def side_rank(rank: int, world: int, cfg: Any, steps: int, side: str) -> dict[str, Any]:
+    """One untimed step, then `steps` timed ones: their losses, the mean step time, the peak RSS over them."""
+    import time
+
+    from hybrid.bench.memory_at_scale import reset_peak
+
+    ctx = ParallelContext.build(Layout.create(world))
+    run = (zero3_steps if side == "zero3" else fsdp2_steps)(cfg, ctx, corpus(cfg.data.seq_len), steps + 1)
+    losses = [run[0]()]
+    base, cleared = rss_mib(), reset_peak()
+    start = time.perf_counter()
+    losses += [f() for f in run[1:]]
+    return {"losses": losses, "step_s": (time.perf_counter() - start) / steps,
+            "peak_mib": rss_mib("VmHWM") - base if cleared else float("nan")}
+
+
+def section(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, list[dict[str, Any]]]:
+    cfg = config(args.model, args.layers, args.dp, args.seq, args.batch, args.steps + 1)
+    got: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+    for i in range(args.rounds):
+        for side in SIDES if i % 2 == 0 else SIDES[::-1]:
+            got[side].append(launch(side_rank, args.dp, cfg, args.steps, side, timeout=args.timeout)[0])
+    out(f"\n## {args.model}{f' cut to {args.layers} layers' if args.layers else ''}, dp={args.dp}, "
+        f"{args.batch} × {args.seq} tokens per rank, fp32; medians over {args.rounds} rounds × {args.steps} steps "
+        "(rank 0)")
+    rows = [[side, f"{statistics.median(r['step_s'] for r in got[side]):.3f}",
+             f"{statistics.median(r['peak_mib'] for r in got[side]):.0f}",
+             " ".join(f"{x:.5f}" for x in got[side][0]["losses"][:3])] for side in SIDES]
+    out("\n".join(common.table(["side", "step s", "peak over base MiB", "first losses"], rows)))
+    ratio = statistics.median(a["step_s"] / b["step_s"] for a, b in zip(got["zero3"], got["fsdp2"]))
+    out(f"\nzero3 / fsdp2 step time, median of the rounds' ratios: {ratio:.2f}")
+    return got
+
+
+def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[str, Any]:
+    return common.run_one(section, args, common.reproduce_command(MODULE, build_parser(), args), MODULE, out)
+
+
+if __name__ == "__main__":
+    run(parse_args())
+
