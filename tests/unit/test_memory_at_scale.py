@@ -25,7 +25,8 @@ def test_a_spec_names_its_layout_and_features(text: str, want: mas.Spec) -> None
 
 
 @pytest.mark.parametrize("text", ["gpt-1b tp2pp4", "gpt-1b tp3pp2 none", "gpt-1b pp2dp2 none",
-                                  "gpt-1b tp2pp4 fast", "gpt-1b tp2pp4 none zero5", "gpt-1b tp2pp4 none zero4", "gpt-1b x4 none"])
+                                  "gpt-1b tp2pp4 fast", "gpt-1b tp2pp4 none zero5", "gpt-1b tp2pp4 none zero4",
+                                  "gpt-1b x4 none"])
 def test_a_bad_spec_is_refused(text: str) -> None:
     with pytest.raises(ValueError, match="run"):
         mas.parse_spec(text)
