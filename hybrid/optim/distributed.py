@@ -65,14 +65,16 @@ class DistributedOptimizer:
             raise ValueError("DistributedOptimizer needs GradSync(zero=1, 2 or 3)")
         self.ctx, self.grad_clip, self.dp_group = ctx, cfg.grad_clip, grad_sync.group
         dp, dp_rank, keep = C.size(self.dp_group), C.rank(self.dp_group), grad_sync.zero >= 3
-        self.buckets = [shard_bucket(b, grad_sync.grad_shard(i), dp, dp_rank, main, keep)
-                        for i, b in enumerate(grad_sync.buckets)]
+        self.buckets, self.flats = [], []
+        for i, b in enumerate(grad_sync.buckets):
+            self.buckets.append(shard_bucket(b, grad_sync.grad_shard(i), dp, dp_rank, main, keep))
+            if keep:  # ZeRO-3: freed at once, so the whole model is never here twice (its build, these buffers)
+                self.flats.append(FlatParams(self.buckets[-1].params, self.buckets[-1].param_shard(), self.dp_group))
+                self.flats[-1].free()
         self.units: Optional[Units] = None  # ZeRO-3: the parameters gathered unit by unit, freed between uses
         if keep:
-            self.flats = [FlatParams(sb.params, sb.param_shard(), self.dp_group) for sb in self.buckets]
             self.units = Units(model, {id(p): f for sb, f in zip(self.buckets, self.flats)
                                        for p in sb.bucket.parameters()})
-            self.units.free_all()
         self.steps = 0  # AdamW's step count (also in every fragment's state; a rank may own no fragment)
         decay = [f.view for f in self.fragments() if f.param.ndim >= 2]
         no_decay = [f.view for f in self.fragments() if f.param.ndim < 2]

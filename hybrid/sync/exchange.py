@@ -79,15 +79,17 @@ def check_block_size(c: CompressionConfig, bucket_mb: float, dp: int) -> None:
              "padded to whole blocks")
 
 
-def zero2_copies(c: CompressionConfig, largest: Sequence[int], device: str) -> int:
-    """ZeRO-2's transient gradient buffers, `largest` being the two largest buckets' sizes: a microbatch's round
-    being filled and the one in flight (fp32), with the larger's reduce-scatter input again (gloo's copy on CPU,
-    the 16-bit cast) or a codec's encoded shards sent and received."""
+def zero2_copies(c: CompressionConfig, largest: Sequence[int], device: str, piece: int) -> int:
+    """ZeRO-2's and 3's transient gradient buffers, `largest` being the two largest buckets' sizes: a
+    microbatch's round being filled and the one in flight (fp32), and a reduce-scatter's copies of its input — of
+    the bucket, or of a `piece` of a larger one: its cast (16-bit, or a piece's columns copied out), gloo's copy on
+    CPU — or a codec's encoded shards sent and received."""
     n = max(largest)
     if c.method in REDUCE_SCATTER_CODECS:
         return F32 * sum(largest) + 2 * (n + 4 * n // c.block_size)
-    again = F32 * n if device != "cuda" else 0
-    return F32 * sum(largest) + max(again, 2 * n if c.method != "none" else 0)
+    inp = min(n, piece)
+    cast = (2 if c.method != "none" else F32) * inp if (c.method != "none" or n > piece) else 0
+    return F32 * sum(largest) + cast + (F32 * inp if device != "cuda" else 0)
 
 
 def compression_summary(c: CompressionConfig, layout: Layout) -> str:
@@ -136,7 +138,7 @@ def exchange_bytes(cfg: Config, sizes: Sequence[int], dp: int, device: str) -> t
     if dp == 1 or not sizes:
         return 0, 0
     if cfg.parallel.zero >= 2:  # ZeRO-2 and 3: the microbatch rounds
-        return zero2_copies(c, sorted(sizes)[-2:], device), 0
+        return zero2_copies(c, sorted(sizes)[-2:], device, int(cfg.parallel.bucket_mb * 2**20) // F32), 0
     if c.method in ("none", "fp16", "bf16", "torch_fp16", "torch_bf16"):
         cast = 2 * sum(sizes) if c.method != "none" else 0
         return max(cast, F32 * sum(sizes) if cfg.parallel.zero == 1 and device != "cuda" else 0), 0

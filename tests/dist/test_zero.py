@@ -72,17 +72,18 @@ PLAIN = [case(tp=2), case(), case("gpt", *BF16), case("gpt", *BF16, zero=1),  # 
          case("gpt", *INT8), case("gpt", *INT8, zero=1),  # int8: two-phase all-reduce; encoded reduce-scatter
          case("gpt", *INT4), case("gpt", *INT4, zero=1)]
 ONE_BUCKET = ("parallel.bucket_mb=25",)  # a V placement's two tied copies on rank 0 would share a bucket by size
+PIECES = ("parallel.bucket_mb=0.005",)  # 1,310 elements: the larger parameters' buckets reduce-scattered in pieces
 ZERO2 = [case(zero=2), case(tp=2, zero=2), case("llama", tp=2, zero=2), case(tp=2, sp=True, zero=2),
          case(pp=2, zero=2), case(pp=2, schedule="interleaved", v=2, zero=2), case(pp=2, schedule="zb1p", zero=2),
          case(pp=2, schedule="zbv", v=2, zero=2), case("gpt", *ONE_BUCKET, pp=2, schedule="zbv", v=2, zero=1),
          case("gpt", *ONE_BUCKET, pp=2, schedule="zbv", v=2, zero=2),
-         case("gpt", *OVERLAP, pp=2, zero=2)]
+         case("gpt", *OVERLAP, pp=2, zero=2), case("gpt", *PIECES, zero=2)]
 ZERO2_COMPRESSED = [case("gpt", *BF16, zero=2), case("gpt", *INT8, zero=2), case("gpt", *INT4, zero=2)]
 FULL, SELECTIVE = ("train.recompute=full",), ("train.recompute=selective",)
 ZERO3 = [case(zero=3), case(tp=2, zero=3), case("llama", tp=2, sp=True, zero=3), case(pp=2, zero=3),
          case(pp=2, schedule="interleaved", v=2, zero=3), case(pp=2, schedule="zb1p", zero=3),
          case("gpt", *ONE_BUCKET, pp=2, schedule="zbv", v=2, zero=3), case("gpt", *FULL, zero=3),
-         case("llama", *SELECTIVE, pp=2, zero=3)]
+         case("llama", *SELECTIVE, pp=2, zero=3), case("gpt", *PIECES, tp=2, zero=3)]
 ZERO3_COMPRESSED = [case("gpt", *BF16, zero=3), case("gpt", *INT8, zero=3)]
 WORLD = 4
 

@@ -22,8 +22,9 @@ so the microbatches accumulate in fp32. `grads.grad_of(p)` is the gradient every
 
 Sharded (`zero=1`, the distributed optimizer's): each bucket is padded to dp equal shards and
 reduce-scattered instead, from the same trigger; DP rank r keeps the mean of shard r, and the optimizer
-(`hybrid.optim.distributed`) updates that shard and all-gathers the parameters. Under `zero=2` no bucket keeps
-a buffer: each microbatch's gradients are reduce-scattered into kept fp32 shards (`sharded.ShardedGrads`).
+(`hybrid.optim.distributed`) updates that shard and all-gathers the parameters. Under `zero=2` (and 3) no bucket
+keeps a buffer: each microbatch's gradients are reduce-scattered into kept fp32 shards (`sharded.ShardedGrads`);
+under any ZeRO stage the buckets are cut inside `units` (a block's parameters, a chunk's root: `units.py`).
 
 `finalize_grads` is the one place where a step's gradients become final: the DP buckets, then
 the model-parallel sums of `grads.py` (tied embedding, sequence-parallel replicated parameters).
@@ -132,10 +133,12 @@ class GradSync:
                 self._bucket_of[id(p)] = i
                 p.register_post_accumulate_grad_hook(on_ready)
             self.buckets.append(bucket)
-        self.reduced = ShardedGrads(self.buckets, group, reduce_dtype, encoded_reduce_scatter) if zero >= 2 else None
-        for p, i in ((p, i) for i, b in enumerate(self.buckets) for p in b.parameters()):
-            if self.reduced is not None:
-                p.main_grad = self.reduced.fragment(p, i)  # what the step reads of p's gradient: its fragment
+        self.reduced = (ShardedGrads(self.buckets, group, reduce_dtype, encoded_reduce_scatter, size // 4)
+                        if zero >= 2 else None)
+        if self.reduced is not None:  # what the step reads of a parameter's gradient: its fragment of the shard
+            for i, b in enumerate(self.buckets):
+                for p in b.parameters():
+                    p.main_grad = self.reduced.fragment(p, i)
         self._metered = False  # whether this step meters the compression error (`meter`)
         self.launch_log: list[tuple[int, bool]] = []  # (bucket index, launched by the gradient-ready hook)
         self.last_launch_log: list[tuple[int, bool]] = []  # the previous step's, kept by finish()
@@ -152,7 +155,7 @@ class GradSync:
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         b = self._bucket_of[id(p)]
-        if self.reduced is not None:  # ZeRO-2: into the bucket's round, reduce-scattered once it is whole
+        if self.reduced is not None:  # ZeRO-2, 3: into the bucket's round, reduce-scattered once it is whole
             grad, p.grad = p.grad, None
             self.reduced.add(b, p, grad)
             return
@@ -200,7 +203,7 @@ class GradSync:
 
     def grad_shard(self, i: int) -> torch.Tensor:
         """This DP rank's reduced shard of bucket `i` after `finish`: a range of its buffer (ZeRO-1) or the
-        kept shard (ZeRO-2)."""
+        kept shard (ZeRO-2, 3)."""
         return self.reduced.shards[i] if self.reduced is not None else self.shard(self.buckets[i])
 
     def finish(self) -> None:

@@ -22,7 +22,8 @@ from hybrid.parallel.params import param_info
 
 def grad_of(p: nn.Parameter) -> Optional[torch.Tensor]:
     """The gradient of `p` as the step reads it after the backward: its fp32 `main_grad` (the gradient buffer's
-    view, under `train.precision=bf16_params`) when it has one, else `.grad`."""
+    view, under `train.precision=bf16_params`; under ZeRO-2 and 3 the part of it in this DP rank's reduced shard,
+    1-D and possibly empty) when it has one, else `.grad`."""
     main = getattr(p, "main_grad", None)
     return main if main is not None else p.grad
 
