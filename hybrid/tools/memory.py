@@ -15,9 +15,10 @@ is one `hybrid: error: ...` line and exit status 2.
 
 from __future__ import annotations
 
+import copy
 import re
 import sys
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -87,6 +88,25 @@ def report(cfg: Config, vocab: int, layout: Layout, device_type: str, memory: in
     largest = largest_micro_batch(cfg, layout, chunks, device_type, memory)
     lines.append(f"largest rank: {format_bytes(worst)} of {format_bytes(memory)}: {verdict}; largest micro batch "
                  f"that fits: {largest if largest else 'none, not even 1'}")
+    return lines + (zero_advice(cfg, layout, chunks, device_type, memory) if worst > memory else [])
+
+
+def zero_advice(cfg: Config, layout: Layout, chunks: list[Any], device_type: str, memory: int) -> list[str]:
+    """When the run does not fit: the largest rank under each higher ZeRO stage the run allows, up to the first
+    that fits (ZeRO shards over the DP ranks: none with one)."""
+    lines: list[str] = []
+    for zero in range(cfg.parallel.zero + 1, 4 if layout.cp * layout.dp > 1 else 0):
+        other = copy.deepcopy(cfg)
+        other.parallel.zero = zero
+        try:
+            validate(other, layout.world)
+        except ConfigError:
+            continue
+        worst = max(e.total for e in stage_estimates(other, layout, chunks, device_type))
+        fits = worst <= memory
+        lines.append(f"with parallel.zero={zero}: {format_bytes(worst)}: {'fits' if fits else 'does not fit'}")
+        if fits:
+            break
     return lines
 
 

@@ -10,8 +10,8 @@ ring's has `comm/overlap_cp`.
 
 Cases: GPT ring cp2 and Llama (GQA) all-to-all cp2 on 2 ranks; Llama ring cp3 (odd) on 3; on 4 ranks GPT ring
 cp2dp2 with ZeRO-1, Llama cp2dp2 with ZeRO-3, Llama ring cp2tp2 with sequence parallelism, GPT all-to-all
-cp2pp2 (1F1B), Llama ring cp2pp2 under zero-bubble's split backward (zb1p), GPT ring cp2pp2 under zbv (4 layers), GPT ring cp4, Llama all-to-all
-cp4, Llama ring cp2pp2 interleaved (4 layers), GPT ring cp2pp2 GPipe. Dropout
+cp2pp2 (1F1B), Llama ring cp2pp2 under zero-bubble's split backward (zb1p), GPT ring cp2pp2 under zbv (4 layers),
+GPT ring cp4, Llama all-to-all cp4, Llama ring cp2pp2 interleaved (4 layers), GPT ring cp2pp2 GPipe. Dropout
 (`test_dropout_under_context_parallelism`): masks cannot match one process's, so the tests hold what must hold
 instead. Within bf16 rounding of one process: Llama ring cp2 under bf16 parameters with full recomputation, GPT
 cp2dp2 with the gradient sync compressed to bf16. Configs are composed and validated in the test process before

@@ -64,3 +64,20 @@ def test_a_cp_rank_is_estimated_at_its_share_of_the_sequence(capsys: pytest.Capt
     at_cp1 = capsys.readouterr().out.splitlines()
     activations = [next(line.split()[7:9] for line in out if line.split()[:1] == ["0"]) for out in (at_cp4, at_cp1)]
     assert activations[0] == activations[1]
+
+
+def test_a_run_that_does_not_fit_is_told_the_zero_stage_that_would(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each higher ZeRO stage's largest rank (the estimate of the same chunks), up to the first that fits: at
+    gpt-350m's width, 14 layers, pp2dp4, ZeRO-1 is not enough in 1.7 GiB, ZeRO-2 is."""
+    args = ["model=gpt-350m", "model.n_layers=14", "parallel.pp=2", "train.recompute=full", "data.seq_len=256",
+            "train.micro_batch_size=1", "train.global_batch_size=8"]
+    assert main([*args, "--world", "8", "--memory", "1.7GiB", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    advice = [line for line in out if line.startswith("with parallel.zero=")]
+    layout = Layout.create(8, pp=2)
+    chunks = meta_stages(layout, lambda ctx: build_chunks(compose_config(args), 50257, ctx))
+    for line, zero in zip(advice, range(1, 4), strict=False):
+        cfg = compose_config([*args, f"parallel.zero={zero}"])
+        worst = max(e.total for e in stage_estimates(cfg, layout, chunks, "cpu"))
+        assert line.startswith(f"with parallel.zero={zero}: {format_bytes(worst)}: "), (line, worst)
+    assert [a.rsplit(": ", 1)[1] for a in advice] == ["does not fit", "fits"], out
