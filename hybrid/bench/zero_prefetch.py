@@ -19,19 +19,17 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from hybrid.bench import common
 from hybrid.bench.common import launch
+from hybrid.bench.zero_common import VOCAB, add_shape, corpus, parse, shape_label
 from hybrid.config import compose_config
-from hybrid.data import Corpus
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.parallel.dp import units
 from hybrid.trainer import Trainer, build_chunks
 
 MODULE = "hybrid.bench.zero_prefetch"
-VOCAB = 8192
 QUICK = {"model": "gpt-tiny", "dp": 2, "seq": 64, "rounds": 1, "steps": 1, "timeout": 120.0}
 SIDES = ("prefetch", "no_prefetch")
 KEYS = ("time/step_s", "comm/dp/all_gather/s", "comm/dp/all_gather/exposed_s")
@@ -40,24 +38,12 @@ KEYS = ("time/step_s", "comm/dp/all_gather/s", "comm/dp/all_gather/exposed_s")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
     common.add_quick(p, "gpt-tiny at dp2, 64 tokens, one round of one step, seconds")
-    p.add_argument("--model", default="gpt-125m", help="a configs/model name")
-    p.add_argument("--layers", type=int, default=0, help="layers of the model (0: the config's)")
-    p.add_argument("--dp", type=int, default=4, help="DP ranks (ZeRO-3 over them)")
-    p.add_argument("--seq", type=int, default=256, help="tokens per sequence")
-    p.add_argument("--batch", type=int, default=1, help="sequences per microbatch and rank")
-    p.add_argument("--rounds", type=int, default=3, help="rounds, the order of the sides alternating")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per side per round")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a set of ranks is killed")
+    add_shape(p, steps=2)
     return p
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = build_parser()
-    args = common.parse_with_quick(p, argv, QUICK)
-    common.check_models(p, args.model)
-    if args.dp < 2 or min(args.seq, args.batch, args.rounds, args.steps) < 1 or args.layers < 0:
-        p.error("--dp must be >= 2; --seq, --batch, --rounds, --steps >= 1; --layers >= 0")
-    return args
+    return parse(build_parser(), argv, QUICK)
 
 
 def config(args: argparse.Namespace) -> Any:
@@ -66,11 +52,6 @@ def config(args: argparse.Namespace) -> Any:
                            f"train.micro_batch_size={args.batch}", f"train.global_batch_size={args.batch * args.dp}",
                            "train.eval_every=0", f"train.steps={args.steps + 1}", f"parallel.dp={args.dp}",
                            "parallel.zero=3", "train.fused_head=off"])
-
-
-def corpus(seq: int, n: int = 16) -> Corpus:
-    samples = np.random.default_rng(0).integers(0, VOCAB, size=(n, seq + 1)).astype(np.int32)
-    return Corpus(tokenizer=None, vocab_size=VOCAB, eos_id=0, train=samples, eval=samples[:2], seq_len=seq)
 
 
 def side_rank(rank: int, world: int, cfg: Any, steps: int, prefetch: bool) -> list[dict[str, float]]:
@@ -90,9 +71,8 @@ def section(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, l
     for i in range(args.rounds):
         for side in SIDES if i % 2 == 0 else SIDES[::-1]:
             got[side] += launch(side_rank, args.dp, cfg, args.steps, side == "prefetch", timeout=args.timeout)[0]
-    out(f"\n## {args.model}{f' cut to {args.layers} layers' if args.layers else ''}, zero=3 over dp={args.dp}, "
-        f"{args.batch} × {args.seq} tokens per rank, fp32; median over {args.rounds} rounds × {args.steps} steps "
-        "(rank 0's record: the means over ranks)")
+    out(f"\n## {shape_label(args)}, zero=3; median over {args.rounds} rounds × {args.steps} steps (rank 0's record: "
+        "the means over ranks)")
     rows = [[side, *(_median(got[side], k) for k in KEYS), _median_share(got[side])] for side in SIDES]
     out("\n".join(common.table(["side", "step s", "all-gather s", "all-gather exposed s", "exposed / total"], rows)))
     return got

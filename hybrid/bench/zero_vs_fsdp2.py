@@ -24,13 +24,13 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from hybrid.bench import common
 from hybrid.bench.common import launch
 from hybrid.bench.memory import rss_mib
+from hybrid.bench.zero_common import VOCAB, add_shape, corpus, parse, shape_label
 from hybrid.config import compose_config
 from hybrid.data import Corpus
 from hybrid.optim import lr_at, param_groups
@@ -40,7 +40,6 @@ from hybrid.sampler import StepSampler, batch_from
 from hybrid.trainer import Trainer, build_chunks
 
 MODULE = "hybrid.bench.zero_vs_fsdp2"
-VOCAB = 8192
 QUICK = {"model": "gpt-tiny", "dp": 2, "seq": 64, "rounds": 1, "steps": 2, "timeout": 120.0}
 SIDES = ("zero3", "fsdp2")
 
@@ -48,24 +47,12 @@ SIDES = ("zero3", "fsdp2")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
     common.add_quick(p, "gpt-tiny at dp2, 64 tokens, one round of two steps, seconds")
-    p.add_argument("--model", default="gpt-125m", help="a configs/model name")
-    p.add_argument("--layers", type=int, default=0, help="layers of the model (0: the config's)")
-    p.add_argument("--dp", type=int, default=4, help="DP ranks")
-    p.add_argument("--seq", type=int, default=256, help="tokens per sequence")
-    p.add_argument("--batch", type=int, default=1, help="sequences per microbatch and rank")
-    p.add_argument("--rounds", type=int, default=3, help="rounds, the order of the sides alternating")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per side per round")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a set of ranks is killed")
+    add_shape(p, steps=3)
     return p
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = build_parser()
-    args = common.parse_with_quick(p, argv, QUICK)
-    common.check_models(p, args.model)
-    if args.dp < 2 or min(args.seq, args.batch, args.rounds, args.steps) < 1 or args.layers < 0:
-        p.error("--dp must be >= 2; --seq, --batch, --rounds, --steps >= 1; --layers >= 0")
-    return args
+    return parse(build_parser(), argv, QUICK)
 
 
 def config(model: str, layers: int, dp: int, seq: int, batch: int, steps: int, *extra: str) -> Any:
@@ -75,11 +62,6 @@ def config(model: str, layers: int, dp: int, seq: int, batch: int, steps: int, *
                            f"train.micro_batch_size={batch}", f"train.global_batch_size={batch * dp}",
                            "train.eval_every=0", f"train.steps={steps}", f"parallel.dp={dp}", "parallel.zero=3",
                            "train.fused_head=off", "optim.implementation=foreach", "train.precision=fp32", *extra])
-
-
-def corpus(seq: int, n: int = 64) -> Corpus:
-    samples = np.random.default_rng(0).integers(0, VOCAB, size=(n, seq + 1)).astype(np.int32)
-    return Corpus(tokenizer=None, vocab_size=VOCAB, eos_id=0, train=samples, eval=samples[:2], seq_len=seq)
 
 
 def zero3_steps(cfg: Any, ctx: ParallelContext, data: Corpus, steps: int) -> list[Callable[[], float]]:
@@ -140,9 +122,7 @@ def section(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, l
     for i in range(args.rounds):
         for side in SIDES if i % 2 == 0 else SIDES[::-1]:
             got[side].append(launch(side_rank, args.dp, cfg, args.steps, side, timeout=args.timeout)[0])
-    out(f"\n## {args.model}{f' cut to {args.layers} layers' if args.layers else ''}, dp={args.dp}, "
-        f"{args.batch} × {args.seq} tokens per rank, fp32; medians over {args.rounds} rounds × {args.steps} steps "
-        "(rank 0)")
+    out(f"\n## {shape_label(args)}; medians over {args.rounds} rounds × {args.steps} steps (rank 0)")
     rows = [[side, f"{statistics.median(r['step_s'] for r in got[side]):.3f}",
              f"{statistics.median(r['peak_mib'] for r in got[side]):.0f}",
              " ".join(f"{x:.5f}" for x in got[side][0]["losses"][:3])] for side in SIDES]

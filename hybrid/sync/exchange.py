@@ -81,12 +81,13 @@ def check_block_size(c: CompressionConfig, bucket_mb: float, dp: int) -> None:
 
 def zero2_copies(c: CompressionConfig, largest: Sequence[int], device: str, piece: int) -> int:
     """ZeRO-2's and 3's transient gradient buffers, `largest` being the two largest buckets' sizes: a
-    microbatch's round being filled and the one in flight (fp32), and a reduce-scatter's copies of its input — of
+    microbatch's round being filled and the one in flight (fp32; a codec's all-to-all blocks: none in flight), and
+    a reduce-scatter's copies of its input — of
     the bucket, or of a `piece` of a larger one: its cast (16-bit, or a piece's columns copied out), gloo's copy on
     CPU — or a codec's encoded shards sent and received."""
     n = max(largest)
-    if c.method in REDUCE_SCATTER_CODECS:
-        return F32 * sum(largest) + 2 * (n + 4 * n // c.block_size)
+    if c.method in REDUCE_SCATTER_CODECS:  # blocking: no round in flight beside the one being encoded
+        return F32 * n + 2 * (n + 4 * n // c.block_size)
     inp = min(n, piece)
     cast = (2 if c.method != "none" else F32) * inp if (c.method != "none" or n > piece) else 0
     return F32 * sum(largest) + cast + (F32 * inp if device != "cuda" else 0)
