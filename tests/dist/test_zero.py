@@ -10,13 +10,16 @@ reduce-scatter and one all-gather of every (padded) bucket per step. (tp2pp2dp2 
 test_pp.py's world-8 launch; the checkpoint of an unsharded run resumed with ZeRO-1 at another DP size in
 test_checkpoint.py's.)
 
-ZeRO-2 (`parallel.zero=2`) runs the same layouts and more (1f1b, zb1p and zbv pipelines — zbv with both tied
-copies on one rank —, the overlapped all-gather, bf16/int8/int4 reduce-scatters): each matches the single process,
-equals ZeRO-1 bit for bit at one microbatch per step, keeps only its gradient shards after the backward, and
-reduce-scatters every padded bucket once per microbatch.
+ZeRO-3 (`parallel.zero=3`) runs dp4, tp2dp2, Llama tp2dp2 with SP, pp2dp2 under 1f1b, interleaved, zb1p and zbv (both
+tied copies on one rank), full and selective recomputation, large buckets in pieces, bf16 and int8 reduce-scatters:
+each matches the single process and equals ZeRO-2 bit for bit (and ZeRO-1 at one microbatch per step), keeps only
+parameter and gradient shards after a step, and all-gathers each block twice and each root once per microbatch.
+ZeRO-2 (`parallel.zero=2`) is ZeRO-3's gradient path; it runs alone at dp4, pp2dp2, zbv, with the overlapped
+all-gather and the compressed reduce-scatters: a reduce-scatter per microbatch, only gradient shards kept. torch's
+FSDP2 on the same blocks trains as ZeRO-3 does.
 
-A second launch saves a ZeRO-2 checkpoint (2 layers) at dp4 and resumes it at dp4 (bit for bit), at dp2 with
-ZeRO-1, at dp2 without ZeRO, and in a single process: the same loss curve.
+A second launch saves a ZeRO-2 or ZeRO-3 checkpoint (2 layers) at dp4 and resumes it at dp4 (bit for bit), at dp2
+with ZeRO-1 (and 3), at dp2 without ZeRO, and in a single process: the same loss curve.
 
 Both launches' configs are composed in the test process before the ranks fork (`compose_config`'s memo), whose
 heap is frozen while they run (`run_frozen`).
@@ -73,11 +76,10 @@ PLAIN = [case(tp=2), case(), case("gpt", *BF16), case("gpt", *BF16, zero=1),  # 
          case("gpt", *INT4), case("gpt", *INT4, zero=1)]
 ONE_BUCKET = ("parallel.bucket_mb=25",)  # a V placement's two tied copies on rank 0 would share a bucket by size
 PIECES = ("parallel.bucket_mb=0.005",)  # 1,310 elements: the larger parameters' buckets reduce-scattered in pieces
-ZERO2 = [case(zero=2), case(tp=2, zero=2), case("llama", tp=2, zero=2), case(tp=2, sp=True, zero=2),
-         case(pp=2, zero=2), case(pp=2, schedule="interleaved", v=2, zero=2), case(pp=2, schedule="zb1p", zero=2),
-         case(pp=2, schedule="zbv", v=2, zero=2), case("gpt", *ONE_BUCKET, pp=2, schedule="zbv", v=2, zero=1),
-         case("gpt", *ONE_BUCKET, pp=2, schedule="zbv", v=2, zero=2),
-         case("gpt", *OVERLAP, pp=2, zero=2), case("gpt", *PIECES, zero=2)]
+ZERO2 = [case(zero=2), case(pp=2, zero=2), case("gpt", *ONE_BUCKET, pp=2, schedule="zbv", v=2, zero=1),
+         case("gpt", *ONE_BUCKET, pp=2, schedule="zbv", v=2, zero=2), case("gpt", *OVERLAP, pp=2, zero=2)]
+"""ZeRO-2 where ZeRO-3 has no counterpart (the overlapped all-gather) and the partners of ZeRO-3's bit-for-bit test;
+ZeRO-3's layouts run ZeRO-2's gradient path, equal to it bit for bit."""
 ZERO2_COMPRESSED = [case("gpt", *BF16, zero=2), case("gpt", *INT8, zero=2), case("gpt", *INT4, zero=2)]
 FULL, SELECTIVE = ("train.recompute=full",), ("train.recompute=selective",)
 ZERO3 = [case(zero=3), case(tp=2, zero=3), case("llama", tp=2, sp=True, zero=3), case(pp=2, zero=3),
