@@ -176,7 +176,13 @@ def stage_estimates(cfg: Config, layout: Layout, stages: Sequence[nn.ModuleList]
     `train.micro_batch_size`)."""
     m = micro_of(cfg, device_type, micro_batch)
     schedule = training_schedule(cfg, layout, stages, m)
-    return [rank_memory(cfg, chunks, schedule, r, layout.dp, m, layout.dp_per_node) for r, chunks in enumerate(stages)]
+    dp = shard_dp(cfg, layout)
+    return [rank_memory(cfg, chunks, schedule, r, dp, m, layout.dp_per_node) for r, chunks in enumerate(stages)]
+
+
+def shard_dp(cfg: Config, layout: Layout) -> int:
+    """The DP ranks ZeRO shards over: all of them, or under `parallel.zero_group` (HSDP) a shard group's."""
+    return layout.zero_shard_size(str(cfg.parallel.zero_group)) if cfg.parallel.zero else layout.dp
 
 
 def training_schedule(cfg: Config, layout: Layout, stages: Sequence[nn.ModuleList], m: Micro) -> Schedule:
@@ -198,7 +204,8 @@ def weight_deferrals(cfg: Config, layout: Layout, stages: Sequence[nn.ModuleList
     even running each at once would not: a waiting microbatch can hold more than its activations."""
     def totals(deferrals: list[Optional[int]]) -> list[int]:
         schedule = build_schedule(name, layout.pp, count, v, deferrals=deferrals, comm=False)
-        return [rank_memory(cfg, c, schedule, r, layout.dp, m, layout.dp_per_node).total for r, c in enumerate(stages)]
+        return [rank_memory(cfg, c, schedule, r, shard_dp(cfg, layout), m, layout.dp_per_node).total
+                for r, c in enumerate(stages)]
 
     name, v = cfg.parallel.schedule, cfg.parallel.virtual_stages
     own = [most_waiting(a) for a in build_schedule(name, layout.pp, count, v, comm=False).actions]

@@ -51,6 +51,7 @@ from hybrid.bench.memory import MemoryWatch, proc_status_kb, rss_mib
 from hybrid.config import Config, compose_config
 from hybrid.memory import meta_stages, micro_of, rank_memory, stage_estimates
 from hybrid.model import analytic_param_count
+from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout
 
 WORLD = 8
@@ -200,8 +201,8 @@ def rank_run(rank: int, world: int, cfg_overrides: list[str], steps: int, mmap_t
     peak = rss_mib("VmHWM") - base
     if steps == 1:
         first, resets = peak, False
-    est = rank_memory(trainer.cfg, trainer.model, trainer.schedule, trainer.ctx.pp_rank, trainer.ctx.dp_size,
-                      micro_of(trainer.cfg))
+    shard = C.size(trainer.grad_sync.group)  # the DP ranks ZeRO shards over
+    est = rank_memory(trainer.cfg, trainer.model, trainer.schedule, trainer.ctx.pp_rank, shard, micro_of(trainer.cfg))
     c = trainer.ctx.coord
     return {"rank": rank, "coord": (c.pp, c.dp, c.tp), "base": base, "base_pss": base_pss, "built": built,
             "first": first, "measured": peak if resets else max(peak, first), "resets": resets,

@@ -132,6 +132,16 @@ def pp_streams(ctx: ParallelContext, streams: Sequence[str]) -> dict[str, dist.P
     return out
 
 
+def groups_of(ctx: ParallelContext, lists: list[list[int]], name: str) -> Optional[dist.ProcessGroup]:
+    """This rank's group of `lists` (every rank takes part in creating each), counted as `name`; None in one
+    process. Collective."""
+    if not dist.is_initialized():
+        return None
+    group = _mine(lists, ctx.rank, name, ctx.timeout_s)
+    name_group(group, name)
+    return group
+
+
 def _mine(groups: list[list[int]], rank: int, kind: str, timeout_s: Optional[float],
           backend: Optional[str] = None) -> Optional[dist.ProcessGroup]:
     """Create all `groups` (every rank must take part in every new_group) and return ours."""

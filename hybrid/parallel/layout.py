@@ -196,6 +196,26 @@ class Layout:
             out += [[p[i] for p in parts] for i in range(width)]
         return out
 
+    def zero_shard_size(self, spec: str) -> int:
+        """The DP ranks a ZeRO shard group holds under `parallel.zero_group`: `dp` (all of them), `node` (those on
+        one node: hybrid sharding, HSDP) or a number dividing dp."""
+        if spec in ("dp", "node"):
+            return self.dp if spec == "dp" else self.dp_per_node
+        if not str(spec).isdigit() or int(spec) < 1 or self.dp % int(spec):
+            raise LayoutError(f"parallel.zero_group={spec} must be dp, node or a number of ranks dividing dp={self.dp}")
+        return int(spec)
+
+    def zero_groups(self, size: int) -> tuple[list[list[int]], list[list[int]]]:
+        """HSDP's groups: each DP group cut into consecutive parts of `size` ranks (the shard groups: parameters,
+        gradients and moments sharded inside one) and the ranks at the same place of each part (the replica
+        groups: the shards all-reduced across them)."""
+        shard, replica = [], []
+        for g in self.dp_groups():
+            parts = [g[i: i + size] for i in range(0, len(g), size)]
+            shard += parts
+            replica += [[part[j] for part in parts] for j in range(size)]
+        return shard, replica
+
     def embedding_groups(self) -> list[list[int]]:
         """First and last stage of each pipeline: they share the tied embedding's gradient."""
         return [sorted({g[0], g[-1]}) for g in self.pp_groups()]

@@ -23,6 +23,8 @@ from hybrid.compression.schedule import exact_kinds, exact_param_ids
 from hybrid.compression.zero import REDUCE_SCATTER_DTYPES, encoded_reduce_scatter
 from hybrid.config import Config, ConfigError
 from hybrid.optim import build_optimizer
+from hybrid.parallel.collectives import Group
+from hybrid.parallel.context import groups_of
 from hybrid.parallel.dp.data import CommHook, GradSync, SyncReport
 from hybrid.parallel.dp.units import unit_params
 from hybrid.sync import exchange
@@ -36,6 +38,17 @@ if TYPE_CHECKING:
 def dp_hook(cfg: Config, ctx: ParallelContext, hook: Optional[tuple[CommHook, Any]]) -> tuple[CommHook, Any]:
     """The DP compression hook and its state: `hook` when the caller brings one, else `compression=`'s."""
     return hook or make_hook(cfg.compression, ctx.grad_group, ctx.dp_intra_group, ctx.dp_inter_group)
+
+
+def zero_groups(cfg: Config, ctx: ParallelContext) -> tuple[Group, Group]:
+    """(the group ZeRO shards over, the group the shards are all-reduced over): the gradients' group and none, or
+    under `parallel.zero_group` (HSDP) consecutive parts of each DP group and the ranks at one place of each part,
+    counted as `dp_intra` and `dp_inter`. Collective: the groups are created on every rank."""
+    size = ctx.layout.zero_shard_size(cfg.parallel.zero_group)
+    if cfg.parallel.zero == 0 or size == ctx.dp_size:
+        return ctx.grad_group, None
+    shard, replica = ctx.layout.zero_groups(size)
+    return groups_of(ctx, shard, "dp_intra"), groups_of(ctx, replica, "dp_inter")
 
 
 def kept_exact(cfg: Config, model: nn.Module) -> frozenset[int]:
@@ -63,10 +76,12 @@ class SynchronousDP:
         watcher = state if isinstance(state, Compression) else None
         if watcher is not None:
             watcher.exact_params = apart
-        report = SyncReport(error=c.measure_error, exact=c.method == "none", inter_node=c.method == "hierarchical")
-        grad_sync = GradSync(list(model.parameters()), ctx.grad_group, run, state, cfg.parallel.bucket_mb, report,
+        shard, replicas = zero_groups(cfg, ctx)  # HSDP: the replicas' all-reduce is the between-node part
+        report = SyncReport(error=c.measure_error, exact=c.method == "none",
+                            inter_node=c.method == "hierarchical" or replicas is not None)
+        grad_sync = GradSync(list(model.parameters()), shard, run, state, cfg.parallel.bucket_mb, report,
                              apart=apart, main_grads=main is not None, zero=cfg.parallel.zero,
-                             units=unit_params(model) if cfg.parallel.zero >= 1 else None,
+                             units=unit_params(model) if cfg.parallel.zero >= 1 else None, replicas=replicas,
                              encoded_reduce_scatter=encoded_reduce_scatter(c),
                              reduce_dtype=REDUCE_SCATTER_DTYPES.get(c.method, torch.float32))
         onebit = state if c.method == "onebit_adam" else None  # 1-bit Adam's optimizer drives its momentum exchange

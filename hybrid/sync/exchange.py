@@ -15,6 +15,7 @@ from hybrid.compression.codecs import CODECS
 from hybrid.compression.schedule import exact_kinds
 from hybrid.compression.zero import REDUCE_SCATTER_CODECS, ZERO_METHODS
 from hybrid.config import CompressionConfig, Config, ConfigError, ParallelConfig
+from hybrid.parallel.layout import LayoutError
 
 if TYPE_CHECKING:
     from hybrid.parallel.context import Layout
@@ -36,6 +37,7 @@ def check(cfg: Config, layout: Layout) -> None:
              f"optim.name={cfg.optim.name} cannot run with parallel.zero={p.zero} or compression=onebit_adam "
              "(the distributed optimizer and 1-bit Adam are AdamW's)")
     check_zero(p, c)
+    check_zero_group(p, layout)
     require(p.zero != 3 or not t.compile, "parallel.zero=3 gathers and frees each block's parameters from hooks "
              "around it, which a compiled block cannot run: set train.compile=false or parallel.zero=2")
     require(t.precision != "bf16_params" or c.method != "onebit_adam", "train.precision=bf16_params "
@@ -68,6 +70,20 @@ def check_zero(p: ParallelConfig, c: CompressionConfig) -> None:
     require(c.schedule == "fixed" and c.warmup_steps == 0, f"parallel.zero={p.zero} runs one reduce-scatter dtype for "
              f"the whole run: compression.schedule={c.schedule} with warmup_steps={c.warmup_steps} needs "
              "schedule=fixed and warmup_steps=0")
+
+
+def check_zero_group(p: ParallelConfig, layout: Layout) -> None:
+    """`parallel.zero_group` (HSDP): dp, node or a number of ranks dividing dp, with a ZeRO stage, without CP."""
+    if str(p.zero_group) == "dp":
+        return
+    try:
+        layout.zero_shard_size(str(p.zero_group))
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    require(p.zero >= 1, f"parallel.zero_group={p.zero_group} shards ZeRO's state inside groups: it needs "
+             "parallel.zero=1, 2 or 3")
+    require(layout.cp == 1, f"parallel.zero_group={p.zero_group} with parallel.cp={layout.cp}: hybrid sharding "
+             "over CP and DP together is not built; use parallel.zero_group=dp")
 
 
 def check_block_size(c: CompressionConfig, bucket_mb: float, dp: int) -> None:

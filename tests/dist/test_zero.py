@@ -87,13 +87,15 @@ ZERO3 = [case(zero=3), case(tp=2, zero=3), case("llama", tp=2, sp=True, zero=3),
          case("gpt", *ONE_BUCKET, pp=2, schedule="zbv", v=2, zero=3), case("gpt", *FULL, zero=3),
          case("llama", *SELECTIVE, pp=2, zero=3), case("gpt", *PIECES, tp=2, zero=3)]
 ZERO3_COMPRESSED = [case("gpt", *BF16, zero=3), case("gpt", *INT8, zero=3)]
+HSDP = ("parallel.zero_group=2",)  # dp4 as two shard groups of 2 ranks, the shards all-reduced across the pairs
+ZERO_HSDP = [case("gpt", *HSDP, zero=1), case("gpt", *HSDP, zero=2), case("llama", *HSDP, zero=3)]
 WORLD = 4
 
 
 @functools.cache
 def launched() -> dict[str, list[dict[str, Any]]]:
     torch.set_num_threads(1)
-    cases = ZERO + PLAIN + ZERO2 + ZERO2_COMPRESSED + ZERO3 + ZERO3_COMPRESSED
+    cases = ZERO + PLAIN + ZERO2 + ZERO2_COMPRESSED + ZERO3 + ZERO3_COMPRESSED + ZERO_HSDP
     for run in cases:  # composed here once, inherited by the forked ranks
         make_cfg(run, WORLD)
     results = run_frozen(train_cases, WORLD, cases, timeout=TIMEOUT)
@@ -285,6 +287,24 @@ def test_zero3_compressed_reduce_scatter_is_zero2s(method: str) -> None:
     zero2, zero3 = (launched()[str(c)][0]["losses"] for c in ZERO2_COMPRESSED + ZERO3_COMPRESSED
                     if method in c.extra[0])
     assert zero2 == zero3
+
+
+@pytest.mark.parametrize("run", ZERO_HSDP, ids=str)
+def test_hybrid_sharding_matches_single_process_and_moves_the_shards_once_across_groups(run: Case) -> None:
+    """HSDP: each ZeRO stage inside groups of 2 DP ranks. Per step and rank: the reduce-scatters, the all-gathers
+    and the norm over the shard group (`dp_intra`), one all-reduce of this rank's gradient shards over the other
+    group (`dp_inter`: 4 bytes per padded element / 2); each rank keeps half of every bucket."""
+    results = launched()[str(run)]
+    assert_matches_reference(results, reference(run.family))
+    for r in results:
+        m, padded = r["microbatches"], sum(p for _, p in r["bucket_numel"])
+        gathers = sum(n * (1 if root else 2) for root, n in r["zero3"]["units"]) * m if run.zero == 3 else padded
+        want = {("dp_intra", "reduce_scatter"): 4 * padded * (m if run.zero >= 2 else 1), ("dp_intra", "all_reduce"): 4,
+                ("dp_intra", "all_gather"): 4 * gathers, ("dp_inter", "all_reduce"): 4 * padded // 2}
+        for step in r["bytes"]:
+            assert {k: b for k, b in step.items() if k[0].startswith("dp")} == want, (str(run), r["coord"], step)
+        if run.zero == 3:
+            assert r["zero3"]["kept"] == 4 * padded // 2
 
 
 @pytest.mark.parametrize("zero", [2, 3])

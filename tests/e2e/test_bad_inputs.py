@@ -105,6 +105,10 @@ CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece o
      "the distributed optimizer's parameter all-gather: it needs parallel.zero=1 or 2"),
     ("zero-4", ["parallel.zero=4"], "parallel.zero must be 0 (off), 1 (the distributed optimizer: Adam's moments "
      "sharded over DP), 2 (gradients sharded too) or 3 (parameters too), got 4"),
+    ("zero-group", ["parallel.zero=3", "parallel.zero_group=3"], "parallel.zero_group=3 must be dp, node or a number "
+     "of ranks dividing dp="),
+    ("zero-group-no-zero", ["parallel.zero_group=1"], "parallel.zero_group=1 shards ZeRO's state "
+     "inside groups: it needs parallel.zero=1, 2 or 3"),
     ("zero3-compile", ["parallel.zero=3", "train.compile=true"], "parallel.zero=3 gathers and frees each block's "
      "parameters from hooks around it, which a compiled block cannot run"),
     ("zero3-overlap", ["parallel.zero=3", "parallel.overlap_param_gather=true"], "it needs parallel.zero=1 or 2 "

@@ -54,6 +54,29 @@ def test_hierarchical_dp_groups_split_dp_by_node(world: int, tp: int, pp: int, r
         assert sorted(r for g in mine_inter for r in g) == sorted(dp_group)
 
 
+@pytest.mark.parametrize("world,tp,pp,rpn", LAYOUTS)
+def test_hybrid_sharding_groups_are_the_node_split_at_zero_group_node(world: int, tp: int, pp: int, rpn: int) -> None:
+    """`parallel.zero_group=node`: the shard and replica groups are the node-cut DP groups; a number of ranks cuts
+    each DP group into consecutive parts and the ranks at one place of each; dp is all of them."""
+    layout = Layout.create(world, tp=tp, pp=pp, ranks_per_node=rpn)
+    shard, replica = layout.zero_groups(layout.zero_shard_size("node"))
+    if all(len(g) == len(shard[0]) for g in layout.dp_intra_node_groups()):
+        assert sorted(shard) == sorted(layout.dp_intra_node_groups())
+        assert sorted(replica) == sorted(layout.dp_inter_node_groups())
+    assert layout.zero_shard_size("dp") == layout.dp
+    for size in (s for s in range(1, layout.dp + 1) if layout.dp % s == 0):
+        shard, replica = layout.zero_groups(size)
+        assert all(len(g) == size for g in shard) and all(len(g) == layout.dp // size for g in replica)
+        for dp_group in layout.dp_groups():
+            assert [r for g in shard if g[0] in dp_group for r in g] == dp_group
+
+
+@pytest.mark.parametrize("spec", ["3", "0", "many"])
+def test_a_zero_group_that_does_not_divide_dp_is_refused(spec: str) -> None:
+    with pytest.raises(LayoutError, match=f"parallel.zero_group={spec} must be dp, node or a number"):
+        Layout.create(8, tp=2).zero_shard_size(spec)
+
+
 def test_rank_map_lists_every_rank_once() -> None:
     layout = Layout.create(8, tp=2, pp=2, ranks_per_node=4)
     text = layout.rank_map()

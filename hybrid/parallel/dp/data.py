@@ -104,8 +104,10 @@ class GradSync:
                  apart: frozenset[int] = frozenset(), zero: int = 0,
                  reduce_dtype: torch.dtype = torch.float32, main_grads: bool = False,
                  encoded_reduce_scatter: Optional[EncodedReduceScatter] = None,
-                 units: Optional[list[list[nn.Parameter]]] = None) -> None:
+                 units: Optional[list[list[nn.Parameter]]] = None, replicas: Group = None) -> None:
         self.group, self.hook, self.state, self.report = group, hook, state, report
+        self.replicas = replicas  # HSDP: `group` shards, the shards are all-reduced over these once a step
+        self.scale = C.size(group) * C.size(replicas)  # the ranks a gradient is averaged over
         self.main_grads = main_grads  # fp32 `p.main_grad` views, the low-precision `.grad` folded in by the hook
         self.in_backward = in_backward  # False: every bucket waits for finish() (no overlap; a test switch)
         self.enabled = C.size(group) > 1
@@ -133,7 +135,7 @@ class GradSync:
                 self._bucket_of[id(p)] = i
                 p.register_post_accumulate_grad_hook(on_ready)
             self.buckets.append(bucket)
-        self.reduced = (ShardedGrads(self.buckets, group, reduce_dtype, encoded_reduce_scatter, size // 4)
+        self.reduced = (ShardedGrads(self.buckets, group, reduce_dtype, encoded_reduce_scatter, size // 4, self.scale)
                         if zero >= 2 else None)
         if self.reduced is not None:  # what the step reads of a parameter's gradient: its fragment of the shard
             for i, b in enumerate(self.buckets):
@@ -188,7 +190,7 @@ class GradSync:
         of the buffer is not read afterwards."""
         if not self.sharded:
             return self.hook(self.state, bucket)
-        buf = bucket.buffer().div_(C.size(self.group))  # before any cast: the sum stays in fp16's range
+        buf = bucket.buffer().div_(self.scale)  # before any cast: the sum stays in fp16's range
         if self.encoded is not None:
             self.encoded(buf, self.group)  # blocking (gloo's all-to-all): complete when launched
             return Launched(None)
@@ -213,6 +215,7 @@ class GradSync:
         if self.reduced is not None:
             self.reduced.finish()
             self.launch_log, self.last_launch_log = [], list(self.reduced.rounds)
+            self._across_replicas()
             return
         with C.TIMER.waiting(C.group_name(self.group)) if self.enabled else contextlib.nullcontext():
             while self._next < len(self.buckets):
@@ -221,8 +224,16 @@ class GradSync:
         for bucket, result in zip(self.buckets, results):
             if result is not None:
                 write_back(bucket, result)
+        self._across_replicas()
         self.last_launch_log = self.launch_log
         self.begin_step(self._expected)
+
+    def _across_replicas(self) -> None:
+        """HSDP: each reduced shard summed over the replica group (an all-reduce per bucket, once a step: the
+        shards were divided by every DP rank, so the sum is the mean)."""
+        if self.replicas is not None and self.sharded:
+            for i in range(len(self.buckets)):
+                C.all_reduce(self.grad_shard(i), self.replicas)
 
     def zero_grad(self) -> None:
         if self.reduced is not None:
@@ -255,8 +266,9 @@ class GradSync:
         metrics all-reduce) and handed to `metrics`: bytes over the DP groups, over `dp_inter`, the
         ring-wire bytes they imply, the wire bytes of an exact fp32 ring all-reduce of the buckets,
         Σ‖ĝ − g‖² and Σ‖g‖² (taken from a metered state, which clears them)."""
-        count, n = C.COUNTER, C.size(self.group)
+        count = C.COUNTER
         numel = sum(b.numel() for b in self.buckets)
+        n = self.scale  # every DP rank, under HSDP too
         plain_wire = 4 * numel * 2 * (n - 1) / n  # what the exact fp32 ring all-reduce would send
         err_sq, ref_sq = self.state.take_error() if isinstance(self.state, MeteredState) else (0.0, 0.0)
         return [sum(count.group_bytes(g) for g in DP_GROUPS), count.group_bytes("dp_inter"),

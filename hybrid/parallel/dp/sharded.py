@@ -51,9 +51,10 @@ class ShardedGrads:
     """The kept gradient shards of `buckets` (padded), filled by reduce-scattering each microbatch's round."""
 
     def __init__(self, buckets: Sequence[GradBucket], group: Group, reduce_dtype: torch.dtype,
-                 encoded: Optional[EncodedReduceScatter], piece: int) -> None:
+                 encoded: Optional[EncodedReduceScatter], piece: int, scale: int = 0) -> None:
         self.buckets, self.group, self.reduce_dtype, self.encoded = list(buckets), group, reduce_dtype, encoded
         self.piece = piece  # elements a reduce-scatter takes at most (a bucket of one large parameter: in pieces)
+        self.scale = scale or C.size(group)  # the ranks a gradient is averaged over (HSDP: its replicas' too)
         device = buckets[0].parameters()[0].device if buckets else torch.device("cpu")
         self.shards = [torch.zeros(b.numel() // C.size(group), device=device) for b in buckets]
         self._slot: dict[int, tuple[int, int]] = {}  # id(p) → (offset in its bucket, numel)
@@ -102,7 +103,7 @@ class ShardedGrads:
         self.wait()
         self._arrived[b] = 0
         self.rounds.append((b, in_backward))
-        buf = self.buckets[b].release().div_(C.size(self.group))  # before any cast: the sum stays in range
+        buf = self.buckets[b].release().div_(self.scale)  # before any cast: the sum stays in range
         if self.encoded is not None:  # blocking (gloo's all-to-all): this rank's shard of the sum, in place
             self.encoded(buf, self.group)
             self.shards[b].add_(shard_of(buf, self.group))
