@@ -87,6 +87,8 @@ ZERO3 = [case(zero=3), case(tp=2, zero=3), case("llama", tp=2, sp=True, zero=3),
          case("gpt", *ONE_BUCKET, pp=2, schedule="zbv", v=2, zero=3), case("gpt", *FULL, zero=3),
          case("llama", *SELECTIVE, pp=2, zero=3), case("gpt", *PIECES, tp=2, zero=3)]
 ZERO3_COMPRESSED = [case("gpt", *BF16, zero=3), case("gpt", *INT8, zero=3)]
+AUTOCAST = ("train.precision=bf16",)  # bf16 matmuls under autocast: ZeRO-3 against ZeRO-1, bit for bit
+ZERO_AUTOCAST = [case("gpt", *AUTOCAST, zero=3), case("gpt", *AUTOCAST, zero=1)]
 HSDP = ("parallel.zero_group=2",)  # dp4 as two shard groups of 2 ranks, the shards all-reduced across the pairs
 ZERO_HSDP = [case("gpt", *HSDP, zero=1), case("gpt", *HSDP, zero=2), case("llama", *HSDP, zero=3)]
 WORLD = 4
@@ -95,7 +97,7 @@ WORLD = 4
 @functools.cache
 def launched() -> dict[str, list[dict[str, Any]]]:
     torch.set_num_threads(1)
-    cases = ZERO + PLAIN + ZERO2 + ZERO2_COMPRESSED + ZERO3 + ZERO3_COMPRESSED + ZERO_HSDP
+    cases = ZERO + PLAIN + ZERO2 + ZERO2_COMPRESSED + ZERO3 + ZERO3_COMPRESSED + ZERO_HSDP + ZERO_AUTOCAST
     for run in cases:  # composed here once, inherited by the forked ranks
         make_cfg(run, WORLD)
     results = run_frozen(train_cases, WORLD, cases, timeout=TIMEOUT)
@@ -238,7 +240,7 @@ def test_zero3_matches_single_process(run: Case) -> None:
 
 
 @pytest.mark.parametrize("run", [case(zero=3), case(pp=2, zero=3), case("gpt", *ONE_BUCKET, pp=2, schedule="zbv", v=2,
-                                                                        zero=3)], ids=str)
+                                                                        zero=3), ZERO_AUTOCAST[0]], ids=str)
 def test_zero3_is_zero2_bit_for_bit_and_zero1_with_one_microbatch(run: Case) -> None:
     """Only where the parameters live differs: the buckets, their shards, the reductions and the sums are ZeRO-2's
     (and ZeRO-1's, but for its one reduce-scatter of the microbatches' sum)."""
