@@ -67,6 +67,7 @@ class ParallelConfig:
     zero: int = 0  # 1: the distributed optimizer (ZeRO-1): gradients reduce-scattered, Adam's moments sharded over DP;
     # 2: gradients kept only as shards too (reduce-scattered every microbatch, ZeRO-2); 3: parameters too (ZeRO-3)
     zero_group: str = "dp"  # ZeRO shards inside: dp (every DP rank), node (HSDP) or N ranks; all-reduced across
+    zero_param_codec: str = "none"  # ZeRO-3's parameter all-gather: none, or int8 (block-wise, qwZ)
     # ZeRO-1: leave the parameter all-gather in flight after the step; each block waits for its own parameters
     # when its next forward starts (Megatron's --overlap-param-gather)
     overlap_param_gather: bool = False

@@ -9,7 +9,7 @@ one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
@@ -32,14 +32,15 @@ __all__ = ["DistributedOptimizer", "MainWeightsOptimizer", "ModelOptimizer", "to
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float, ctx: ParallelContext, grad_sync: GradSync,
                     main: Optional[dict[nn.Parameter, torch.Tensor]] = None, overlap_param_gather: bool = False,
-                    onebit: Optional[Compression] = None) -> ModelOptimizer | DistributedOptimizer:
+                    onebit: Optional[Compression] = None, param_codec: Any = None
+                    ) -> ModelOptimizer | DistributedOptimizer:
     """The optimizer of `model`, whose gradients `grad_sync` owns: AdamW with clipping at `cfg.grad_clip`;
     the distributed optimizer (ZeRO-1) when `grad_sync` reduce-scatters (`parallel.zero=1`); AdamW over the fp32
     `main` weights of bf16 parameters (`to_low_precision`'s answer) when given (ZeRO-1 too; it leaves its
     parameter all-gather in flight for the next forward with `overlap_param_gather`); 1-bit Adam's when given
     `onebit`, the hook state of `compression=onebit_adam` whose momentum exchange it drives (fp32 parameters)."""
     if grad_sync.sharded:
-        return DistributedOptimizer(model, cfg, lr, ctx, grad_sync, main, overlap_param_gather)
+        return DistributedOptimizer(model, cfg, lr, ctx, grad_sync, main, overlap_param_gather, param_codec)
     if main is not None:
         return MainWeightsOptimizer(grad_sync.parameters(), main, cfg, lr, ctx)
     if onebit is not None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
+from hybrid.compression.codecs import CODECS
 from hybrid.compression.hooks import Compression, make_hook
 from hybrid.compression.schedule import exact_kinds, exact_param_ids
 from hybrid.compression.zero import REDUCE_SCATTER_DTYPES, encoded_reduce_scatter
@@ -49,6 +50,13 @@ def zero_groups(cfg: Config, ctx: ParallelContext) -> tuple[Group, Group]:
         return ctx.grad_group, None
     shard, replica = ctx.layout.zero_groups(size)
     return groups_of(ctx, shard, "dp_intra"), groups_of(ctx, replica, "dp_inter")
+
+
+def param_codec(cfg: Config) -> Any:
+    """ZeRO-3's parameter all-gather codec (`parallel.zero_param_codec`, qwZ): None, or int8 with
+    `compression.block_size`'s blocks."""
+    name = cfg.parallel.zero_param_codec
+    return None if name == "none" else CODECS[name].build(cfg.compression)
 
 
 def kept_exact(cfg: Config, model: nn.Module) -> frozenset[int]:
@@ -86,7 +94,7 @@ class SynchronousDP:
                              reduce_dtype=REDUCE_SCATTER_DTYPES.get(c.method, torch.float32))
         onebit = state if c.method == "onebit_adam" else None  # 1-bit Adam's optimizer drives its momentum exchange
         optimizer = build_optimizer(model, cfg.optim, cfg.train.lr, ctx, grad_sync, main,
-                                    cfg.parallel.overlap_param_gather, onebit=onebit)
+                                    cfg.parallel.overlap_param_gather, onebit=onebit, param_codec=param_codec(cfg))
         return DPPlan(grad_sync, optimizer, watcher=watcher, replicas_group=ctx.dp_group)
 
     def footprint(self, cfg: Config, params: Sequence[torch.Tensor], sizes: Sequence[int], dp: int, share: int,

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from hybrid.parallel.context import Layout
 
 F32 = 4
+PARAM_CODECS = ("none", "int8")
+"""What ZeRO-3's parameter all-gather can run (`parallel.zero_param_codec`): exact, or block-wise int8 (qwZ)."""
 
 
 def require(ok: bool, msg: str) -> None:
@@ -38,6 +40,10 @@ def check(cfg: Config, layout: Layout) -> None:
              "(the distributed optimizer and 1-bit Adam are AdamW's)")
     check_zero(p, c)
     check_zero_group(p, layout)
+    require(p.zero_param_codec in PARAM_CODECS, f"parallel.zero_param_codec={p.zero_param_codec} is not one of "
+             f"{', '.join(PARAM_CODECS)}")
+    require(p.zero_param_codec == "none" or p.zero == 3, f"parallel.zero_param_codec={p.zero_param_codec} encodes "
+             "ZeRO-3's parameter all-gather: it needs parallel.zero=3")
     require(p.zero != 3 or not t.compile, "parallel.zero=3 gathers and frees each block's parameters from hooks "
              "around it, which a compiled block cannot run: set train.compile=false or parallel.zero=2")
     require(t.precision != "bf16_params" or c.method != "onebit_adam", "train.precision=bf16_params "

@@ -143,7 +143,8 @@ def train_case(ctx: ParallelContext, case: Case, world: int) -> dict[str, Any]:
     units = getattr(trainer.optimizer, "units", None)  # ZeRO-3: the kept shards; what a step leaves gathered
     zero3 = None if units is None else {"kept": sum(f.shard.nbytes for f in units.flats()),
                                         "gathered": sum(f.nbytes for f in units.flats() if f.gathered),
-                                        "units": [(u.root, sum(f.full.numel() for f in u.flats)) for u in units.units]}
+                                        "units": [(u.root, sum(f.full.numel() for f in u.flats)) for u in units.units],
+                                        "flats": [(u.root, f.full.numel()) for u in units.units for f in u.flats]}
     eval_loss = trainer.evaluate()
     full: dict[str, torch.Tensor] = {}
     getattr(trainer.optimizer, "wait_params", lambda: None)()  # every parameter readable (ZeRO-3: gathered)

@@ -87,6 +87,8 @@ ZERO3 = [case(zero=3), case(tp=2, zero=3), case("llama", tp=2, sp=True, zero=3),
          case("gpt", *ONE_BUCKET, pp=2, schedule="zbv", v=2, zero=3), case("gpt", *FULL, zero=3),
          case("llama", *SELECTIVE, pp=2, zero=3), case("gpt", *PIECES, tp=2, zero=3)]
 ZERO3_COMPRESSED = [case("gpt", *BF16, zero=3), case("gpt", *INT8, zero=3)]
+QWZ = ("parallel.zero_param_codec=int8", "compression.block_size=32")  # the parameter all-gather in int8
+ZERO_QWZ = [case("gpt", *QWZ, zero=3), case("gpt", *QWZ, pp=2, zero=3)]
 AUTOCAST = ("train.precision=bf16",)  # bf16 matmuls under autocast: ZeRO-3 against ZeRO-1, bit for bit
 ZERO_AUTOCAST = [case("gpt", *AUTOCAST, zero=3), case("gpt", *AUTOCAST, zero=1)]
 HSDP = ("parallel.zero_group=2",)  # dp4 as two shard groups of 2 ranks, the shards all-reduced across the pairs
@@ -97,7 +99,7 @@ WORLD = 4
 @functools.cache
 def launched() -> dict[str, list[dict[str, Any]]]:
     torch.set_num_threads(1)
-    cases = ZERO + PLAIN + ZERO2 + ZERO2_COMPRESSED + ZERO3 + ZERO3_COMPRESSED + ZERO_HSDP + ZERO_AUTOCAST
+    cases = ZERO + PLAIN + ZERO2 + ZERO2_COMPRESSED + ZERO3 + ZERO3_COMPRESSED + ZERO_HSDP + ZERO_AUTOCAST + ZERO_QWZ
     for run in cases:  # composed here once, inherited by the forked ranks
         make_cfg(run, WORLD)
     results = run_frozen(train_cases, WORLD, cases, timeout=TIMEOUT)
@@ -289,6 +291,23 @@ def test_zero3_compressed_reduce_scatter_is_zero2s(method: str) -> None:
     zero2, zero3 = (launched()[str(c)][0]["losses"] for c in ZERO2_COMPRESSED + ZERO3_COMPRESSED
                     if method in c.extra[0])
     assert zero2 == zero3
+
+
+@pytest.mark.parametrize("run", ZERO_QWZ, ids=str)
+def test_zero3_int8_parameter_gather_tracks_exact_training_at_a_quarter_of_the_bytes(run: Case) -> None:
+    """qwZ: each all-gather moves every rank's shard int8-encoded (block-wise scales): dp × the encoded bytes of
+    its padded chunk, per block twice and per root once a microbatch; the kept shards stay exact, so the losses
+    stay within int8 rounding of the exact ZeRO-3 run's."""
+    codec = Int8Codec(32)
+    exact = launched()[str(replace(run, extra=L4))][0]["losses"]
+    for r in launched()[str(run)]:
+        gap = max(abs(a - b) / b for a, b in zip(r["losses"], exact))
+        assert 0 < gap < 1e-3, (r["losses"], exact)
+        dp = WORLD // (run.tp * run.pp)
+        per_gather = {n: dp * codec.encoded_bytes(codec.chunk_len(n // dp)) for _, n in r["zero3"]["flats"]}
+        want = r["microbatches"] * sum(per_gather[n] * (1 if root else 2) for root, n in r["zero3"]["flats"])
+        for step in r["bytes"]:
+            assert step[("dp", "all_gather")] == want, (r["coord"], step, want)
 
 
 @pytest.mark.parametrize("run", ZERO_HSDP, ids=str)

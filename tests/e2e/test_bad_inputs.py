@@ -109,6 +109,10 @@ CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece o
      "of ranks dividing dp="),
     ("zero-group-no-zero", ["parallel.zero_group=1"], "parallel.zero_group=1 shards ZeRO's state "
      "inside groups: it needs parallel.zero=1, 2 or 3"),
+    ("qwz-zero2", ["parallel.zero=2", "parallel.zero_param_codec=int8"], "parallel.zero_param_codec=int8 encodes "
+     "ZeRO-3's parameter all-gather: it needs parallel.zero=3"),
+    ("qwz-codec", ["parallel.zero=3", "parallel.zero_param_codec=fp4"], "parallel.zero_param_codec=fp4 is not one "
+     "of none, int8"),
     ("zero3-compile", ["parallel.zero=3", "train.compile=true"], "parallel.zero=3 gathers and frees each block's "
      "parameters from hooks around it, which a compiled block cannot run"),
     ("zero3-overlap", ["parallel.zero=3", "parallel.overlap_param_gather=true"], "it needs parallel.zero=1 or 2 "

@@ -36,12 +36,16 @@ _DONE = object()  # an all-gather that completed when launched (a group of one)
 
 class FlatParams:
     """One bucket's parameters: the flat buffer `full` (each parameter a view of it, its storage freed while not
-    gathered) and this rank's kept shard of it, `shard`, which the optimizer updates."""
+    gathered) and this rank's kept shard of it, `shard`, which the optimizer updates. With a `codec` (qwZ:
+    `parallel.zero_param_codec`) the shard is encoded and the encoded shards all-gathered, then decoded into
+    `full` — every rank, its own shard included, computes with the same rounded weights; the kept shard stays
+    exact."""
 
-    def __init__(self, full: torch.Tensor, shard: torch.Tensor, group: Group) -> None:
-        self.full, self.shard, self.group = full, shard, group
+    def __init__(self, full: torch.Tensor, shard: torch.Tensor, group: Group, codec: Any = None) -> None:
+        self.full, self.shard, self.group, self.codec = full, shard, group, codec
         self.nbytes = full.numel() * full.element_size()
         self.work: Any = None
+        self.encoded: Optional[torch.Tensor] = None  # the gathered encoded shards, until decoded
         self.gathered = True  # built whole
 
     def launch(self) -> None:
@@ -49,7 +53,11 @@ class FlatParams:
         if self.gathered or self.work is not None:
             return
         self.full.untyped_storage().resize_(self.nbytes)
-        work = C.all_gather_flat(self.full.data, self.shard, self.group, async_op=True)
+        out, inp = self.full.data, self.shard
+        if self.codec is not None:
+            inp = self.codec.encode(_padded(self.shard.float(), self.codec.chunk_len(self.shard.numel())))
+            out = self.encoded = torch.empty(C.size(self.group) * inp.numel(), dtype=torch.uint8, device=inp.device)
+        work = C.all_gather_flat(out, inp, self.group, async_op=True)
         self.work = _DONE if work is None else work
 
     def wait(self) -> None:
@@ -58,13 +66,28 @@ class FlatParams:
         if self.work is not None and self.work is not _DONE:
             with C.TIMER.waiting(C.group_name(self.group), "all_gather"):  # comm/dp/all_gather/exposed_s
                 self.work.wait()
+        if self.encoded is not None:
+            self._decode()
         self.work, self.gathered = None, True
+
+    @torch.no_grad()
+    def _decode(self) -> None:
+        """Each rank's encoded shard decoded into its place in `full`."""
+        k, n = self.shard.numel(), C.size(self.group)
+        length = self.codec.chunk_len(k)
+        for r, data in enumerate(self.encoded.view(n, -1)):
+            self.full.data[r * k: (r + 1) * k].copy_(self.codec.decode(data, length)[:k])
+        self.encoded = None
 
     def free(self) -> None:
         if self.work is not None:
             self.wait()  # never under an all-gather in flight
         self.full.untyped_storage().resize_(0)
         self.gathered = False
+
+
+def _padded(x: torch.Tensor, length: int) -> torch.Tensor:
+    return x if x.numel() == length else torch.cat([x, x.new_zeros(length - x.numel())])
 
 
 def unit_modules(model: nn.ModuleList) -> list[tuple[nn.Module, list[nn.Module]]]:
