@@ -35,7 +35,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float, ctx: Parallel
                     onebit: Optional[Compression] = None, param_codec: Any = None
                     ) -> ModelOptimizer | DistributedOptimizer:
     """The optimizer of `model`, whose gradients `grad_sync` owns: AdamW with clipping at `cfg.grad_clip`;
-    the distributed optimizer (ZeRO-1) when `grad_sync` reduce-scatters (`parallel.zero=1`); AdamW over the fp32
+    the distributed optimizer (ZeRO-1, 2, 3: `param_codec` encodes ZeRO-3's parameter all-gather) when `grad_sync`
+    reduce-scatters (`parallel.zero>=1`); AdamW over the fp32
     `main` weights of bf16 parameters (`to_low_precision`'s answer) when given (ZeRO-1 too; it leaves its
     parameter all-gather in flight for the next forward with `overlap_param_gather`); 1-bit Adam's when given
     `onebit`, the hook state of `compression=onebit_adam` whose momentum exchange it drives (fp32 parameters)."""

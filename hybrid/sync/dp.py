@@ -3,9 +3,10 @@
 The gradient sync is `parallel.dp.data.GradSync` over the DP group through the compression hook
 (`compression=`): an all-reduce per bucket launched inside the backward, or under `parallel.zero=1` a
 reduce-scatter (in a 16-bit dtype, or int8/int4-encoded) that the distributed optimizer's all-gather completes
-(under `parallel.zero=2` one per microbatch, into kept gradient shards).
+(under `parallel.zero=2` and 3 one per microbatch, into kept gradient shards; under `parallel.zero_group` inside
+groups of DP ranks, the shards all-reduced across them).
 The optimizer is AdamW or SGD over the parameters (over fp32 main weights under bf16 parameters), the
-distributed optimizer under ZeRO-1 and 2, or 1-bit Adam's under `compression=onebit_adam` (its hook state is the
+distributed optimizer under ZeRO-1, 2 and 3, or 1-bit Adam's under `compression=onebit_adam` (its hook state is the
 momentum exchange). The auto compression schedule watches every step's loss (`Compression.observe`); its
 decisions are run state. Nothing runs after the optimizer's step.
 """
