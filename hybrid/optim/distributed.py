@@ -1,4 +1,4 @@
-"""The distributed optimizer (ZeRO-1 and 2, `parallel.zero=1|2`): AdamW's fp32 moments sharded over DP.
+"""The distributed optimizer (ZeRO-1, 2 and 3, `parallel.zero=1|2|3`): AdamW's fp32 moments sharded over DP.
 
 `GradSync(zero=1)` pads every gradient bucket to dp equal shards and reduce-scatters it inside the
 backward, so after `finalize_grads` DP rank r holds the DP mean of its shard `[r·k, (r+1)·k)` of each bucket
@@ -17,7 +17,9 @@ parameter's *fragment* is the part of it that falls in the shard: a 1-D view of 
    block (and on each chunk, for the embedding and the head) waits for the buckets of its own parameters
    only, so the all-gather of later layers overlaps the forward of earlier ones (Megatron's
    `--overlap-param-gather`). Whatever reads the parameters otherwise (the next step, a checkpoint) waits
-   for all of them first (`wait_params`).
+   for all of them first (`wait_params`). Under ZeRO-3 (`GradSync(zero=3)`) this rank's parameter shard is a
+   tensor of its own that AdamW updates, and instead of the all-gather every unit's buffer is freed:
+   `parallel.dp.units.Units` gathers each block where it is used next (`wait_params` gathers them all).
 
 Bytes: the reduce-scatter and the all-gather together put on the wire what one ring all-reduce does,
 (dp−1)/dp · 4N each; the moments take 8N/dp bytes per rank instead of 8N.
@@ -45,7 +47,7 @@ from hybrid.optim.adamw import adamw_over, clip_grads, counted_here, guarded_ste
 from hybrid.optim.shards import MOMENTS, Fragment, shard_bucket
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
-from hybrid.parallel.dp.units import FlatParams, Units
+from hybrid.parallel.dp.units import FlatParams, Units, chunk_units
 
 if TYPE_CHECKING:
     from hybrid.config import OptimConfig
@@ -192,11 +194,8 @@ class DistributedOptimizer:
         those of the rest (embedding, head). Blocks, not their inner layers: a compiled block's inside is
         traced, and a wait cannot be."""
         where = {id(p): i for i, sb in enumerate(self.buckets) for p in sb.bucket.parameters()}
-        for chunk in model:
-            blocks = list(chunk.layers.values()) if hasattr(chunk, "layers") else []
-            inside = {id(p) for b in blocks for p in b.parameters()}
-            outside = [p for p in chunk.parameters() if id(p) not in inside]
-            for module, params in ((chunk, outside), *((b, list(b.parameters())) for b in blocks)):
+        for chunk, root, blocks in chunk_units(model):
+            for module, params in ((chunk, root), *((b, list(b.parameters())) for b in blocks)):
                 ids = sorted({where[id(p)] for p in params if id(p) in where})
                 module.register_forward_pre_hook(lambda _m, _a, ids=ids: self.wait_params(ids))
 

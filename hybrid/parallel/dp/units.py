@@ -90,18 +90,23 @@ def _padded(x: torch.Tensor, length: int) -> torch.Tensor:
     return x if x.numel() == length else torch.cat([x, x.new_zeros(length - x.numel())])
 
 
-def unit_modules(model: nn.ModuleList) -> list[tuple[nn.Module, list[nn.Module]]]:
-    """Each chunk with its transformer blocks, in forward order."""
-    return [(chunk, list(chunk.layers.values()) if hasattr(chunk, "layers") else []) for chunk in model]
+def chunk_units(model: nn.ModuleList) -> list[tuple[nn.Module, list[nn.Parameter], list[nn.Module]]]:
+    """Each chunk with its root's parameters (all but its blocks': the embedding, the final norm, the head) and its
+    transformer blocks, in forward order."""
+    out = []
+    for chunk in model:
+        blocks = list(chunk.layers.values()) if hasattr(chunk, "layers") else []
+        inside = {id(p) for b in blocks for p in b.parameters()}
+        out.append((chunk, [p for p in chunk.parameters() if id(p) not in inside], blocks))
+    return out
 
 
 def unit_groups(model: nn.ModuleList) -> list[tuple[bool, list[nn.Parameter]]]:
     """(is the root, its trainable parameters) of each unit — a chunk's root (all but its blocks'), then each
     block —, in registration order, chunk by chunk; units without any left out."""
     out = []
-    for chunk, blocks in unit_modules(model):
-        inside = {id(p) for b in blocks for p in b.parameters()}
-        out.append((True, [p for p in chunk.parameters() if p.requires_grad and id(p) not in inside]))
+    for _, root, blocks in chunk_units(model):
+        out.append((True, [p for p in root if p.requires_grad]))
         out += [(False, [p for p in b.parameters() if p.requires_grad]) for b in blocks]
     return [(root, ps) for root, ps in out if ps]
 
@@ -142,9 +147,8 @@ class Units:
 
     def __init__(self, model: nn.ModuleList, flat_of: dict[int, FlatParams]) -> None:
         self.units: list[Unit] = []
-        for chunk, blocks in unit_modules(model):
-            inside = {id(p) for b in blocks for p in b.parameters()}
-            root = self._unit([p for p in chunk.parameters() if id(p) not in inside], flat_of, True)
+        for chunk, params, blocks in chunk_units(model):
+            root = self._unit(params, flat_of, True)
             chain = [self._unit(list(b.parameters()), flat_of, False) for b in blocks]
             self._hook_chunk(chunk, root, chain)
             for i, block in enumerate(blocks):
