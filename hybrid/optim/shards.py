@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import nn
 
+from hybrid.parallel.dp.buckets import shard_span
+
 if TYPE_CHECKING:
     from hybrid.parallel.dp.buckets import GradBucket
 
@@ -63,13 +65,8 @@ class ShardedBucket:
     def spans(self) -> list[tuple[nn.Parameter, int, int, int]]:
         """Every parameter of the bucket with its offset in the bucket and the flat range `[lo, hi)` of it
         that lies in this rank's shard (empty when lo == hi)."""
-        out, offset = [], 0
-        for p in self.bucket.parameters():
-            n = p.numel()
-            lo, hi = max(offset, self.start), min(offset + n, self.start + self.k)
-            out.append((p, offset, lo - offset, max(lo, hi) - offset))
-            offset += n
-        return out
+        return [(p, at, *shard_span(at, p.numel(), self.start, self.k))
+                for p, at in zip(self.bucket.parameters(), self.bucket.offsets())]
 
 
 def shard_bucket(bucket: GradBucket, grads: torch.Tensor, dp: int, dp_rank: int,

@@ -28,6 +28,9 @@ class GradBucket:
                  numel: Optional[int] = None) -> None:
         self._index, self._params, self._is_last = index, params, is_last
         self._numel = buffer.numel() if buffer is not None else int(numel or 0)
+        self._offsets = [0]
+        for p in params[:-1]:
+            self._offsets.append(self._offsets[-1] + p.numel())
         self._buffer: Optional[torch.Tensor] = None
         self._views: list[torch.Tensor] = []
         if buffer is not None:
@@ -35,10 +38,8 @@ class GradBucket:
 
     def attach(self, buffer: torch.Tensor) -> None:
         """Hold `buffer` (`numel()` elements) and cut each parameter's gradient view of it."""
-        self._buffer, self._views, offset = buffer, [], 0
-        for p in self._params:
-            self._views.append(buffer[offset: offset + p.numel()].view_as(p))
-            offset += p.numel()
+        self._buffer = buffer
+        self._views = [buffer[at: at + p.numel()].view_as(p) for p, at in zip(self._params, self._offsets)]
 
     def release(self) -> torch.Tensor:
         """Hand the buffer over and hold none (its views go with it)."""
@@ -48,6 +49,10 @@ class GradBucket:
 
     def index(self) -> int:
         return self._index
+
+    def offsets(self) -> list[int]:
+        """Where each parameter starts in the buffer, in `parameters()` order."""
+        return list(self._offsets)
 
     def numel(self) -> int:
         """The buffer's length (padded to dp shards under ZeRO), whether or not one is held now."""
@@ -87,6 +92,13 @@ def assign_buckets(params: list[nn.Parameter], bucket_bytes: int,
         buckets[-1].append(p)
         filled += 4 * p.numel()
     return [part for b in buckets for part in _by_class(b, apart)]
+
+
+def shard_span(offset: int, n: int, start: int, k: int) -> tuple[int, int]:
+    """The range `[lo, hi)` of a parameter's flattened elements (`n` of them, at `offset` in its bucket) that lies
+    in the bucket's shard `[start, start + k)`; empty (lo == hi) when none does."""
+    lo, hi = max(offset, start), min(offset + n, start + k)
+    return lo - offset, max(lo, hi) - offset
 
 
 def assign_units(units: list[list[nn.Parameter]], bucket_bytes: int,

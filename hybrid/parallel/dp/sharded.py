@@ -34,7 +34,7 @@ from torch import nn
 
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
-from hybrid.parallel.dp.buckets import GradBucket
+from hybrid.parallel.dp.buckets import GradBucket, shard_span
 
 EncodedReduceScatter = Callable[[torch.Tensor, Group], Any]
 """ZeRO's compressed reduce-scatter: (flat buffer pre-divided by dp, DP group) → this rank's shard of the sum
@@ -57,12 +57,8 @@ class ShardedGrads:
         self.scale = scale or C.size(group)  # the ranks a gradient is averaged over (HSDP: its replicas' too)
         device = buckets[0].parameters()[0].device if buckets else torch.device("cpu")
         self.shards = [torch.zeros(b.numel() // C.size(group), device=device) for b in buckets]
-        self._slot: dict[int, tuple[int, int]] = {}  # id(p) → (offset in its bucket, numel)
-        for b in self.buckets:
-            offset = 0
-            for p in b.parameters():
-                self._slot[id(p)] = (offset, p.numel())
-                offset += p.numel()
+        self._slot = {id(p): (at, p.numel()) for b in self.buckets  # id(p) → (offset in its bucket, numel)
+                      for p, at in zip(b.parameters(), b.offsets())}
         self._arrived = [0] * len(self.buckets)
         self._inflight: Optional[tuple[int, int, torch.Tensor, Any]] = None  # (bucket, at, its result, work)
         self.rounds: list[tuple[int, bool]] = []  # this step's launches: (bucket, from the backward's hook)
@@ -72,8 +68,8 @@ class ShardedGrads:
         offset, n = self._slot[id(p)]
         k = self.shards[b].numel()
         start = C.rank(self.group) * k
-        lo, hi = max(offset, start), min(offset + n, start + k)
-        return self.shards[b][lo - start: max(lo, hi) - start]
+        lo, hi = shard_span(offset, n, start, k)
+        return self.shards[b][offset + lo - start: offset + hi - start]
 
     @torch.no_grad()
     def add(self, b: int, p: nn.Parameter, grad: torch.Tensor) -> None:
