@@ -111,7 +111,10 @@ def zero2_copies(c: CompressionConfig, largest: Sequence[int], device: str, piec
     if c.method in REDUCE_SCATTER_CODECS:  # blocking: no round in flight beside the one being encoded
         return F32 * n + 2 * (n + 4 * n // c.block_size)
     inp = min(n, piece)
-    cast = (2 if c.method != "none" else F32) * inp if (c.method != "none" or n > piece) else 0
+    if c.method != "none":
+        cast = 2 * inp  # the 16-bit copy a reduce-scatter sends
+    else:
+        cast = F32 * inp if n > piece else 0  # a piece's columns copied out; a whole fp32 bucket goes in place
     return F32 * sum(largest) + cast + (F32 * inp if device != "cuda" else 0)
 
 

@@ -112,7 +112,6 @@ class GradSync:
         self.in_backward = in_backward  # False: every bucket waits for finish() (no overlap; a test switch)
         self.enabled = C.size(group) > 1
         self.zero = zero  # 1: reduce-scatter each bucket once a step; 2, 3: every microbatch, into kept shards
-        self.sharded = zero >= 1  # the optimizer updates this rank's shard of each bucket
         self.reduce_dtype = reduce_dtype  # the sharded path's reduce-scatter dtype (fp16/bf16: half the bytes)
         self.encoded = encoded_reduce_scatter  # or an encoded one (int8: an all-to-all of about a quarter)
         size = int(bucket_mb * 2**20)  # ZeRO: buckets inside `units` (ZeRO-3 gathers and frees them with a unit)
@@ -145,6 +144,11 @@ class GradSync:
         self.launch_log: list[tuple[int, bool]] = []  # (bucket index, launched by the gradient-ready hook)
         self.last_launch_log: list[tuple[int, bool]] = []  # the previous step's, kept by finish()
         self.begin_step(1)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the optimizer updates this rank's shard of each bucket (any ZeRO stage)."""
+        return self.zero >= 1
 
     def begin_step(self, num_microbatches: int) -> None:
         """Expect one accumulation per parameter per microbatch this step."""
