@@ -30,7 +30,7 @@ class _CountingDist:
     def all_reduce(tensor: Any, op: Any = dist.ReduceOp.SUM, group: Group = None, async_op: bool = False) -> Any:
         n = dist.get_world_size(group)
         if n > 1:
-            C.COUNTER.record(C.group_name(group), "all_reduce", tensor, n)
+            C.count(group, "all_reduce", tensor)
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 

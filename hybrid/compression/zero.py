@@ -2,23 +2,23 @@
 
 A reduce-scatter leaves each DP rank the mean of its own shard of a bucket, so a method can run there only if
 it needs no whole bucket and keeps nothing across steps: a plain dtype (fp32, fp16, bf16) or a codec without
-error feedback (int8, int4) as an encoded all-to-all (`codecs.reduce_scatter_encoded`). PowerSGD, sign, top-k, DGC,
-1-bit Adam and hierarchical exchanges are refused by `validate` with one line.
+error feedback (int8, int4) as an encoded all-to-all (`codecs.reduce_scatter_encoded`) — over a shard group that
+spans nodes in two hops, exact inside the node and encoded across (`hierarchical_reduce_scatter`, ZeRO++'s qgZ).
+PowerSGD, sign, top-k, DGC, 1-bit Adam and hierarchical exchanges are refused by `validate` with one line.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybrid.compression import codecs
+from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 
 if TYPE_CHECKING:
-    from hybrid.config import CompressionConfig
+    pass
 
 REDUCE_SCATTER_DTYPES: dict[str, torch.dtype] = {"none": torch.float32, "fp16": torch.float16,
                                                  "bf16": torch.bfloat16}
@@ -32,9 +32,23 @@ ZERO_METHODS = (*REDUCE_SCATTER_DTYPES, *REDUCE_SCATTER_CODECS)
 """Every method `parallel.zero=1|2` runs; the others need each bucket whole."""
 
 
-def encoded_reduce_scatter(cfg: CompressionConfig) -> Optional[Callable[[torch.Tensor, Group], torch.Tensor]]:
-    """ZeRO's reduce-scatter through `cfg`'s codec (int8, int4: `codecs.reduce_scatter_encoded`), or None (a plain
-    one, in `REDUCE_SCATTER_DTYPES`' dtype)."""
-    if cfg.method not in REDUCE_SCATTER_CODECS:
-        return None
-    return functools.partial(codecs.reduce_scatter_encoded, codecs.CODECS[cfg.method].build(cfg))
+def hierarchical_reduce_scatter(codec: codecs.Codec, node: Group, across: Group, buf: torch.Tensor,
+                                group: Group) -> torch.Tensor:
+    """qgZ: the reduce-scatter of `buf` over a shard `group` that spans nodes, in two hops. Shard s of `group`
+    belongs to the rank at local index l = s mod L of node e = s div L (L ranks per node, `node` this rank's
+    L, `across` the ranks at its index on each of the E nodes). (1) an exact fp32 **reduce-scatter** over
+    `node` of the shards laid out by local index: this rank gets the node's sum of the E shards of its index;
+    (2) the codec's encoded **all-to-all** over `across` (`codecs.reduce_scatter_encoded`): the E node sums
+    of its own shard, decoded and added. Only (2) leaves the node: the codec's payload of 1/L of the bucket.
+    Writes this rank's shard of the sum in place and returns it."""
+    n_node, n_across = C.size(node), C.size(across)
+    k = buf.numel() // (n_node * n_across)
+    by_index = buf.view(n_across, n_node, k).transpose(0, 1).contiguous()  # [l, e, k]
+    part = torch.empty(n_across * k, dtype=buf.dtype, device=buf.device)
+    C.reduce_scatter_flat(part, by_index.view(-1), node)
+    del by_index
+    codecs.reduce_scatter_encoded(codec, part, across)
+    at = C.rank(group) * k
+    mine = buf[at: at + k]
+    mine.copy_(part[C.rank(across) * k: (C.rank(across) + 1) * k])
+    return mine

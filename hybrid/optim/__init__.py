@@ -18,6 +18,7 @@ from hybrid.optim.adamw import ModelOptimizer, adamw, clip_grads, global_grad_no
 from hybrid.optim.distributed import DistributedOptimizer
 from hybrid.optim.mixed import MainWeightsOptimizer, to_low_precision
 from hybrid.optim.onebit_adam import OneBitAdam
+from hybrid.parallel.collectives import Group
 from hybrid.parallel.context import ParallelContext
 from hybrid.parallel.dp.data import GradSync
 
@@ -32,16 +33,17 @@ __all__ = ["DistributedOptimizer", "MainWeightsOptimizer", "ModelOptimizer", "to
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float, ctx: ParallelContext, grad_sync: GradSync,
                     main: Optional[dict[nn.Parameter, torch.Tensor]] = None, overlap_param_gather: bool = False,
-                    onebit: Optional[Compression] = None, param_codec: Any = None
+                    onebit: Optional[Compression] = None, param_codec: Any = None, hpz: Group = None
                     ) -> ModelOptimizer | DistributedOptimizer:
     """The optimizer of `model`, whose gradients `grad_sync` owns: AdamW with clipping at `cfg.grad_clip`;
-    the distributed optimizer (ZeRO-1, 2, 3: `param_codec` encodes ZeRO-3's parameter all-gather) when `grad_sync`
+    the distributed optimizer (ZeRO-1, 2, 3: `param_codec` encodes ZeRO-3's parameter all-gather, `hpz` is its
+    secondary group) when `grad_sync`
     reduce-scatters (`parallel.zero>=1`); AdamW over the fp32
     `main` weights of bf16 parameters (`to_low_precision`'s answer) when given (ZeRO-1 too; it leaves its
     parameter all-gather in flight for the next forward with `overlap_param_gather`); 1-bit Adam's when given
     `onebit`, the hook state of `compression=onebit_adam` whose momentum exchange it drives (fp32 parameters)."""
     if grad_sync.sharded:
-        return DistributedOptimizer(model, cfg, lr, ctx, grad_sync, main, overlap_param_gather, param_codec)
+        return DistributedOptimizer(model, cfg, lr, ctx, grad_sync, main, overlap_param_gather, param_codec, hpz)
     if main is not None:
         return MainWeightsOptimizer(grad_sync.parameters(), main, cfg, lr, ctx)
     if onebit is not None:

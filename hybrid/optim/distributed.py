@@ -62,7 +62,7 @@ class DistributedOptimizer:
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, lr: float, ctx: ParallelContext,
                  grad_sync: GradSync, main: Optional[dict[nn.Parameter, torch.Tensor]] = None,
-                 overlap: bool = False, param_codec: Any = None) -> None:
+                 overlap: bool = False, param_codec: Any = None, hpz: C.Group = None) -> None:
         if not grad_sync.sharded:
             raise ValueError("DistributedOptimizer needs GradSync(zero=1, 2 or 3)")
         self.ctx, self.grad_clip, self.dp_group = ctx, cfg.grad_clip, grad_sync.group
@@ -72,7 +72,7 @@ class DistributedOptimizer:
             self.buckets.append(shard_bucket(b, grad_sync.grad_shard(i), dp, dp_rank, main, keep))
             if keep:  # ZeRO-3: freed at once, so the whole model is never here twice (its build, these buffers)
                 self.flats.append(FlatParams(self.buckets[-1].params, self.buckets[-1].param_shard(), self.dp_group,
-                                             param_codec))
+                                             param_codec, hpz))
                 self.flats[-1].free()
         self.units: Optional[Units] = None  # ZeRO-3: the parameters gathered unit by unit, freed between uses
         if keep:

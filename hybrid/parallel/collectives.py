@@ -63,15 +63,24 @@ class CommCounter:
     bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     sizes: dict[str, int] = field(default_factory=dict)  # group name → ranks in it
+    cross: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # group name → bytes off the node
 
-    def record(self, name: str, op: str, tensor: torch.Tensor, group_size: int = 0) -> None:
+    def record(self, name: str, op: str, tensor: torch.Tensor, group_size: int = 0, cross: float = 0.0) -> None:
+        """One call of `op` on `tensor` over group `name` of `group_size` ranks, `cross` of whose payload belongs
+        to ranks on other nodes."""
         self.bytes[(name, op)] += tensor.numel() * tensor.element_size()
         self.calls[(name, op)] += 1
+        self.cross[name] += tensor.numel() * tensor.element_size() * cross
         if group_size:
             self.sizes[name] = group_size
 
     def group_bytes(self, name: str) -> int:
         return sum(b for (g, _), b in self.bytes.items() if g == name)
+
+    def cross_node_bytes(self, name: str) -> float:
+        """The part of group `name`'s payload that belongs to ranks on other nodes — what leaves (or enters) a
+        rank's node whatever the algorithm: (n − l)/n of it for a group of n ranks, l of them on each node."""
+        return self.cross.get(name, 0.0)
 
     def wire_bytes(self, name: str) -> float:
         """Bytes one rank of group `name` sent, for ring all-reduce / all-gather / reduce-scatter."""
@@ -81,6 +90,7 @@ class CommCounter:
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self.cross.clear()
 
 
 P2P_OPS = ("send_fwd", "send_bwd", "send", "recv", "send_recv", "broadcast", "ring")
@@ -105,12 +115,21 @@ TIMER = CommTimer()
 """The process-wide clock on the collectives, switched on for the steps that get logged (a meter too)."""
 
 _GROUP_NAMES: dict[int, str] = {}
+_CROSS: dict[int, float] = {}  # id(group) → the share of its payload that belongs to ranks on other nodes
 
 
-def name_group(group: Group, name: str) -> None:
-    """Attach a name (tp, dp, pp, dp_intra, …) under which the group's traffic is counted."""
+def name_group(group: Group, name: str, per_node: int = 0) -> None:
+    """Attach a name (tp, dp, pp, dp_intra, …) under which the group's traffic is counted, and how many of its
+    ranks share a node (`per_node`; 0: unknown, read as all: nothing of it crosses nodes)."""
     if group is not None:
         _GROUP_NAMES[id(group)] = name
+        n = size(group)
+        _CROSS[id(group)] = (n - per_node) / n if per_node else 0.0
+
+
+def count(group: Group, op: str, t: torch.Tensor) -> None:
+    """Record `op` on `t` over `group` in the counter, under its name, with its size and its off-node share."""
+    COUNTER.record(group_name(group), op, t, size(group), _CROSS.get(id(group), 0.0))
 
 
 def group_name(group: Group) -> str:
@@ -148,7 +167,7 @@ def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist
     """In-place all-reduce of `t` over `group`, counted and timed."""
     if size(group) == 1:
         return None
-    COUNTER.record(group_name(group), "all_reduce", t, size(group))
+    count(group, "all_reduce", t)
     return _timed(group, "all_reduce", lambda: dist.all_reduce(t, op=op, group=group, async_op=async_op), async_op)
 
 
@@ -158,7 +177,7 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tens
     if not sends and not recvs:
         return
     for t, _ in sends:
-        COUNTER.record(group_name(group), "send", t, size(group))
+        count(group, "send", t)
     ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for t, peer in recvs]
     with TIMER.collective(group_name(group), "send_recv"):
@@ -174,7 +193,7 @@ def all_gather_last(t: torch.Tensor, group: Group) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(n)]
     _timed(group, "all_gather", lambda: dist.all_gather(parts, t.contiguous(), group=group), False)
     out = torch.cat(parts, dim=-1)
-    COUNTER.record(group_name(group), "all_gather", out, n)
+    count(group, "all_gather", out)
     return out
 
 
@@ -198,7 +217,7 @@ def all_gather_seq(t: torch.Tensor, group: Group, op: str = "all_gather") -> tor
     parts = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in range(n)]
     _timed(group, op, lambda: dist.all_gather(parts, t.contiguous(), group=group), False)
     out = torch.cat(parts, dim=1)
-    COUNTER.record(group_name(group), op, out, n)
+    count(group, op, out)
     return out
 
 
@@ -211,7 +230,7 @@ def reduce_scatter_seq(t: torch.Tensor, group: Group) -> torch.Tensor:
         raise ValueError(f"sequence length {t.shape[1]} does not divide by the TP size {n}")
     chunks = [c.contiguous() for c in t.chunk(n, dim=1)]
     out = torch.empty_like(chunks[0])
-    COUNTER.record(group_name(group), "reduce_scatter", t, n)
+    count(group, "reduce_scatter", t)
     _timed(group, "reduce_scatter", lambda: dist.reduce_scatter(out, chunks, group=group), False)
     return out
 
@@ -223,7 +242,7 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
     if size(group) == 1:
         out.copy_(inp)
         return
-    COUNTER.record(group_name(group), "all_to_all", inp, size(group))
+    count(group, "all_to_all", inp)
     _timed(group, "all_to_all", lambda: dist.all_to_all_single(out.view(-1), inp.reshape(-1), group=group), False)
 
 
@@ -233,7 +252,7 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Group,
     if size(group) == 1:
         out.copy_(inp.view_as(out))
         return None
-    COUNTER.record(group_name(group), "all_gather", out, size(group))
+    count(group, "all_gather", out)
     return _timed(group, "all_gather", lambda: dist_all_gather_single(
         out.view(-1), inp.reshape(-1), group=group, async_op=async_op), async_op)
 
@@ -244,7 +263,7 @@ def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Group,
     if size(group) == 1:
         out.copy_(inp.view_as(out))
         return None
-    COUNTER.record(group_name(group), "reduce_scatter", inp, size(group))
+    count(group, "reduce_scatter", inp)
     return _timed(group, "reduce_scatter", lambda: dist_reduce_scatter_single(
         out.view(-1), inp.reshape(-1), group=group, async_op=async_op), async_op)
 

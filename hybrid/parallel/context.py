@@ -99,12 +99,12 @@ class ParallelContext:
         ctx = ParallelContext(layout=layout, rank=rank, timeout_s=timeout_s)
         for kind in GROUP_KINDS:
             setattr(ctx, f"{kind}_group", _mine(layout.groups(kind), rank, kind, timeout_s))
-            name_group(getattr(ctx, f"{kind}_group"), kind)
+            name_group(getattr(ctx, f"{kind}_group"), kind, layout.per_node(layout.groups(kind)[0]))
         if layout.cp > 1:
             ctx.cp_group = _mine(layout.groups("cp"), rank, "cp", timeout_s)
             name_group(ctx.cp_group, "cp")
             ctx.cp_dp_group = _mine(layout.groups("cp-dp"), rank, "cp-dp", timeout_s)
-            name_group(ctx.cp_dp_group, "dp")  # the gradients' traffic: the record's bytes_dp
+            name_group(ctx.cp_dp_group, "dp", layout.per_node(layout.groups("cp-dp")[0]))  # the record's bytes_dp
         return ctx
 
 
@@ -115,8 +115,9 @@ def more_groups(ctx: ParallelContext, kind: str, name: str, backend: Optional[st
     rank must call it."""
     if not dist.is_initialized():
         return None
-    group = _mine(ctx.layout.groups(kind), ctx.rank, kind, ctx.timeout_s, backend)
-    name_group(group, name)
+    lists = ctx.layout.groups(kind)
+    group = _mine(lists, ctx.rank, kind, ctx.timeout_s, backend)
+    name_group(group, name, ctx.layout.per_node(lists[0]))
     return group
 
 
@@ -138,7 +139,7 @@ def groups_of(ctx: ParallelContext, lists: list[list[int]], name: str) -> Option
     if not dist.is_initialized():
         return None
     group = _mine(lists, ctx.rank, name, ctx.timeout_s)
-    name_group(group, name)
+    name_group(group, name, ctx.layout.per_node(lists[0]))
     return group
 
 

@@ -183,18 +183,28 @@ class Layout:
 
     def dp_intra_node_groups(self) -> list[list[int]]:
         """Each DP group cut at node boundaries: the ranks that reduce over fast links."""
-        return [part for g in self.dp_groups() for part in self._split_by_node(g)]
+        return self.node_split(self.dp_groups())[0]
 
     def dp_inter_node_groups(self) -> list[list[int]]:
         """For each DP group, one group per local index across its node parts (the slow hop)."""
-        out = []
-        for g in self.dp_groups():
+        return self.node_split(self.dp_groups())[1]
+
+    def node_split(self, groups: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
+        """Each group's two hops: its parts on one node each (intra), and for each local index the ranks at it on
+        every node of the group (inter). Parts must be equal: LayoutError otherwise."""
+        intra, inter = [], []
+        for g in groups:
             parts = self._split_by_node(g)
             width = len(parts[0])
             if any(len(p) != width for p in parts):
                 raise LayoutError(f"DP group {g} is spread unevenly over nodes; hierarchical sync needs equal parts")
-            out += [[p[i] for p in parts] for i in range(width)]
-        return out
+            intra += parts
+            inter += [[p[i] for p in parts] for i in range(width)]
+        return intra, inter
+
+    def per_node(self, ranks: list[int]) -> int:
+        """How many of `ranks` share a node (the first's): a group's part that its intra-node links carry."""
+        return len(self._split_by_node(ranks)[0])
 
     def zero_shard_size(self, spec: str) -> int:
         """The DP ranks a ZeRO shard group holds under `parallel.zero_group`: `dp` (all of them), `node` (those on

@@ -129,7 +129,7 @@ def full_tensor(p: torch.Tensor, group: Group) -> torch.Tensor:
     local = [n // shard.size for n in shard.parts]
     per_rank = [t.split(local, dim=shard.dim) for t in pieces]
     full = torch.cat([torch.cat([r[i] for r in per_rank], dim=shard.dim) for i in range(len(local))], dim=shard.dim)
-    C.COUNTER.record(C.group_name(group), "gather_params", full, shard.size)
+    C.count(group, "gather_params", full)
     return full
 
 

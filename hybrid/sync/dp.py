@@ -19,19 +19,17 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
-from hybrid.compression.codecs import CODECS
 from hybrid.compression.hooks import Compression, make_hook
 from hybrid.compression.schedule import exact_kinds, exact_param_ids
-from hybrid.compression.zero import REDUCE_SCATTER_DTYPES, encoded_reduce_scatter
+from hybrid.compression.zero import REDUCE_SCATTER_DTYPES
 from hybrid.config import Config, ConfigError
 from hybrid.optim import build_optimizer
-from hybrid.parallel.collectives import Group
-from hybrid.parallel.context import groups_of
 from hybrid.parallel.dp.data import CommHook, GradSync, SyncReport
 from hybrid.parallel.dp.units import unit_params
 from hybrid.sync import exchange
 from hybrid.sync.footprint import Footprint
 from hybrid.sync.plan import DPPlan, register_sync_mode
+from hybrid.sync.zero import encoded_reduce_scatter, hpz_group, param_codec, zero_groups
 
 if TYPE_CHECKING:
     from hybrid.parallel.context import Layout, ParallelContext
@@ -40,24 +38,6 @@ if TYPE_CHECKING:
 def dp_hook(cfg: Config, ctx: ParallelContext, hook: Optional[tuple[CommHook, Any]]) -> tuple[CommHook, Any]:
     """The DP compression hook and its state: `hook` when the caller brings one, else `compression=`'s."""
     return hook or make_hook(cfg.compression, ctx.grad_group, ctx.dp_intra_group, ctx.dp_inter_group)
-
-
-def zero_groups(cfg: Config, ctx: ParallelContext) -> tuple[Group, Group]:
-    """(the group ZeRO shards over, the group the shards are all-reduced over): the gradients' group and none, or
-    under `parallel.zero_group` (HSDP) consecutive parts of each DP group and the ranks at one place of each part,
-    counted as `dp_intra` and `dp_inter`. Collective: the groups are created on every rank."""
-    size = ctx.layout.zero_shard_size(cfg.parallel.zero_group)
-    if cfg.parallel.zero == 0 or size == ctx.dp_size:
-        return ctx.grad_group, None
-    shard, replica = ctx.layout.zero_groups(size)
-    return groups_of(ctx, shard, "dp_intra"), groups_of(ctx, replica, "dp_inter")
-
-
-def param_codec(cfg: Config) -> Any:
-    """ZeRO-3's parameter all-gather codec (`parallel.zero_param_codec`, qwZ): None, or int8 with
-    `compression.block_size`'s blocks."""
-    name = cfg.parallel.zero_param_codec
-    return None if name == "none" else CODECS[name].build(cfg.compression)
 
 
 def kept_exact(cfg: Config, model: nn.Module) -> frozenset[int]:
@@ -85,17 +65,18 @@ class SynchronousDP:
         watcher = state if isinstance(state, Compression) else None
         if watcher is not None:
             watcher.exact_params = apart
-        shard, replicas = zero_groups(cfg, ctx)  # HSDP: the replicas' all-reduce is the between-node part
+        zg = zero_groups(cfg, ctx)  # HSDP: the replicas' all-reduce is the between-node part; qgZ's hops
         report = SyncReport(error=c.measure_error, exact=c.method == "none",
-                            inter_node=c.method == "hierarchical" or replicas is not None)
-        grad_sync = GradSync(list(model.parameters()), shard, run, state, cfg.parallel.bucket_mb, report,
+                            inter_node=c.method == "hierarchical" or zg.replicas is not None or zg.across is not None)
+        grad_sync = GradSync(list(model.parameters()), zg.shard, run, state, cfg.parallel.bucket_mb, report,
                              apart=apart, main_grads=main is not None, zero=cfg.parallel.zero,
-                             units=unit_params(model) if cfg.parallel.zero >= 1 else None, replicas=replicas,
-                             encoded_reduce_scatter=encoded_reduce_scatter(c),
+                             units=unit_params(model) if cfg.parallel.zero >= 1 else None, replicas=zg.replicas,
+                             encoded_reduce_scatter=encoded_reduce_scatter(cfg, zg),
                              reduce_dtype=REDUCE_SCATTER_DTYPES.get(c.method, torch.float32))
         onebit = state if c.method == "onebit_adam" else None  # 1-bit Adam's optimizer drives its momentum exchange
         optimizer = build_optimizer(model, cfg.optim, cfg.train.lr, ctx, grad_sync, main,
-                                    cfg.parallel.overlap_param_gather, onebit=onebit, param_codec=param_codec(cfg))
+                                    cfg.parallel.overlap_param_gather, onebit=onebit, param_codec=param_codec(cfg),
+                                    hpz=hpz_group(cfg, zg))
         return DPPlan(grad_sync, optimizer, watcher=watcher, replicas_group=ctx.dp_group)
 
     def footprint(self, cfg: Config, params: Sequence[torch.Tensor], sizes: Sequence[int], dp: int, share: int,

@@ -16,6 +16,7 @@ from hybrid.compression.schedule import exact_kinds
 from hybrid.compression.zero import REDUCE_SCATTER_CODECS, ZERO_METHODS
 from hybrid.config import CompressionConfig, Config, ConfigError, ParallelConfig
 from hybrid.parallel.layout import LayoutError
+from hybrid.sync.zero import needs_hops, shard_lists, spans_nodes
 
 if TYPE_CHECKING:
     from hybrid.parallel.context import Layout
@@ -44,6 +45,7 @@ def check(cfg: Config, layout: Layout) -> None:
              f"{', '.join(PARAM_CODECS)}")
     require(p.zero_param_codec == "none" or p.zero == 3, f"parallel.zero_param_codec={p.zero_param_codec} encodes "
              "ZeRO-3's parameter all-gather: it needs parallel.zero=3")
+    check_zero_hops(cfg, layout)
     require(p.zero != 3 or not t.compile, "parallel.zero=3 gathers and frees each block's parameters from hooks "
              "around it, which a compiled block cannot run: set train.compile=false or parallel.zero=2")
     require(t.precision != "bf16_params" or c.method != "onebit_adam", "train.precision=bf16_params "
@@ -90,6 +92,25 @@ def check_zero_group(p: ParallelConfig, layout: Layout) -> None:
              "parallel.zero=1, 2 or 3")
     require(layout.cp == 1, f"parallel.zero_group={p.zero_group} with parallel.cp={layout.cp}: hybrid sharding "
              "over CP and DP together is not built; use parallel.zero_group=dp")
+
+
+def check_zero_hops(cfg: Config, layout: Layout) -> None:
+    """hpZ (`parallel.zero_hpz`) needs ZeRO-3 and a shard group across nodes with several of its ranks on each;
+    hpZ and qgZ need the shard groups spread evenly over their nodes."""
+    p = cfg.parallel
+    if p.zero_hpz:
+        require(p.zero == 3, "parallel.zero_hpz=true keeps a node's copy of ZeRO-3's gathered parameters: it needs "
+                 "parallel.zero=3")
+        shards = shard_lists(cfg, layout)[0]
+        require(spans_nodes(layout, shards), f"parallel.zero_hpz=true needs a ZeRO shard group across nodes with "
+                 f"several of its ranks on each; here each has {len(shards[0])} ranks, "
+                 f"{layout.per_node(shards[0])} per node (parallel.ranks_per_node={layout.ranks_per_node}, "
+                 f"parallel.zero_group={p.zero_group})")
+    if needs_hops(cfg, layout):
+        try:
+            layout.node_split(shard_lists(cfg, layout)[0])
+        except LayoutError as e:
+            raise ConfigError(str(e)) from None
 
 
 def check_block_size(c: CompressionConfig, bucket_mb: float, dp: int) -> None:

@@ -180,14 +180,20 @@ def layout_context(world: int, case: Case) -> ParallelContext:
     return ParallelContext.build(Layout.create(world, tp=case.tp, pp=case.pp))
 
 
+def node_size(case: Case) -> int:
+    """The emulated node size a case's overrides set (`parallel.ranks_per_node=N`), or 0 (the world is one)."""
+    sizes = [int(e.split("=")[1]) for e in case.extra if e.startswith("parallel.ranks_per_node=")]
+    return sizes[0] if sizes else 0
+
+
 def train_cases(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]]:
     """Rank function: train each case in turn (groups built once per (tp, pp) layout, all named)."""
-    contexts: dict[tuple[int, int], ParallelContext] = {}
+    contexts: dict[tuple[int, int, int], ParallelContext] = {}
     out = []
     for case in cases:
-        key = (case.tp, case.pp)
+        key = (case.tp, case.pp, node_size(case))
         if key not in contexts:
-            ctx = ParallelContext.build(Layout.create(world, tp=case.tp, pp=case.pp))
+            ctx = ParallelContext.build(Layout.create(world, tp=case.tp, pp=case.pp, ranks_per_node=key[2] or None))
             contexts[key] = ctx
         out.append(train_case(contexts[key], case, world))
     return out

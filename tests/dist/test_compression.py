@@ -27,6 +27,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from hybrid.compression import codecs, powersgd
 from hybrid.compression.hierarchical import piece_shapes, row_ranges
 from hybrid.compression.hooks import make_hook
+from hybrid.compression.zero import hierarchical_reduce_scatter
 from hybrid.config import CompressionConfig
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout
@@ -57,7 +58,7 @@ def workers(world: int) -> dict[str, Callable[[int, int], object]]:
                 "torch_hooks": torch_hooks_worker, "bias": bias_bucket_worker}
     if world == 4:
         return {"one_step": one_step_worker, "state": state_worker}
-    return {"hierarchical": hierarchical_worker}
+    return {"hierarchical": hierarchical_worker, "qgz": qgz_worker}
 
 
 def run_workers(rank: int, world: int) -> dict[str, object]:
@@ -371,7 +372,7 @@ def dp_groups(layout: Layout, rank: int) -> tuple:
             group = dist.new_group(ranks)
             if rank in ranks:
                 found = group
-        C.name_group(found, name)
+        C.name_group(found, name, layout.per_node(lists[0]))
         mine.append(found)
     return tuple(mine)
 
@@ -752,3 +753,67 @@ def test_hierarchical_gives_the_mean(hierarchical_runs: list, inner: str) -> Non
     for r in hierarchical_runs:  # the same value on every rank
         for out, ref in zip(r[inner]["outputs"], first):
             torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+class ExactCodec:
+    """A codec that sends the fp32 bytes themselves: the two hops' placement, without a codec's rounding."""
+
+    def chunk_len(self, n: int) -> int:
+        return n
+
+    def encoded_bytes(self, length: int) -> int:
+        return 4 * length
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float().contiguous().view(torch.uint8)
+
+    def decode(self, data: torch.Tensor, length: int) -> torch.Tensor:
+        return data.view(torch.float32)
+
+
+QGZ_NUMEL = 8 * 3 * BLOCK  # a bucket of 8 shards of 3 int8 blocks
+
+
+def qgz_worker(rank: int, world: int) -> dict:
+    """ZeRO's two-hop reduce-scatter (qgZ) of one bucket over dp=8 on 2 nodes of 4: exact and int8 across."""
+    dp, intra, inter = dp_groups(Layout.create(world, tp=1, pp=1, dp=world, ranks_per_node=NODE), rank)
+    out: dict = {"exact": exact_mean([torch.randn(QGZ_NUMEL, generator=torch.Generator().manual_seed(r))
+                                      for r in [rank]], dp)[0] * world}
+    for name, codec in (("fp32", ExactCodec()), ("int8", codecs.Int8Codec(BLOCK))):
+        buf = torch.randn(QGZ_NUMEL, generator=torch.Generator().manual_seed(rank))
+        C.COUNTER.reset()
+        mine = hierarchical_reduce_scatter(codec, intra, inter, buf, dp).clone()
+        out[name] = {"shard": mine, "bytes": dict(C.COUNTER.bytes),
+                     "cross": {g: C.COUNTER.cross_node_bytes(g) for g in ("dp", "dp_intra", "dp_inter")}}
+    return out
+
+
+@pytest.fixture(scope="module")
+def qgz_runs() -> list:
+    return launched(2 * NODE)["qgz"]
+
+
+def test_qgz_reduce_scatter_leaves_each_rank_its_shard_of_the_sum(qgz_runs: list) -> None:
+    """With the fp32 bytes as the codec the two hops are a reduce-scatter: shard s of the sum on dp rank s (up to
+    the sums' order); with int8 across, within int8's rounding of the node sums."""
+    world = len(qgz_runs)
+    k = QGZ_NUMEL // world
+    inputs = [torch.randn(QGZ_NUMEL, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    for rank, r in enumerate(qgz_runs):
+        exact = r["exact"][rank * k: (rank + 1) * k]
+        torch.testing.assert_close(r["fp32"]["shard"], exact, rtol=0, atol=1e-5)
+        node_sums = [sum(x[rank * k: (rank + 1) * k] for x in inputs[n * NODE:(n + 1) * NODE]) for n in range(2)]
+        bound = absmax_bound(node_sums, codecs.Int8Codec(BLOCK)) * 2 + 1e-5
+        assert_within(r["int8"]["shard"], exact, bound, f"qgZ int8 shard of rank {rank}")
+        assert 0 < (r["int8"]["shard"] - exact).abs().max()
+
+
+def test_qgz_bytes_are_fp32_inside_the_node_and_the_codecs_payload_of_a_node_share_across(qgz_runs: list) -> None:
+    """Inside the node one fp32 reduce-scatter of the bucket; across the nodes an all-to-all of the encoded
+    quarter (a node's share), half of which leaves the node; nothing on the flat DP group."""
+    codec = codecs.Int8Codec(BLOCK)
+    part = QGZ_NUMEL // NODE
+    for r in qgz_runs:
+        sent = 2 * codec.encoded_bytes(codec.chunk_len(part // 2))
+        assert r["int8"]["bytes"] == {("dp_intra", "reduce_scatter"): 4 * QGZ_NUMEL, ("dp_inter", "all_to_all"): sent}
+        assert r["int8"]["cross"] == {"dp": 0, "dp_intra": 0, "dp_inter": sent / 2}

@@ -93,13 +93,17 @@ AUTOCAST = ("train.precision=bf16",)  # bf16 matmuls under autocast: ZeRO-3 agai
 ZERO_AUTOCAST = [case("gpt", *AUTOCAST, zero=3), case("gpt", *AUTOCAST, zero=1)]
 HSDP = ("parallel.zero_group=2",)  # dp4 as two shard groups of 2 ranks, the shards all-reduced across the pairs
 ZERO_HSDP = [case("gpt", *HSDP, zero=1), case("gpt", *HSDP, zero=2), case("llama", *HSDP, zero=3)]
+NODES = ("parallel.ranks_per_node=2",)  # dp4 over 2 emulated nodes of 2 ranks
+HPZ = (*NODES, "parallel.zero_hpz=true")  # the step's later all-gathers inside the node
+ZERO_PP = [case("gpt", *HPZ, zero=3), case("gpt", *NODES, *INT4, zero=2),  # hpZ; qgZ: int4 across, exact inside
+           case("llama", *HPZ, *QWZ, "compression=int4", zero=3)]  # ZeRO++: qwZ + hpZ + qgZ
 WORLD = 4
 
 
 @functools.cache
 def launched() -> dict[str, list[dict[str, Any]]]:
     torch.set_num_threads(1)
-    cases = ZERO + PLAIN + ZERO2 + ZERO2_COMPRESSED + ZERO3 + ZERO3_COMPRESSED + ZERO_HSDP + ZERO_AUTOCAST + ZERO_QWZ
+    cases = ZERO + PLAIN + ZERO2 + ZERO2_COMPRESSED + ZERO3 + ZERO3_COMPRESSED + ZERO_HSDP + ZERO_AUTOCAST + ZERO_QWZ + ZERO_PP
     for run in cases:  # composed here once, inherited by the forked ranks
         make_cfg(run, WORLD)
     results = run_frozen(train_cases, WORLD, cases, timeout=TIMEOUT)
@@ -326,6 +330,61 @@ def test_hybrid_sharding_matches_single_process_and_moves_the_shards_once_across
             assert {k: b for k, b in step.items() if k[0].startswith("dp")} == want, (str(run), r["coord"], step)
         if run.zero == 3:
             assert r["zero3"]["kept"] == 4 * padded // 2
+
+
+def test_hpz_is_zero3_bit_for_bit_and_gathers_across_nodes_once_a_step() -> None:
+    """hpZ over 2 nodes: each unit's first all-gather of a step over the DP group (4 bytes per padded element),
+    every later one (the backward's; the next microbatches') over the node (`dp_intra`) from the secondary copy
+    of what the first gathered: the same values, so the same run as plain ZeRO-3, bit for bit."""
+    run = ZERO_PP[0]
+    for r, plain in zip(launched()[str(run)], launched()[str(case(zero=3))]):
+        assert (r["losses"], r["norms"]) == (plain["losses"], plain["norms"])
+        m, units = r["microbatches"], r["zero3"]["units"]
+        inside = sum(n * (m - 1 if root else 2 * m - 1) for root, n in units)
+        for step in r["bytes"]:
+            assert step[("dp", "all_gather")] == 4 * sum(n for _, n in units), (r["coord"], step)
+            assert step[("dp_intra", "all_gather")] == 4 * inside, (r["coord"], step)
+
+
+def two_hop_bytes(r: dict[str, Any], codec: Int8Codec) -> dict[tuple[str, str], int]:
+    """qgZ's counted bytes per step over 2 nodes of 2: per microbatch each padded bucket reduce-scattered in fp32
+    inside the node, then its node half's encoded all-to-all across (two shards of a quarter)."""
+    m, sizes = r["microbatches"], [p for _, p in r["bucket_numel"]]
+    return {("dp_intra", "reduce_scatter"): 4 * m * sum(sizes),
+            ("dp_inter", "all_to_all"): m * sum(2 * codec.encoded_bytes(codec.chunk_len(p // 4)) for p in sizes)}
+
+
+def test_qgz_reduces_inside_the_node_exactly_and_sends_int4_across() -> None:
+    """qgZ (ZeRO-2, int4, dp4 on 2 nodes): the two hops' bytes, and training within int4's reach of the exact
+    run, as close as the one-hop encoded reduce-scatter (the same int4 blocks, over node sums)."""
+    run = ZERO_PP[1]
+    exact = reference("gpt")["losses"]
+    flat = launched()[str(ZERO2_COMPRESSED[2])][0]["losses"]
+    gap = lambda losses: max(abs(a - b) / b for a, b in zip(losses, exact))  # noqa: E731
+    for r in launched()[str(run)]:
+        assert 0 < gap(r["losses"]) < 2e-2 and gap(r["losses"]) < 4 * gap(flat) + 1e-4, (r["losses"], flat)
+        padded = sum(p for _, p in r["bucket_numel"])
+        want = two_hop_bytes(r, Int4Codec(32)) | {("dp", "all_gather"): 4 * padded, ("dp", "all_reduce"): 4}
+        for step in r["bytes"]:
+            assert {k: b for k, b in step.items() if k[0].startswith("dp")} == want, (r["coord"], step)
+
+
+def test_zero_plus_plus_tracks_zero3_and_sends_across_nodes_a_fraction_of_its_bytes() -> None:
+    """qwZ + hpZ + qgZ (Llama, ZeRO-3, dp4 on 2 nodes): losses within int8/int4 rounding of the single process;
+    per step the first all-gathers int8 over DP, the rest inside the node, the gradients in two hops; what leaves
+    the node is the DP group's half and the across hop's half of their payloads."""
+    run = ZERO_PP[2]
+    exact = reference("llama")["losses"]
+    p8, p4 = Int8Codec(32), Int4Codec(32)
+    for r in launched()[str(run)]:
+        assert max(abs(a - b) / b for a, b in zip(r["losses"], exact)) < 2e-2, (r["losses"], exact)
+        m, units = r["microbatches"], r["zero3"]["units"]
+        first = sum(4 * p8.encoded_bytes(p8.chunk_len(n // 4)) for _, n in r["zero3"]["flats"])
+        inside = 4 * sum(n * (m - 1 if root else 2 * m - 1) for root, n in units)
+        want = two_hop_bytes(r, p4) | {("dp", "all_gather"): first, ("dp_intra", "all_gather"): inside,
+                                       ("dp", "all_reduce"): 4}
+        for step in r["bytes"]:
+            assert {k: b for k, b in step.items() if k[0].startswith("dp")} == want, (r["coord"], step)
 
 
 @pytest.mark.parametrize("zero", [2, 3])

@@ -30,6 +30,7 @@ from torch import nn
 
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
+from hybrid.parallel.dp.sharded import shard_of
 
 _DONE = object()  # an all-gather that completed when launched (a group of one)
 
@@ -39,13 +40,18 @@ class FlatParams:
     gathered) and this rank's kept shard of it, `shard`, which the optimizer updates. With a `codec` (qwZ:
     `parallel.zero_param_codec`) the shard is encoded and the encoded shards all-gathered, then decoded into
     `full` — every rank, its own shard included, computes with the same rounded weights; the kept shard stays
-    exact."""
+    exact. With a `secondary` group (hpZ: `parallel.zero_hpz`, the shard group's ranks on this node) the first
+    gather of a step keeps this rank's 1/len(secondary) of what it gathered (`second`), and every later gather
+    of the step — the backward's, the next microbatches' — all-gathers those over `secondary` only: inside the
+    node, exact copies of the first gather's values. `stale()` (the optimizer's step, a load) drops them."""
 
-    def __init__(self, full: torch.Tensor, shard: torch.Tensor, group: Group, codec: Any = None) -> None:
-        self.full, self.shard, self.group, self.codec = full, shard, group, codec
+    def __init__(self, full: torch.Tensor, shard: torch.Tensor, group: Group, codec: Any = None,
+                 secondary: Group = None) -> None:
+        self.full, self.shard, self.group, self.codec, self.secondary = full, shard, group, codec, secondary
         self.nbytes = full.numel() * full.element_size()
         self.work: Any = None
         self.encoded: Optional[torch.Tensor] = None  # the gathered encoded shards, until decoded
+        self.second: Optional[torch.Tensor] = None  # hpZ: this rank's part of this step's gathered values
         self.gathered = True  # built whole
 
     def launch(self) -> None:
@@ -53,6 +59,10 @@ class FlatParams:
         if self.gathered or self.work is not None:
             return
         self.full.untyped_storage().resize_(self.nbytes)
+        if self.second is not None:  # hpZ: inside the node, from this step's secondary shards
+            work = C.all_gather_flat(self.full.data, self.second, self.secondary, async_op=True)
+            self.work = _DONE if work is None else work
+            return
         out, inp = self.full.data, self.shard
         if self.codec is not None:
             inp = self.codec.encode(_padded(self.shard.float(), self.codec.chunk_len(self.shard.numel())))
@@ -64,10 +74,13 @@ class FlatParams:
         """Gathered on return (launched here if it was not)."""
         self.launch()
         if self.work is not None and self.work is not _DONE:
-            with C.TIMER.waiting(C.group_name(self.group), "all_gather"):  # comm/dp/all_gather/exposed_s
+            name = C.group_name(self.group if self.second is None else self.secondary)
+            with C.TIMER.waiting(name, "all_gather"):  # comm/dp/all_gather/exposed_s
                 self.work.wait()
         if self.encoded is not None:
             self._decode()
+        if self.secondary is not None and self.second is None:
+            self.second = shard_of(self.full.data, self.secondary).clone()
         self.work, self.gathered = None, True
 
     @torch.no_grad()
@@ -84,6 +97,10 @@ class FlatParams:
             self.wait()  # never under an all-gather in flight
         self.full.untyped_storage().resize_(0)
         self.gathered = False
+
+    def stale(self) -> None:
+        """The kept shard changed (a step, a load): the next gather is over `group` again; hpZ's copy is dropped."""
+        self.second = None
 
 
 def _padded(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -207,8 +224,11 @@ class Units:
             u.wait()
 
     def free_all(self) -> None:
+        """Every unit freed and its hpZ copies dropped: the kept shards were just written (a step, a load)."""
         for u in self.units:
             u.free()
+            for f in u.flats:
+                f.stale()
 
     def flats(self) -> Iterable[FlatParams]:
         return (f for u in self.units for f in u.flats)
