@@ -146,6 +146,8 @@ def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank:
     # microbatch rounds are there from the backward's first gradients on
     freed = activations if cfg.parallel.zero < 2 else 0
     gathered = itemsize * zero3_gathered(chunks, size, dp, m.device != "cuda") if zero == 3 else 0
+    if zero == 3 and cfg.parallel.zero_hpz:  # hpZ: the step's secondary copy, 1/node of every unit
+        gathered += itemsize * sum(sizes) // max(1, share)
     buffers = transient + max(0, copies - freed) + state + gathered
     return RankMemory(weights, grads, optimizer, activations, buffers)
 

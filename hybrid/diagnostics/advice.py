@@ -9,7 +9,8 @@ fields of `Thresholds` (docs/diagnose.md states each rule):
 - `cp_across_nodes`: a CP group spans nodes (only with `parallel.allow_cp_across_nodes=true`).
 - `tp_slow_link`: a TP group holds a link below `tp_link` × the fastest measured link.
 - `slow_inter_node`: DP groups span nodes, the inter-node median is below `inter_node` × the intra-node
-  median, and `compression.method=none`: compression would cut the slow hop's bytes.
+  median, and `compression.method=none`: compression would cut the slow hop's bytes (under ZeRO sharded
+  across the nodes: hybrid sharding or ZeRO++).
 - `slow_rank`: every link of a rank is more than `slow_rank` below the median of its class.
 - `node_spans_hosts`: one of the trainer's nodes holds ranks of several hosts.
 - `versions_differ`: ranks run different torch / python / CUDA / NCCL / driver versions.
@@ -108,19 +109,30 @@ def tp_findings(layout: Layout, matrix: Matrix, th: Thresholds = Thresholds()) -
     return out
 
 
-def inter_node_findings(layout: Layout, matrix: Matrix, method: str, th: Thresholds = Thresholds()) -> list[Finding]:
-    """A slow inter-node hop under DP groups that cross it, with the exact (uncompressed) gradient sync."""
+def inter_node_findings(layout: Layout, matrix: Matrix, method: str, th: Thresholds = Thresholds(), zero: int = 0,
+                        zero_group: str = "dp") -> list[Finding]:
+    """A slow inter-node hop under DP groups that cross it, with the exact (uncompressed) gradient sync — under ZeRO
+    (`zero` ≥ 1) sharded across the nodes (`zero_group=dp`; HSDP keeps its shards inside a node)."""
     crossing = [g for g in layout.dp_groups() if spans_nodes(layout, g)]
     med = _medians(matrix, layout)
-    if method != "none" or not crossing or not {"intra", "inter"} <= med.keys():
+    if method != "none" or not crossing or not {"intra", "inter"} <= med.keys() or (zero and zero_group != "dp"):
         return []
     if med["inter"] >= th.inter_node * med["intra"]:
         return []
     share = med["inter"] / med["intra"]
     return [Finding("slow_inter_node", f"inter-node median {med['inter']:.3g} GB/s is {share:.0%} of the intra-node "
                     f"{med['intra']:.3g} GB/s and {len(crossing)} DP group(s) span nodes with "
-                    "compression.method=none: try compression=hierarchical-powersgd (exact inside a node, "
-                    "PowerSGD between nodes) or compression=powersgd", _ranks_of(crossing))]
+                    f"compression.method=none: {_dp_remedy(zero)}", _ranks_of(crossing))]
+
+
+def _dp_remedy(zero: int) -> str:
+    """What cuts the slow hop's DP bytes: a compression method, or under ZeRO hybrid sharding or ZeRO++."""
+    if not zero:
+        return ("try compression=hierarchical-powersgd (exact inside a node, PowerSGD between nodes) or "
+                "compression=powersgd")
+    plus = "parallel.zero_hpz=true, parallel.zero_param_codec=int8 and " if zero == 3 else ""
+    return (f"ZeRO-{zero} shards across the nodes; try parallel.zero_group=node (HSDP: only one all-reduce of the "
+            f"shards a step crosses nodes) or ZeRO++: {plus}compression=int4 (int4 between nodes, exact inside)")
 
 
 def slow_rank_findings(layout: Layout, matrix: Matrix, th: Thresholds = Thresholds()) -> list[Finding]:
@@ -162,10 +174,12 @@ def version_findings(versions: Sequence[dict[str, object]]) -> list[Finding]:
     return out
 
 
-def findings(layout: Layout, matrix: Matrix, method: str, th: Thresholds = Thresholds()) -> list[Finding]:
-    """Every warning about the links under `layout` with compression `method`."""
+def findings(layout: Layout, matrix: Matrix, method: str, th: Thresholds = Thresholds(), zero: int = 0,
+             zero_group: str = "dp") -> list[Finding]:
+    """Every warning about the links under `layout` with compression `method` and ZeRO stage `zero` over
+    `zero_group`."""
     return (tp_findings(layout, matrix, th) + across_nodes_findings(layout, matrix, "cp")
-            + inter_node_findings(layout, matrix, method, th)
+            + inter_node_findings(layout, matrix, method, th, zero, zero_group)
             + slow_rank_findings(layout, matrix, th))
 
 

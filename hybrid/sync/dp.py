@@ -82,7 +82,8 @@ class SynchronousDP:
     def footprint(self, cfg: Config, params: Sequence[torch.Tensor], sizes: Sequence[int], dp: int, share: int,
                   device: str, host: bool) -> Footprint:
         """The DP exchange's copies in flight and its codec's state (`exchange.exchange_bytes`)."""
-        copies, state = exchange.exchange_bytes(cfg, sizes, dp, device)
+        node = share if 1 < share < dp else 0  # a shard group across nodes: qgZ's two hops
+        copies, state = exchange.exchange_bytes(cfg, sizes, dp, device, node)
         return Footprint(state=state, transient=copies)
 
     def startup(self, cfg: Config, layout: Layout) -> list[str]:

@@ -103,8 +103,8 @@ def check_zero_hops(cfg: Config, layout: Layout) -> None:
                  "parallel.zero=3")
         shards = shard_lists(cfg, layout)[0]
         require(spans_nodes(layout, shards), f"parallel.zero_hpz=true needs a ZeRO shard group across nodes with "
-                 f"several of its ranks on each; here each has {len(shards[0])} ranks, "
-                 f"{layout.per_node(shards[0])} per node (parallel.ranks_per_node={layout.ranks_per_node}, "
+                 f"several of its ranks on each; here each has {len(shards[0])} rank(s), "
+                 f"{layout.per_node(shards[0])} on a node (parallel.ranks_per_node={layout.ranks_per_node}, "
                  f"parallel.zero_group={p.zero_group})")
     if needs_hops(cfg, layout):
         try:
@@ -122,13 +122,17 @@ def check_block_size(c: CompressionConfig, bucket_mb: float, dp: int) -> None:
              "padded to whole blocks")
 
 
-def zero2_copies(c: CompressionConfig, largest: Sequence[int], device: str, piece: int) -> int:
+def zero2_copies(c: CompressionConfig, largest: Sequence[int], device: str, piece: int, node: int = 0) -> int:
     """ZeRO-2's and 3's transient gradient buffers, `largest` being the two largest buckets' sizes: a
     microbatch's round being filled and the one in flight (fp32; a codec's all-to-all blocks: none in flight), and
-    a reduce-scatter's copies of its input — of
-    the bucket, or of a `piece` of a larger one: its cast (16-bit, or a piece's columns copied out), gloo's copy on
-    CPU — or a codec's encoded shards sent and received."""
+    a reduce-scatter's copies of its input — of the bucket, or of a `piece` of a larger one: its cast (16-bit, or a
+    piece's columns copied out), gloo's copy on CPU — or a codec's encoded shards sent and received; over a shard
+    group across nodes with `node` of its ranks on each (qgZ) the round laid out by local index, the node's sum of
+    a 1/node part, and that part's encoded shards."""
     n = max(largest)
+    if c.method in REDUCE_SCATTER_CODECS and node > 1:  # two hops, blocking
+        part = n // node
+        return F32 * (2 * n + part) + 2 * (part + 4 * part // c.block_size)
     if c.method in REDUCE_SCATTER_CODECS:  # blocking: no round in flight beside the one being encoded
         return F32 * n + 2 * (n + 4 * n // c.block_size)
     inp = min(n, piece)
@@ -176,16 +180,17 @@ def startup_lines(cfg: Config, layout: Layout) -> list[str]:
     return [compression_summary(cfg.compression, layout)] if cfg.compression.method != "none" else []
 
 
-def exchange_bytes(cfg: Config, sizes: Sequence[int], dp: int, device: str) -> tuple[int, int]:
+def exchange_bytes(cfg: Config, sizes: Sequence[int], dp: int, device: str, node: int = 0) -> tuple[int, int]:
     """(copies, state) of the DP exchange for buckets of `sizes` elements: the copies its collectives hold
     while the buckets are in flight (a 16-bit copy of each for fp16/bf16; under ZeRO-1 on CPU, gloo's copy
     of each reduce-scatter's input, or int8's encoded shards sent and received), and the compression state
-    kept across steps (docs/memory.md)."""
+    kept across steps (docs/memory.md); `node`: the shard group's ranks per node where it spans nodes (qgZ's
+    two hops), else 0."""
     c = cfg.compression
     if dp == 1 or not sizes:
         return 0, 0
     if cfg.parallel.zero >= 2:  # ZeRO-2 and 3: the microbatch rounds
-        return zero2_copies(c, sorted(sizes)[-2:], device, int(cfg.parallel.bucket_mb * 2**20) // F32), 0
+        return zero2_copies(c, sorted(sizes)[-2:], device, int(cfg.parallel.bucket_mb * 2**20) // F32, node), 0
     if c.method in ("none", "fp16", "bf16", "torch_fp16", "torch_bf16"):
         cast = 2 * sum(sizes) if c.method != "none" else 0
         return max(cast, F32 * sum(sizes) if cfg.parallel.zero == 1 and device != "cuda" else 0), 0

@@ -206,7 +206,8 @@ def diagnose(opts: Options, cfg: Config) -> Report:
     matrix = measure(probe.size, probe.iters, probe.warmup, device, probe.serial)
     method = bytes_cut_by(cfg)
     found = (notes + A.node_findings(layout, [f["hostname"] for f in facts])
-             + A.version_findings([f["versions"] for f in facts]) + A.findings(layout, matrix, method))
+             + A.version_findings([f["versions"] for f in facts])
+             + A.findings(layout, matrix, method, zero=cfg.parallel.zero, zero_group=str(cfg.parallel.zero_group)))
     return Report(facts, layout, source, matrix, probe, method, found,
                   A.suggest(layout, matrix) if layout.world > 1 else None)
 

@@ -177,7 +177,7 @@ def layout_context(world: int, case: Case) -> ParallelContext:
     """The groups of `case`'s layout on `world` ranks (built now, all named); one process: no groups."""
     if world == 1:
         return ParallelContext.single()
-    return ParallelContext.build(Layout.create(world, tp=case.tp, pp=case.pp))
+    return ParallelContext.build(Layout.create(world, tp=case.tp, pp=case.pp, ranks_per_node=node_size(case) or None))
 
 
 def node_size(case: Case) -> int:
@@ -193,8 +193,7 @@ def train_cases(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]
     for case in cases:
         key = (case.tp, case.pp, node_size(case))
         if key not in contexts:
-            ctx = ParallelContext.build(Layout.create(world, tp=case.tp, pp=case.pp, ranks_per_node=key[2] or None))
-            contexts[key] = ctx
+            contexts[key] = layout_context(world, case)
         out.append(train_case(contexts[key], case, world))
     return out
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from pp_helpers import VOCAB, Case, composed, layout_context, make_cfg, moment_bytes
+from pp_helpers import VOCAB, Case, composed, layout_context, make_cfg, moment_bytes, node_size
 from test_dp import synthetic_corpus
 from tp_helpers import run_frozen
 
@@ -125,6 +125,8 @@ COMBOS = [
     Case("gpt", zero=3, extra=("train.recompute=full",)),  # parameter shards, the gathered blocks as buffers
     Case("llama", pp=2, zero=3, extra=("train.precision=bf16_params",)),
     Case("gpt", tp=2, zero=3, extra=("compression=int8", "compression.block_size=32")),
+    Case("llama", zero=3, extra=("parallel.ranks_per_node=2", "parallel.zero_hpz=true", "compression=int4",
+                                 "parallel.zero_param_codec=int8", "compression.block_size=32")),  # ZeRO++
 ]
 
 
@@ -146,9 +148,10 @@ def measure(rank: int, world: int) -> list[dict[str, Any]]:
     out, contexts = [], {}
     for case in COMBOS:
         cfg = make_cfg(case, world, extra=LAYERS)
-        if (case.tp, case.pp) not in contexts:  # the groups of a layout built once
-            contexts[case.tp, case.pp] = layout_context(world, case)
-        ctx = contexts[case.tp, case.pp]
+        key = (case.tp, case.pp, node_size(case))
+        if key not in contexts:  # the groups of a layout built once
+            contexts[key] = layout_context(world, case)
+        ctx = contexts[key]
         hook, state = make_hook(cfg.compression, ctx.dp_group)
         trainer = Trainer(cfg, ctx, build_chunks(cfg, VOCAB, ctx), synthetic_corpus(vocab=VOCAB),
                           torch.device("cpu"), hook, state)
@@ -156,7 +159,8 @@ def measure(rank: int, world: int) -> list[dict[str, Any]]:
         peak = tracked_peak(trainer.train_step)
         with torch.device("meta"):
             chunks = build_chunks(cfg, VOCAB, ParallelContext.shapes(ctx.layout, rank))
-        est = rank_memory(cfg, chunks, trainer.schedule, ctx.pp_rank, ctx.dp_size, micro_of(cfg))
+        est = rank_memory(cfg, chunks, trainer.schedule, ctx.pp_rank, ctx.dp_size, micro_of(cfg),
+                          ctx.layout.dp_per_node)
         tally = None
         if case.pp == 1:  # one microbatch's forward: what the schedule holds at once without a pipeline
             ids = torch.as_tensor(trainer.corpus.train[: cfg.train.micro_batch_size]).long()

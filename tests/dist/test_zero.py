@@ -92,7 +92,8 @@ ZERO_QWZ = [case("gpt", *QWZ, zero=3), case("gpt", *QWZ, pp=2, zero=3)]
 AUTOCAST = ("train.precision=bf16",)  # bf16 matmuls under autocast: ZeRO-3 against ZeRO-1, bit for bit
 ZERO_AUTOCAST = [case("gpt", *AUTOCAST, zero=3), case("gpt", *AUTOCAST, zero=1)]
 HSDP = ("parallel.zero_group=2",)  # dp4 as two shard groups of 2 ranks, the shards all-reduced across the pairs
-ZERO_HSDP = [case("gpt", *HSDP, zero=1), case("gpt", *HSDP, zero=2), case("llama", *HSDP, zero=3)]
+ZERO_HSDP = [case("gpt", *HSDP, zero=1), case("gpt", *HSDP, zero=2),
+             case("llama", "parallel.ranks_per_node=2", "parallel.zero_group=node", zero=3)]  # 2 emulated nodes
 NODES = ("parallel.ranks_per_node=2",)  # dp4 over 2 emulated nodes of 2 ranks
 HPZ = (*NODES, "parallel.zero_hpz=true")  # the step's later all-gathers inside the node
 ZERO_PP = [case("gpt", *HPZ, zero=3), case("gpt", *NODES, *INT4, zero=2),  # hpZ; qgZ: int4 across, exact inside
@@ -103,7 +104,8 @@ WORLD = 4
 @functools.cache
 def launched() -> dict[str, list[dict[str, Any]]]:
     torch.set_num_threads(1)
-    cases = ZERO + PLAIN + ZERO2 + ZERO2_COMPRESSED + ZERO3 + ZERO3_COMPRESSED + ZERO_HSDP + ZERO_AUTOCAST + ZERO_QWZ + ZERO_PP
+    cases = (ZERO + PLAIN + ZERO2 + ZERO2_COMPRESSED + ZERO3 + ZERO3_COMPRESSED + ZERO_HSDP + ZERO_AUTOCAST + ZERO_QWZ
+             + ZERO_PP)
     for run in cases:  # composed here once, inherited by the forked ranks
         make_cfg(run, WORLD)
     results = run_frozen(train_cases, WORLD, cases, timeout=TIMEOUT)
@@ -410,21 +412,29 @@ def test_zero_checkpoint_resumes_across_stages_and_dp_sizes(tmp_path: Path, zero
     assert _saved(results) and STEPS > SAVE_AT
 
 
-def fsdp2_and_zero3(rank: int, world: int) -> tuple[list[float], list[float]]:
-    """Rank function: three steps of hybrid's ZeRO-3, then of FSDP2 on the same model, batches and optimizer."""
-    cfg = zero_vs_fsdp2.config("gpt-tiny", 2, world, 32, 2, 3, "model.hidden=64", "model.n_heads=4",
-                               "model.ffn_hidden=128", "model.max_seq_len=32")
-    ctx = ParallelContext.build(Layout.create(world))
-    data = zero_vs_fsdp2.corpus(32)
-    return ([f() for f in zero_vs_fsdp2.zero3_steps(cfg, ctx, data, 3)],
-            [f() for f in zero_vs_fsdp2.fsdp2_steps(cfg, ctx, data, 3)])
+TINY = ("model.hidden=64", "model.n_heads=4", "model.ffn_hidden=128", "model.max_seq_len=32")
+HSDP_NODES = ("parallel.ranks_per_node=2", "parallel.zero_group=node")
 
 
-def test_zero3_trains_as_torch_fsdp2_does() -> None:
-    """torch's `fully_shard` on every block and the chunk (its units and root) is the reference: the same losses."""
+def fsdp2_and_zero3(rank: int, world: int) -> list[tuple[list[float], list[float]]]:
+    """Rank function: three steps of hybrid's ZeRO-3, then of FSDP2 on the same model, batches and optimizer; then
+    hybrid's HSDP and FSDP2's (sharded inside each of 2 emulated nodes, replicated across)."""
+    data, out = zero_vs_fsdp2.corpus(32), []
+    for extra, node in (((), 0), (HSDP_NODES, 2)):
+        cfg = zero_vs_fsdp2.config("gpt-tiny", 2, world, 32, 2, 3, *TINY, *extra)
+        ctx = ParallelContext.build(Layout.create(world, ranks_per_node=node or None))
+        out.append(([f() for f in zero_vs_fsdp2.zero3_steps(cfg, ctx, data, 3)],
+                    [f() for f in zero_vs_fsdp2.fsdp2_steps(cfg, ctx, data, 3, node)]))
+    return out
+
+
+def test_zero3_and_hsdp_train_as_torch_fsdp2_does() -> None:
+    """torch's `fully_shard` on every block and the chunk (its units and root) is the reference: the same losses;
+    and over a (replicate, shard) mesh, HSDP's."""
     torch.set_num_threads(1)
-    zero_vs_fsdp2.config("gpt-tiny", 2, WORLD, 32, 2, 3, "model.hidden=64", "model.n_heads=4",
-                         "model.ffn_hidden=128", "model.max_seq_len=32")  # composed here, inherited by the ranks
-    for ours, theirs in run_frozen(fsdp2_and_zero3, WORLD, timeout=TIMEOUT):
-        assert ours[0] != ours[-1]  # the updates moved the model
-        torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=1e-5)
+    for extra in ((), HSDP_NODES):  # composed here, inherited by the ranks
+        zero_vs_fsdp2.config("gpt-tiny", 2, WORLD, 32, 2, 3, *TINY, *extra)
+    for pairs in run_frozen(fsdp2_and_zero3, WORLD, timeout=TIMEOUT):
+        for ours, theirs in pairs:
+            assert ours[0] != ours[-1]  # the updates moved the model
+            torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=1e-5)

@@ -115,6 +115,19 @@ def test_slow_inter_node_without_compression_warns_and_compression_silences_it()
     assert A.inter_node_findings(dp_across, crafted(4, [{0, 1}, {2, 3}], slow=FAST / 3), "none") == []  # 1/3 >= 1/4
 
 
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_slow_inter_node_under_zero_advises_hybrid_sharding_or_zero_plus_plus(zero: int) -> None:
+    """ZeRO refuses PowerSGD: across slow nodes the advice is HSDP or ZeRO++ (hpZ and qwZ only under ZeRO-3);
+    HSDP already keeps the shards inside a node: nothing to advise."""
+    m, dp_across = crafted(4, [{0, 1}, {2, 3}]), Layout.create(4, ranks_per_node=2)
+    found = A.findings(dp_across, m, "none", zero=zero)
+    assert codes(found) == ["slow_inter_node"], found
+    message = found[0].message
+    assert "parallel.zero_group=node" in message and "compression=int4" in message and "powersgd" not in message
+    assert ("parallel.zero_hpz=true" in message) == (zero == 3)
+    assert A.findings(dp_across, m, "none", zero=zero, zero_group="node") == []
+
+
 @pytest.mark.parametrize("overrides, cut", [([], "none"), (["compression=powersgd"], "powersgd"),
                                             (["sync=diloco"], "sync=diloco"), (["sync=ps"], "sync=ps")])
 def test_what_cuts_the_dp_bytes_is_named_by_the_sync_owner(overrides: list[str], cut: str) -> None:

@@ -17,7 +17,8 @@ its buckets hold its parameters only (`unit_params` gives `GradSync` the groupin
   a post-accumulate-grad hook; under a split backward that is in the weight pass).
 
 Prefetching one unit ahead overlaps its all-gather with the current unit's compute; the waits are the DP group's
-exposed time. Bytes: per microbatch each block is all-gathered twice (forward, backward), the root once.
+exposed time. Bytes: per microbatch each block is all-gathered twice (forward, backward), the root once; under
+hpZ (`FlatParams.secondary`) every gather of a step but a unit's first runs inside the node.
 """
 
 from __future__ import annotations

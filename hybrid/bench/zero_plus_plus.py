@@ -1,0 +1,163 @@
+"""ZeRO++ on 2 emulated nodes: how many fewer bytes leave the node than under plain ZeRO-3, at what eval loss?
+
+    OMP_NUM_THREADS=1 HYBRID_CACHE=/tmp/hc PYTHONPATH=. python -m hybrid.bench.zero_plus_plus [--quick]
+        [--models gpt-tiny llama-tiny] [--dp 4] [--node 2] [--steps 600]
+
+Every run trains --model on the default corpus (configs/data/default.yaml: the stdlib text and a BPE trained on it,
+built offline once under $HYBRID_CACHE) at dp=--dp, `parallel.ranks_per_node=--node` (2 emulated nodes at the
+defaults), fp32, the same seed, data and hyperparameters, --global-batch / (--micro-batch · dp) microbatches a step.
+
+- **bytes**: a few steps of each layout — ZeRO 1, 2, 3, 3 + hpZ, 3 + qwZ + qgZ, 3 + qwZ + hpZ + qgZ (ZeRO++), and
+  HSDP (ZeRO-3 sharded inside the node, replicated across) — with every DP collective counted
+  (`CommCounter`): per step and rank the payload over the DP groups and the part of it that belongs to ranks on
+  the other node (`cross_node_bytes`, what leaves the node whatever the algorithm). The counts repeat exactly
+  from step to step; the ratio to plain ZeRO-3's is the figure.
+- **quality**: --steps of plain ZeRO-3 and of ZeRO++ per model; the final `evaluate()` losses and their gap.
+  hpZ alone gathers the same values as ZeRO-3 (bit for bit, `tests/dist/test_zero.py`): only qwZ and qgZ round.
+
+Goal: ZeRO++ sends ≥ 4× fewer bytes across nodes than plain ZeRO-3 at an eval-loss gap ≤ 0.5 %, on each model.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+
+from hybrid.bench import common
+from hybrid.bench.common import launch, table, verdict
+from hybrid.bench.inputs import add_size_options, size_overrides
+from hybrid.config import Config, compose_config
+from hybrid.data import prepare_data
+from hybrid.parallel import collectives as C
+from hybrid.parallel.context import ParallelContext
+from hybrid.parallel.dp.data import DP_GROUPS
+from hybrid.trainer import Trainer, build_chunks
+from hybrid.validation import validate
+
+MODULE = "hybrid.bench.zero_plus_plus"
+CODECS = ("parallel.zero_param_codec=int8", "compression=int4")
+LAYOUTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("zero1", ("parallel.zero=1",)),
+    ("zero2", ("parallel.zero=2",)),
+    ("zero3", ("parallel.zero=3",)),
+    ("zero3+hpZ", ("parallel.zero=3", "parallel.zero_hpz=true")),
+    ("zero3+qwZ+qgZ", ("parallel.zero=3", *CODECS)),
+    ("ZeRO++", ("parallel.zero=3", "parallel.zero_hpz=true", *CODECS)),
+    ("HSDP zero3", ("parallel.zero=3", "parallel.zero_group=node")),
+)
+GOAL_RATIO, GOAL_GAP = 4.0, 0.005
+NAMES = ("bytes", "quality")
+QUICK = {"models": ["gpt-tiny"], "seq": 32, "micro_batch": 2, "global_batch": 16, "steps": 3, "byte_steps": 2,
+         "eval_batches": 1, "layers": 1, "vocab": 512, "max_chars": 200_000, "timeout": 300.0}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
+    common.add_quick(p, "gpt-tiny, 1 layer, 3 steps on a 200,000-character corpus, a minute")
+    p.add_argument("--models", nargs="+", default=["gpt-tiny", "llama-tiny"], help="configs/model names")
+    p.add_argument("--dp", type=int, default=4, help="DP ranks")
+    p.add_argument("--node", type=int, default=2, help="parallel.ranks_per_node: ranks per emulated node")
+    p.add_argument("--seq", type=int, default=64, help="data.seq_len")
+    add_size_options(p)
+    p.add_argument("--micro-batch", type=int, default=2, help="train.micro_batch_size")
+    p.add_argument("--global-batch", type=int, default=16, help="train.global_batch_size")
+    p.add_argument("--steps", type=int, default=600, help="train.steps of the quality runs")
+    p.add_argument("--byte-steps", type=int, default=3, help="steps of each bytes run")
+    p.add_argument("--eval-batches", type=int, default=16, help="held-out global batches of the final eval")
+    p.add_argument("--timeout", type=float, default=5400.0, help="seconds before a set of ranks is killed")
+    common.add_sections(p, NAMES)
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = build_parser()
+    args = common.parse_with_quick(p, argv, QUICK)
+    common.check_models(p, *args.models)
+    common.split_sections(p, args, NAMES)
+    if args.dp % args.node or args.dp // args.node < 2 or args.node < 2:
+        p.error("--dp must be a multiple of --node, on 2 nodes at least, with 2 ranks at least on each")
+    if min(args.seq, args.micro_batch, args.steps, args.byte_steps, args.eval_batches) < 1 \
+            or args.global_batch % (args.micro_batch * args.dp):
+        p.error("sizes must be >= 1 and --global-batch a multiple of --micro-batch · --dp")
+    return args
+
+
+def run_cfg(args: argparse.Namespace, model: str, steps: int, overrides: Sequence[str]) -> Config:
+    """One run: `model` on the default corpus at dp=--dp on nodes of --node ranks, fp32 on the CPU."""
+    return compose_config([f"model={model}", "data=default", f"data.seq_len={args.seq}", *size_overrides(args),
+                           f"parallel.dp={args.dp}", f"parallel.ranks_per_node={args.node}", "parallel.name=bench",
+                           f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.global_batch}",
+                           f"train.steps={steps}", "train.eval_every=0", f"train.eval_batches={args.eval_batches}",
+                           "train.precision=fp32", "train.device=cpu", "logging.progress=false",
+                           "compression.block_size=64", *overrides])
+
+
+def train_rank(rank: int, world: int, cfgs: list[Config], corpus: Any) -> list[dict[str, Any]]:
+    """Each config in turn on the same ranks, from the same seed: per step the DP bytes (all, and off the node),
+    then the final eval loss."""
+    out = []
+    for cfg in cfgs:
+        torch.manual_seed(cfg.train.seed)
+        ctx = ParallelContext.build(validate(cfg, world, world))
+        trainer = Trainer(cfg, ctx, build_chunks(cfg, corpus.vocab_size, ctx), corpus, torch.device("cpu"))
+        steps = []
+        for _ in range(cfg.train.steps):
+            C.COUNTER.reset()
+            loss = trainer.train_step().loss
+            steps.append({"loss": loss, "dp": sum(C.COUNTER.group_bytes(g) for g in DP_GROUPS),
+                          "cross": sum(C.COUNTER.cross_node_bytes(g) for g in DP_GROUPS)})
+        out.append({"steps": steps, "eval": trainer.evaluate()})
+    return out
+
+
+def section_bytes(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
+    got: dict[str, Any] = {}
+    for model in args.models:
+        cfgs = [run_cfg(args, model, args.byte_steps, o) for _, o in LAYOUTS]
+        res = launch(train_rank, args.dp, cfgs, prepare_data(cfgs[0].data), timeout=args.timeout)
+        per = {label: [r[i]["steps"][-1] for r in res] for i, (label, _) in enumerate(LAYOUTS)}
+        mean = {label: {k: sum(s[k] for s in v) / len(v) for k in ("dp", "cross")} for label, v in per.items()}
+        base = mean["zero3"]["cross"]
+        out(f"\n## bytes: {model}, dp={args.dp} on {args.dp // args.node} nodes of {args.node}, "
+            f"{args.global_batch // (args.micro_batch * args.dp)} microbatches a step (the last of {args.byte_steps} "
+            "steps, mean over ranks)")
+        rows = [[label, f"{m['dp'] / 2**20:.2f}", f"{m['cross'] / 2**20:.3f}",
+                 f"{base / m['cross']:.2f}×" if m["cross"] else "∞"] for label, m in mean.items()]
+        out("\n".join(table(["layout", "DP MiB/step", "off-node MiB/step", "fewer than zero3"], rows)))
+        got[model] = mean
+    return got
+
+
+def section_quality(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
+    got: dict[str, Any] = {}
+    for model in args.models:
+        runs = [LAYOUTS[2], LAYOUTS[5]]
+        cfgs = [run_cfg(args, model, args.steps, o) for _, o in runs]
+        res = launch(train_rank, args.dp, cfgs, prepare_data(cfgs[0].data), timeout=args.timeout)[0]
+        plain, zpp = res[0], res[1]
+        gap = (zpp["eval"] - plain["eval"]) / plain["eval"]
+        ratio = plain["steps"][-1]["cross"] / zpp["steps"][-1]["cross"]
+        ok = ratio >= GOAL_RATIO and abs(gap) <= GOAL_GAP
+        out(f"\n## quality: {model}, {args.steps} steps, dp={args.dp} on nodes of {args.node}")
+        rows = [[label, f"{r['steps'][0]['loss']:.4f}", f"{r['steps'][-1]['loss']:.4f}", f"{r['eval']:.4f}"]
+                for (label, _), r in zip(runs, res)]
+        out("\n".join(table(["layout", "first loss", "last loss", "eval loss"], rows)))
+        out(f"\nZeRO++: {ratio:.2f}× fewer off-node bytes, eval-loss gap {gap:+.3%} — goal ≥ {GOAL_RATIO:.0f}× at "
+            f"≤ {GOAL_GAP:.1%}: {verdict(ok)}")
+        got[model] = {"gap": gap, "ratio": ratio, "eval": [plain["eval"], zpp["eval"]], "pass": ok}
+    return got
+
+
+SECTIONS = (("bytes", section_bytes), ("quality", section_quality))
+
+
+def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[str, Any]:
+    command = common.reproduce_command(MODULE, build_parser(), args)
+    return common.run_sections(SECTIONS, args, command, MODULE, out)
+
+
+if __name__ == "__main__":
+    run(parse_args())
