@@ -67,7 +67,7 @@ class ParallelConfig:
     zero: int = 0  # 1: the distributed optimizer (ZeRO-1): gradients reduce-scattered, Adam's moments sharded over DP;
     # 2: gradients kept only as shards too (reduce-scattered every microbatch, ZeRO-2); 3: parameters too (ZeRO-3)
     zero_group: str = "dp"  # ZeRO shards inside: dp (every DP rank), node (HSDP) or N ranks; all-reduced across
-    zero_param_codec: str = "none"  # ZeRO-3's parameter all-gather: none, or int8 (block-wise, qwZ)
+    zero_param_codec: str = "none"  # ZeRO-3's parameter all-gather: none, or int8 or fp8 (block-wise, qwZ)
     # ZeRO-3 across nodes (hpZ): keep a secondary copy of each step's gathered parameters sharded over the node, so
     # that every all-gather of a step but the first stays inside the node
     zero_hpz: bool = False

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from hybrid.compression import codecs
 from hybrid.compression.codecs import CODECS
 from hybrid.compression.schedule import exact_kinds
 from hybrid.compression.zero import REDUCE_SCATTER_CODECS, ZERO_METHODS
@@ -22,8 +23,8 @@ if TYPE_CHECKING:
     from hybrid.parallel.context import Layout
 
 F32 = 4
-PARAM_CODECS = ("none", "int8")
-"""What ZeRO-3's parameter all-gather can run (`parallel.zero_param_codec`): exact, or block-wise int8 (qwZ)."""
+PARAM_CODECS = ("none", *codecs.PARAM_CODECS)
+"""What ZeRO-3's parameter all-gather can run (`parallel.zero_param_codec`): exact, or block-wise int8 or fp8 (qwZ)."""
 
 
 def require(ok: bool, msg: str) -> None:

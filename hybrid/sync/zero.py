@@ -21,7 +21,7 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from hybrid.compression.codecs import CODECS, reduce_scatter_encoded
+from hybrid.compression.codecs import CODECS, PARAM_CODECS, reduce_scatter_encoded
 from hybrid.compression.zero import REDUCE_SCATTER_CODECS, hierarchical_reduce_scatter
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.context import groups_of
@@ -78,10 +78,10 @@ def zero_groups(cfg: Config, ctx: ParallelContext) -> ZeroGroups:
 
 
 def param_codec(cfg: Config) -> Any:
-    """ZeRO-3's parameter all-gather codec (`parallel.zero_param_codec`, qwZ): None, or int8 with
+    """ZeRO-3's parameter all-gather codec (`parallel.zero_param_codec`, qwZ): None, or int8 or fp8 with
     `compression.block_size`'s blocks."""
     name = cfg.parallel.zero_param_codec
-    return None if name == "none" else CODECS[name].build(cfg.compression)
+    return None if name == "none" else PARAM_CODECS[name](cfg.compression.block_size)
 
 
 def hpz_group(cfg: Config, groups: ZeroGroups) -> Group:

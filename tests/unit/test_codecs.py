@@ -17,7 +17,7 @@ from hybrid.compression import codecs, powersgd
 from hybrid.compression.hierarchical import piece_shapes, row_ranges
 
 CODECS = [codecs.Int8Codec(4), codecs.Int8Codec(32), codecs.Int8Codec(256), codecs.Int4Codec(4), codecs.Int4Codec(32),
-          codecs.Int4Codec(3), codecs.SignCodec(32),
+          codecs.Int4Codec(3), codecs.Fp8Codec(32), codecs.SignCodec(32),
           codecs.SignCodec(256), codecs.TopKCodec(0.01), codecs.TopKCodec(0.1), codecs.TopKCodec(0.5),
           codecs.TopKCodec(1.0)]
 NUMELS = [1, 7, 100, 1000, 3121]
@@ -68,7 +68,8 @@ def test_encoded_length_is_encoded_bytes(codec: codecs.Codec) -> None:
 
 @pytest.mark.parametrize("codec", CODECS, ids=codec_id)
 def test_chunk_len_is_the_smallest_aligned_cover(codec: codecs.Codec) -> None:
-    align = {codecs.Int8Codec: lambda c: c.block, codecs.Int4Codec: lambda c: math.lcm(c.block, 2),
+    align = {codecs.Int8Codec: lambda c: c.block, codecs.Fp8Codec: lambda c: c.block,
+             codecs.Int4Codec: lambda c: math.lcm(c.block, 2),
              codecs.SignCodec: lambda c: math.lcm(c.block, 8), codecs.TopKCodec: lambda c: 1}[type(codec)](codec)
     for size in NUMELS:
         for n in RANKS:
@@ -82,7 +83,8 @@ def test_chunk_len_is_the_smallest_aligned_cover(codec: codecs.Codec) -> None:
 BLOCKS = [1, 3, 8, 16, 24, 32, 100, 256]
 
 
-@pytest.mark.parametrize("make", [codecs.Int8Codec, codecs.Int4Codec, codecs.SignCodec], ids=["int8", "int4", "sign"])
+@pytest.mark.parametrize("make", [codecs.Int8Codec, codecs.Int4Codec, codecs.Fp8Codec, codecs.SignCodec],
+                         ids=["int8", "int4", "fp8", "sign"])
 @pytest.mark.parametrize("block", BLOCKS)
 def test_decode_reads_every_chunk_of_a_stack(make: type, block: int) -> None:
     """The two-phase hook decodes rows of a stack of encoded chunks (the all-to-all / all-gather
@@ -147,13 +149,33 @@ def test_all_zero_input_decodes_to_zero(codec: codecs.Codec) -> None:
 
 
 @pytest.mark.parametrize("make", [lambda: codecs.Int8Codec(32), lambda: codecs.Int4Codec(32),
-                                  lambda: codecs.SignCodec(32)], ids=["int8", "int4", "sign"])
+                                  lambda: codecs.Fp8Codec(32), lambda: codecs.SignCodec(32)],
+                         ids=["int8", "int4", "fp8", "sign"])
 def test_zero_block_between_nonzero_blocks_stays_zero(make: object) -> None:
     codec = make()
     x = blocky(128, 32)
     x[32:64] = 0
     y = codec.decode(codec.encode(x), 128)
     assert torch.equal(y[32:64], torch.zeros(32)) and torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("block", [4, 32, 256])
+def test_fp8_error_is_relative_in_a_blocks_normal_range(block: int) -> None:
+    """Scaled to ±448, e4m3 keeps 3 mantissa bits: |error| ≤ 2⁻⁴·|x| where x/scale is normal (≥ 2⁻⁶), at most half
+    a subnormal step (2⁻¹⁰·scale) below; and the largest magnitude of each block is exact."""
+    codec = codecs.Fp8Codec(block)
+    x = blocky(4 * block, block)
+    y = codec.decode(codec.encode(x), x.numel())
+    scale = (x.view(-1, block).abs().amax(1) / 448).repeat_interleave(block)
+    bound = torch.maximum(x.abs() * 2.0**-4, scale * 2.0**-10) * (1 + 1e-6)
+    assert ((y - x).abs() <= bound).all(), ((y - x).abs() / bound).max()
+    top = x.view(-1, block).abs().argmax(1) + torch.arange(0, x.numel(), block)
+    torch.testing.assert_close(y[top], x[top], rtol=1e-6, atol=0)
+
+
+def test_the_parameter_codecs_are_int8_and_fp8_by_block_size() -> None:
+    assert {n: codec_id(make(16)) for n, make in codecs.PARAM_CODECS.items()} == {"int8": "Int8Codec-16",
+                                                                                  "fp8": "Fp8Codec-16"}
 
 
 # ---- PowerSGD's compression rule against PyTorch's ----------------------------------------------------
