@@ -53,6 +53,7 @@ from hybrid.parallel.tp.fused_head import head_chunk
 from hybrid.record.metrics import format_bytes
 from hybrid.sync import mode_footprint
 from hybrid.sync.exchange import exchange_bytes
+from hybrid.sync.zero import param_codec
 
 if TYPE_CHECKING:
     from hybrid.config import Config
@@ -148,6 +149,9 @@ def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank:
     gathered = itemsize * zero3_gathered(chunks, size, dp, m.device != "cuda") if zero == 3 else 0
     if zero == 3 and cfg.parallel.zero_hpz:  # hpZ: the step's secondary copy, 1/node of every unit
         gathered += itemsize * sum(sizes) // max(1, share)
+    codec = param_codec(cfg) if zero == 3 else None
+    if codec is not None:  # qwZ: each kept shard encoded, once a step
+        gathered += sum(codec.encoded_bytes(codec.chunk_len(n // dp)) for n in sizes)
     buffers = transient + max(0, copies - freed) + state + gathered
     return RankMemory(weights, grads, optimizer, activations, buffers)
 

@@ -281,25 +281,6 @@ def exact_mean(t: torch.Tensor, group: Group) -> torch.Tensor:
     return exact.div_(C.size(group))
 
 
-def reduce_scatter_encoded(codec: Codec, buf: torch.Tensor, group: Group) -> torch.Tensor:
-    """The distributed optimizer's compressed reduce-scatter: step 1 and 2 of the exchange with the dp equal
-    shards of `buf` as the chunks — each shard encoded (padded to the codec's length), one **all-to-all** —,
-    then this rank's shard is the sum of the decoded copies, written in place and returned. Step 3's
-    re-encoding and step 4's gather are not needed: the optimizer all-gathers parameters instead."""
-    n = C.size(group)
-    k = buf.numel() // n
-    length = codec.chunk_len(k)
-    shards = buf.view(n, k)
-    if length != k:
-        shards = torch.nn.functional.pad(shards, (0, length - k))
-    sent = torch.stack([codec.encode(c) for c in shards])
-    received = torch.empty_like(sent)
-    C.all_to_all(received, sent, group)
-    mine = buf[C.rank(group) * k: (C.rank(group) + 1) * k]
-    mine.copy_(sum(codec.decode(e, length)[:k] for e in received))
-    return mine
-
-
 def two_phase_hook(st: TwoPhaseState, bucket: Any) -> torch.futures.Future:
     """all-to-all of encoded chunks → average own chunk → re-encode → all-gather (see module doc)."""
     return two_phase_mean(st, bucket.buffer(), bucket.index())

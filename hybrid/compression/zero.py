@@ -2,7 +2,7 @@
 
 A reduce-scatter leaves each DP rank the mean of its own shard of a bucket, so a method can run there only if
 it needs no whole bucket and keeps nothing across steps: a plain dtype (fp32, fp16, bf16) or a codec without
-error feedback (int8, int4) as an encoded all-to-all (`codecs.reduce_scatter_encoded`) — over a shard group that
+error feedback (int8, int4) as an encoded all-to-all (`reduce_scatter_encoded`) — over a shard group that
 spans nodes in two hops, exact inside the node and encoded across (`hierarchical_reduce_scatter`, ZeRO++'s qgZ).
 PowerSGD, sign, top-k, DGC, 1-bit Adam and hierarchical exchanges are refused by `validate` with one line.
 """
@@ -25,11 +25,30 @@ REDUCE_SCATTER_DTYPES: dict[str, torch.dtype] = {"none": torch.float32, "fp16": 
 """The methods the distributed optimizer (`parallel.zero=1|2`) runs as a reduce-scatter in a dtype."""
 
 REDUCE_SCATTER_CODECS = ("int8", "int4")
-"""The codecs the distributed optimizer runs as an encoded reduce-scatter (`codecs.reduce_scatter_encoded`):
+"""The codecs the distributed optimizer runs as an encoded reduce-scatter (`reduce_scatter_encoded`):
 without error feedback, so no residual must survive from one step to the next."""
 
 ZERO_METHODS = (*REDUCE_SCATTER_DTYPES, *REDUCE_SCATTER_CODECS)
 """Every method `parallel.zero=1|2` runs; the others need each bucket whole."""
+
+
+def reduce_scatter_encoded(codec: codecs.Codec, buf: torch.Tensor, group: Group) -> torch.Tensor:
+    """The distributed optimizer's compressed reduce-scatter: step 1 and 2 of the exchange with the dp equal
+    shards of `buf` as the chunks — each shard encoded (padded to the codec's length), one **all-to-all** —,
+    then this rank's shard is the sum of the decoded copies, written in place and returned. Step 3's
+    re-encoding and step 4's gather are not needed: the optimizer all-gathers parameters instead."""
+    n = C.size(group)
+    k = buf.numel() // n
+    length = codec.chunk_len(k)
+    shards = buf.view(n, k)
+    if length != k:
+        shards = torch.nn.functional.pad(shards, (0, length - k))
+    sent = torch.stack([codec.encode(c) for c in shards])
+    received = torch.empty_like(sent)
+    C.all_to_all(received, sent, group)
+    mine = buf[C.rank(group) * k: (C.rank(group) + 1) * k]
+    mine.copy_(sum(codec.decode(e, length)[:k] for e in received))
+    return mine
 
 
 def hierarchical_reduce_scatter(codec: codecs.Codec, node: Group, across: Group, buf: torch.Tensor,
@@ -38,7 +57,7 @@ def hierarchical_reduce_scatter(codec: codecs.Codec, node: Group, across: Group,
     belongs to the rank at local index l = s mod L of node e = s div L (L ranks per node, `node` this rank's
     L, `across` the ranks at its index on each of the E nodes). (1) an exact fp32 **reduce-scatter** over
     `node` of the shards laid out by local index: this rank gets the node's sum of the E shards of its index;
-    (2) the codec's encoded **all-to-all** over `across` (`codecs.reduce_scatter_encoded`): the E node sums
+    (2) the codec's encoded **all-to-all** over `across` (`reduce_scatter_encoded`): the E node sums
     of its own shard, decoded and added. Only (2) leaves the node: the codec's payload of 1/L of the bucket.
     Writes this rank's shard of the sum in place and returns it."""
     n_node, n_across = C.size(node), C.size(across)
@@ -47,7 +66,7 @@ def hierarchical_reduce_scatter(codec: codecs.Codec, node: Group, across: Group,
     part = torch.empty(n_across * k, dtype=buf.dtype, device=buf.device)
     C.reduce_scatter_flat(part, by_index.view(-1), node)
     del by_index
-    codecs.reduce_scatter_encoded(codec, part, across)
+    reduce_scatter_encoded(codec, part, across)
     at = C.rank(group) * k
     mine = buf[at: at + k]
     mine.copy_(part[C.rank(across) * k: (C.rank(across) + 1) * k])

@@ -21,8 +21,8 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from hybrid.compression.codecs import CODECS, PARAM_CODECS, reduce_scatter_encoded
-from hybrid.compression.zero import REDUCE_SCATTER_CODECS, hierarchical_reduce_scatter
+from hybrid.compression.codecs import CODECS, PARAM_CODECS
+from hybrid.compression.zero import REDUCE_SCATTER_CODECS, hierarchical_reduce_scatter, reduce_scatter_encoded
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.context import groups_of
 

@@ -85,6 +85,7 @@ COMPRESSED = "compression.method=int8"  # lossy: held to the same case under 1f1
 # with TP and SP it is bit-identical to none in test_recompute, and TP + SP + PP recompute here selectively).
 # DP under every schedule runs at pp2dp2 (4 ranks: what TP adds there is shown at tp2pp2); the three axes
 # together (tp2pp2dp2, 8 ranks) with the plain DP sync and with ZeRO-1.
+HPZ = ("parallel.ranks_per_node=2", "parallel.zero_hpz=true")  # ZeRO-3's later gathers of a step inside the node
 LAUNCHES: dict[str, tuple[int, list[Case]]] = {
     "pp2": (2, cases("gpt", 1, 2, ("1f1b",), interleaved=True) + cases("llama", 1, 2, ("1f1b",))
             + [Case("gpt", 1, 2, "1f1b", extra=("train.recompute=full",))]),
@@ -95,7 +96,8 @@ LAUNCHES: dict[str, tuple[int, list[Case]]] = {
     "pp2dp2": (4, cases("gpt", 1, 2, ALL)  # and the distributed optimizer (ZeRO-1), also interleaved:
                + [Case("gpt", 1, 2, "1f1b", zero=1), Case("llama", 1, 2, "interleaved", 2, zero=1)]),
     "tp2pp2dp2": (8, [Case("gpt", 2, 2, "1f1b"), Case("gpt", 2, 2, "interleaved", 2, zero=1),
-                      Case("llama", 2, 2, "zb1p", sp=True, zero=2), Case("gpt", 2, 2, "interleaved", 2, zero=3)]),
+                      Case("llama", 2, 2, "zb1p", sp=True, zero=2), Case("gpt", 2, 2, "interleaved", 2, zero=3),
+                      Case("gpt", 1, 2, "1f1b", zero=3, extra=HPZ)]),  # pp2dp4 on 4 nodes of 2
     # the zero-bubble schedules (zb1p paired with the 1f1b cases above), with recomputation, SP (zb1p's split
     # backward through the TP layers; zbv's V placement is TP's business nowhere), ZeRO-1 and compression; the
     # tied embedding in both placements (zbv puts the embedding and the head on rank 0: gpt at pp2 and pp2dp2);

@@ -38,7 +38,7 @@ from hybrid.parallel.dp.buckets import GradBucket, shard_span
 
 EncodedReduceScatter = Callable[[torch.Tensor, Group], Any]
 """ZeRO's compressed reduce-scatter: (flat buffer pre-divided by dp, DP group) → this rank's shard of the sum
-written in place (`compression.codecs.reduce_scatter_encoded` with a codec)."""
+written in place (`compression.zero.reduce_scatter_encoded` with a codec)."""
 
 
 def shard_of(buf: torch.Tensor, group: Group) -> torch.Tensor:

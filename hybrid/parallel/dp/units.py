@@ -53,6 +53,7 @@ class FlatParams:
         self.work: Any = None
         self.encoded: Optional[torch.Tensor] = None  # the gathered encoded shards, until decoded
         self.second: Optional[torch.Tensor] = None  # hpZ: this rank's part of this step's gathered values
+        self.coded: Optional[torch.Tensor] = None  # qwZ: the kept shard encoded, until it changes
         self.gathered = True  # built whole
 
     def launch(self) -> None:
@@ -66,7 +67,7 @@ class FlatParams:
             return
         out, inp = self.full.data, self.shard
         if self.codec is not None:
-            inp = self.codec.encode(_padded(self.shard.float(), self.codec.chunk_len(self.shard.numel())))
+            inp = self._code()
             out = self.encoded = torch.empty(C.size(self.group) * inp.numel(), dtype=torch.uint8, device=inp.device)
         work = C.all_gather_flat(out, inp, self.group, async_op=True)
         self.work = _DONE if work is None else work
@@ -84,6 +85,12 @@ class FlatParams:
             self.second = shard_of(self.full.data, self.secondary).clone()
         self.work, self.gathered = None, True
 
+    def _code(self) -> torch.Tensor:
+        """The kept shard encoded: once a step (the shard changes only at the step, which calls `stale`)."""
+        if self.coded is None:
+            self.coded = self.codec.encode(_padded(self.shard.float(), self.codec.chunk_len(self.shard.numel())))
+        return self.coded
+
     @torch.no_grad()
     def _decode(self) -> None:
         """Each rank's encoded shard decoded into its place in `full`."""
@@ -100,8 +107,9 @@ class FlatParams:
         self.gathered = False
 
     def stale(self) -> None:
-        """The kept shard changed (a step, a load): the next gather is over `group` again; hpZ's copy is dropped."""
-        self.second = None
+        """The kept shard changed (a step, a load): the next gather is over `group` again; hpZ's copy and qwZ's
+        encoded shard are dropped."""
+        self.second = self.coded = None
 
 
 def _padded(x: torch.Tensor, length: int) -> torch.Tensor:
