@@ -71,6 +71,9 @@ class ParallelConfig:
     # ZeRO-3 across nodes (hpZ): keep a secondary copy of each step's gathered parameters sharded over the node, so
     # that every all-gather of a step but the first stays inside the node
     zero_hpz: bool = False
+    # qgZ (compression=int8|int4 over a ZeRO shard group across nodes): keep what the between-node hop's encoding
+    # lost (1/node of each bucket, fp32, per rank) and add it to the bucket's next round (error feedback)
+    zero_grad_feedback: bool = False
     # ZeRO-1: leave the parameter all-gather in flight after the step; each block waits for its own parameters
     # when its next forward starts (Megatron's --overlap-param-gather)
     overlap_param_gather: bool = False

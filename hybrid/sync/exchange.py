@@ -96,8 +96,9 @@ def check_zero_group(p: ParallelConfig, layout: Layout) -> None:
 
 
 def check_zero_hops(cfg: Config, layout: Layout) -> None:
-    """hpZ (`parallel.zero_hpz`) needs ZeRO-3 and a shard group across nodes with several of its ranks on each;
-    hpZ and qgZ need the shard groups spread evenly over their nodes."""
+    """hpZ (`parallel.zero_hpz`) needs ZeRO-3 and a shard group across nodes with several of its ranks on each,
+    qgZ's error feedback (`parallel.zero_grad_feedback`) a codec over such a group; both need the shard groups
+    spread evenly over their nodes."""
     p = cfg.parallel
     if p.zero_hpz:
         require(p.zero == 3, "parallel.zero_hpz=true keeps a node's copy of ZeRO-3's gathered parameters: it needs "
@@ -107,6 +108,10 @@ def check_zero_hops(cfg: Config, layout: Layout) -> None:
                  f"several of its ranks on each; here each has {len(shards[0])} rank(s), "
                  f"{layout.per_node(shards[0])} on a node (parallel.ranks_per_node={layout.ranks_per_node}, "
                  f"parallel.zero_group={p.zero_group})")
+    require(not p.zero_grad_feedback or (needs_hops(cfg, layout) and cfg.compression.method in REDUCE_SCATTER_CODECS),
+            "parallel.zero_grad_feedback=true feeds back what qgZ's between-node hop loses: it needs "
+            f"compression={'|'.join(REDUCE_SCATTER_CODECS)} under a ZeRO stage whose shard group spans nodes with "
+            "several of its ranks on each")
     if needs_hops(cfg, layout):
         try:
             layout.node_split(shard_lists(cfg, layout)[0])
@@ -190,13 +195,14 @@ def exchange_bytes(cfg: Config, sizes: Sequence[int], dp: int, device: str, node
     c = cfg.compression
     if dp == 1 or not sizes:
         return 0, 0
+    feedback = F32 * sum(sizes) // node if node > 1 and cfg.parallel.zero_grad_feedback else 0  # qgZ's residuals
     if cfg.parallel.zero >= 2:  # ZeRO-2 and 3: the microbatch rounds
-        return zero2_copies(c, sorted(sizes)[-2:], device, int(cfg.parallel.bucket_mb * 2**20) // F32, node), 0
+        return zero2_copies(c, sorted(sizes)[-2:], device, int(cfg.parallel.bucket_mb * 2**20) // F32, node), feedback
     if c.method in ("none", "fp16", "bf16", "torch_fp16", "torch_bf16"):
         cast = 2 * sum(sizes) if c.method != "none" else 0
         return max(cast, F32 * sum(sizes) if cfg.parallel.zero == 1 and device != "cuda" else 0), 0
     if cfg.parallel.zero == 1:  # int8's encoded reduce-scatter: the sent and the received shards, then gone
-        return 2 * sum(n + 4 * n // c.block_size for n in sizes), 0
+        return 2 * sum(n + 4 * n // c.block_size for n in sizes), feedback
     residuals = int(c.error_feedback and (c.method not in CODECS or CODECS[c.method].error_feedback))
     if c.method in ("powersgd", "torch_powersgd"):
         return 0, F32 * sum(sizes) * residuals

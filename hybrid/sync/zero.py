@@ -8,7 +8,7 @@
   its ranks on this node, and the ranks at this rank's place on each of its nodes. hpZ (`parallel.zero_hpz`)
   keeps a secondary copy of the gathered parameters over *node*; qgZ (`compression=int8|int4` under ZeRO) reduces
   exactly inside the node and sends only the codec's payload *across*
-  (`compression.zero.hierarchical_reduce_scatter`).
+  (`compression.zero.TwoHop`).
 
 The shard group and the node hop are counted as `dp_intra`, the replicas and the across hop as `dp_inter` (by role:
 HSDP's shard group is a node by default), each with its ranks per node, so `CommCounter.cross_node_bytes` is what
@@ -17,12 +17,11 @@ leaves the node wherever a group lies.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from hybrid.compression.codecs import CODECS, PARAM_CODECS
-from hybrid.compression.zero import REDUCE_SCATTER_CODECS, hierarchical_reduce_scatter, reduce_scatter_encoded
+from hybrid.compression.zero import REDUCE_SCATTER_CODECS, OneHop, TwoHop
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.context import groups_of
 
@@ -90,13 +89,13 @@ def hpz_group(cfg: Config, groups: ZeroGroups) -> Group:
 
 
 def encoded_reduce_scatter(cfg: Config, groups: ZeroGroups) -> Optional[EncodedReduceScatter]:
-    """ZeRO's reduce-scatter through `compression=`'s codec (int8, int4): hierarchical over a shard group that
-    spans nodes (qgZ: exact inside the node, encoded across), else one encoded all-to-all; None for a plain
-    one (in a dtype)."""
+    """ZeRO's reduce-scatter through `compression=`'s codec (int8, int4): in two hops over a shard group that
+    spans nodes (qgZ: exact inside the node, encoded across, with error feedback under
+    `parallel.zero_grad_feedback`), else one encoded all-to-all; None for a plain one (in a dtype)."""
     c = cfg.compression
     if c.method not in REDUCE_SCATTER_CODECS:
         return None
     codec = CODECS[c.method].build(c)
     if groups.across is not None:
-        return functools.partial(hierarchical_reduce_scatter, codec, groups.node, groups.across)
-    return functools.partial(reduce_scatter_encoded, codec)
+        return TwoHop(codec, groups.node, groups.across, cfg.parallel.zero_grad_feedback)
+    return OneHop(codec)

@@ -27,7 +27,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from hybrid.compression import codecs, powersgd
 from hybrid.compression.hierarchical import piece_shapes, row_ranges
 from hybrid.compression.hooks import make_hook
-from hybrid.compression.zero import hierarchical_reduce_scatter
+from hybrid.compression.zero import TwoHop
 from hybrid.config import CompressionConfig
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout
@@ -772,6 +772,7 @@ class ExactCodec:
 
 
 QGZ_NUMEL = 8 * 3 * BLOCK  # a bucket of 8 shards of 3 int8 blocks
+QGZ_ROUNDS = 20
 
 
 def qgz_worker(rank: int, world: int) -> dict:
@@ -782,9 +783,15 @@ def qgz_worker(rank: int, world: int) -> dict:
     for name, codec in (("fp32", ExactCodec()), ("int8", codecs.Int8Codec(BLOCK))):
         buf = torch.randn(QGZ_NUMEL, generator=torch.Generator().manual_seed(rank))
         C.COUNTER.reset()
-        mine = hierarchical_reduce_scatter(codec, intra, inter, buf, dp).clone()
+        mine = TwoHop(codec, intra, inter)(buf, dp).clone()
         out[name] = {"shard": mine, "bytes": dict(C.COUNTER.bytes),
                      "cross": {g: C.COUNTER.cross_node_bytes(g) for g in ("dp", "dp_intra", "dp_inter")}}
+    for feedback in (False, True):  # QGZ_ROUNDS rounds of the same bucket, int4 across: the sum of what arrived
+        hop = TwoHop(codecs.Int4Codec(BLOCK), intra, inter, feedback)
+        total = torch.zeros(QGZ_NUMEL // world)
+        for _ in range(QGZ_ROUNDS):
+            total += hop(torch.randn(QGZ_NUMEL, generator=torch.Generator().manual_seed(rank)), dp, 3)
+        out[f"rounds feedback={feedback}"] = total
     return out
 
 
@@ -817,3 +824,16 @@ def test_qgz_bytes_are_fp32_inside_the_node_and_the_codecs_payload_of_a_node_sha
         sent = 2 * codec.encoded_bytes(codec.chunk_len(part // 2))
         assert r["int8"]["bytes"] == {("dp_intra", "reduce_scatter"): 4 * QGZ_NUMEL, ("dp_inter", "all_to_all"): sent}
         assert r["int8"]["cross"] == {"dp": 0, "dp_intra": 0, "dp_inter": sent / 2}
+
+
+def test_qgz_error_feedback_keeps_the_sum_of_rounds_within_one_rounds_error(qgz_runs: list) -> None:
+    """With error feedback what the across hop's int4 encoding loses is sent in a later round: over 20 rounds of
+    the same bucket the sum received is the exact sum less the last residual (within one round's error), where
+    without it the same rounding error adds up round after round."""
+    k = QGZ_NUMEL // len(qgz_runs)
+    for rank, r in enumerate(qgz_runs):
+        want = QGZ_ROUNDS * r["exact"][rank * k: (rank + 1) * k]
+        plain = (r["rounds feedback=False"] - want).abs().max()
+        fed = (r["rounds feedback=True"] - want).abs().max()
+        one_round = (r["fp32"]["shard"] - r["exact"][rank * k: (rank + 1) * k]).abs().max() + plain / QGZ_ROUNDS
+        assert fed < 2 * one_round and fed < plain / 4, (rank, float(fed), float(plain))

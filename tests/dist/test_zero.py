@@ -98,7 +98,8 @@ ZERO_HSDP = [case("gpt", *HSDP, zero=1), case("gpt", *HSDP, zero=2),
 NODES = ("parallel.ranks_per_node=2",)  # dp4 over 2 emulated nodes of 2 ranks
 HPZ = (*NODES, "parallel.zero_hpz=true")  # the step's later all-gathers inside the node
 ZERO_PP = [case("gpt", *HPZ, zero=3), case("gpt", *NODES, *INT4, zero=2),  # hpZ; qgZ: int4 across, exact inside
-           case("llama", *HPZ, *QWZ, "compression=int4", zero=3)]  # ZeRO++: qwZ + hpZ + qgZ
+           case("llama", *HPZ, *QWZ, "compression=int4", zero=3),  # ZeRO++: qwZ + hpZ + qgZ
+           case("gpt", *NODES, *INT4, "parallel.zero_grad_feedback=true", zero=2)]  # qgZ with error feedback
 WORLD = 4
 
 
@@ -359,13 +360,13 @@ def two_hop_bytes(r: dict[str, Any], codec: Int8Codec) -> dict[tuple[str, str], 
 
 
 def test_qgz_reduces_inside_the_node_exactly_and_sends_int4_across() -> None:
-    """qgZ (ZeRO-2, int4, dp4 on 2 nodes): the two hops' bytes, and training within int4's reach of the exact
-    run, as close as the one-hop encoded reduce-scatter (the same int4 blocks, over node sums)."""
-    run = ZERO_PP[1]
+    """qgZ (ZeRO-2, int4, dp4 on 2 nodes; with and without error feedback): the two hops' bytes, and training
+    within int4's reach of the exact run, as close as the one-hop encoded reduce-scatter (the same int4 blocks,
+    over node sums)."""
     exact = reference("gpt")["losses"]
     flat = launched()[str(ZERO2_COMPRESSED[2])][0]["losses"]
     gap = lambda losses: max(abs(a - b) / b for a, b in zip(losses, exact))  # noqa: E731
-    for r in launched()[str(run)]:
+    for r in launched()[str(ZERO_PP[1])] + launched()[str(ZERO_PP[3])]:  # without and with error feedback
         assert 0 < gap(r["losses"]) < 2e-2 and gap(r["losses"]) < 4 * gap(flat) + 1e-4, (r["losses"], flat)
         padded = sum(p for _, p in r["bucket_numel"])
         want = two_hop_bytes(r, Int4Codec(32)) | {("dp", "all_gather"): 4 * padded, ("dp", "all_reduce"): 4}

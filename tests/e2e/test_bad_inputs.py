@@ -117,6 +117,9 @@ CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece o
      "ZeRO-3's gathered parameters: it needs parallel.zero=3"),
     ("hpz-one-node", ["parallel.zero=3", "parallel.zero_hpz=true"], "parallel.zero_hpz=true needs a ZeRO shard group "
      "across nodes with several of its ranks on each; here each has 1 rank(s), 1 on a node"),
+    ("qgz-feedback", ["parallel.zero=2", "compression=int4", "parallel.zero_grad_feedback=true"],
+     "parallel.zero_grad_feedback=true feeds back what qgZ's between-node hop loses: it needs compression=int8|int4 "
+     "under a ZeRO stage whose shard group spans nodes"),
     ("zero3-compile", ["parallel.zero=3", "train.compile=true"], "parallel.zero=3 gathers and frees each block's "
      "parameters from hooks around it, which a compiled block cannot run"),
     ("zero3-overlap", ["parallel.zero=3", "parallel.overlap_param_gather=true"], "it needs parallel.zero=1 or 2 "

@@ -196,7 +196,7 @@ class GradSync:
             return self.hook(self.state, bucket)
         buf = bucket.buffer().div_(self.scale)  # before any cast: the sum stays in fp16's range
         if self.encoded is not None:
-            self.encoded(buf, self.group)  # blocking (gloo's all-to-all): complete when launched
+            self.encoded(buf, self.group, bucket.index())  # blocking (gloo's all-to-all): complete when launched
             return Launched(None)
         low = buf if self.reduce_dtype == buf.dtype else buf.to(self.reduce_dtype)
         work = C.reduce_scatter_flat(self.shard(bucket, low), low, self.group, async_op=True)

@@ -36,9 +36,9 @@ from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.dp.buckets import GradBucket, shard_span
 
-EncodedReduceScatter = Callable[[torch.Tensor, Group], Any]
-"""ZeRO's compressed reduce-scatter: (flat buffer pre-divided by dp, DP group) → this rank's shard of the sum
-written in place (`compression.zero.reduce_scatter_encoded` with a codec)."""
+EncodedReduceScatter = Callable[[torch.Tensor, Group, int], Any]
+"""ZeRO's compressed reduce-scatter: (flat buffer pre-divided by dp, DP group, bucket index) → this rank's shard of
+the sum written in place (`compression.zero.OneHop`, or `TwoHop` across nodes)."""
 
 
 def shard_of(buf: torch.Tensor, group: Group) -> torch.Tensor:
@@ -101,7 +101,7 @@ class ShardedGrads:
         self.rounds.append((b, in_backward))
         buf = self.buckets[b].release().div_(self.scale)  # before any cast: the sum stays in range
         if self.encoded is not None:  # blocking (gloo's all-to-all): this rank's shard of the sum, in place
-            self.encoded(buf, self.group)
+            self.encoded(buf, self.group, b)
             self.shards[b].add_(shard_of(buf, self.group))
             return
         if buf.numel() <= self.piece:
