@@ -1,7 +1,7 @@
 """What the distributed optimizer's gradient reduce-scatter (`parallel.zero=1|2`) can run of `compression`.
 
 A reduce-scatter leaves each DP rank the mean of its own shard of a bucket, so a method can run there only if
-it needs no whole bucket and keeps nothing across steps: a plain dtype (fp32, fp16, bf16) or a codec without
+it needs no whole bucket and keeps no whole bucket across steps: a plain dtype (fp32, fp16, bf16) or a codec without
 error feedback (int8, int4) as an encoded all-to-all (`reduce_scatter_encoded`) — over a shard group that
 spans nodes in two hops, exact inside the node and encoded across (`TwoHop`, ZeRO++'s qgZ).
 PowerSGD, sign, top-k, DGC, 1-bit Adam and hierarchical exchanges are refused by `validate` with one line.
@@ -10,7 +10,7 @@ PowerSGD, sign, top-k, DGC, 1-bit Adam and hierarchical exchanges are refused by
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
@@ -18,16 +18,14 @@ from hybrid.compression import codecs
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 
-if TYPE_CHECKING:
-    pass
-
 REDUCE_SCATTER_DTYPES: dict[str, torch.dtype] = {"none": torch.float32, "fp16": torch.float16,
                                                  "bf16": torch.bfloat16}
 """The methods the distributed optimizer (`parallel.zero=1|2`) runs as a reduce-scatter in a dtype."""
 
 REDUCE_SCATTER_CODECS = ("int8", "int4")
-"""The codecs the distributed optimizer runs as an encoded reduce-scatter (`reduce_scatter_encoded`):
-without error feedback, so no residual must survive from one step to the next."""
+"""The codecs the distributed optimizer runs as an encoded reduce-scatter (`reduce_scatter_encoded`): without
+error feedback — no residual of a whole bucket survives from one step to the next —, but for qgZ's between-node
+hop under `parallel.zero_grad_feedback` (a 1/node share of each bucket)."""
 
 ZERO_METHODS = (*REDUCE_SCATTER_DTYPES, *REDUCE_SCATTER_CODECS)
 """Every method `parallel.zero=1|2` runs; the others need each bucket whole."""
