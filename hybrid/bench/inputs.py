@@ -38,6 +38,14 @@ def add_size_options(p: argparse.ArgumentParser) -> None:
                    "of the corpus (default: all of it)")
 
 
+def add_train_shape(p: argparse.ArgumentParser, seq: int, micro_batch: int, global_batch: int) -> None:
+    """--seq, the `add_size_options` options, --micro-batch and --global-batch of a benchmark that trains."""
+    p.add_argument("--seq", type=int, default=seq, help="data.seq_len")
+    add_size_options(p)
+    p.add_argument("--micro-batch", type=int, default=micro_batch, help="train.micro_batch_size")
+    p.add_argument("--global-batch", type=int, default=global_batch, help="train.global_batch_size")
+
+
 def size_overrides(args: argparse.Namespace) -> list[str]:
     """The config overrides of the `add_size_options` options that were given."""
     given = (("model.n_layers", getattr(args, "layers", None)), ("data.vocab_size", getattr(args, "vocab", None)),

@@ -29,7 +29,7 @@ import torch
 
 from hybrid.bench import common
 from hybrid.bench.common import launch, parse_with_quick, table
-from hybrid.bench.inputs import add_size_options
+from hybrid.bench.inputs import add_train_shape
 from hybrid.bench.sync_modes import SYNC, mode_config
 from hybrid.compression.hooks import make_hook
 from hybrid.config import Config
@@ -67,10 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-ms", type=float, default=5.0, help="the slow link's latency per call")
     p.add_argument("--bandwidth-mbs", type=float, default=100.0, help="the slow link's bandwidth, MB/s")
     p.add_argument("--straggle-ms", type=float, default=200.0, help="the slow rank's extra time per step")
-    p.add_argument("--seq", type=int, default=64, help="data.seq_len")
-    add_size_options(p)
-    p.add_argument("--micro-batch", type=int, default=2, help="train.micro_batch_size")
-    p.add_argument("--global-batch", type=int, default=16, help="train.global_batch_size")
+    add_train_shape(p, seq=64, micro_batch=2, global_batch=16)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are killed")
     return p
 
