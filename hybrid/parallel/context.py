@@ -98,13 +98,10 @@ class ParallelContext:
             raise LayoutError(f"layout is for {layout.world} ranks, world size is {dist.get_world_size()}")
         ctx = ParallelContext(layout=layout, rank=rank, timeout_s=timeout_s)
         for kind in GROUP_KINDS:
-            setattr(ctx, f"{kind}_group", _mine(layout.groups(kind), rank, kind, timeout_s))
-            name_group(getattr(ctx, f"{kind}_group"), kind, layout.per_node(layout.groups(kind)[0]))
+            setattr(ctx, f"{kind}_group", groups_of(ctx, layout.groups(kind), kind))
         if layout.cp > 1:
-            ctx.cp_group = _mine(layout.groups("cp"), rank, "cp", timeout_s)
-            name_group(ctx.cp_group, "cp")
-            ctx.cp_dp_group = _mine(layout.groups("cp-dp"), rank, "cp-dp", timeout_s)
-            name_group(ctx.cp_dp_group, "dp", layout.per_node(layout.groups("cp-dp")[0]))  # the record's bytes_dp
+            ctx.cp_group = groups_of(ctx, layout.groups("cp"), "cp")
+            ctx.cp_dp_group = groups_of(ctx, layout.groups("cp-dp"), "dp", "cp-dp")  # the record's bytes_dp
         return ctx
 
 
@@ -113,12 +110,7 @@ def more_groups(ctx: ParallelContext, kind: str, name: str, backend: Optional[st
     """One more set of groups of `kind` (a group kind or mesh axes, e.g. "dp": the same ranks, separate traffic;
     `backend`: e.g. "gloo" beside NCCL), this rank's, counted as `name`; None in one process. Collective: every
     rank must call it."""
-    if not dist.is_initialized():
-        return None
-    lists = ctx.layout.groups(kind)
-    group = _mine(lists, ctx.rank, kind, ctx.timeout_s, backend)
-    name_group(group, name, ctx.layout.per_node(lists[0]))
-    return group
+    return groups_of(ctx, ctx.layout.groups(kind), name, kind, backend)
 
 
 def pp_streams(ctx: ParallelContext, streams: Sequence[str]) -> dict[str, dist.ProcessGroup]:
@@ -133,12 +125,13 @@ def pp_streams(ctx: ParallelContext, streams: Sequence[str]) -> dict[str, dist.P
     return out
 
 
-def groups_of(ctx: ParallelContext, lists: list[list[int]], name: str) -> Optional[dist.ProcessGroup]:
-    """This rank's group of `lists` (every rank takes part in creating each), counted as `name`; None in one
-    process. Collective."""
+def groups_of(ctx: ParallelContext, lists: list[list[int]], name: str, desc: Optional[str] = None,
+              backend: Optional[str] = None) -> Optional[dist.ProcessGroup]:
+    """This rank's group of `lists` (every rank takes part in creating each; torch's description `desc`, default
+    `name`), counted as `name` with its ranks per node; None in one process. Collective."""
     if not dist.is_initialized():
         return None
-    group = _mine(lists, ctx.rank, name, ctx.timeout_s)
+    group = _mine(lists, ctx.rank, desc or name, ctx.timeout_s, backend)
     name_group(group, name, ctx.layout.per_node(lists[0]))
     return group
 

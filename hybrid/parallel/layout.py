@@ -183,7 +183,7 @@ class Layout:
 
     def dp_intra_node_groups(self) -> list[list[int]]:
         """Each DP group cut at node boundaries: the ranks that reduce over fast links."""
-        return self.node_split(self.dp_groups())[0]
+        return [part for g in self.dp_groups() for part in self._split_by_node(g)]
 
     def dp_inter_node_groups(self) -> list[list[int]]:
         """For each DP group, one group per local index across its node parts (the slow hop)."""

@@ -103,18 +103,20 @@ def check_zero_hops(cfg: Config, layout: Layout) -> None:
     if p.zero_hpz:
         require(p.zero == 3, "parallel.zero_hpz=true keeps a node's copy of ZeRO-3's gathered parameters: it needs "
                  "parallel.zero=3")
-        shards = shard_lists(cfg, layout)[0]
+    shards = shard_lists(cfg, layout)[0] if p.zero else []
+    if p.zero_hpz:
         require(spans_nodes(layout, shards), f"parallel.zero_hpz=true needs a ZeRO shard group across nodes with "
                  f"several of its ranks on each; here each has {len(shards[0])} rank(s), "
                  f"{layout.per_node(shards[0])} on a node (parallel.ranks_per_node={layout.ranks_per_node}, "
                  f"parallel.zero_group={p.zero_group})")
-    require(not p.zero_grad_feedback or (needs_hops(cfg, layout) and cfg.compression.method in REDUCE_SCATTER_CODECS),
+    hops = needs_hops(cfg, layout)
+    require(not p.zero_grad_feedback or (hops and cfg.compression.method in REDUCE_SCATTER_CODECS),
             "parallel.zero_grad_feedback=true feeds back what qgZ's between-node hop loses: it needs "
             f"compression={'|'.join(REDUCE_SCATTER_CODECS)} under a ZeRO stage whose shard group spans nodes with "
             "several of its ranks on each")
-    if needs_hops(cfg, layout):
+    if hops:
         try:
-            layout.node_split(shard_lists(cfg, layout)[0])
+            layout.node_split(shards)
         except LayoutError as e:
             raise ConfigError(str(e)) from None
 
