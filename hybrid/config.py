@@ -60,6 +60,11 @@ class ParallelConfig:
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved)
     stage_layers: Optional[list[int]] = None  # layers per model part (pp·virtual_stages counts); None = balanced
     sequence_parallel: bool = False  # split norms/dropout along the sequence inside TP
+    # TP's exchanges around its GEMMs: none (blocking), bulk (the backward's regather, input-gradient reduce-scatter
+    # and all-reduce launched async, each behind the other gradient GEMM), chunked (bulk, and under SP every
+    # all-gather → GEMM and GEMM → reduce-scatter pipelined around the TP ring a piece of the sequence at a time)
+    tp_overlap: str = "bulk"
+    tp_overlap_chunks: int = 0  # chunked: pieces each sequence is cut into, a multiple of tp (0 = tp)
     ranks_per_node: Optional[int] = None  # override of the detected node size (emulated nodes)
     allow_tp_across_nodes: bool = False  # permit a TP group spanning nodes (warns)
     allow_cp_across_nodes: bool = False  # permit a CP group spanning nodes (warns)

@@ -45,6 +45,7 @@ from hybrid.parallel.params import count_params
 from hybrid.parallel.pp.actions import part_of
 from hybrid.parallel.pp.pipeline import P2P, PipelineStats, partition_layers, run_schedule
 from hybrid.parallel.pp.schedules import SCHEDULES, Schedule, build_schedule
+from hybrid.parallel.tp.comm import TPOverlap
 from hybrid.record.profiling import StepProfiler
 from hybrid.record.report import StepReport, StepResult
 from hybrid.record.runlog import Tally, gather, open_metrics, peak_memory, summary, summary_line, write_summary
@@ -72,6 +73,7 @@ def build_chunks(cfg: Config, vocab: int, ctx: ParallelContext) -> nn.ModuleList
         chunks[-1].set_compile(cfg.train.compile, cfg.train.compile_scope, cfg.train.compile_mode)
         chunks[-1].set_context_parallel(ContextParallel(ctx.cp_group, p.cp_comm) if ctx.cp_size > 1 else None)
         chunks[-1].set_fused_head(cfg.train.fused_head, cfg.train.head_chunk)
+        chunks[-1].set_tp_overlap(TPOverlap(p.tp_overlap, p.tp_overlap_chunks))
     return nn.ModuleList(chunks)
 
 

@@ -23,6 +23,7 @@ from hybrid.config import (
     ParallelConfig,
 )
 from hybrid.parallel.pp.schedules import SCHEDULES, ScheduleError, check_sizes
+from hybrid.parallel.tp.comm import OVERLAP_MODES
 from hybrid.sync import check as check_sync
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ _CHOICES = {
     "train.fused_head": ("auto", "on", "off"),
     "train.compile_scope": ("blocks", "model"),
     "parallel.cp_comm": ("ring", "a2a"),
+    "parallel.tp_overlap": OVERLAP_MODES,
     "train.compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
     "train.on_nonfinite": ("stop", "skip", "rewind"),
     "optim.name": ("adamw", "sgd"),
@@ -108,6 +110,7 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
         _require(cfg.data.seq_len % p.tp == 0, f"parallel.sequence_parallel=true needs "
                  f"data.seq_len={cfg.data.seq_len} divisible by parallel.tp={p.tp}")
     _validate_context_parallel(cfg)
+    _validate_tp_overlap(p, cfg.data.seq_len)
     _validate_optim(cfg.optim)
     check_sync(cfg, layout)  # sync.mode's rules and the DP exchange's compression options
     _require(cfg.logging.log_every >= 1, f"logging.log_every must be >= 1, got {cfg.logging.log_every}")
@@ -137,6 +140,21 @@ def _validate_context_parallel(cfg: Config) -> None:
     heads = m.n_heads // p.tp
     _require(p.cp_comm != "a2a" or heads % p.cp == 0, f"parallel.cp_comm=a2a spreads each TP rank's {heads} "
              f"attention heads over parallel.cp={p.cp}: not divisible (parallel.cp_comm=ring has no such rule)")
+
+
+def _validate_tp_overlap(p: ParallelConfig, seq: int) -> None:
+    """Chunked overlap pipelines the sequence-parallel exchanges: it needs SP at tp > 1, and its pieces (a multiple
+    of tp) must divide each CP rank's tokens."""
+    chunks = p.tp_overlap_chunks or p.tp
+    _require(p.tp_overlap_chunks >= 0, f"parallel.tp_overlap_chunks must be >= 0 (0 = tp), got {p.tp_overlap_chunks}")
+    if p.tp_overlap != "chunked" or p.tp == 1:
+        return
+    _require(p.sequence_parallel, "parallel.tp_overlap=chunked pipelines sequence parallelism's all-gathers and "
+             "reduce-scatters with the GEMMs: set parallel.sequence_parallel=true (or use tp_overlap=bulk)")
+    _require(chunks % p.tp == 0, f"parallel.tp_overlap_chunks={chunks} must be a multiple of parallel.tp={p.tp} "
+             "(each TP rank's share of the sequence cut into equal pieces)")
+    _require((seq // p.cp) % chunks == 0, f"parallel.tp_overlap_chunks={chunks} does not divide the "
+             f"{seq // p.cp} tokens of each sequence a rank works on (data.seq_len / parallel.cp)")
 
 
 def _validate_pipeline(p: ParallelConfig, m: ModelConfig, microbatches: int, compiled: bool) -> None:

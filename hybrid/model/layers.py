@@ -43,11 +43,13 @@ from torch import nn
 
 from hybrid.model.context_parallel import ContextParallel
 from hybrid.model.family import Blocks, family_of
+from hybrid.model.rope import apply_rope, rope_tables
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.params import Init, annotate, init_parameters, param_info
 from hybrid.parallel.recompute import recompute
 from hybrid.parallel.rng import TPRandom, derive_seed
+from hybrid.parallel.tp.comm import TPOverlap
 from hybrid.parallel.tp.fused_head import MODES, fused_linear_cross_entropy, head_chunk
 from hybrid.parallel.tp.tensor import (
     ColumnParallelLinear,
@@ -77,20 +79,6 @@ class Norm(nn.Module):
         if self.rms:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
-
-
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_len, head_dim] in the rotate-half layout transformers' Llama uses."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -247,6 +235,7 @@ class CausalLM(nn.Module):
         self.fused_head = ("off", 0)  # `set_fused_head`: (train.fused_head, train.head_chunk)
         self.compiled: Optional[Callable[..., torch.Tensor]] = None  # `run` through torch.compile (scope model)
         self.cp: Optional[ContextParallel] = None  # `set_context_parallel`
+        self.tp_overlap = TPOverlap()  # `set_tp_overlap`
         self._mark_pipeline_tied()
         tied_head = {"head.weight": "tok_embed.weight"} if cfg.tie_embeddings else {}
         init_parameters(self, seed, {tied_head.get(n, n): p for n, p in self.named_parameters()})
@@ -293,6 +282,14 @@ class CausalLM(nn.Module):
             raise ValueError(f"fused head {mode!r} with chunks of {chunk} tokens: want one of {MODES}, chunk >= 1")
         self.fused_head = (mode, chunk)
 
+    def set_tp_overlap(self, overlap: TPOverlap) -> None:
+        """How every TP layer here (and the head's logits) overlaps its exchanges with its GEMMs: none, bulk or
+        chunked (`parallel.tp_overlap`; `hybrid.parallel.tp.overlap`)."""
+        self.tp_overlap = overlap
+        for m in self.modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+                m.overlap = overlap
+
     def head_weight(self) -> torch.Tensor:
         return self.tok_embed.weight if hasattr(self, "tok_embed") and not hasattr(self, "head") else self.head.weight
 
@@ -309,7 +306,7 @@ class CausalLM(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Vocab-split logits [b, s, padded_vocab / tp] over the whole sequence (the head is
         column-parallel: all-reduce of dx backward, or all-gather of the chunks under SP)."""
-        return column_linear(self.norm(x), self.head_weight(), None, self.tp_group, self.sp)
+        return column_linear(self.norm(x), self.head_weight(), None, self.tp_group, self.sp, self.tp_overlap)
 
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """ids (first stage) or hidden states in; hidden states, logits, or the mean loss out."""

@@ -148,7 +148,7 @@ def rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def _timed(group: Group, op: str, call: Callable[[], Optional[dist.Work]], async_op: bool) -> Optional[dist.Work]:
+def timed(group: Group, op: str, call: Callable[[], Optional[dist.Work]], async_op: bool) -> Optional[dist.Work]:
     """Run one collective under `TIMER`: a blocking one as a blocking span, an async one from launch
     to the completion of the work it returns."""
     name = group_name(group)
@@ -168,7 +168,7 @@ def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist
     if size(group) == 1:
         return None
     count(group, "all_reduce", t)
-    return _timed(group, "all_reduce", lambda: dist.all_reduce(t, op=op, group=group, async_op=async_op), async_op)
+    return timed(group, "all_reduce", lambda: dist.all_reduce(t, op=op, group=group, async_op=async_op), async_op)
 
 
 def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Group) -> None:
@@ -191,7 +191,7 @@ def all_gather_last(t: torch.Tensor, group: Group) -> torch.Tensor:
     if n == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(n)]
-    _timed(group, "all_gather", lambda: dist.all_gather(parts, t.contiguous(), group=group), False)
+    timed(group, "all_gather", lambda: dist.all_gather(parts, t.contiguous(), group=group), False)
     out = torch.cat(parts, dim=-1)
     count(group, "all_gather", out)
     return out
@@ -215,7 +215,7 @@ def all_gather_seq(t: torch.Tensor, group: Group, op: str = "all_gather") -> tor
     if n == 1:
         return t
     parts = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in range(n)]
-    _timed(group, op, lambda: dist.all_gather(parts, t.contiguous(), group=group), False)
+    timed(group, op, lambda: dist.all_gather(parts, t.contiguous(), group=group), False)
     out = torch.cat(parts, dim=1)
     count(group, op, out)
     return out
@@ -231,7 +231,7 @@ def reduce_scatter_seq(t: torch.Tensor, group: Group) -> torch.Tensor:
     chunks = [c.contiguous() for c in t.chunk(n, dim=1)]
     out = torch.empty_like(chunks[0])
     count(group, "reduce_scatter", t)
-    _timed(group, "reduce_scatter", lambda: dist.reduce_scatter(out, chunks, group=group), False)
+    timed(group, "reduce_scatter", lambda: dist.reduce_scatter(out, chunks, group=group), False)
     return out
 
 
@@ -243,7 +243,7 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
         out.copy_(inp)
         return
     count(group, "all_to_all", inp)
-    _timed(group, "all_to_all", lambda: dist.all_to_all_single(out.view(-1), inp.reshape(-1), group=group), False)
+    timed(group, "all_to_all", lambda: dist.all_to_all_single(out.view(-1), inp.reshape(-1), group=group), False)
 
 
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Group,
@@ -253,7 +253,7 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Group,
         out.copy_(inp.view_as(out))
         return None
     count(group, "all_gather", out)
-    return _timed(group, "all_gather", lambda: dist_all_gather_single(
+    return timed(group, "all_gather", lambda: dist_all_gather_single(
         out.view(-1), inp.reshape(-1), group=group, async_op=async_op), async_op)
 
 
@@ -264,7 +264,7 @@ def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Group,
         out.copy_(inp.view_as(out))
         return None
     count(group, "reduce_scatter", inp)
-    return _timed(group, "reduce_scatter", lambda: dist_reduce_scatter_single(
+    return timed(group, "reduce_scatter", lambda: dist_reduce_scatter_single(
         out.view(-1), inp.reshape(-1), group=group, async_op=async_op), async_op)
 
 

@@ -55,7 +55,8 @@ from tp_helpers import (
 
 from hybrid.config import ModelConfig
 from hybrid.model.family import family_of
-from hybrid.model.layers import Block, rope_tables
+from hybrid.model.layers import Block
+from hybrid.model.rope import rope_tables
 from hybrid.parallel import collectives as C
 from hybrid.parallel.dp.grads import sync_sequence_parallel_grads
 from hybrid.parallel.params import Shard, init_parameters, param_info

@@ -30,9 +30,9 @@ DUP_LINES = 6
 RULES: dict[str, tuple[str, ...]] = {
     "hybrid.parallel": (),
     "hybrid.compression": ("hybrid.parallel.collectives",),
-    "hybrid.model": ("hybrid.parallel.collectives", "hybrid.parallel.params", "hybrid.parallel.tp.tensor",
-                     "hybrid.parallel.tp.fused_head", "hybrid.parallel.rng", "hybrid.parallel.recompute",
-                     "hybrid.parallel.pp.actions", "hybrid.parallel.cp"),
+    "hybrid.model": ("hybrid.parallel.collectives", "hybrid.parallel.params", "hybrid.parallel.tp",
+                     "hybrid.parallel.rng", "hybrid.parallel.recompute", "hybrid.parallel.pp.actions",
+                     "hybrid.parallel.cp"),
     "hybrid.testing": (),
     "hybrid.config": (),
     "hybrid.lifeline": (),

@@ -2,7 +2,7 @@
 
 Each rank holds its two chunks of the queries, keys and values (`sharding`). Forward: cp steps; at step j the
 rank holds the K/V of CP rank r−j and, while attending to them, already passes them on to rank r+1 and
-receives rank r−j−1's (`comm.Ring`: async point-to-point, cp−1 hops of K and V). Each pair of a query chunk
+receives rank r−j−1's (`hops.Ring`: async point-to-point, cp−1 hops of K and V). Each pair of a query chunk
 and a key chunk is attended in full (keys wholly before), causally (the same chunk) or skipped (keys wholly
 after): two or three blocks a step on every rank, the same work everywhere. The partial results merge by their
 log-sum-exps (`blocks.merge`), so the output is the whole sequence's softmax exactly.
@@ -27,8 +27,8 @@ import torch
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.cp import blocks
-from hybrid.parallel.cp.comm import Hop, Ring
 from hybrid.parallel.cp.sharding import chunks_of
+from hybrid.parallel.hops import Hop, Ring
 from hybrid.parallel.rng import derive_seed
 
 Pair = tuple[int, int, bool, Optional[blocks.Drop]]  # query chunk slot, key chunk slot, causal, its dropout

@@ -38,8 +38,9 @@ from torch import nn
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.params import Init, Shard, annotate
-from hybrid.parallel.pp.split_backward import edges_of, needed
 from hybrid.parallel.recompute import act_linear
+from hybrid.parallel.tp.comm import TPOverlap
+from hybrid.parallel.tp.overlap import copy_linear, row_sequence_linear, sequence_embedding, sequence_linear
 
 
 def _split_parts(parts: Sequence[int], tp: int, what: str) -> int:
@@ -49,58 +50,26 @@ def _split_parts(parts: Sequence[int], tp: int, what: str) -> int:
     return sum(parts) // tp
 
 
-class _SequenceParallelLinear(torch.autograd.Function):
-    """x_chunk → all-gather along the sequence → x Wᵀ + b; only the chunk is saved.
-
-    Backward: all-gather the chunk again (op "regather") for the weight gradient, and
-    reduce-scatter the input gradient back to sequence chunks — each only when the running backward wants it
-    (`split_backward.needed`: a zero-bubble input pass skips the regather, its weight pass the reduce-scatter).
-    Saving the chunk through `save_for_backward` keeps outer saved-tensor hooks (offloading, checkpointing) in
-    charge.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: ANN001
-                group: Group) -> torch.Tensor:
-        ctx.group, ctx.has_bias = group, bias is not None
-        ctx.save_for_backward(x, weight)
-        ctx.edges = edges_of(x, weight, bias)
-        return F.linear(C.all_gather_seq(x, group), weight, bias)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # noqa: ANN001, ANN205
-        x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = needed(ctx.needs_input_grad[:3], ctx.edges)  # a split backward's pass
-        g2 = g.reshape(-1, g.shape[-1])
-        grad_w = grad_b = grad_x = None
-        if need_w:
-            full = C.all_gather_seq(x, ctx.group, op="regather")
-            grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
-        if need_b and ctx.has_bias:
-            grad_b = g2.sum(0)
-        if need_x:
-            grad_x = C.reduce_scatter_seq(g.matmul(weight), ctx.group)
-        return grad_x, grad_w, grad_b, None
-
-
 def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: Group,
-                  sequence_parallel: bool = False) -> torch.Tensor:
+                  sequence_parallel: bool = False, overlap: TPOverlap = TPOverlap()) -> torch.Tensor:
     """x Wᵀ + b for a weight split along its output rows.
 
-    Without SP: x is whole on every rank; backward all-reduces x's gradient (copy_to_region).
+    Without SP: x is whole on every rank; backward all-reduces x's gradient (copy_to_region's exchange).
     With SP: x is this rank's sequence chunk; forward all-gathers it along the sequence and
     backward reduce-scatters its gradient. As in Megatron, only the chunk is kept for the
     weight gradient: backward all-gathers it again (counted as op "regather"), trading one
-    more all-gather for 1/tp of the layer's saved input.
+    more all-gather for 1/tp of the layer's saved input. `overlap`: how these exchanges meet the GEMMs
+    (`hybrid.parallel.tp.overlap`).
     """
     if C.size(group) == 1:
         return F.linear(x, weight, bias)
     x, weight, bias = autocast_inputs(x, weight, bias)
-    if not sequence_parallel:
-        return F.linear(C.copy_to_region(x, group), weight, bias)
-    check_sequence_chunk(x)
+    if sequence_parallel:
+        check_sequence_chunk(x)
     with torch.autocast(x.device.type, enabled=False):
-        return _SequenceParallelLinear.apply(x, weight, bias, group)
+        if not sequence_parallel:
+            return copy_linear(x, weight, bias, group, overlap)
+        return sequence_linear(x, weight, bias, group, overlap)
 
 
 def autocast_inputs(*tensors: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
@@ -129,6 +98,7 @@ class ColumnParallelLinear(nn.Module):
                  std: float = 0.02, gather_output: bool = False, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
+        self.overlap = TPOverlap()  # `CausalLM.set_tp_overlap` (parallel.tp_overlap)
         tp, r = C.size(group), C.rank(group)
         out = _split_parts(out_parts, tp, "ColumnParallelLinear")
         self.local_parts = [n // tp for n in out_parts]
@@ -137,7 +107,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = annotate(nn.Parameter(torch.empty(out)), Init("zeros"), shard) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = column_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
+        y = column_linear(x, self.weight, self.bias, self.group, self.sequence_parallel, self.overlap)
         if not self.gather_output or C.size(self.group) == 1:
             return y
         ranks = C.gather_from_region(y, self.group).chunk(C.size(self.group), dim=-1)
@@ -153,13 +123,15 @@ class RowParallelLinear(nn.Module):
     Forward: all-reduce of the partial products over the TP group, then the bias once.
     Backward: identity (each rank's gradient of y is the full gradient). With sequence
     parallelism the all-reduce becomes a reduce-scatter along the sequence (all-gather of the
-    gradient backward), and the bias is added to this rank's sequence chunk.
+    gradient backward), and the bias is added to this rank's sequence chunk; under chunked overlap both are
+    pipelined with the GEMMs around the TP ring (`hybrid.parallel.tp.overlap.row_sequence_linear`).
     """
 
     def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = True,
                  std: float = 0.02, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.overlap = TPOverlap()  # `CausalLM.set_tp_overlap` (parallel.tp_overlap)
         tp, r = C.size(group), C.rank(group)
         local_in = _split_parts([in_features], tp, "RowParallelLinear")
         shard = Shard(1, (in_features,), r, tp)
@@ -171,11 +143,20 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, act: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
         """`act`: apply it to `x` first, keeping `x` rather than `act(x)` for the backward (`act_linear`)."""
+        if self.sequence_parallel and self.overlap.chunked and C.size(self.group) > 1:
+            return self._ring(x, act)
         y = F.linear(x, self.weight) if act is None else act_linear(x, self.weight, act)
         if self.sequence_parallel:
             y = C.reduce_scatter_to_sequence(y, self.group)
         else:
             y = C.reduce_from_region(y, self.group)
+        return y + self.bias if self.bias is not None else y
+
+    def _ring(self, x: torch.Tensor, act: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> torch.Tensor:
+        """The GEMM and its reduce-scatter pipelined around the TP ring, in the autocast dtype where it is on."""
+        x, weight = autocast_inputs(x, self.weight)
+        with torch.autocast(x.device.type, enabled=False):
+            y = row_sequence_linear(x, weight, act, self.group, self.overlap.lanes(C.size(self.group)))
         return y + self.bias if self.bias is not None else y
 
 
@@ -191,13 +172,15 @@ class VocabParallelEmbedding(nn.Module):
     Each rank looks up the ids in its row range (others give zeros); an all-reduce over the
     TP group forward sums the pieces into the full embedding. Backward: identity. With
     sequence parallelism a reduce-scatter along the sequence replaces the all-reduce (each
-    rank keeps its [b, s/tp, h] chunk; all-gather of the gradient backward).
+    rank keeps its [b, s/tp, h] chunk; all-gather of the gradient backward), pipelined with the
+    lookups around the TP ring under chunked overlap.
     """
 
     def __init__(self, padded_vocab_size: int, hidden: int, group: Group, std: float = 0.02,
                  sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.overlap = TPOverlap()  # `CausalLM.set_tp_overlap` (parallel.tp_overlap)
         tp, r = C.size(group), C.rank(group)
         rows = _split_parts([padded_vocab_size], tp, "VocabParallelEmbedding")
         self.start, self.end = r * rows, (r + 1) * rows
@@ -207,6 +190,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if C.size(self.group) == 1:
             return F.embedding(ids, self.weight)
+        if self.sequence_parallel and self.overlap.chunked:  # lookups and reduce-scatter around the TP ring
+            return sequence_embedding(self.weight, ids, self.start, self.group, self.overlap.lanes(C.size(self.group)))
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
