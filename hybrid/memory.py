@@ -42,6 +42,7 @@ from hybrid.memory_terms import (
     head_transient,
     layer_activation_bytes,
     ring_transient,
+    tp_ring_transient,
     weight_pass_bytes,
 )
 from hybrid.parallel.context import Layout, ParallelContext
@@ -108,7 +109,7 @@ def micro_of(cfg: Config, device_type: str = "cpu", micro_batch: int | None = No
     t, p = cfg.train, cfg.parallel
     return Micro(micro_batch or t.micro_batch_size, cfg.data.seq_len // p.cp, p.tp, p.sequence_parallel,
                  cfg.model.dropout, t.recompute, device_type, 2 if t.precision == "bf16_params" else F32,
-                 head_chunk(t.fused_head, t.head_chunk, device_type), p.cp, p.cp_comm)
+                 head_chunk(t.fused_head, t.head_chunk, device_type), p.cp, p.cp_comm, p.tp_overlap == "chunked")
 
 
 def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank: int, dp: int, m: Micro,
@@ -140,6 +141,7 @@ def rank_memory(cfg: Config, chunks: nn.ModuleList, schedule: Schedule, pp_rank:
     # a layer's backward: gradients about the size of its activations and, under full recomputation, those too
     rerun = replace(m, recompute="none", head_chunk=0)  # and the ring's dK/dV, K/V in flight
     layer = (1 + (m.recompute == "full")) * layer_activation_bytes(cfg.model, rerun) + ring_transient(cfg.model, m)
+    layer += tp_ring_transient(cfg.model, m)  # the chunked TP overlap's pieces in flight
     transient = max(logits_grad, layer)
     codec = lambda n, group: exchange_bytes(cfg, [n], group, m.device)[1]  # noqa: E731 - an outer hook's state
     optimizer, copies, state = mode_footprint(cfg, params, sizes, dp, share, m.device, host).terms(optimizer, codec)

@@ -34,6 +34,7 @@ class Micro:
     head_chunk: int = 0  # tokens per chunk of the fused head (`train.fused_head`), 0: the unfused head
     cp: int = 1  # context parallelism: `s` is a CP rank's share of the sequence, its attention `cp_comm`'s
     cp_comm: str = "ring"
+    tp_chunked: bool = False  # `parallel.tp_overlap=chunked` (under SP): pieces of the sequence in flight
 
     @property
     def fused_attention(self) -> bool:
@@ -94,6 +95,18 @@ def ring_transient(cfg: ModelConfig, m: Micro) -> int:
         return 0
     heads, d, kv, full = cfg.n_heads // m.tp, cfg.hidden // cfg.n_heads, kv_heads(cfg) // m.tp, m.b * m.s
     return F32 * full * d * (heads + 6 * kv) + m.act * 4 * full * kv * d
+
+
+def tp_ring_transient(cfg: ModelConfig, m: Micro) -> int:
+    """What the chunked TP overlap's rings hold beyond the blocking exchanges' tensors: an all-gather's piece in hand
+    and the next arriving plus the GEMM's output for the piece in hand before it is copied into place (the widest:
+    the MLP's up projection); a reduce-scatter's partial sum and the running sums sent and arriving — every piece
+    of a rank's share of the sequence (b · s/tp tokens in all, whatever the chunk count)."""
+    if not (m.tp_chunked and m.sp and m.tp > 1):
+        return 0
+    tokens, h = m.b * m.s // m.tp, cfg.hidden
+    up = ffn_hidden(cfg) * (2 if family_of(cfg).blocks.mlp == "swiglu" else 1) // m.tp
+    return m.act * tokens * max(2 * h + up, 3 * h)
 
 
 def _local_attention_bytes(cfg: ModelConfig, m: Micro, heads: int, kv: int) -> int:

@@ -8,8 +8,9 @@ makes, and `record` turns the sums into per-rank means:
   the union of its spans, launch to completion), busbw = algbw · `bus_factor(op, group size)` (nccl-tests'
   definitions). Times include waiting for the slowest peer, as a training step sees them.
 - `comm/<group>/{s,exposed_s,busbw_gbps}`: the group's time, the time the training thread waited on it.
-- `comm/overlap_dp`, `comm/overlap_pp`, `comm/overlap_cp`: 1 − exposed / total over the DP groups' gradient
-  sync, over PP's p2p and over CP's ring (the loss's and the compression meter's metrics-only reductions left out).
+- `comm/overlap_dp`, `comm/overlap_pp`, `comm/overlap_cp`, `comm/overlap_tp`: 1 − exposed / total over the DP
+  groups' gradient sync, over PP's p2p, over CP's ring and over TP's exchanges (`parallel.tp_overlap`: 0 when
+  blocking) — the loss's and the compression meter's metrics-only reductions left out.
 - `time/{step,data,compute,optimizer,bubble,comm_<group>,other}_s`: compute is forward + backward without
   the exposed waits inside them; the bubble is the part of the PP wait that the schedule itself implies
   (`schedule_idle_s`), the rest is exposed PP communication; optimizer includes gradient write-back and
@@ -32,6 +33,7 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "regather", "all_to_all", "
        "send_recv", "ring", LOSS, METER)
 GROUPS = (*GROUP_KINDS, "cp")  # the groups reported: every kind a rank belongs to, and context parallelism's
 PHASES = ("step", "data", "compute", "optimizer", "bubble")
+OVERLAPPED = ("dp", "pp", "cp", "tp")  # the `comm/overlap_<name>` figures (dp: every DP group)
 
 
 def local_vector(t: StepTiming, counter: CommCounter, idle_s: float) -> list[float]:
@@ -43,7 +45,7 @@ def local_vector(t: StepTiming, counter: CommCounter, idle_s: float) -> list[flo
             out += [counter.calls.get((g, op), 0), counter.bytes.get((g, op), 0), t.op_s.get((g, op), 0.0),
                     t.exposed_op_s.get((g, op), 0.0)]
         out += [t.group_s.get(g, 0.0), t.exposed_s.get(g, 0.0), t.exposed_op_s.get((g, METER), 0.0)]
-    out += [*_share(t, DP_GROUPS), *_share(t, ("pp",)), *_share(t, ("cp",))]
+    out += [*_share(t, DP_GROUPS), *(x for name in OVERLAPPED[1:] for x in _share(t, (name,)))]
     pp_wait = t.exposed_s.get("pp", 0.0)
     compute = sum(t.phase_s.get(k, 0.0) for k in ("forward", "backward", "weight"))
     optimizer = t.phase_s.get("finalize", 0.0) + t.phase_s.get("optimizer", 0.0)
@@ -79,7 +81,7 @@ def record(sums: Sequence[float], world: int, sizes: dict[str, int]) -> dict[str
             out.update({f"comm/{g}/s": s, f"comm/{g}/exposed_s": exp})
             if s and wire:
                 out[f"comm/{g}/busbw_gbps"] = wire / s / 1e9
-    for name in ("dp", "pp", "cp"):
+    for name in OVERLAPPED:
         out.update(_overlap(name, v[i], v[i + 1]))
         i += 2
     return out | _breakdown(v[i: i + len(PHASES)], exposed, meter)
