@@ -299,7 +299,7 @@ class CausalLM(nn.Module):
         if self.learned_positions:
             positions = self._positions(ids.shape[1], ids.device)
             if self.sp:
-                positions = C.split_seq(positions.unsqueeze(0), self.tp_group).squeeze(0)
+                positions = C.split_seq(positions.unsqueeze(0), self.tp_group).squeeze(0).clone()  # its own s/tp
             x = x + self.pos_embed(positions)
         return x
 

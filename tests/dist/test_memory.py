@@ -4,7 +4,7 @@
   the estimate exactly for GPT and Llama (GQA and not), dropout 0 and 0.1, every recomputation mode, fp32 and
   bf16 parameters; and with the fused head (its gradients kept instead of the probabilities).
 - Schedules: the microbatches the estimate replays a rank holding equal the simulator's peak in flight.
-- Nineteen (model, layout, schedule, precision, compression, ZeRO, recomputation, dropout, head) combinations on 4 gloo
+- Twenty (model, layout, schedule, precision, compression, ZeRO, recomputation, dropout, head) combinations on 4 gloo
   ranks, each rank estimated from its own chunks built on the meta device: parameters, gradients and optimizer
   state equal the trainer's tensors exactly; at tp=1 or 2 without a pipeline, the activations equal the tally; the
   total is within 10 % of the states plus the peak the profiler tracks over a training step (20 % under ZeRO-3,
@@ -118,6 +118,7 @@ COMBOS = [
     Case("gpt", pp=2, schedule="zb1p"),  # the split backward holds a microbatch until its weight pass
     Case("llama", pp=2, schedule="zbv", v=2, extra=("parallel.zb_memory=none",)),  # its own order, split
     Case("llama", tp=2, sp=True, extra=FUSED),  # the fused head: 4 chunks of a microbatch's 32 tokens
+    Case("gpt", tp=2, sp=True, extra=("parallel.tp_overlap=chunked",)),  # the TP rings' pieces in flight
     Case("gpt", pp=2, schedule="zb1p", extra=(*FUSED, "train.precision=bf16_params", "parallel.zb_memory=none")),
     Case("gpt", zero=2, extra=("train.recompute=selective",)),  # gradient shards only, the rounds as buffers
     Case("gpt", pp=2, schedule="zb1p", zero=2, extra=("train.precision=bf16_params",)),

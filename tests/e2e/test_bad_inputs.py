@@ -133,6 +133,7 @@ CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece o
     ("sgd-nesterov", ["optim=sgd", "optim.momentum=0", "optim.nesterov=true"],
      "optim.nesterov=true needs optim.momentum > 0"),
     ("sync-mode", ["sync.mode=async"], "sync.mode='async' is not one of dp, diloco, gossip, ps"),
+    ("tp-overlap-mode", ["parallel.tp_overlap=async"], "parallel.tp_overlap='async' is not one of none, bulk, chunked"),
     ("sync-dp-inner-steps", ["sync.inner_steps=5"], "apply to sync=diloco or sync=local_sgd, not to synchronous DP"),
 ]
 RANKED: list[tuple[str, list[str], str]] = [  # the same, as rank 0 and rank 1 of two torchrun ranks see them
@@ -149,6 +150,15 @@ RANKED: list[tuple[str, list[str], str]] = [  # the same, as rank 0 and rank 1 o
      "parallel.cp=2 cuts each sequence into 2·cp = 4 chunks: data.seq_len=66 is not divisible by 4"),
     ("cp-a2a-heads", ["parallel.cp=2", "parallel.cp_comm=a2a", "model.n_heads=3", "model.hidden=96"],
      "parallel.cp_comm=a2a spreads each TP rank's 3 attention heads over parallel.cp=2: not divisible"),
+    ("tp-overlap-chunked-without-sp", ["parallel=tp2", "parallel.tp_overlap=chunked"],
+     "parallel.tp_overlap=chunked pipelines sequence parallelism's all-gathers and reduce-scatters with the GEMMs: "
+     "set parallel.sequence_parallel=true"),
+    ("tp-overlap-chunks-seq", ["parallel=tp2", "parallel.sequence_parallel=true", "parallel.tp_overlap=chunked",
+                               "parallel.tp_overlap_chunks=6", "data.seq_len=64"],
+     "parallel.tp_overlap_chunks=6 does not divide the 64 tokens of each sequence a rank works on"),
+    ("tp-overlap-chunks-tp", ["parallel=tp2", "parallel.sequence_parallel=true", "parallel.tp_overlap=chunked",
+                              "parallel.tp_overlap_chunks=3"],
+     "parallel.tp_overlap_chunks=3 must be a multiple of parallel.tp=2"),
     ("cp-across-nodes", ["parallel.cp=2", "parallel.ranks_per_node=1"],
      "CP group of 2 ranks would span nodes of 1 ranks; CP's every-layer K/V exchange needs the fast intra-node "
      "links (set parallel.allow_cp_across_nodes=true to force it)"),

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from hybrid.bench import tp_bytes, tp_memory, tp_throughput
+from hybrid.bench import tp_bytes, tp_memory, tp_overlap, tp_throughput
 
 TINY_MEMORY = ["--tp", "1", "2", "--param-model", "gpt-tiny", "--act-model", "gpt-tiny", "--act-layers", "2",
                "--act-seq", "32", "--timeout", "120"]
@@ -64,3 +64,16 @@ def test_cli_selects_sections_and_rejects_bad_input(capsys: pytest.CaptureFixtur
                         "no-such-model"]), (tp_bytes, [*TRAIN, "--tp", "2", "--seq", "33"])):
         with pytest.raises(SystemExit):
             module.parse_args(bad)
+
+
+def test_tp_overlap_bench_runs_every_mode_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
+    """The overlap benchmark in --quick mode: every mode timed every round; blocking hides nothing."""
+    got = tp_overlap.run(tp_overlap.parse_args(["--quick"]))
+    assert set(got["got"]) == {"none", "bulk", "chunked"}
+    assert all(len(records) == 2 for records in got["got"].values())
+    assert all(r["comm/overlap_tp"] == 0.0 and r["comm/tp/exposed_s"] > 0 for r in got["got"]["none"])
+    assert all(r["comm/tp/s"] > 0 for records in got["got"].values() for r in records)
+    assert set(got["ratios"]) == {"bulk", "chunked"}
+    assert "chunked's exposed TP time" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        tp_overlap.parse_args(["--quick", "--chunks", "3"])  # not a multiple of tp

@@ -53,9 +53,20 @@ def test_record_bandwidth_overlap_and_breakdown() -> None:
     assert rec["comm/dp/all_reduce/busbw_gbps"] == pytest.approx(8e6 / 0.6 / 1e9 * bus_factor("all_reduce", 4))
     assert rec["comm/tp/all_gather/busbw_gbps"] == pytest.approx(1e6 / 0.05 / 1e9 * bus_factor("all_gather", 2))
     assert rec["comm/overlap_dp"] == pytest.approx(1 - 0.1 / 0.6)
+    assert rec["comm/overlap_tp"] == 0.0  # a blocking all-gather: nothing hidden
     assert rec["time/compute_s"] == pytest.approx(0.25 + 0.4 - 0.05)  # the TP wait inside forward taken out
     parts = [k for k in rec if k.startswith("time/") and k not in ("time/step_s", "time/other_s")]
     assert sum(rec[k] for k in parts) + rec["time/other_s"] == pytest.approx(rec["time/step_s"])
+
+
+def test_tp_overlap_is_the_share_of_the_rings_time_not_waited_for() -> None:
+    """Chunked TP: hops in flight (async) while the GEMMs run, the thread waiting on some of them."""
+    spans = [Span("tp", "all_gather", "async", 0.1, 0.3), Span("tp", "reduce_scatter", "async", 0.4, 0.6),
+             Span("tp", "all_gather", "wait", 0.28, 0.3, exposed=True),
+             Span("tp", "reduce_scatter", "wait", 0.5, 0.6, exposed=True)]
+    rec = comm_report.record(comm_report.local_vector(timing_of(spans, [], 1.0), CommCounter(), 0.0), 1, {"tp": 4})
+    assert rec["comm/overlap_tp"] == pytest.approx(1 - 0.12 / 0.4)
+    assert rec["comm/tp/exposed_s"] == pytest.approx(0.12)
 
 
 def test_bubble_is_carved_out_of_the_pipeline_wait() -> None:

@@ -218,38 +218,33 @@ def row_sequence_linear(x: torch.Tensor, weight: torch.Tensor, act: Act, group: 
 
 
 class _SequenceEmbedding(torch.autograd.Function):
-    """ids [b, s] → the reduce-scatter of this rank's vocabulary rows' lookup to [b, s/tp, h], piece by piece."""
+    """ids [b, s] → the reduce-scatter of this rank's vocabulary rows' lookup to [b, s/tp, h], piece by piece. Saves
+    what the blocking lookup saves: the ids as rows of this rank's shard and where they are here."""
 
     @staticmethod
     def forward(ctx, weight: torch.Tensor, ids: torch.Tensor, start: int, group: Group,  # noqa: ANN001
                 lanes: int) -> torch.Tensor:
-        ctx.group, ctx.lanes, ctx.start, ctx.rows, ctx.dtype = group, lanes, start, weight.shape[0], weight.dtype
-        ctx.save_for_backward(ids)
-        return reduce_scatter_each(lambda rows: _lookup(weight, _rows(ids, rows), start), ids.shape[1], group, lanes)
+        ctx.group, ctx.lanes, ctx.rows, ctx.dtype = group, lanes, weight.shape[0], weight.dtype
+        inside = (ids >= start) & (ids < start + weight.shape[0])
+        local = (ids - start).masked_fill(~inside, 0)
+        ctx.save_for_backward(local, inside)
+
+        def lookup(rows: slice) -> torch.Tensor:
+            return F.embedding(local[:, rows], weight).masked_fill(~inside[:, rows].unsqueeze(-1), 0.0)
+
+        return reduce_scatter_each(lookup, ids.shape[1], group, lanes)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # noqa: ANN001, ANN205
-        (ids,) = ctx.saved_tensors
+        local, inside = ctx.saved_tensors
         grad_w = torch.zeros(ctx.rows, g.shape[-1], dtype=torch.float32, device=g.device)
 
         def use(piece: torch.Tensor, rows: slice) -> None:
-            local, inside = _local_ids(_rows(ids, rows), ctx.start, ctx.rows)
-            grad_w.index_add_(0, local[inside], piece[inside].float())
+            here = inside[:, rows]
+            grad_w.index_add_(0, local[:, rows][here], piece[here].float())
 
         gather_each(g, ctx.group, use, "all_gather", ctx.lanes)
         return grad_w.to(ctx.dtype), None, None, None, None
-
-
-def _local_ids(ids: torch.Tensor, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids as rows of this rank's shard — 0 where elsewhere, whether each is here)."""
-    inside = (ids >= start) & (ids < start + rows)
-    return (ids - start).masked_fill(~inside, 0), inside
-
-
-def _lookup(weight: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
-    """This rank's rows of the embedding of `ids` (zeros for ids elsewhere)."""
-    local, inside = _local_ids(ids, start, weight.shape[0])
-    return F.embedding(local, weight).masked_fill(~inside.unsqueeze(-1), 0.0)
 
 
 def sequence_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, group: Group, lanes: int
