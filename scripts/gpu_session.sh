@@ -4,7 +4,8 @@
 #   bash scripts/gpu_session.sh OUT_DIR            on the GPU machine: gpu-check at gpt-1b, then hybrid (eager,
 #                                                  and the whole model compiled) beside the compiled plain loop,
 #                                                  figures as JSON in OUT_DIR; then CP's ring blocks (cp=1) beside
-#                                                  SDPA on one GPU
+#                                                  SDPA on one GPU; then the chunked TP overlap's GEMMs in
+#                                                  pieces beside whole on one GPU (its single-device cost)
 #   bash scripts/gpu_session.sh OUT_DIR --dry-run  the same steps on the CPU, tiny (what CI can check)
 #
 # Wheels the GPU machine lacks (it reaches no package index) travel in .whl/ and are installed into a private
@@ -38,6 +39,7 @@ if [[ "$DRY" == "--dry-run" ]]; then
     step vs_plain_loop 300 "$PY" -m hybrid.bench.vs_plain_loop --quick --device cpu --rounds 2 --steps 1 \
         --sides hybrid,hybrid_compiled,plain --hybrid "train.compile_scope=model" --out "$OUT/vs_plain_loop.json"
     step cp_kernels 120 "$PY" -m hybrid.bench.cp_kernels --quick --device cpu
+    step tp_chunk_cost 60 "$PY" -m hybrid.bench.tp_chunk_cost --quick --device cpu
 else
     "$PY" -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/session.log"
     step gpucheck 280 "$PY" -m hybrid.bench.gpucheck --no-tests --models gpt-1b --steps 10 --out "$OUT/gpucheck.json"
@@ -45,5 +47,7 @@ else
         --sides hybrid,hybrid_compiled,plain_compiled --hybrid "train.compile_scope=model" \
         --out "$OUT/vs_plain_loop.json"
     step cp_kernels 90 "$PY" -m hybrid.bench.cp_kernels --device cuda --dtype bf16 --seq 8192 --heads 16 --head-dim 128
+    step tp_chunk_cost 60 "$PY" -m hybrid.bench.tp_chunk_cost --device cuda --dtype bf16 --model gpt-1b --tp 2 \
+        --seq 4096 --pieces 2 4 8 --rounds 20 --reps 10
 fi
 exit $failed

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
-from hybrid.bench import tp_bytes, tp_memory, tp_overlap, tp_throughput
+from hybrid.bench import tp_bytes, tp_chunk_cost, tp_memory, tp_overlap, tp_throughput
 
 TINY_MEMORY = ["--tp", "1", "2", "--param-model", "gpt-tiny", "--act-model", "gpt-tiny", "--act-layers", "2",
                "--act-seq", "32", "--timeout", "120"]
@@ -77,3 +78,13 @@ def test_tp_overlap_bench_runs_every_mode_side_by_side(capsys: pytest.CaptureFix
     assert "chunked's exposed TP time" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         tp_overlap.parse_args(["--quick", "--chunks", "3"])  # not a multiple of tp
+
+
+def test_tp_chunk_cost_bench_runs_the_chunked_path_on_one_device(capsys: pytest.CaptureFixture[str]) -> None:
+    got = tp_chunk_cost.run(tp_chunk_cost.parse_args(["--quick"]))
+    assert [r["pieces"] for r in got["rows"]] == [2, 4]
+    assert all(r["whole_ms"] > 0 and r["pieced_ms"] > 0 for r in got["rows"])
+    x = torch.randn(1, 8, 4, dtype=torch.float64)
+    up, down = torch.randn(6, 4, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    torch.testing.assert_close(tp_chunk_cost.pieced(x, up, down, 4), tp_chunk_cost.whole(x, up, down))
+    assert "pieced / whole" in capsys.readouterr().out

@@ -92,7 +92,7 @@ class _SequenceParallelLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.edges = edges_of(x, weight, bias)
         if overlap.chunked:
-            return _gathered_linear(x, weight, bias, group, overlap.lanes(C.size(group)))
+            return gathered_linear(x, weight, bias, group, overlap.lanes(C.size(group)))
         return F.linear(C.all_gather_seq(x, group), weight, bias)
 
     @staticmethod
@@ -104,13 +104,20 @@ class _SequenceParallelLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-def _gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: Group,
-                     lanes: int) -> torch.Tensor:
-    """x Wᵀ + b over the whole sequence, each piece's GEMM while the next piece travels the ring."""
+def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: Group,
+                    lanes: int) -> torch.Tensor:
+    """x Wᵀ + b over the whole sequence gathered from every rank's chunk x, each piece's GEMM while the next piece
+    travels the ring."""
     y = x.new_empty(x.shape[0], x.shape[1] * C.size(group), weight.shape[0])
 
     def use(piece: torch.Tensor, rows: slice) -> None:
-        _rows(y, rows).copy_(F.linear(piece, weight, bias))
+        into = _rows(y, rows)
+        if not into.is_contiguous():  # b > 1: the piece's rows are strided in y
+            into.copy_(F.linear(piece, weight, bias))
+            return
+        torch.matmul(piece, weight.t(), out=into)  # one sequence: the GEMM writes its rows of y in place
+        if bias is not None:
+            into.add_(bias)
 
     gather_each(x, group, use, "all_gather", lanes)
     return y
