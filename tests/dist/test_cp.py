@@ -9,7 +9,8 @@ and the gradients averaged over CP × DP are the whole batch's. The last step's 
 ring's has `comm/overlap_cp`.
 
 Cases: GPT ring cp2 and Llama (GQA) all-to-all cp2 on 2 ranks; Llama ring cp3 (odd) on 3; on 4 ranks GPT ring
-cp2dp2 with ZeRO-1, Llama cp2dp2 with ZeRO-3, Llama ring cp2tp2 with sequence parallelism, GPT all-to-all
+cp2dp2 with ZeRO-1, Llama cp2dp2 with ZeRO-3, Llama ring cp2tp2 with sequence parallelism (and TP's exchanges
+pipelined around the TP ring: `parallel.tp_overlap=chunked`), GPT all-to-all
 cp2pp2 (1F1B), Llama ring cp2pp2 under zero-bubble's split backward (zb1p), GPT ring cp2pp2 under zbv (4 layers),
 GPT ring cp4, Llama all-to-all cp4, Llama ring cp2pp2 interleaved (4 layers), GPT ring cp2pp2 GPipe. Dropout
 (`test_dropout_under_context_parallelism`): masks cannot match one process's, so the tests hold what must hold
@@ -41,7 +42,8 @@ CASES = {2: [("gpt", ["parallel.cp=2"]), ("llama", ["parallel.cp=2", "parallel.c
          3: [("llama", ["parallel.cp=3"])],
          4: [("gpt", ["parallel.cp=2", "parallel.dp=2", "parallel.zero=1"]),
              ("llama", ["parallel.cp=2", "parallel.dp=2", "parallel.zero=3"]),
-             ("llama", ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+             ("llama", ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                        "parallel.tp_overlap=chunked"]),
              ("gpt", ["parallel.cp=2", "parallel.pp=2", "parallel.cp_comm=a2a"]),
              ("llama", ["parallel.cp=2", "parallel.pp=2", "parallel.schedule=zb1p", "parallel.zb_memory=none"]),
              ("gpt", ["parallel.cp=2", "parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2",
