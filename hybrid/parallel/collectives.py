@@ -21,7 +21,8 @@ Sequence-parallel pair (activations [b, s, h] split along s outside the TP regio
   gather_from_sequence       forward all-gather (seq),     backward reduce-scatter (entering a TP region)
   reduce_scatter_to_sequence forward reduce-scatter (seq), backward all-gather     (leaving row-parallel)
 (The column-parallel layer fuses the first with its matmul to keep only the input chunk:
-`hybrid.parallel.tp.tensor._SequenceParallelLinear`.)
+`hybrid.parallel.tp.overlap.sequence_linear`; `parallel.tp_overlap` launches the backward's exchanges early or
+pipelines them around the TP ring there.)
 """
 
 from __future__ import annotations

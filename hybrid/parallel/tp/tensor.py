@@ -21,6 +21,10 @@ Under autocast, a column-parallel layer casts its input to the autocast dtype *b
 region op, so the TP exchanges of the input (and of its gradient) run in bf16, as the
 row-parallel outputs do.
 
+How the exchanges meet the GEMMs — blocking, the backward's launched early (bulk), or pipelined around the TP
+ring a piece of the sequence at a time (chunked) — is `parallel.tp_overlap`, set on each layer's `overlap`
+(`CausalLM.set_tp_overlap`); the autograd Functions of each mode are `hybrid.parallel.tp.overlap`'s.
+
 Every parameter these layers make carries its `ParamInfo` record (`hybrid.parallel.params`):
 its global shape and TP `Shard`, its `Init`, and whether it lives on sequence chunks.
 """
