@@ -1,0 +1,144 @@
+"""The planner against published throughput: Megatron-LM's weak-scaling table (Narayanan et al., "Efficient
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC 2021, Table 1: GPT models of 1.7 B to
+1 T parameters on up to 3,072 A100 80 GB GPUs of NVIDIA's Selene, 8 a node, NVLink inside and 8 HDR InfiniBand
+links a node), predicted from the published layout, hardware and batch.
+
+    PYTHONPATH=. python -m hybrid.bench.plan_published [--rows 1.7B,18B] [--quick]
+
+Each row: the model (hidden, heads, layers; vocabulary 51,200, sequence 2,048, FFN 4h), the published tp and pp on
+the published GPU count (dp the rest) and global batch, `--cluster` (dgx-a100); full activation recomputation, as
+the paper trained, and the software of its time: the attention kernels (`cost.ATTENTION`'s unfused: the scores
+materialised, before flash attention), no sequence parallelism, blocking TP all-reduces, no distributed optimizer,
+the DP all-reduce after the backward (`of_2021`). The planner predicts each micro batch (1–16) and schedule (1F1B,
+interleaved with 2 virtual stages) of that layout and keeps the fastest; its step time becomes TFLOP/s per GPU by
+the paper's own count (96·B·s·l·h²·(1 + s/6h + V/16lh) a step, recomputation included). Reported: published and
+predicted TFLOP/s per GPU and their ratio (goal: within 20 %), and with `--rank` the published layout's place among
+every (tp, pp) the planner predicts for the same GPUs and batch (goal: top three; memory is not checked there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+from hybrid.bench import common
+from hybrid.plan.cost import Shape
+from hybrid.plan.hardware import preset
+from hybrid.plan.predict import Candidate, Prediction, predict
+from hybrid.plan.search import candidates
+
+MODULE = "hybrid.bench.plan_published"
+VOCAB, SEQ = 51200, 2048
+KERNEL = "unfused"  # 2021's Megatron-LM: materialised scores, fused scale-mask-softmax (flash attention came in 2022)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One published configuration: the model, its layout and batch, the TFLOP/s per GPU reported."""
+
+    name: str
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    tflops: float
+
+    def shape(self) -> Shape:
+        return Shape(self.layers, self.hidden, self.heads, self.heads, 4 * self.hidden, VOCAB, False)
+
+    def flops_per_step(self) -> float:
+        """The paper's count: 96·B·s·l·h²·(1 + s/6h + V/16lh) (forward, backward and the recomputed forward)."""
+        b, s, n, h = self.batch, SEQ, self.layers, self.hidden
+        return 96 * b * s * n * h * h * (1 + s / (6 * h) + VOCAB / (16 * n * h))
+
+
+MEGATRON = [  # Narayanan et al. 2021, Table 1 (TFLOP/s per GPU, end to end)
+    Row("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137), Row("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
+    Row("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142), Row("18B", 48, 6144, 40, 8, 1, 256, 1024, 135),
+    Row("39B", 64, 8192, 48, 8, 2, 512, 1536, 138), Row("76B", 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    Row("145B", 96, 12288, 80, 8, 8, 1536, 2304, 148), Row("310B", 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    Row("530B", 128, 20480, 105, 8, 35, 2520, 2520, 163), Row("1T", 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+QUICK = {"rows": "1.7B,39B"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
+    common.add_quick(p, "two rows, no ranking")
+    p.add_argument("--rows", default=",".join(r.name for r in MEGATRON), help="the table's rows, by name")
+    p.add_argument("--cluster", default="dgx-a100", help="the hardware preset (hybrid.plan.hardware.CLUSTERS)")
+    p.add_argument("--rank", action="store_true", help="also rank the published layout among all the planner predicts")
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = build_parser()
+    args = common.parse_with_quick(p, argv, QUICK)
+    names = {r.name for r in MEGATRON}
+    unknown = [n for n in args.rows.split(",") if n not in names]
+    if unknown:
+        p.error(f"unknown rows {unknown}; the table has {', '.join(sorted(names))}")
+    return args
+
+
+def best_of(row: Row, layouts: list[Candidate], cluster_name: str) -> Prediction:
+    cluster = preset(cluster_name, row.gpus // 8)
+    return min((predict(row.shape(), c, cluster, row.batch, SEQ, kernel=KERNEL) for c in layouts),
+               key=lambda p: p.step_s)
+
+
+def of_2021(c: Candidate) -> Candidate:
+    """`c` as 2021's Megatron-LM ran: no sequence parallelism, blocking TP all-reduces, no distributed optimizer, the
+    data-parallel all-reduce after the backward."""
+    return replace(c, sequence_parallel=False, tp_overlap="none", zero=0, dp_overlap=False)
+
+
+def published_layouts(row: Row, cluster_name: str) -> list[Candidate]:
+    """Every micro batch and schedule of the published tp and pp, with full recomputation."""
+    cluster = preset(cluster_name, row.gpus // 8)
+    return [of_2021(c) for c in candidates(row.shape(), cluster, row.batch)
+            if (c.tp, c.pp, c.recompute) == (row.tp, row.pp, "full")]
+
+
+def rank_of(row: Row, cluster_name: str, best: Prediction) -> int:
+    """1 + how many (tp, pp) layouts of the same GPUs and batch the planner predicts faster than the published."""
+    cluster = preset(cluster_name, row.gpus // 8)
+    fastest: dict[tuple[int, int], float] = {}
+    for c in candidates(row.shape(), cluster, row.batch):
+        if c.recompute == "full":
+            step = predict(row.shape(), of_2021(c), cluster, row.batch, SEQ, kernel=KERNEL).step_s
+            key = (c.tp, c.pp)
+            fastest[key] = min(fastest.get(key, step), step)
+    return 1 + sum(step < best.step_s for key, step in fastest.items() if key != (row.tp, row.pp))
+
+
+def section(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[str, Any]]:
+    rows = [r for r in MEGATRON if r.name in args.rows.split(",")]
+    got = []
+    for row in rows:
+        best = best_of(row, published_layouts(row, args.cluster), args.cluster)
+        tflops = row.flops_per_step() / best.step_s / row.gpus / 1e12
+        got.append({"row": row.name, "published": row.tflops, "predicted": tflops, "ratio": tflops / row.tflops,
+                    "layout": best.candidate.label(), "rank": rank_of(row, args.cluster, best) if args.rank else None,
+                    "parts": best.parts})
+    out(f"\n## Megatron-LM Table 1 on {args.cluster} (TFLOP/s per GPU, the paper's count)")
+    out("\n".join(common.table(["model", "GPUs", "tp", "pp", "published", "predicted", "ratio", "layout", "rank"],
+                               [[g["row"], r.gpus, r.tp, r.pp, r.tflops, f"{g['predicted']:.0f}", f"{g['ratio']:.2f}",
+                                 g["layout"], g["rank"] or "-"] for g, r in zip(got, rows)])))
+    errors = [abs(g["ratio"] - 1) for g in got]
+    out(f"\nwithin 20 %: {sum(e <= 0.2 for e in errors)} of {len(got)}; median |error| {statistics.median(errors):.1%}")
+    return got
+
+
+def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    return common.run_one(section, args, common.reproduce_command(MODULE, build_parser(), args), MODULE, out)
+
+
+if __name__ == "__main__":
+    run(parse_args())

@@ -1,0 +1,1 @@
+"""The layout planner: hardware, the cost model, one layout's predicted step, the search (`hybrid-plan`)."""

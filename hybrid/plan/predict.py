@@ -1,0 +1,146 @@
+"""One layout's predicted step: the stages' microbatch costs (`cost`) replayed by the pipeline simulator, the DP
+gradient exchange (overlapped with the last microbatch's backward), the optimizer, and the step's parts.
+
+A rank's stage holds layers / (pp·v) layers per model part; the slowest stage (the last: the head; or the first:
+the embedding) sets the pipeline's pace, so the simulator replays every rank at the slowest stage's costs. The DP
+group crosses nodes when tp·cp·dp ranks do not fit in one; consecutive pipeline stages sit tp·cp·dp ranks apart
+(the `tp-cp-dp-pp` rank order) and talk across nodes when that stride reaches a node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from hybrid.parallel.pp.schedules import build_schedule
+from hybrid.parallel.pp.simulator import simulate
+from hybrid.plan.cost import Micro, Pass, Shape, collective_s, head_pass, layer_pass, optimizer_s, p2p_s
+from hybrid.plan.hardware import Cluster
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout and the knobs that change a step's time or memory."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro: int = 1
+    cp: int = 1
+    v: int = 1  # virtual stages (the interleaved schedule when > 1)
+    recompute: str = "none"
+    zero: int = 1
+    tp_overlap: str = "chunked"
+    sequence_parallel: bool = True
+    dp_overlap: bool = True  # the gradient exchange launched bucket by bucket inside the backward
+
+    @property
+    def schedule(self) -> str:
+        return "interleaved" if self.v > 1 else "1f1b"
+
+    @property
+    def sp(self) -> bool:
+        return self.tp > 1 and self.sequence_parallel
+
+    def label(self) -> str:
+        parts = [f"tp{self.tp}", f"cp{self.cp}" if self.cp > 1 else "", f"pp{self.pp}", f"dp{self.dp}"]
+        v = f" v{self.v}" if self.v > 1 else ""
+        return f"{''.join(parts)}{v} mb{self.micro} {self.recompute} zero{self.zero}"
+
+    def overrides(self) -> list[str]:
+        """The `hybrid.train` overrides of this layout."""
+        out = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}",
+               f"train.micro_batch_size={self.micro}", f"train.recompute={self.recompute}",
+               f"parallel.zero={self.zero}"]
+        out += [f"parallel.cp={self.cp}"] if self.cp > 1 else []
+        out += [f"parallel.schedule={self.schedule}", f"parallel.virtual_stages={self.v}"] if self.pp > 1 else []
+        out += ["parallel.sequence_parallel=true"] if self.sp else []
+        out += [f"parallel.tp_overlap={self.tp_overlap}"] if self.tp > 1 else []
+        return out
+
+
+@dataclass
+class Prediction:
+    """A layout's step: seconds and their parts (means per rank of the slowest stage), bytes a rank sends per
+    group, and, once estimated, the largest stage's memory."""
+
+    candidate: Candidate
+    step_s: float
+    parts: dict[str, float]
+    bytes: dict[str, float]
+    tokens: int  # per step, the whole cluster
+    world: int
+    flops_per_token: float
+    peak: float
+    memory: int = 0
+    fits: bool = True
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens / self.step_s / self.world
+
+    @property
+    def mfu(self) -> float:
+        return self.tokens_per_s_per_gpu * self.flops_per_token / self.peak
+
+    def to_json(self) -> dict[str, object]:
+        return {"layout": asdict(self.candidate), "label": self.candidate.label(), "step_s": self.step_s,
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu, "parts": self.parts,
+                "bytes_per_rank": self.bytes, "memory_per_rank": self.memory, "fits": self.fits,
+                "overrides": self.candidate.overrides()}
+
+
+def stage_pass(shape: Shape, c: Candidate, m: Micro, cluster: Cluster, kernel: str) -> tuple[Pass, Pass]:
+    """(a middle stage's, the slowest stage's) microbatch cost, over all its model parts."""
+    per_stage = shape.layers / c.pp
+    layer = layer_pass(shape, m, cluster.device, c.recompute, c.tp_overlap, link_of_group(cluster, c.tp, 1), kernel)
+    middle = layer.times(per_stage)
+    return middle, middle + head_pass(shape, m, cluster.device, link_of_group(cluster, c.tp, 1))
+
+
+def link_of_group(cluster: Cluster, size: int, stride: int):  # noqa: ANN201 - a Link
+    """The links a group of `size` ranks `stride` apart crosses: inside a node when they fit in one."""
+    return cluster.intra if size * stride <= cluster.per_node else cluster.inter
+
+
+def predict(shape: Shape, c: Candidate, cluster: Cluster, global_batch: int, seq: int, act: int = 2,
+            kernel: str = "flash") -> Prediction:
+    """The step of `c` training `shape` on `cluster`, `global_batch` sequences of `seq` tokens, attention by
+    `kernel` (`cost.ATTENTION`)."""
+    m = Micro(c.micro, seq, c.tp, c.cp, act, c.sp)
+    count = global_batch // (c.micro * c.dp)
+    middle, slowest = stage_pass(shape, c, m, cluster, kernel)
+    pp_link = link_of_group(cluster, 2, c.tp * c.cp * c.dp)
+    forward, backward = slowest.forward + slowest.tp_exposed * 0.4, slowest.backward + slowest.tp_exposed * 0.6
+    pipeline = _pipeline_s(c, count, forward, backward, p2p_s(m, shape.hidden, pp_link))
+    stage_params = (shape.layers / c.pp * shape.layer_params() + shape.vocab * shape.hidden) / c.tp
+    dp_s, dp_exposed = _dp_s(c, cluster, stage_params, backward / c.v)
+    sharded = stage_params / (c.dp if c.zero else 1)
+    optimizer = optimizer_s(sharded, cluster.device)
+    gather = collective_s("all_gather", stage_params * act, c.dp, link_of_group(cluster, c.dp, c.tp * c.cp))
+    parts = {"compute": count * (slowest.forward + slowest.backward), "tp_exposed": count * slowest.tp_exposed,
+             "bubble": pipeline - count * (forward + backward), "dp_exposed": dp_exposed,
+             "optimizer": optimizer + (gather if c.zero else 0.0)}
+    step = pipeline + dp_exposed + parts["optimizer"]
+    wire = {"dp": 2 * stage_params * 4 * (c.dp - 1) / max(c.dp, 1)}
+    return Prediction(c, step, parts | {"dp_total": dp_s}, wire, global_batch * seq, c.tp * c.cp * c.pp * c.dp,
+                      shape.flops_per_token(seq), cluster.device.peak)
+
+
+def _pipeline_s(c: Candidate, count: int, forward: float, backward: float, p2p: float) -> float:
+    """The pipeline's makespan from the simulator (one stage: every microbatch in turn)."""
+    if c.pp == 1:
+        return count * (forward + backward)
+    schedule = build_schedule(c.schedule, c.pp, count, c.v)
+    return simulate(schedule, forward, backward, p2p).makespan
+
+
+def _dp_s(c: Candidate, cluster: Cluster, elements: float, last_backward: float) -> tuple[float, float]:
+    """(the gradient exchange's seconds, what the last microbatch's backward does not hide): fp32 gradients
+    all-reduced (ZeRO: reduce-scattered) over DP, launched bucket by bucket as the backward makes them."""
+    if c.dp == 1:
+        return 0.0, 0.0
+    link = link_of_group(cluster, c.dp, c.tp * c.cp)
+    op = "reduce_scatter" if c.zero else "all_reduce"
+    total = collective_s(op, elements * 4, c.dp, link)
+    return total, max(total - 0.9 * last_backward, total / 16) if c.dp_overlap else total

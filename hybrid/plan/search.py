@@ -1,0 +1,139 @@
+"""Every layout a cluster can run a model in, ranked by predicted step time, each checked against memory.
+
+Candidates: tp a power of two inside a node dividing the heads, KV heads and FFN; pp dividing the layers (and
+the world with tp); dp the rest; micro batches dividing each DP rank's share of the global batch (up to 16);
+1F1B, and the interleaved schedule with 2 virtual stages where the parts and microbatches allow it;
+recomputation none, selective or full; ZeRO-1 (the distributed optimizer) where dp > 1. All are predicted
+(`predict`: analytic costs, the simulator's pipeline); the fastest are then estimated (`hybrid.memory`, each
+stage's first rank built on the meta device, the first and last stages: the embedding's and the head's, the
+largest) in order until `top` fit the device with 10 % to spare.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from omegaconf import OmegaConf
+
+from hybrid.config import Config
+from hybrid.memory import Build, micro_of, rank_memory, shard_dp, training_schedule
+from hybrid.parallel.context import Layout, ParallelContext
+from hybrid.plan.cost import Shape
+from hybrid.plan.hardware import Cluster, PlanError
+from hybrid.plan.predict import Candidate, Prediction, predict
+
+HEADROOM = 0.9  # of the device's memory a plan may fill (the CUDA context, the allocator's fragmentation)
+MAX_MICRO = 16
+RECOMPUTE = ("none", "selective", "full")
+Builder = Callable[[Config], Build]  # a config → its chunks' builder (`trainer.build_chunks` bound to a vocabulary)
+
+
+@dataclass(frozen=True)
+class Job:
+    """What to train: the model's config (its `train`, `data` and `parallel` sections are set per candidate),
+    the global batch in sequences and the sequence length."""
+
+    cfg: Config
+    shape: Shape
+    global_batch: int
+    seq: int
+
+
+def candidates(shape: Shape, cluster: Cluster, global_batch: int) -> Iterator[Candidate]:
+    world, d = cluster.world, shape.hidden // shape.heads
+    for tp in (t for t in (1, 2, 4, 8, 16) if t <= cluster.per_node and _divides(shape, t)):
+        for pp in (p for p in range(1, shape.layers + 1) if shape.layers % p == 0 and world % (tp * p) == 0):
+            dp = world // (tp * pp)
+            if global_batch % dp or d < 1:
+                continue
+            yield from _knobs(shape, tp, pp, dp, global_batch // dp)
+
+
+def _divides(shape: Shape, tp: int) -> bool:
+    return shape.heads % tp == 0 and shape.kv_heads % tp == 0 and shape.ffn % tp == 0
+
+
+def _knobs(shape: Shape, tp: int, pp: int, dp: int, per_dp: int) -> Iterator[Candidate]:
+    for micro in (b for b in range(1, min(per_dp, MAX_MICRO) + 1) if per_dp % b == 0):
+        count = per_dp // micro
+        for v in (1, 2) if pp > 1 else (1,):
+            if v > 1 and (shape.layers % (pp * v) or count % pp):
+                continue
+            for recompute in RECOMPUTE:
+                yield Candidate(tp, pp, dp, micro, v=v, recompute=recompute, zero=1 if dp > 1 else 0)
+
+
+MAX_ESTIMATES = 120  # memory estimates a plan makes, fastest layouts first, before it gives up
+
+
+def plan(job: Job, cluster: Cluster, builder: Builder, top: int = 5) -> tuple[list[Prediction], int]:
+    """(the `top` fastest layouts that fit, fastest first; how many layouts were predicted). None fitting: a
+    PlanError saying how far the leanest layout is from fitting."""
+    ranked = sorted((predict(job.shape, c, cluster, job.global_batch, job.seq)
+                     for c in candidates(job.shape, cluster, job.global_batch)), key=lambda p: p.step_s)
+    if not ranked:
+        raise PlanError(f"no layout divides {cluster.world} ranks and the global batch of {job.global_batch} "
+                        f"(tp must divide the {job.shape.heads} heads, pp the {job.shape.layers} layers)")
+    fitting = [p for p in ranked[:MAX_ESTIMATES] if _estimated(job, p, cluster, builder).fits]
+    if not fitting:
+        raise no_fit_error(job, cluster, ranked, builder)
+    return fitting[:top], len(ranked)
+
+
+def _estimated(job: Job, p: Prediction, cluster: Cluster, builder: Builder) -> Prediction:
+    p.memory = peak_memory(job, p.candidate, cluster, builder)
+    p.fits = p.memory <= HEADROOM * cluster.device.memory
+    return p
+
+
+def configured(job: Job, c: Candidate, cluster: Cluster) -> Config:
+    """The job's config with `c`'s overrides (bf16 parameters: fp32 main weights and gradients)."""
+    cfg = copy.deepcopy(job.cfg)
+    for o in [*c.overrides(), f"train.global_batch_size={job.global_batch}", f"data.seq_len={job.seq}",
+              "train.precision=bf16_params", f"model.max_seq_len={max(job.seq, job.cfg.model.max_seq_len)}"]:
+        key, value = o.split("=", 1)
+        OmegaConf.update(cfg, key, _value(value), merge=True)
+    return cfg
+
+
+def _value(text: str) -> object:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text, text)
+
+
+def peak_memory(job: Job, c: Candidate, cluster: Cluster, builder: Builder) -> int:
+    """The estimate of the largest of the first and the last stage's ranks (bytes)."""
+    cfg = configured(job, c, cluster)
+    layout = Layout.create(cluster.world, tp=c.tp, pp=c.pp, dp=c.dp, cp=c.cp, ranks_per_node=cluster.per_node,
+                           allow_tp_across_nodes=True)
+    build, ranks = builder(cfg), sorted({0, c.pp - 1})
+    m = micro_of(cfg, cluster.device.kind)
+    schedule = training_schedule(cfg, layout, [], m)
+    return max(rank_memory(cfg, _meta(build, layout, r), schedule, r, shard_dp(cfg, layout), m,
+                           layout.dp_per_node).total for r in ranks)
+
+
+def _meta(build: Build, layout: Layout, pp_rank: int):  # noqa: ANN202 - the rank's chunks
+    import torch
+
+    with torch.device("meta"):
+        return build(ParallelContext.shapes(layout, layout.rank(pp_rank, 0, 0)))
+
+
+def no_fit_error(job: Job, cluster: Cluster, ranked: list[Prediction], builder: Builder) -> PlanError:
+    """How far the leanest layouts (full recomputation, micro batch 1, the most model parallelism) are from fitting,
+    and the smallest fix: how many times more nodes would spread the states that far."""
+    lean = sorted(ranked, key=lambda p: (p.candidate.recompute != "full", p.candidate.micro,
+                                         -p.candidate.tp * p.candidate.pp))[:4]
+    best = min((_estimated(job, p, cluster, builder) for p in lean), key=lambda p: p.memory)
+    need = best.memory / (HEADROOM * cluster.device.memory)
+    return PlanError(f"no layout of {len(ranked)} fits: the leanest ({best.candidate.label()}) needs "
+                     f"{best.memory / 2**30:.1f} GiB a rank, {need:.1f}× the {HEADROOM:.0%} of "
+                     f"{cluster.device.memory / 2**30:.0f} GiB a plan may fill; at least {need:.1f}× the devices "
+                     f"(--nodes {cluster.nodes * max(2, int(need + 0.999))}) or a larger device")

@@ -1,0 +1,127 @@
+"""Which layout? Every tp × pp × dp (micro batch, schedule, recomputation, ZeRO) a cluster can train a model in,
+ranked by predicted step time, each with its memory per rank, its step's parts and the command that runs it.
+
+    hybrid-plan model=gpt-1b --cluster dgx-h100 --nodes 2 --batch 256 --seq 2048
+    hybrid-plan model=llama-1b model.n_layers=32 model.hidden=4096 --cluster dgx-a100 --nodes 8 --json
+    hybrid-plan model=gpt-1b --cluster dgx-h100 --diagnose diagnose.json      # links as hybrid-diagnose measured
+
+Overrides shape the model as `python -m hybrid.train` takes them (`model=…`, `model.hidden=…`). Flags:
+`--cluster NAME` (dgx-a100, dgx-a100-40gb, dgx-h100 — the default —, hgx-h200), `--nodes N` (1), `--gpu NAME`,
+`--per-node N`, `--intra LINK`, `--inter LINK` (a link name: nvlink3, nvlink4, pcie4, ib-hdr, ib-ndr, eth-100g,
+or a bus bandwidth in GB/s) to change the preset, `--diagnose FILE` (a `hybrid-diagnose --json` report: its node
+size and measured links), `--batch N` (sequences a step; default train.global_batch_size), `--seq N` (default
+data.seq_len), `--vocab N` (default model.vocab_size, else 50257), `--top K` (5), `--json`. How the prediction is
+made and how far to trust it: docs/planning.md. Bad input is one `hybrid: error: …` line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+from hybrid.cli import EXIT_BAD_INPUT, UsageError, run_tool
+from hybrid.config import Config, ConfigError, compose_config
+from hybrid.model.family import family_of, ffn_hidden, kv_heads
+from hybrid.overrides import App, check
+from hybrid.plan.cost import Shape
+from hybrid.plan.hardware import Cluster, PlanError, device, from_diagnose, link_of, preset
+from hybrid.plan.predict import Prediction
+from hybrid.plan.search import Job, plan
+from hybrid.record.metrics import format_bytes, format_count
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line through the tool's error path, not argparse's usage text
+        raise UsageError(message)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="hybrid-plan", add_help=False)
+    p.add_argument("--cluster", default="dgx-h100")
+    p.add_argument("--nodes", type=int, default=1)
+    for flag in ("--gpu", "--intra", "--inter", "--diagnose"):
+        p.add_argument(flag)
+    for flag in ("--per-node", "--batch", "--seq", "--vocab"):
+        p.add_argument(flag, type=int)
+    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def cluster_of(args: argparse.Namespace) -> Cluster:
+    c = preset(args.cluster, args.nodes)
+    if args.gpu:
+        c = Cluster(device(args.gpu), c.per_node, c.nodes, c.intra, c.inter)
+    if args.per_node is not None:
+        if args.per_node < 1:
+            raise PlanError(f"--per-node must be >= 1, got {args.per_node}")
+        c = Cluster(c.device, args.per_node, c.nodes, c.intra, c.inter)
+    intra, inter = (link_of(x) if x else None for x in (args.intra, args.inter))
+    c = Cluster(c.device, c.per_node, c.nodes, intra or c.intra, inter or c.inter)
+    return from_diagnose(Path(args.diagnose), c) if args.diagnose else c
+
+
+def shape_of(cfg: Config, vocab: int) -> Shape:
+    m = cfg.model
+    swiglu = family_of(m).blocks.mlp == "swiglu"
+    return Shape(m.n_layers, m.hidden, m.n_heads, kv_heads(m), ffn_hidden(m), vocab, swiglu)
+
+
+def job_of(overrides: list[str], args: argparse.Namespace) -> Job:
+    check(overrides, App("hybrid.train", None))
+    cfg = compose_config(overrides)
+    batch = args.batch if args.batch is not None else cfg.train.global_batch_size
+    seq = args.seq if args.seq is not None else cfg.data.seq_len
+    vocab = args.vocab if args.vocab is not None else (cfg.model.vocab_size or 50257)
+    if min(batch, seq, vocab, args.top) < 1:
+        raise PlanError(f"--batch, --seq, --vocab and --top must be >= 1, got {batch}, {seq}, {vocab}, {args.top}")
+    return Job(cfg, shape_of(cfg, vocab), batch, seq)
+
+
+def table(plans: list[Prediction]) -> list[str]:
+    head = (f"{'#':>2} {'layout':<34} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6} {'mem/rank':>10} {'compute':>8} "
+            f"{'tp exp':>7} {'bubble':>7} {'dp exp':>7} {'optim':>7}")
+    rows = [f"{i:>2} {p.candidate.label():<34} {p.step_s:>8.3f} {p.tokens_per_s_per_gpu:>10.0f} {p.mfu:>6.1%} "
+            f"{format_bytes(p.memory):>10} " + " ".join(f"{p.parts[k]:>{w}.3f}" for k, w in (
+                ("compute", 8), ("tp_exposed", 7), ("bubble", 7), ("dp_exposed", 7), ("optimizer", 7)))
+            for i, p in enumerate(plans, 1)]
+    return [head, *rows]
+
+
+def command(job: Job, cluster: Cluster, best: Prediction, overrides: list[str]) -> str:
+    words = [*overrides, *best.candidate.overrides(), f"train.global_batch_size={job.global_batch}",
+             f"data.seq_len={job.seq}", "train.precision=bf16_params"]
+    nodes = f"--nnodes {cluster.nodes} " if cluster.nodes > 1 else ""
+    return f"torchrun {nodes}--nproc_per_node {cluster.per_node} -m hybrid.train {' '.join(words)}"
+
+
+def body(argv: list[str]) -> str:
+    args, rest = parser().parse_known_args(argv)
+    bad = [w for w in rest if w.startswith("-")]
+    if bad:
+        raise UsageError(f"unknown flag {bad[0]}; the rest of the command line is model overrides")
+    cluster, job = cluster_of(args), job_of(rest, args)
+    from hybrid.trainer import build_chunks
+
+    plans, tried = plan(job, cluster, lambda cfg: lambda ctx: build_chunks(cfg, job.shape.vocab, ctx), args.top)
+    if args.json:
+        return json.dumps({"cluster": cluster.describe(), "model": job.cfg.model.name, "batch": job.global_batch,
+                           "seq": job.seq, "layouts_predicted": tried, "plans": [p.to_json() for p in plans],
+                           "command": command(job, cluster, plans[0], rest)}, indent=1)
+    params = job.shape.layers * job.shape.layer_params() + job.shape.vocab * job.shape.hidden
+    lines = [f"plan: {job.cfg.model.name} ({format_count(params)} parameters), {job.global_batch} × {job.seq} tokens a "
+             f"step on {cluster.describe()}", f"{tried} layouts predicted; the fastest that fit:", *table(plans),
+             f"run the first: {command(job, cluster, plans[0], rest)}"]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return run_tool(__doc__, argv, body, ((UsageError, EXIT_BAD_INPUT), (ConfigError, EXIT_BAD_INPUT),
+                                          (PlanError, EXIT_BAD_INPUT)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
