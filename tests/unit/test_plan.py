@@ -1,0 +1,118 @@
+"""`hybrid-plan`'s model against references: the ring collective's cost against nccl-tests' bus factors, the
+pipeline's bubble against 1F1B's closed form, TP exposure ordered by overlap mode, the memory filter against
+`hybrid-memory`'s estimate of the same config, a `hybrid-diagnose` report's links read back, the published
+Megatron-LM rows within 20 %; the command line end to end, its JSON and its bad input as one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hybrid.bench import plan_published
+from hybrid.config import compose_config
+from hybrid.memory import meta_stages, stage_estimates
+from hybrid.parallel.context import Layout
+from hybrid.plan.cost import Micro, Shape, collective_s, layer_pass
+from hybrid.plan.hardware import Link, PlanError, from_diagnose, link_of, preset
+from hybrid.plan.predict import Candidate, predict
+from hybrid.plan.search import Job, candidates, configured, peak_memory
+from hybrid.tools.plan import main, shape_of
+from hybrid.trainer import build_chunks
+
+GPT = Shape(layers=8, hidden=1024, heads=16, kv_heads=16, ffn=4096, vocab=50304, swiglu=False)
+H100 = preset("dgx-h100", 2)
+
+
+def test_a_ring_collective_costs_its_bus_bytes_over_the_link_plus_hop_latencies() -> None:
+    link = Link(100e9, 1e-5)
+    assert collective_s("all_gather", 8e9, 4, link) == pytest.approx(3 * 1e-5 + 0.75 * 8e9 / 100e9)
+    assert collective_s("all_reduce", 8e9, 4, link) == pytest.approx(6 * 1e-5 + 1.5 * 8e9 / 100e9)
+    assert collective_s("all_reduce", 8e9, 1, link) == 0.0
+
+
+def test_tp_exposure_falls_from_blocking_to_bulk_to_chunked_and_tp_splits_the_gemms() -> None:
+    dev, link = H100.device, H100.intra
+    exposed = {mode: layer_pass(GPT, Micro(4, 2048, tp=4), dev, "none", mode, link).tp_exposed
+               for mode in ("none", "bulk", "chunked")}
+    assert exposed["none"] > exposed["bulk"] > exposed["chunked"] >= 0
+    one, four = (layer_pass(GPT, Micro(4, 2048, tp=tp), dev, "none", "none", link) for tp in (1, 4))
+    assert one.tp_exposed == 0.0 and 2.0 < one.forward / four.forward < 4.0  # GEMMs / 4, kernel launches not
+    full = layer_pass(GPT, Micro(4, 2048, tp=4), dev, "full", "none", link)
+    assert full.backward == pytest.approx(four.backward + four.forward)  # the forward again
+
+
+def test_the_pipeline_bubble_is_1f1bs_closed_form_without_communication() -> None:
+    slow = replace(H100, intra=Link(1e30, 0.0), inter=Link(1e30, 0.0))  # free links: only the schedule's idle time
+    one = predict(GPT, Candidate(1, 1, 16, micro=1, zero=0), slow, 64, 1024)
+    four = predict(GPT, Candidate(1, 4, 4, micro=1, zero=0), slow, 64, 1024)
+    microbatches = 64 // 4
+    assert four.parts["bubble"] / four.parts["compute"] == pytest.approx(3 / microbatches, rel=0.35)  # (pp−1)/m
+    assert one.parts["bubble"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_candidates_divide_heads_layers_world_and_batch() -> None:
+    got = list(candidates(GPT, H100, 64))
+    assert got and all(16 % c.tp == 0 and 8 % c.pp == 0 and c.tp * c.pp * c.dp == 16 and 64 % c.dp == 0
+                       and (64 // c.dp) % c.micro == 0 and c.tp <= 8 for c in got)
+    assert {c.recompute for c in got} == {"none", "selective", "full"} and any(c.v == 2 for c in got)
+
+
+def test_the_memory_filter_is_hybrid_memorys_estimate() -> None:
+    cfg = compose_config(["model=gpt-tiny"])
+    job = Job(cfg, shape_of(cfg, 512), 32, 256)
+    c = Candidate(2, 2, 4, micro=2, recompute="selective")
+    cluster = preset("dgx-h100", 2)
+    got = peak_memory(job, c, cluster, lambda k: lambda ctx: build_chunks(k, 512, ctx))
+    mine = configured(job, c, cluster)
+    layout = Layout.create(16, tp=2, pp=2, dp=4, ranks_per_node=8)
+    stages = meta_stages(layout, lambda ctx: build_chunks(mine, 512, ctx))
+    assert got == max(e.total for e in stage_estimates(mine, layout, stages, "cuda"))
+
+
+def test_a_diagnose_reports_links_and_node_size_are_read(tmp_path: Path) -> None:
+    report = tmp_path / "d.json"
+    report.write_text(json.dumps({"nodes": {"ranks_per_node": 4},
+                                  "bandwidth": {"summary": {"intra": {"median": 120.0}, "inter": {"median": 9.5}}}}))
+    c = from_diagnose(report, H100)
+    assert (c.per_node, c.intra.busbw, c.inter.busbw) == (4, 120e9, 9.5e9)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(PlanError, match="not a hybrid-diagnose --json report"):
+        from_diagnose(tmp_path / "bad.json", H100)
+    assert link_of("25").busbw == 25e9
+    with pytest.raises(PlanError, match="unknown link"):
+        link_of("carrier-pigeon")
+
+
+def test_megatron_lms_published_rows_are_predicted_within_20_percent() -> None:
+    got = plan_published.run(plan_published.parse_args(["--quick"]), out=lambda _: None)
+    assert [g["row"] for g in got] == ["1.7B", "39B"]
+    assert all(abs(g["ratio"] - 1) <= 0.2 for g in got), got
+
+
+def test_the_command_line_ranks_layouts_and_prints_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["model=gpt-tiny", "--cluster", "dgx-a100", "--batch", "8", "--seq", "256", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "the fastest that fit" in out and "run the first: torchrun --nproc_per_node 8 -m hybrid.train" in out
+    assert main(["model=gpt-tiny", "--batch", "8", "--seq", "256", "--top", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    steps = [p["step_s"] for p in doc["plans"]]
+    assert len(steps) == 2 and steps == sorted(steps) and all(p["fits"] for p in doc["plans"])
+    assert doc["command"].endswith("train.precision=bf16_params")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["model=gpt-tiny", "--gpu", "tpu-v9"], "unknown GPU 'tpu-v9'"),
+    (["model=gpt-tiny", "--cluster", "cray-1"], "unknown cluster 'cray-1'"),
+    (["model=gpt-tiny", "--nodes", "0"], "--nodes must be >= 1"),
+    (["model=gpt-tiny", "--batch", "0"], "must be >= 1"),
+    (["model=gpt-tiny", "--frobnicate"], "unknown flag --frobnicate"),
+    (["model=gpt-1b", "--gpu", "a100-40gb", "--per-node", "1", "--batch", "1", "--seq", "262144"],
+     "no layout of"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hybrid: error:") and needle in err[0], err
