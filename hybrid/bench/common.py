@@ -79,6 +79,9 @@ def reproduce_command(module: str, p: argparse.ArgumentParser, args: argparse.Na
             continue
         if value == "" or value == []:
             continue  # an empty option is its default
+        if isinstance(action, argparse._StoreTrueAction):  # a switch: named when on
+            words += [action.option_strings[0]] if value else []
+            continue
         if action.dest == "sections":
             value = shlex.quote(",".join(value))
         elif isinstance(value, (list, tuple)):

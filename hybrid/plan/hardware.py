@@ -53,6 +53,7 @@ DEVICES = {
 LINKS = {  # all-reduce bus bandwidth per GPU as nccl-tests shows it, and a hop's latency
     "nvlink3": Link(230e9, 8e-6), "nvlink4": Link(450e9, 8e-6), "pcie4": Link(20e9, 10e-6),
     "ib-hdr": Link(22e9, 15e-6), "ib-ndr": Link(45e9, 15e-6), "eth-100g": Link(10e9, 30e-6),
+    "gloo-local": Link(2e9, 50e-6),  # gloo between processes of one machine over local TCP (a CPU run's links)
 }
 
 
@@ -72,7 +73,8 @@ class Cluster:
 
     def describe(self) -> str:
         d = self.device
-        return (f"{self.nodes} × {self.per_node} {d.name} ({d.peak / 1e12:.0f} TFLOP/s dense, {d.memory / GiB:.0f} GiB;"
+        peak = f"{d.peak / 1e12:.0f} TFLOP/s" if d.peak >= 1e12 else f"{d.peak / 1e9:.1f} GFLOP/s"
+        return (f"{self.nodes} × {self.per_node} {d.name} ({peak} dense, {d.memory / GiB:.0f} GiB;"
                 f" GEMMs at {d.gemm:.0%}, attention at {d.attention:.0%}), links {self.intra.busbw / 1e9:.0f} GB/s "
                 f"inside a node, {self.inter.busbw / 1e9:.0f} GB/s between nodes")
 

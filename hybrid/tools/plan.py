@@ -5,13 +5,15 @@ ranked by predicted step time, each with its memory per rank, its step's parts a
     hybrid-plan model=llama-1b model.n_layers=32 model.hidden=4096 --cluster dgx-a100 --nodes 8 --json
     hybrid-plan model=gpt-1b --cluster dgx-h100 --diagnose diagnose.json      # links as hybrid-diagnose measured
 
-Overrides shape the model as `python -m hybrid.train` takes them (`model=…`, `model.hidden=…`). Flags:
-`--cluster NAME` (dgx-a100, dgx-a100-40gb, dgx-h100 — the default —, hgx-h200), `--nodes N` (1), `--gpu NAME`,
-`--per-node N`, `--intra LINK`, `--inter LINK` (a link name: nvlink3, nvlink4, pcie4, ib-hdr, ib-ndr, eth-100g,
-or a bus bandwidth in GB/s) to change the preset, `--diagnose FILE` (a `hybrid-diagnose --json` report: its node
-size and measured links), `--batch N` (sequences a step; default train.global_batch_size), `--seq N` (default
-data.seq_len), `--vocab N` (default model.vocab_size, else 50257), `--top K` (5), `--json`. How the prediction is
-made and how far to trust it: docs/planning.md. Bad input is one `hybrid: error: …` line and exit status 2.
+Overrides shape the model as `python -m hybrid.train` takes them (`model=…`, `model.hidden=…`). Flags: `--cluster
+NAME` (dgx-a100, dgx-a100-40gb, dgx-h100 — the default —, hgx-h200), `--nodes N` (1), `--gpu NAME`, `--per-node N`,
+`--intra LINK`, `--inter LINK` (a link name: nvlink3, nvlink4, pcie4, ib-hdr, ib-ndr, eth-100g, or a bus bandwidth
+in GB/s) to change the preset, `--diagnose FILE` (a `hybrid-diagnose --json` report: its node size and measured
+links), `--calibrate cpu|cuda` (the device measured on this machine: `hybrid/plan/calibrate.py`; on CPU the node's
+ranks share its cores over gloo's local links), `--batch N` (sequences a step; default train.global_batch_size),
+`--seq N` (default data.seq_len), `--vocab N` (default model.vocab_size, else 50257), `--top K` (5), `--json`. How
+the prediction is made and how far to trust it: docs/planning.md. Bad input is one `hybrid: error: …` line and exit
+status 2.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from hybrid.cli import EXIT_BAD_INPUT, UsageError, run_tool
 from hybrid.config import Config, ConfigError, compose_config
 from hybrid.model.family import family_of, ffn_hidden, kv_heads
 from hybrid.overrides import App, check
+from hybrid.plan.calibrate import calibrate
 from hybrid.plan.cost import Shape
-from hybrid.plan.hardware import Cluster, PlanError, device, from_diagnose, link_of, preset
+from hybrid.plan.hardware import Cluster, PlanError, device, from_diagnose, link, link_of, preset
 from hybrid.plan.predict import Prediction
 from hybrid.plan.search import Job, plan
 from hybrid.record.metrics import format_bytes, format_count
@@ -48,11 +53,14 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument(flag, type=int)
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--calibrate", choices=("cpu", "cuda"))
     return p
 
 
-def cluster_of(args: argparse.Namespace) -> Cluster:
+def cluster_of(args: argparse.Namespace, job: Job) -> Cluster:
     c = preset(args.cluster, args.nodes)
+    if args.calibrate:
+        c = _calibrated(c, args, job)
     if args.gpu:
         c = Cluster(device(args.gpu), c.per_node, c.nodes, c.intra, c.inter)
     if args.per_node is not None:
@@ -62,6 +70,17 @@ def cluster_of(args: argparse.Namespace) -> Cluster:
     intra, inter = (link_of(x) if x else None for x in (args.intra, args.inter))
     c = Cluster(c.device, c.per_node, c.nodes, intra or c.intra, inter or c.inter)
     return from_diagnose(Path(args.diagnose), c) if args.diagnose else c
+
+
+def _calibrated(c: Cluster, args: argparse.Namespace, job: Job) -> Cluster:
+    """The preset with its device measured here (`plan.calibrate`); on CPU, the ranks of a node share this machine's
+    cores and talk over gloo's local links unless --intra/--inter/--diagnose say otherwise."""
+    if args.calibrate == "cuda" and not torch.cuda.is_available():
+        raise PlanError("--calibrate cuda: no CUDA device here")
+    per_node = args.per_node or c.per_node
+    dev = calibrate(job.shape, min(job.seq, 4096), args.calibrate, per_node)
+    links = (link("gloo-local"),) * 2 if args.calibrate == "cpu" else (c.intra, c.inter)
+    return Cluster(dev, per_node, c.nodes, *links)
 
 
 def shape_of(cfg: Config, vocab: int) -> Shape:
@@ -103,7 +122,8 @@ def body(argv: list[str]) -> str:
     bad = [w for w in rest if w.startswith("-")]
     if bad:
         raise UsageError(f"unknown flag {bad[0]}; the rest of the command line is model overrides")
-    cluster, job = cluster_of(args), job_of(rest, args)
+    job = job_of(rest, args)
+    cluster = cluster_of(args, job)
     from hybrid.trainer import build_chunks
 
     plans, tried = plan(job, cluster, lambda cfg: lambda ctx: build_chunks(cfg, job.shape.vocab, ctx), args.top)
