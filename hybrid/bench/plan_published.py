@@ -66,6 +66,7 @@ MEGATRON = [  # Narayanan et al. 2021, Table 1 (TFLOP/s per GPU, end to end)
     Row("530B", 128, 20480, 105, 8, 35, 2520, 2520, 163), Row("1T", 160, 25600, 128, 8, 64, 3072, 3072, 163),
 ]
 QUICK = {"rows": "1.7B,39B"}
+RANK_MICRO = (1, 2, 4)  # the micro batches the ranking tries for every (tp, pp): pp = 64 has 512 microbatches to replay
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,7 +112,7 @@ def rank_of(row: Row, cluster_name: str, best: Prediction) -> int:
     cluster = preset(cluster_name, row.gpus // 8)
     fastest: dict[tuple[int, int], float] = {}
     for c in candidates(row.shape(), cluster, row.batch):
-        if c.recompute == "full":
+        if c.recompute == "full" and c.micro in RANK_MICRO:
             step = predict(row.shape(), of_2021(c), cluster, row.batch, SEQ, kernel=KERNEL).step_s
             key = (c.tp, c.pp)
             fastest[key] = min(fastest.get(key, step), step)

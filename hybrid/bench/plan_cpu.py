@@ -1,0 +1,175 @@
+"""The planner against measured steps on this machine: layouts of one model trained on gloo CPU ranks, each step
+time measured and predicted (`hybrid-plan`'s model, its device calibrated here).
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python -m hybrid.bench.plan_cpu [--model gpt-125m] [--layers 4] [--world 8]
+        [--seq 256] [--batch 16] [--steps 2] [--layouts "tp2pp2dp2 mb2 none zero1" …] [--quick]
+
+The device is calibrated in this process (`plan.calibrate`: the GEMM rate at the model's MLP shape, attention,
+copy bandwidth, an op's fixed cost; each of --world ranks gets its share of the cores); the link is measured in
+the first launch (a 16 MiB all-reduce over all ranks: its bus bandwidth, and a 4-byte one's time as the latency).
+Each layout is one launch of --world ranks training a real `Trainer` (fp32, sequence parallelism and chunked TP
+overlap where tp > 1) for one untimed and --steps timed steps between barriers; its measured step is the median.
+Reported per layout: measured and predicted seconds and their ratio; over all: Spearman's rank correlation (goal ≥
+0.9), the median absolute error (goal ≤ 15 %), and whether the layout predicted fastest is within 5 % of the
+fastest measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from hybrid.bench import common
+from hybrid.bench.common import launch
+from hybrid.bench.inputs import synthetic_corpus
+from hybrid.config import compose_config
+from hybrid.parallel.context import Layout, ParallelContext
+from hybrid.plan.calibrate import calibrate
+from hybrid.plan.hardware import Cluster, Link
+from hybrid.plan.predict import Candidate, predict
+from hybrid.tools.plan import shape_of
+from hybrid.trainer import Trainer, build_chunks
+
+MODULE = "hybrid.bench.plan_cpu"
+VOCAB = 8192
+LAYOUTS = ["tp1pp1dp8 mb2 none zero0", "tp1pp1dp8 mb2 none zero1", "tp2pp1dp4 mb2 none zero1",
+           "tp4pp1dp2 mb2 none zero1", "tp1pp2dp4 mb2 none zero1", "tp1pp4dp2 mb1 none zero1",
+           "tp2pp2dp2 mb2 none zero1", "tp2pp2dp2 v2 mb1 none zero1", "tp1pp1dp8 mb2 full zero1",
+           "tp2pp1dp4 mb4 selective zero1", "tp4pp2dp1 mb4 none zero0", "tp1pp2dp4 mb1 full zero1"]
+QUICK = {"model": "gpt-tiny", "layers": 2, "world": 2, "seq": 64, "batch": 4, "steps": 1,
+         "layouts": ["tp1pp1dp2 mb2 none zero0", "tp2pp1dp1 mb2 none zero0"]}
+
+
+def parse_layout(text: str) -> Candidate:
+    """'tp2pp2dp2 v2 mb1 none zero1' → its Candidate."""
+    import re
+
+    m = re.fullmatch(r"tp(\d+)pp(\d+)dp(\d+)(?: v(\d+))? mb(\d+) (none|selective|full) zero(\d)", text.strip())
+    if not m:
+        raise ValueError(f"layout {text!r} is not like 'tp2pp2dp2 v2 mb1 none zero1'")
+    tp, pp, dp, v, micro, recompute, zero = m.groups()
+    return Candidate(int(tp), int(pp), int(dp), int(micro), v=int(v or 1), recompute=recompute, zero=int(zero))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
+    common.add_quick(p, "gpt-tiny on 2 ranks, two layouts")
+    p.add_argument("--model", default="gpt-125m")
+    p.add_argument("--layers", type=int, default=4, help="layers of the model (its width kept)")
+    p.add_argument("--world", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16, help="sequences a step")
+    p.add_argument("--steps", type=int, default=2, help="timed steps a layout")
+    p.add_argument("--layouts", nargs="+", default=LAYOUTS)
+    p.add_argument("--timeout", type=float, default=900.0)
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = build_parser()
+    args = common.parse_with_quick(p, argv, QUICK)
+    try:
+        layouts = [parse_layout(t) for t in args.layouts]
+    except ValueError as e:
+        p.error(str(e))
+    if any(c.tp * c.pp * c.dp != args.world or args.batch % (c.dp * c.micro) for c in layouts):
+        p.error(f"every layout's tp·pp·dp must be --world ({args.world}) and dp·mb divide --batch ({args.batch})")
+    return args
+
+
+def config(args: argparse.Namespace, c: Optional[Candidate] = None) -> Any:
+    words = [f"model={args.model}", f"model.n_layers={args.layers}", "model.dropout=0", f"data.seq_len={args.seq}",
+             f"train.global_batch_size={args.batch}", "train.eval_every=0", "train.precision=fp32",
+             "train.device=cpu", "train.fused_head=off", f"train.steps={10**6}"]
+    return compose_config(words + (c.overrides() if c else []))
+
+
+def layout_rank(rank: int, world: int, cfg: Any, steps: int, probe: bool) -> dict[str, Any]:
+    """Train one untimed and `steps` timed steps; with `probe`, first time the world's all-reduce."""
+    p = cfg.parallel
+    ctx = ParallelContext.build(Layout.create(world, tp=p.tp, pp=p.pp, dp=p.dp))
+    out = {"link": _probe_link() if probe else None}
+    trainer = Trainer(cfg, ctx, build_chunks(cfg, VOCAB, ctx), synthetic_corpus(VOCAB, cfg.data.seq_len, 64),
+                      torch.device("cpu"))
+    trainer.train_step()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        trainer.train_step()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return out | {"step_s": statistics.median(times)}
+
+
+def _probe_link() -> tuple[float, float]:
+    """(bus bandwidth B/s of a 16 MiB all-reduce over the world, seconds of a 4-byte one)."""
+    n, big, tiny = dist.get_world_size(), torch.ones(4 * 2**20), torch.ones(1)
+    dist.all_reduce(big)
+    start = time.perf_counter()
+    dist.all_reduce(big)
+    big_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(10):
+        dist.all_reduce(tiny)
+    return 2 * (n - 1) / n * big.numel() * 4 / big_s, (time.perf_counter() - start) / 10 / (2 * (n - 1))
+
+
+def section(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
+    layouts = [parse_layout(t) for t in args.layouts]
+    base = config(args)
+    shape = shape_of(base, VOCAB)
+    device = calibrate(shape, args.seq * 2, "cpu", args.world)
+    measured, link = [], None
+    for i, c in enumerate(layouts):
+        got = launch(layout_rank, args.world, config(args, c), args.steps, i == 0, timeout=args.timeout)
+        link = link or Link(*got[0]["link"])
+        measured.append(max(g["step_s"] for g in got))
+    cluster = Cluster(device, args.world, 1, link, link)
+    predicted = [predict(shape, replace(c, tp_overlap="chunked"), cluster, args.batch, args.seq, act=4).step_s
+                 for c in layouts]
+    return report(args, layouts, measured, predicted, cluster, out)
+
+
+def report(args: argparse.Namespace, layouts: list[Candidate], measured: list[float], predicted: list[float],
+           cluster: Cluster, out: Callable[[str], None]) -> dict[str, Any]:
+    out(f"\n## {args.model} ({args.layers} layers), {args.batch} × {args.seq} tokens a step, {args.world} gloo ranks; "
+        f"{cluster.describe()}; link measured {cluster.intra.busbw / 1e9:.2f} GB/s, "
+        f"{cluster.intra.latency * 1e6:.0f} µs a hop")
+    rows = [[c.label(), f"{m:.3f}", f"{p:.3f}", f"{p / m:.2f}"] for c, m, p in zip(layouts, measured, predicted)]
+    out("\n".join(common.table(["layout", "measured s", "predicted s", "predicted / measured"], rows)))
+    rho, error = spearman(measured, predicted), statistics.median(abs(p / m - 1) for m, p in zip(measured, predicted))
+    first = measured[predicted.index(min(predicted))] / min(measured)
+    out(f"\nSpearman {rho:.2f} (goal ≥ 0.9); median |error| {error:.1%} (goal ≤ 15 %); the predicted fastest "
+        f"measures {first:.3f}× the fastest (goal ≤ 1.05)")
+    return {"measured": measured, "predicted": predicted, "spearman": rho, "median_error": error, "first": first}
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (ties broken by order: timings do not tie)."""
+    ra, rb = _ranks(a), _ranks(b)
+    n = len(a)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1)) if n > 1 else 1.0
+
+
+def _ranks(values: list[float]) -> list[int]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    out = [0] * len(values)
+    for r, i in enumerate(order):
+        out[i] = r
+    return out
+
+
+def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[str, Any]:
+    return common.run_one(section, args, common.reproduce_command(MODULE, build_parser(), args), MODULE, out)
+
+
+if __name__ == "__main__":
+    run(parse_args())
