@@ -4,8 +4,9 @@ time measured and predicted (`hybrid-plan`'s model, its device calibrated here).
     OMP_NUM_THREADS=1 PYTHONPATH=. python -m hybrid.bench.plan_cpu [--model gpt-125m] [--layers 4] [--world 8]
         [--seq 256] [--batch 16] [--steps 2] [--layouts "tp2pp2dp2 mb2 none zero1" …] [--quick]
 
-The device is calibrated in this process (`plan.calibrate`: the GEMM rate at the model's MLP shape, attention,
-copy bandwidth, an op's fixed cost; each of --world ranks gets its share of the cores); the link is measured in
+The device is calibrated here (`plan.calibrate`: the GEMM rate at the model's MLP shape, attention, copy
+bandwidth, an op's fixed cost, then fitted to one of the model's blocks run in --world processes at once; the
+ranks share the machine's cores); the link is measured in
 the first launch (a 16 MiB all-reduce over all ranks: its bus bandwidth, and a 4-byte one's time as the latency).
 Each layout is one launch of --world ranks training a real `Trainer` (fp32, sequence parallelism and chunked TP
 overlap where tp > 1) for one untimed and --steps timed steps between barriers; its measured step is the median.
@@ -17,6 +18,7 @@ fastest measured.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +32,7 @@ from hybrid.bench import common
 from hybrid.bench.common import launch
 from hybrid.bench.inputs import synthetic_corpus
 from hybrid.config import compose_config
+from hybrid.model import build_model
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.plan.calibrate import calibrate
 from hybrid.plan.hardware import Cluster, Link
@@ -91,6 +94,13 @@ def config(args: argparse.Namespace, c: Optional[Candidate] = None) -> Any:
     return compose_config(words + (c.overrides() if c else []))
 
 
+def one_block(model_cfg: Any) -> Callable[[], torch.nn.Module]:
+    """A builder of one of the model's blocks (hidden states in and out): what `calibrate` fits its rates to."""
+    cfg = copy.deepcopy(model_cfg)
+    cfg.n_layers = 1
+    return lambda: build_model(cfg, VOCAB, layers=range(1), pre=False, post=False)
+
+
 def layout_rank(rank: int, world: int, cfg: Any, steps: int, probe: bool) -> dict[str, Any]:
     """Train one untimed and `steps` timed steps; with `probe`, first time the world's all-reduce."""
     p = cfg.parallel
@@ -126,7 +136,7 @@ def section(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, A
     layouts = [parse_layout(t) for t in args.layouts]
     base = config(args)
     shape = shape_of(base, VOCAB)
-    device = calibrate(shape, args.seq * 2, "cpu", args.world)
+    device = calibrate(shape, args.seq * 2, "cpu", args.world, layer=one_block(base.model))
     measured, link = [], None
     for i, c in enumerate(layouts):
         got = launch(layout_rank, args.world, config(args, c), args.steps, i == 0, timeout=args.timeout)

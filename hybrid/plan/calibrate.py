@@ -1,24 +1,29 @@
 """`hybrid-plan --calibrate`: the device the plan runs on, measured here instead of taken from the table.
 
-On the machine at hand, in this process (one torch thread, as every rank runs): the FLOP/s of a GEMM of the
-model's own MLP shape (a microbatch's tokens × hidden × 4·hidden, the largest of a layer), the seconds of causal
-attention through torch's `scaled_dot_product_attention` over the same tokens, the bandwidth of a large copy, and
-the fixed cost of a small op. The device's peak is then the GEMM's rate (GEMMs at 100 % of it), attention at the
-measured share of it, and, where `ranks` share the machine's `cores`, every rate scaled by cores / ranks (a rank
-gets its share of the cores). On a GPU the same measurements run on `cuda` in bf16.
+On the machine at hand, in this process (one torch thread, as every rank runs): the FLOP/s of a GEMM of the model's
+own MLP shape (a microbatch's tokens × hidden × 4·hidden, the largest of a layer), the seconds of causal attention
+through torch's `scaled_dot_product_attention` over the same tokens, the bandwidth of a large copy, and the fixed
+cost of a small op — then, given one of the model's own blocks, every rate scaled so that the cost model's layer
+takes what that block's forward and backward take here. The device's peak is then the GEMM's rate (GEMMs at 100 % of
+it) and attention at the measured share of it; on CPU the device also names the machine's cores, which a node's
+ranks share (`predict` then bounds the step by the work of all of them over those cores). On a GPU the same
+measurements run on `cuda` in bf16.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from hybrid.plan.cost import Shape
-from hybrid.plan.hardware import Device
+from hybrid.plan.cost import Micro, Shape, layer_pass
+from hybrid.plan.hardware import LINKS, Device
 
 
 def _seconds(fn: Callable[[], object], device: str, reps: int = 3) -> float:
@@ -35,8 +40,54 @@ def _seconds(fn: Callable[[], object], device: str, reps: int = 3) -> float:
     return best
 
 
-def calibrate(shape: Shape, tokens: int, device: str = "cpu", ranks: int = 1, memory: int = 0) -> Device:
-    """The device as measured here for `shape` at `tokens` tokens a microbatch, shared by `ranks` ranks."""
+def calibrate(shape: Shape, tokens: int, device: str = "cpu", ranks: int = 1, memory: int = 0,
+              layer: Optional[Callable[[], torch.nn.Module]] = None) -> Device:
+    """The device as measured here for `shape` at `tokens` tokens a microbatch, shared by `ranks` ranks; with
+    `layer` (one of the model's own blocks, hidden states in and out), its rates scaled so that the cost model's
+    layer takes what that block's forward and backward take here (`fitted`)."""
+    measured = _measured(shape, tokens, device, ranks, memory)
+    return measured if layer is None else fitted(measured, shape, tokens, layer, ranks)
+
+
+def fitted(dev: Device, shape: Shape, tokens: int, layer: Callable[[], torch.nn.Module], ranks: int = 1) -> Device:
+    """`dev` with every rate scaled by how much slower (or faster) the model's own block runs here than the cost
+    model predicts from the op measurements alone: the ops between the GEMMs, the framework's own time. On CPU
+    with more ranks than cores the block runs in `ranks` processes at once, as a run's ranks do, and its time is
+    compared with the model's share of the cores (`predict`'s shared-core bound): caches and memory bandwidth
+    shared the same way."""
+    act = 2 if dev.kind == "cuda" else 4
+    model = layer_pass(shape, Micro(1, tokens, act=act, sp=False), dev, "none", "none", LINKS["gloo-local"])
+    share = ranks / dev.cores if dev.cores and ranks > dev.cores else 1.0
+    concurrent = int(ranks if share > 1 else 1)
+    scale = _block_s(layer, tokens, shape.hidden, dev.kind, concurrent) / ((model.forward + model.backward) * share)
+    return replace(dev, peak=dev.peak / scale, hbm=dev.hbm / scale, launch_s=dev.launch_s * scale)
+
+
+def _block_s(layer: Callable[[], torch.nn.Module], tokens: int, hidden: int, device: str, processes: int) -> float:
+    """The median over `processes` forked processes (running at once) of the block's forward and backward."""
+    def one() -> float:
+        module = layer().to(device)
+        x = torch.randn(1, tokens, hidden, device=device, requires_grad=True)
+        return _seconds(lambda: module(x).sum().backward(), device)
+
+    if processes == 1:
+        return one()
+    import multiprocessing as mp
+
+    _FORKED[:] = [one]  # the forked workers inherit it (a closure does not pickle)
+    with mp.get_context("fork").Pool(processes) as pool:
+        return statistics.median(pool.map(_forked, range(processes)))
+
+
+_FORKED: list[Callable[[], float]] = []
+
+
+def _forked(_: int) -> float:
+    torch.set_num_threads(1)
+    return _FORKED[0]()
+
+
+def _measured(shape: Shape, tokens: int, device: str, ranks: int, memory: int) -> Device:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     x = torch.randn(tokens, shape.hidden, device=device, dtype=dtype)
     w = torch.randn(shape.mlp_in, shape.hidden, device=device, dtype=dtype)
@@ -49,11 +100,10 @@ def calibrate(shape: Shape, tokens: int, device: str = "cpu", ranks: int = 1, me
     hbm = 2 * big.numel() / _seconds(lambda: big.clone(), device)
     small = torch.ones(8, device=device)
     launch = _seconds(lambda: small + 1, device, reps=20)
-    share = min(1.0, (os.cpu_count() or 1) / ranks) if device == "cpu" else 1.0
     total = memory or (torch.cuda.get_device_properties(0).total_memory if device == "cuda" else _host_memory())
-    return Device(f"{device} (calibrated here)", gemm * share, total // (ranks if device == "cpu" else 1),
-                  hbm * share, gemm=1.0, attention=min(1.0, attention / gemm), launch_s=launch,
-                  kind=device)
+    cores = (os.cpu_count() or 1) if device == "cpu" else 0
+    return Device(f"{device} (calibrated here)", gemm, total // (ranks if device == "cpu" else 1), hbm, gemm=1.0,
+                  attention=min(1.0, attention / gemm), launch_s=launch, kind=device, cores=cores)
 
 
 def _host_memory() -> int:

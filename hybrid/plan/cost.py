@@ -79,12 +79,14 @@ class Pass:
     forward: float
     backward: float
     tp_exposed: float = 0.0
+    tp_total: float = 0.0  # every TP exchange's seconds, hidden or not
 
     def __add__(self, other: Pass) -> Pass:
-        return Pass(self.forward + other.forward, self.backward + other.backward, self.tp_exposed + other.tp_exposed)
+        return Pass(self.forward + other.forward, self.backward + other.backward, self.tp_exposed + other.tp_exposed,
+                    self.tp_total + other.tp_total)
 
     def times(self, n: float) -> Pass:
-        return Pass(self.forward * n, self.backward * n, self.tp_exposed * n)
+        return Pass(self.forward * n, self.backward * n, self.tp_exposed * n, self.tp_total * n)
 
 
 def collective_s(op: str, payload: float, n: int, link: Link) -> float:
@@ -119,8 +121,9 @@ def layer_pass(shape: Shape, m: Micro, dev: Device, recompute: str, overlap: str
     forward = gemm_s(column + row, dev) + attention + elementwise + KERNELS * dev.launch_s
     backward = 2 * (forward - attention) + (2.5 if kernel == "flash" else 2.0) * attention
     backward += forward if recompute == "full" else attention if recompute == "selective" else 0.0
-    exposed = tp_exposed(shape, m, dev, overlap, tp_link, (gemm_s(column, dev), gemm_s(row, dev)))
-    return Pass(forward, backward, exposed * (1 + (recompute == "full") / 2))
+    gemms, rerun = (gemm_s(column, dev), gemm_s(row, dev)), 1 + (recompute == "full") / 2
+    exposed, total = (tp_exposed(shape, m, dev, mode, tp_link, gemms) for mode in (overlap, "none"))
+    return Pass(forward, backward, exposed * rerun, total * rerun)
 
 
 def tp_exposed(shape: Shape, m: Micro, dev: Device, overlap: str, link: Link, gemms: tuple[float, float]) -> float:
@@ -153,7 +156,7 @@ def head_pass(shape: Shape, m: Micro, dev: Device, tp_link: Link) -> Pass:
     logits = 6 * t * v * 4 / dev.hbm  # fp32 logits written, softmaxed and their gradient: a few passes
     exchange = collective_s("all_gather", t * shape.hidden * m.act, m.tp, tp_link) * 3
     exchange += 3 * collective_s("all_reduce", t * 4, m.tp, tp_link)
-    return Pass(gemm + logits / 2, 2 * gemm + logits / 2, exchange)
+    return Pass(gemm + logits / 2, 2 * gemm + logits / 2, exchange, exchange)
 
 
 def p2p_s(m: Micro, hidden: int, link: Link) -> float:

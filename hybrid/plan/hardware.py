@@ -33,6 +33,7 @@ class Device:
     attention: float = 0.45
     launch_s: float = 5e-6
     kind: str = "cuda"  # cuda | cpu: which kernels the memory estimate assumes
+    cores: int = 0  # > 0: a node's ranks share this many cores (CPU ranks), each at `peak` while it runs alone
 
 
 @dataclass(frozen=True)

@@ -122,9 +122,24 @@ def predict(shape: Shape, c: Candidate, cluster: Cluster, global_batch: int, seq
              "bubble": pipeline - count * (forward + backward), "dp_exposed": dp_exposed,
              "optimizer": optimizer + (gather if c.zero else 0.0)}
     step = pipeline + dp_exposed + parts["optimizer"]
+    if cluster.device.cores and cluster.per_node > cluster.device.cores:  # CPU ranks sharing a node's cores
+        mean = middle.times(1 - 1 / c.pp) + slowest.times(1 / c.pp)  # a rank's share: the head is on 1 stage of pp
+        shared = _shared_s(cluster, count, mean, p2p_s(m, shape.hidden, pp_link) * (c.pp > 1), dp_s,
+                           parts["optimizer"])
+        parts["bubble"] = max(0.0, parts["bubble"] - max(0.0, shared - step))
+        step = max(step, shared)
     wire = {"dp": 2 * stage_params * 4 * (c.dp - 1) / max(c.dp, 1)}
     return Prediction(c, step, parts | {"dp_total": dp_s}, wire, global_batch * seq, c.tp * c.cp * c.pp * c.dp,
                       shape.flops_per_token(seq), cluster.device.peak)
+
+
+def _shared_s(cluster: Cluster, count: int, stage: Pass, p2p: float, dp: float, optimizer: float) -> float:
+    """A step when a node's ranks share fewer cores (CPU): the compute of all of them over the cores — a rank that
+    waits frees its core, so a bubble costs nothing while others have work — plus every exchange's time as measured
+    under that contention, hidden or not (its copies take the same cores)."""
+    ratio = cluster.per_node / cluster.device.cores
+    work = count * (stage.forward + stage.backward) * ratio
+    return work + count * (stage.tp_total + 2 * p2p) + dp + optimizer * ratio
 
 
 def _pipeline_s(c: Candidate, count: int, forward: float, backward: float, p2p: float) -> float:

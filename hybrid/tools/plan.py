@@ -19,6 +19,7 @@ status 2.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch
 
 from hybrid.cli import EXIT_BAD_INPUT, UsageError, run_tool
 from hybrid.config import Config, ConfigError, compose_config
+from hybrid.model import build_model
 from hybrid.model.family import family_of, ffn_hidden, kv_heads
 from hybrid.overrides import App, check
 from hybrid.plan.calibrate import calibrate
@@ -78,7 +80,10 @@ def _calibrated(c: Cluster, args: argparse.Namespace, job: Job) -> Cluster:
     if args.calibrate == "cuda" and not torch.cuda.is_available():
         raise PlanError("--calibrate cuda: no CUDA device here")
     per_node = args.per_node or c.per_node
-    dev = calibrate(job.shape, min(job.seq, 4096), args.calibrate, per_node)
+    block = copy.deepcopy(job.cfg.model)
+    block.n_layers = 1
+    dev = calibrate(job.shape, min(job.seq, 4096), args.calibrate, per_node,
+                    layer=lambda: build_model(block, job.shape.vocab, layers=range(1), pre=False, post=False))
     links = (link("gloo-local"),) * 2 if args.calibrate == "cpu" else (c.intra, c.inter)
     return Cluster(dev, per_node, c.nodes, *links)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.bench import plan_published
+from hybrid.bench import plan_cpu, plan_published
 from hybrid.config import compose_config
 from hybrid.memory import meta_stages, stage_estimates
 from hybrid.parallel.context import Layout
@@ -116,3 +116,15 @@ def test_bad_input_is_one_line_and_exit_2(argv: list[str], needle: str, capsys: 
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("hybrid: error:") and needle in err[0], err
+
+
+def test_the_measured_check_runs_layouts_and_ranks_them(capsys: pytest.CaptureFixture[str]) -> None:
+    """plan_cpu at tiny sizes: every layout measured and predicted (no claim on the figures at this size)."""
+    got = plan_cpu.run(plan_cpu.parse_args(["--quick"]))
+    assert len(got["measured"]) == len(got["predicted"]) == 2 and min(got["measured"] + got["predicted"]) > 0
+    assert -1.0 <= got["spearman"] <= 1.0 and "Spearman" in capsys.readouterr().out
+    assert plan_cpu.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert plan_cpu.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
+    assert plan_cpu.parse_layout("tp2pp2dp2 v2 mb1 full zero1") == Candidate(2, 2, 2, 1, v=2, recompute="full")
+    with pytest.raises(SystemExit):
+        plan_cpu.parse_args(["--quick", "--layouts", "tp3pp1dp1 mb1 none zero0"])  # tp·pp·dp ≠ world
