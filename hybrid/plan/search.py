@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Optional
 
 from omegaconf import OmegaConf
 
@@ -28,6 +29,7 @@ HEADROOM = 0.9  # of the device's memory a plan may fill (the CUDA context, the 
 MAX_MICRO = 16
 RECOMPUTE = ("none", "selective", "full")
 Builder = Callable[[Config], Build]  # a config → its chunks' builder (`trainer.build_chunks` bound to a vocabulary)
+Checker = Callable[[Config, int], object]  # raises on a config the world cannot run (`validation.validate`)
 
 
 @dataclass(frozen=True)
@@ -68,18 +70,30 @@ def _knobs(shape: Shape, tp: int, pp: int, dp: int, per_dp: int) -> Iterator[Can
 MAX_ESTIMATES = 120  # memory estimates a plan makes, fastest layouts first, before it gives up
 
 
-def plan(job: Job, cluster: Cluster, builder: Builder, top: int = 5) -> tuple[list[Prediction], int]:
+def plan(job: Job, cluster: Cluster, builder: Builder, top: int = 5, check: Optional[Checker] = None
+         ) -> tuple[list[Prediction], int]:
     """(the `top` fastest layouts that fit, fastest first; how many layouts were predicted). None fitting: a
-    PlanError saying how far the leanest layout is from fitting."""
+    PlanError saying how far the leanest layout is from fitting. `check`: a layout whose config it refuses
+    (`validation.validate`: what `hybrid.train` would refuse) is skipped."""
     ranked = sorted((predict(job.shape, c, cluster, job.global_batch, job.seq)
                      for c in candidates(job.shape, cluster, job.global_batch)), key=lambda p: p.step_s)
     if not ranked:
         raise PlanError(f"no layout divides {cluster.world} ranks and the global batch of {job.global_batch} "
                         f"(tp must divide the {job.shape.heads} heads, pp the {job.shape.layers} layers)")
-    fitting = [p for p in ranked[:MAX_ESTIMATES] if _estimated(job, p, cluster, builder).fits]
+    runnable = [p for p in ranked[:MAX_ESTIMATES] if check is None or _runs(job, p, cluster, check)]
+    fitting = [p for p in runnable if _estimated(job, p, cluster, builder).fits]
     if not fitting:
         raise no_fit_error(job, cluster, ranked, builder)
     return fitting[:top], len(ranked)
+
+
+def _runs(job: Job, p: Prediction, cluster: Cluster, check: Checker) -> bool:
+    try:
+        check(configured(job, p.candidate, cluster), cluster.world)
+    except ValueError as e:  # ConfigError, LayoutError, ScheduleError: hybrid.train would refuse it
+        p.notes.append(str(e))
+        return False
+    return True
 
 
 def _estimated(job: Job, p: Prediction, cluster: Cluster, builder: Builder) -> Prediction:
@@ -92,7 +106,8 @@ def configured(job: Job, c: Candidate, cluster: Cluster) -> Config:
     """The job's config with `c`'s overrides (bf16 parameters: fp32 main weights and gradients)."""
     cfg = copy.deepcopy(job.cfg)
     for o in [*c.overrides(), f"train.global_batch_size={job.global_batch}", f"data.seq_len={job.seq}",
-              "train.precision=bf16_params", f"model.max_seq_len={max(job.seq, job.cfg.model.max_seq_len)}"]:
+              "train.precision=bf16_params", f"model.max_seq_len={max(job.seq, job.cfg.model.max_seq_len)}",
+              f"parallel.ranks_per_node={cluster.per_node}"]:
         key, value = o.split("=", 1)
         OmegaConf.update(cfg, key, _value(value), merge=True)
     return cfg

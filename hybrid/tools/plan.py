@@ -38,6 +38,7 @@ from hybrid.plan.hardware import Cluster, PlanError, device, from_diagnose, link
 from hybrid.plan.predict import Prediction
 from hybrid.plan.search import Job, plan
 from hybrid.record.metrics import format_bytes, format_count
+from hybrid.validation import validate
 
 
 class _Parser(argparse.ArgumentParser):
@@ -131,7 +132,8 @@ def body(argv: list[str]) -> str:
     cluster = cluster_of(args, job)
     from hybrid.trainer import build_chunks
 
-    plans, tried = plan(job, cluster, lambda cfg: lambda ctx: build_chunks(cfg, job.shape.vocab, ctx), args.top)
+    plans, tried = plan(job, cluster, lambda cfg: lambda ctx: build_chunks(cfg, job.shape.vocab, ctx), args.top,
+                        check=validate)
     if args.json:
         return json.dumps({"cluster": cluster.describe(), "model": job.cfg.model.name, "batch": job.global_batch,
                            "seq": job.seq, "layouts_predicted": tried, "plans": [p.to_json() for p in plans],
