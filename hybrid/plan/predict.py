@@ -9,10 +9,11 @@ group crosses nodes when tp·cp·dp ranks do not fit in one; consecutive pipelin
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from hybrid.parallel.pp.schedules import build_schedule
 from hybrid.parallel.pp.simulator import simulate
+from hybrid.plan import exchange
 from hybrid.plan.cost import Micro, Pass, Shape, collective_s, head_pass, layer_pass, optimizer_s, p2p_s
 from hybrid.plan.hardware import Cluster
 
@@ -32,6 +33,7 @@ class Candidate:
     tp_overlap: str = "chunked"
     sequence_parallel: bool = True
     dp_overlap: bool = True  # the gradient exchange launched bucket by bucket inside the backward
+    dp_exchange: str = "flat"  # flat | hierarchical | int8 (`exchange`), or auto: the fastest exact one (or int8)
 
     @property
     def schedule(self) -> str:
@@ -44,7 +46,8 @@ class Candidate:
     def label(self) -> str:
         parts = [f"tp{self.tp}", f"cp{self.cp}" if self.cp > 1 else "", f"pp{self.pp}", f"dp{self.dp}"]
         v = f" v{self.v}" if self.v > 1 else ""
-        return f"{''.join(parts)}{v} mb{self.micro} {self.recompute} zero{self.zero}"
+        dp = f" {self.dp_exchange}" if self.dp_exchange not in ("flat", "auto") else ""
+        return f"{''.join(parts)}{v} mb{self.micro} {self.recompute} zero{self.zero}{dp}"
 
     def overrides(self) -> list[str]:
         """The `hybrid.train` overrides of this layout."""
@@ -55,7 +58,7 @@ class Candidate:
         out += [f"parallel.schedule={self.schedule}", f"parallel.virtual_stages={self.v}"] if self.pp > 1 else []
         out += ["parallel.sequence_parallel=true"] if self.sp else []
         out += [f"parallel.tp_overlap={self.tp_overlap}"] if self.tp > 1 else []
-        return out
+        return out + exchange.overrides(self.dp_exchange, self.zero)
 
 
 @dataclass
@@ -104,16 +107,19 @@ def link_of_group(cluster: Cluster, size: int, stride: int):  # noqa: ANN201 - a
 
 
 def predict(shape: Shape, c: Candidate, cluster: Cluster, global_batch: int, seq: int, act: int = 2,
-            kernel: str = "flash") -> Prediction:
+            kernel: str = "flash", lossy: bool = False) -> Prediction:
     """The step of `c` training `shape` on `cluster`, `global_batch` sequences of `seq` tokens, attention by
-    `kernel` (`cost.ATTENTION`)."""
+    `kernel` (`cost.ATTENTION`); a DP exchange `auto` becomes the fastest exact one (`lossy`: int8 too)."""
+    if c.dp_exchange == "auto":
+        chosen = exchange.best(c.dp, c.tp * c.cp, c.zero, stage_elements(shape, c), cluster, lossy)
+        c = replace(c, dp_exchange=chosen.method)
     m = Micro(c.micro, seq, c.tp, c.cp, act, c.sp)
     count = global_batch // (c.micro * c.dp)
     middle, slowest = stage_pass(shape, c, m, cluster, kernel)
     pp_link = link_of_group(cluster, 2, c.tp * c.cp * c.dp)
     forward, backward = slowest.forward + slowest.tp_exposed * 0.4, slowest.backward + slowest.tp_exposed * 0.6
     pipeline = _pipeline_s(c, count, forward, backward, p2p_s(m, shape.hidden, pp_link))
-    stage_params = (shape.layers / c.pp * shape.layer_params() + shape.vocab * shape.hidden) / c.tp
+    stage_params = stage_elements(shape, c)
     dp_s, dp_exposed = _dp_s(c, cluster, stage_params, backward / c.v)
     sharded = stage_params / (c.dp if c.zero else 1)
     optimizer = optimizer_s(sharded, cluster.device)
@@ -150,12 +156,24 @@ def _pipeline_s(c: Candidate, count: int, forward: float, backward: float, p2p: 
     return simulate(schedule, forward, backward, p2p).makespan
 
 
+def stage_elements(shape: Shape, c: Candidate) -> float:
+    """Parameters a rank of the largest stage holds (its layers' and the embedding's or head's, over tp)."""
+    return (shape.layers / c.pp * shape.layer_params() + shape.vocab * shape.hidden) / c.tp
+
+
 def _dp_s(c: Candidate, cluster: Cluster, elements: float, last_backward: float) -> tuple[float, float]:
     """(the gradient exchange's seconds, what the last microbatch's backward does not hide): fp32 gradients
-    all-reduced (ZeRO: reduce-scattered) over DP, launched bucket by bucket as the backward makes them."""
+    exchanged over DP by `c.dp_exchange` (`exchange`), launched bucket by bucket as the backward makes them."""
     if c.dp == 1:
         return 0.0, 0.0
-    link = link_of_group(cluster, c.dp, c.tp * c.cp)
-    op = "reduce_scatter" if c.zero else "all_reduce"
-    total = collective_s(op, elements * 4, c.dp, link)
+    timed = {e.method: e.seconds for e in exchange.options(c.dp, c.tp * c.cp, c.zero, elements, cluster)}
+    total = timed.get(c.dp_exchange, timed["flat"])
     return total, max(total - 0.9 * last_backward, total / 16) if c.dp_overlap else total
+
+
+def exchange_seconds(c: Candidate, shape: Shape, cluster: Cluster) -> dict[str, float]:
+    """Seconds of every DP exchange `c`'s group can run (what the chosen one saves against the others)."""
+    if c.dp == 1:
+        return {}
+    return {e.method: e.seconds for e in exchange.options(c.dp, c.tp * c.cp, c.zero, stage_elements(shape, c),
+                                                          cluster)}

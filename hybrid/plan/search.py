@@ -4,7 +4,8 @@ Candidates: tp a power of two inside a node dividing the heads, KV heads and FFN
 the world with tp); dp the rest; micro batches dividing each DP rank's share of the global batch (up to 16);
 1F1B, and the interleaved schedule with 2 virtual stages where the parts and microbatches allow it;
 recomputation none, selective or full; ZeRO-1 (the distributed optimizer) where dp > 1. All are predicted
-(`predict`: analytic costs, the simulator's pipeline); the fastest are then estimated (`hybrid.memory`, each
+(`predict`: analytic costs, the simulator's pipeline; each with the fastest exact DP exchange its links allow, int8
+across nodes too when lossy exchanges are allowed); the fastest are then estimated (`hybrid.memory`, each
 stage's first rank built on the meta device, the first and last stages: the embedding's and the head's, the
 largest) in order until `top` fit the device with 10 % to spare.
 """
@@ -18,7 +19,7 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from hybrid.config import Config
+from hybrid.config import Config, compose_config
 from hybrid.memory import Build, micro_of, rank_memory, shard_dp, training_schedule
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.plan.cost import Shape
@@ -64,18 +65,19 @@ def _knobs(shape: Shape, tp: int, pp: int, dp: int, per_dp: int) -> Iterator[Can
             if v > 1 and (shape.layers % (pp * v) or count % pp):
                 continue
             for recompute in RECOMPUTE:
-                yield Candidate(tp, pp, dp, micro, v=v, recompute=recompute, zero=1 if dp > 1 else 0)
+                yield Candidate(tp, pp, dp, micro, v=v, recompute=recompute, zero=1 if dp > 1 else 0,
+                                dp_exchange="auto")
 
 
 MAX_ESTIMATES = 120  # memory estimates a plan makes, fastest layouts first, before it gives up
 
 
-def plan(job: Job, cluster: Cluster, builder: Builder, top: int = 5, check: Optional[Checker] = None
-         ) -> tuple[list[Prediction], int]:
+def plan(job: Job, cluster: Cluster, builder: Builder, top: int = 5, check: Optional[Checker] = None,
+         lossy: bool = False) -> tuple[list[Prediction], int]:
     """(the `top` fastest layouts that fit, fastest first; how many layouts were predicted). None fitting: a
     PlanError saying how far the leanest layout is from fitting. `check`: a layout whose config it refuses
     (`validation.validate`: what `hybrid.train` would refuse) is skipped."""
-    ranked = sorted((predict(job.shape, c, cluster, job.global_batch, job.seq)
+    ranked = sorted((predict(job.shape, c, cluster, job.global_batch, job.seq, lossy=lossy)
                      for c in candidates(job.shape, cluster, job.global_batch)), key=lambda p: p.step_s)
     if not ranked:
         raise PlanError(f"no layout divides {cluster.world} ranks and the global batch of {job.global_batch} "
@@ -109,7 +111,10 @@ def configured(job: Job, c: Candidate, cluster: Cluster) -> Config:
               "train.precision=bf16_params", f"model.max_seq_len={max(job.seq, job.cfg.model.max_seq_len)}",
               f"parallel.ranks_per_node={cluster.per_node}"]:
         key, value = o.split("=", 1)
-        OmegaConf.update(cfg, key, _value(value), merge=True)
+        if "." not in key:  # a config group's option (compression=int8): that group composed
+            setattr(cfg, key, copy.deepcopy(getattr(compose_config([o]), key)))
+        else:
+            OmegaConf.update(cfg, key, _value(value), merge=True)
     return cfg
 
 

@@ -11,9 +11,9 @@ NAME` (dgx-a100, dgx-a100-40gb, dgx-h100 — the default —, hgx-h200), `--node
 in GB/s) to change the preset, `--diagnose FILE` (a `hybrid-diagnose --json` report: its node size and measured
 links), `--calibrate cpu|cuda` (the device measured on this machine: `hybrid/plan/calibrate.py`; on CPU the node's
 ranks share its cores over gloo's local links), `--batch N` (sequences a step; default train.global_batch_size),
-`--seq N` (default data.seq_len), `--vocab N` (default model.vocab_size, else 50257), `--top K` (5), `--json`. How
-the prediction is made and how far to trust it: docs/planning.md. Bad input is one `hybrid: error: …` line and exit
-status 2.
+`--seq N` (default data.seq_len), `--vocab N` (default model.vocab_size, else 50257), `--top K` (5), `--lossy` (let
+the DP exchange send int8 across nodes where that is faster), `--json`. How the prediction is made and how far to
+trust it: docs/planning.md. Bad input is one `hybrid: error: …` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from hybrid.overrides import App, check
 from hybrid.plan.calibrate import calibrate
 from hybrid.plan.cost import Shape
 from hybrid.plan.hardware import Cluster, PlanError, device, from_diagnose, link, link_of, preset
-from hybrid.plan.predict import Prediction
+from hybrid.plan.predict import Prediction, exchange_seconds
 from hybrid.plan.search import Job, plan
 from hybrid.record.metrics import format_bytes, format_count
 from hybrid.validation import validate
@@ -57,6 +57,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", action="store_true")
     p.add_argument("--calibrate", choices=("cpu", "cuda"))
+    p.add_argument("--lossy", action="store_true")
     return p
 
 
@@ -107,13 +108,24 @@ def job_of(overrides: list[str], args: argparse.Namespace) -> Job:
 
 
 def table(plans: list[Prediction]) -> list[str]:
-    head = (f"{'#':>2} {'layout':<34} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6} {'mem/rank':>10} {'compute':>8} "
+    head = (f"{'#':>2} {'layout':<38} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6} {'mem/rank':>10} {'compute':>8} "
             f"{'tp exp':>7} {'bubble':>7} {'dp exp':>7} {'optim':>7}")
-    rows = [f"{i:>2} {p.candidate.label():<34} {p.step_s:>8.3f} {p.tokens_per_s_per_gpu:>10.0f} {p.mfu:>6.1%} "
+    rows = [f"{i:>2} {p.candidate.label():<38} {p.step_s:>8.3f} {p.tokens_per_s_per_gpu:>10.0f} {p.mfu:>6.1%} "
             f"{format_bytes(p.memory):>10} " + " ".join(f"{p.parts[k]:>{w}.3f}" for k, w in (
                 ("compute", 8), ("tp_exposed", 7), ("bubble", 7), ("dp_exposed", 7), ("optimizer", 7)))
             for i, p in enumerate(plans, 1)]
     return [head, *rows]
+
+
+def exchange_line(best: Prediction, job: Job, cluster: Cluster) -> list[str]:
+    """The first plan's DP exchange against the others its links allow (seconds a step, before overlap)."""
+    timed = exchange_seconds(best.candidate, job.shape, cluster)
+    if len(timed) < 2:
+        return []
+    chosen = best.candidate.dp_exchange
+    others = ", ".join(f"{m} {s:.3f} s" for m, s in timed.items() if m != chosen)
+    lossy = "; int8 is lossy: --lossy lets the plan pick it" if "int8" in timed and chosen != "int8" else ""
+    return [f"DP exchange of the first: {chosen} {timed[chosen]:.3f} s a step (else {others}){lossy}"]
 
 
 def command(job: Job, cluster: Cluster, best: Prediction, overrides: list[str]) -> str:
@@ -133,15 +145,17 @@ def body(argv: list[str]) -> str:
     from hybrid.trainer import build_chunks
 
     plans, tried = plan(job, cluster, lambda cfg: lambda ctx: build_chunks(cfg, job.shape.vocab, ctx), args.top,
-                        check=validate)
+                        check=validate, lossy=args.lossy)
     if args.json:
         return json.dumps({"cluster": cluster.describe(), "model": job.cfg.model.name, "batch": job.global_batch,
-                           "seq": job.seq, "layouts_predicted": tried, "plans": [p.to_json() for p in plans],
+                           "seq": job.seq, "layouts_predicted": tried,
+                           "plans": [p.to_json() | {"dp_exchanges_s": exchange_seconds(p.candidate, job.shape, cluster)}
+                                     for p in plans],
                            "command": command(job, cluster, plans[0], rest)}, indent=1)
     params = job.shape.layers * job.shape.layer_params() + job.shape.vocab * job.shape.hidden
     lines = [f"plan: {job.cfg.model.name} ({format_count(params)} parameters), {job.global_batch} × {job.seq} tokens a "
              f"step on {cluster.describe()}", f"{tried} layouts predicted; the fastest that fit:", *table(plans),
-             f"run the first: {command(job, cluster, plans[0], rest)}"]
+             *exchange_line(plans[0], job, cluster), f"run the first: {command(job, cluster, plans[0], rest)}"]
     return "\n".join(lines)
 
 

@@ -15,12 +15,14 @@ from hybrid.bench import plan_cpu, plan_published
 from hybrid.config import compose_config
 from hybrid.memory import meta_stages, stage_estimates
 from hybrid.parallel.context import Layout
+from hybrid.plan import exchange
 from hybrid.plan.cost import Micro, Shape, collective_s, layer_pass
 from hybrid.plan.hardware import Link, PlanError, from_diagnose, link_of, preset
 from hybrid.plan.predict import Candidate, predict
 from hybrid.plan.search import Job, candidates, configured, peak_memory
 from hybrid.tools.plan import main, shape_of
 from hybrid.trainer import build_chunks
+from hybrid.validation import validate
 
 GPT = Shape(layers=8, hidden=1024, heads=16, kv_heads=16, ffn=4096, vocab=50304, swiglu=False)
 H100 = preset("dgx-h100", 2)
@@ -128,3 +130,21 @@ def test_the_measured_check_runs_layouts_and_ranks_them(capsys: pytest.CaptureFi
     assert plan_cpu.parse_layout("tp2pp2dp2 v2 mb1 full zero1") == Candidate(2, 2, 2, 1, v=2, recompute="full")
     with pytest.raises(SystemExit):
         plan_cpu.parse_args(["--quick", "--layouts", "tp3pp1dp1 mb1 none zero0"])  # tp·pp·dp ≠ world
+
+
+def test_the_dp_exchange_follows_the_links() -> None:
+    """Across a slow inter-node link two hops beat the flat ring, int8 across beats both; inside one node, or with
+    one DP rank a node, only the flat ring is offered. Each choice is a valid command line's overrides."""
+    slow = replace(preset("dgx-a100", 4), inter=link_of("eth-100g"))
+    timed = {e.method: e.seconds for e in exchange.options(8, 4, 0, 1e8, slow)}  # 2 DP ranks a node, 4 nodes
+    assert timed["int8"] < timed["hierarchical"] < timed["flat"]
+    assert [e.method for e in exchange.options(8, 4, 1, 1e8, slow)] == ["flat", "int8"]  # ZeRO: the encoded two hops
+    assert [e.method for e in exchange.options(2, 4, 0, 1e8, slow)] == ["flat"]  # inside one node
+    assert [e.method for e in exchange.options(4, 8, 0, 1e8, slow)] == ["flat"]  # one DP rank a node
+    assert exchange.best(8, 4, 0, 1e8, slow, lossy=False).method == "hierarchical"
+    assert exchange.overrides("int8", 0) == ["compression=hierarchical", "compression.inner=int8"]
+    cfg = compose_config(["model=gpt-tiny"])
+    job = Job(cfg, shape_of(cfg, 512), 64, 128)
+    for method in ("hierarchical", "int8"):
+        c = Candidate(4, 1, 8, micro=1, zero=0, dp_exchange=method)
+        validate(configured(job, c, slow), 32)  # hybrid.train would run it
