@@ -82,11 +82,15 @@ def plan(job: Job, cluster: Cluster, builder: Builder, top: int = 5, check: Opti
     if not ranked:
         raise PlanError(f"no layout divides {cluster.world} ranks and the global batch of {job.global_batch} "
                         f"(tp must divide the {job.shape.heads} heads, pp the {job.shape.layers} layers)")
-    runnable = [p for p in ranked[:MAX_ESTIMATES] if check is None or _runs(job, p, cluster, check)]
-    fitting = [p for p in runnable if _estimated(job, p, cluster, builder).fits]
+    fitting: list[Prediction] = []
+    for p in ranked[:MAX_ESTIMATES]:  # fastest first, until `top` run and fit
+        if (check is None or _runs(job, p, cluster, check)) and _estimated(job, p, cluster, builder).fits:
+            fitting.append(p)
+            if len(fitting) == top:
+                break
     if not fitting:
         raise no_fit_error(job, cluster, ranked, builder)
-    return fitting[:top], len(ranked)
+    return fitting, len(ranked)
 
 
 def _runs(job: Job, p: Prediction, cluster: Cluster, check: Checker) -> bool:

@@ -69,6 +69,7 @@ def under(c: Case, mode: str) -> Case:
 
 
 TWO_MODES = {"llama-tp4-sp": ("none", "chunked"), "gpt-tp2dp2-sp-bf16-params": ("none", "chunked"),
+             "gpt-tp2pp2-sp-recompute": ("none", "chunked"),
              "gpt-tp2dp2": ("none", "bulk")}  # bulk's bit-for-bit equality is the other layouts' to show
 
 

@@ -57,15 +57,22 @@ def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
     return t[:, rows]
 
 
+def _keep(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: Group,  # noqa: ANN001
+          overlap: TPOverlap) -> None:
+    """What a column linear's backward reads: x and W saved (through `save_for_backward`, so outer saved-tensor hooks
+    stay in charge), the group, the overlap mode, whether there is a bias, the gradient edges (`needed`)."""
+    ctx.group, ctx.has_bias, ctx.overlap = group, bias is not None, overlap
+    ctx.save_for_backward(x, weight)
+    ctx.edges = edges_of(x, weight, bias)
+
+
 class _CopyLinear(torch.autograd.Function):
     """x (whole on every TP rank) → x Wᵀ + b; backward all-reduces x̄ (see the module doc)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: ANN001
                 group: Group, overlap: TPOverlap) -> torch.Tensor:
-        ctx.group, ctx.has_bias, ctx.overlap = group, bias is not None, overlap
-        ctx.save_for_backward(x, weight)
-        ctx.edges = edges_of(x, weight, bias)
+        _keep(ctx, x, weight, bias, group, overlap)
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -82,15 +89,12 @@ class _CopyLinear(torch.autograd.Function):
 
 
 class _SequenceParallelLinear(torch.autograd.Function):
-    """x_chunk → all-gather along the sequence → x Wᵀ + b; only the chunk is saved (see the module doc). Saving
-    it through `save_for_backward` keeps outer saved-tensor hooks (offloading, checkpointing) in charge."""
+    """x_chunk → all-gather along the sequence → x Wᵀ + b; only the chunk is saved (see the module doc)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: ANN001
                 group: Group, overlap: TPOverlap) -> torch.Tensor:
-        ctx.group, ctx.has_bias, ctx.overlap = group, bias is not None, overlap
-        ctx.save_for_backward(x, weight)
-        ctx.edges = edges_of(x, weight, bias)
+        _keep(ctx, x, weight, bias, group, overlap)
         if overlap.chunked:
             return gathered_linear(x, weight, bias, group, overlap.lanes(C.size(group)))
         return F.linear(C.all_gather_seq(x, group), weight, bias)
