@@ -116,36 +116,51 @@ def predict(shape: Shape, c: Candidate, cluster: Cluster, global_batch: int, seq
     m = Micro(c.micro, seq, c.tp, c.cp, act, c.sp)
     count = global_batch // (c.micro * c.dp)
     middle, slowest = stage_pass(shape, c, m, cluster, kernel)
-    pp_link = link_of_group(cluster, 2, c.tp * c.cp * c.dp)
-    forward, backward = slowest.forward + slowest.tp_exposed * 0.4, slowest.backward + slowest.tp_exposed * 0.6
-    pipeline = _pipeline_s(c, count, forward, backward, p2p_s(m, shape.hidden, pp_link))
-    stage_params = stage_elements(shape, c)
-    dp_s, dp_exposed = _dp_s(c, cluster, stage_params, backward / c.v)
-    sharded = stage_params / (c.dp if c.zero else 1)
-    optimizer = optimizer_s(sharded, cluster.device)
-    gather = collective_s("all_gather", stage_params * act, c.dp, link_of_group(cluster, c.dp, c.tp * c.cp))
-    parts = {"compute": count * (slowest.forward + slowest.backward), "tp_exposed": count * slowest.tp_exposed,
-             "bubble": pipeline - count * (forward + backward), "dp_exposed": dp_exposed,
-             "optimizer": optimizer + (gather if c.zero else 0.0)}
-    step = pipeline + dp_exposed + parts["optimizer"]
+    p2p = p2p_s(m, shape.hidden, link_of_group(cluster, 2, c.tp * c.cp * c.dp)) * (c.pp > 1)
+    parts = _parts(c, cluster, count, slowest, p2p, stage_elements(shape, c), act)
+    step = parts["pipeline"] + parts["dp_exposed"] + parts["optimizer"]
     if cluster.device.cores and cluster.per_node > cluster.device.cores:  # CPU ranks sharing a node's cores
         mean = middle.times(1 - 1 / c.pp) + slowest.times(1 / c.pp)  # a rank's share: the head is on 1 stage of pp
-        shared = _shared_s(cluster, count, mean, p2p_s(m, shape.hidden, pp_link) * (c.pp > 1), dp_s,
-                           parts["optimizer"])
-        parts["bubble"] = max(0.0, parts["bubble"] - max(0.0, shared - step))
-        step = max(step, shared)
-    wire = {"dp": 2 * stage_params * 4 * (c.dp - 1) / max(c.dp, 1)}
-    return Prediction(c, step, parts | {"dp_total": dp_s}, wire, global_batch * seq, c.tp * c.cp * c.pp * c.dp,
-                      shape.flops_per_token(seq), cluster.device.peak)
+        parts["shared_cores"] = max(0.0, _shared_s(cluster, count, mean, p2p, parts) - step)
+        step += parts["shared_cores"]
+    return Prediction(c, step, parts, wire_bytes(shape, c, m, count), global_batch * seq,
+                      c.tp * c.cp * c.pp * c.dp, shape.flops_per_token(seq), cluster.device.peak)
 
 
-def _shared_s(cluster: Cluster, count: int, stage: Pass, p2p: float, dp: float, optimizer: float) -> float:
+def _parts(c: Candidate, cluster: Cluster, count: int, stage: Pass, p2p: float, elements: float, act: int
+           ) -> dict[str, float]:
+    """The step's parts on the slowest stage: the pipeline (the simulator's makespan), of it compute, exposed TP and
+    bubble; the DP exchange (all of it, and what the last backward leaves exposed); the optimizer (Adam, ZeRO-1's
+    parameter all-gather)."""
+    forward, backward = stage.forward + stage.tp_exposed * 0.4, stage.backward + stage.tp_exposed * 0.6
+    pipeline = _pipeline_s(c, count, forward, backward, p2p)
+    dp_total, dp_exposed = _dp_s(c, cluster, elements, backward / c.v)
+    gather = collective_s("all_gather", elements * act, c.dp, link_of_group(cluster, c.dp, c.tp * c.cp))
+    optimizer = optimizer_s(elements / (c.dp if c.zero else 1), cluster.device)
+    return {"pipeline": pipeline, "compute": count * (stage.forward + stage.backward),
+            "tp_exposed": count * stage.tp_exposed, "bubble": pipeline - count * (forward + backward),
+            "dp_total": dp_total, "dp_exposed": dp_exposed, "optimizer": optimizer + (gather if c.zero else 0.0),
+            "p2p": p2p, "tp_total": count * stage.tp_total}
+
+
+def _shared_s(cluster: Cluster, count: int, stage: Pass, p2p: float, parts: dict[str, float]) -> float:
     """A step when a node's ranks share fewer cores (CPU): the compute of all of them over the cores — a rank that
     waits frees its core, so a bubble costs nothing while others have work — plus every exchange's time as measured
     under that contention, hidden or not (its copies take the same cores)."""
     ratio = cluster.per_node / cluster.device.cores
     work = count * (stage.forward + stage.backward) * ratio
-    return work + count * (stage.tp_total + 2 * p2p) + dp + optimizer * ratio
+    return work + count * (stage.tp_total + 2 * p2p) + parts["dp_total"] + parts["optimizer"] * ratio
+
+
+def wire_bytes(shape: Shape, c: Candidate, m: Micro, count: int) -> dict[str, float]:
+    """Bytes one rank of the largest stage puts on the wire a step, per group: TP's exchanges (under SP 10 of the
+    residual stream a layer, forward and backward, 4 all-reduces without; the full recomputation's forward again),
+    PP's hidden states and their gradients, DP's gradients (fp32, the ring's 2(n − 1)/n)."""
+    stream = m.tokens * shape.hidden * m.act
+    per_layer = (10 if c.sp else 8) * stream * (c.tp - 1) / c.tp * (1 + (c.recompute == "full") * 0.4)
+    pp = 2 * count * stream / (c.tp if c.sp else 1) if c.pp > 1 else 0.0
+    dp = 2 * stage_elements(shape, c) * 4 * (c.dp - 1) / c.dp
+    return {"tp": count * per_layer * shape.layers / c.pp, "pp": pp, "dp": dp}
 
 
 def _pipeline_s(c: Candidate, count: int, forward: float, backward: float, p2p: float) -> float:

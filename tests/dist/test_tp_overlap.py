@@ -1,9 +1,9 @@
 """TP communication overlap (`parallel.tp_overlap`) against the blocking TP run and the single process.
 
 One world-4 launch trains, with each overlap mode, the same 2-layer model and layout (tp4 with SP, tp2·pp2 with SP
-under 1F1B with full recomputation and under zb1p's split backward, tp2·dp2 with SP under bf16 parameters, tp2·dp2
-without SP) for two steps through the trainer (`build_chunks`: the mode set from the config), then runs the two
-ring primitives on their own (CP with chunked TP: tests/dist/test_cp.py's cp2tp2 case):
+under zb1p's split backward, and under 1F1B with full recomputation and bf16 parameters, tp2·dp2 without SP) for two
+steps through the trainer (`build_chunks`: the mode set from the config), then runs the two ring primitives on their
+own (CP with chunked TP: tests/dist/test_cp.py's cp2tp2 case):
 
 - bulk equals none bit for bit (losses, gradient norms, weights): only the order of independent work changes —
   the same collectives, launched earlier and waited for later;
@@ -55,12 +55,12 @@ def case(family: str, tp: int, pp: int = 1, sp: bool = True, schedule: str = "1f
 LAYOUTS = {  # name → the case trained under each mode (its `extra` gets `parallel.tp_overlap=…`)
     "gpt-tp4-sp": case("gpt", 4),
     "llama-tp4-sp": case("llama", 4, 1, True, "1f1b", "model.n_heads=8", "model.n_kv_heads=4"),
-    "gpt-tp2pp2-sp-recompute": case("gpt", 2, 2, True, "1f1b", "train.recompute=full"),
     "llama-tp2pp2-sp-zb1p-8chunks": case("llama", 2, 2, True, "zb1p", "parallel.tp_overlap_chunks=8"),
 }
 OWN_MODEL = {"llama-tp4-sp"}  # 8 heads, 4 KV heads (one a rank): held to the blocking run only
 NO_SP = {"gpt-tp2dp2": case("gpt", 2, sp=False)}  # bulk only: chunked needs SP
-BF16 = {"gpt-tp2dp2-sp-bf16-params": case("gpt", 2, 1, True, "1f1b", "train.precision=bf16_params")}
+BF16 = {"gpt-tp2pp2-sp-recompute-bf16-params": case("gpt", 2, 2, True, "1f1b", "train.recompute=full",
+                                                   "train.precision=bf16_params")}
 BF16_TOL = {"rtol": 2e-2, "atol": 2e-3}  # bf16 parameters: a GEMM split into pieces rounds each piece's bf16 output
 
 
@@ -68,8 +68,7 @@ def under(c: Case, mode: str) -> Case:
     return dataclasses.replace(c, extra=(*c.extra, f"parallel.tp_overlap={mode}"))
 
 
-TWO_MODES = {"llama-tp4-sp": ("none", "chunked"), "gpt-tp2dp2-sp-bf16-params": ("none", "chunked"),
-             "gpt-tp2pp2-sp-recompute": ("none", "chunked"),
+TWO_MODES = {"llama-tp4-sp": ("none", "chunked"), "gpt-tp2pp2-sp-recompute-bf16-params": ("none", "chunked"),
              "gpt-tp2dp2": ("none", "bulk")}  # bulk's bit-for-bit equality is the other layouts' to show
 
 
