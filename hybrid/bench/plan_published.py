@@ -96,8 +96,8 @@ def best_of(row: Row, layouts: list[Candidate], cluster_name: str) -> Prediction
 
 def of_2021(c: Candidate) -> Candidate:
     """`c` as 2021's Megatron-LM ran: no sequence parallelism, blocking TP all-reduces, no distributed optimizer, the
-    data-parallel all-reduce after the backward."""
-    return replace(c, sequence_parallel=False, tp_overlap="none", zero=0, dp_overlap=False)
+    data-parallel all-reduce (one flat ring) after the backward."""
+    return replace(c, sequence_parallel=False, tp_overlap="none", zero=0, dp_overlap=False, dp_exchange="flat")
 
 
 def published_layouts(row: Row, cluster_name: str) -> list[Candidate]:
