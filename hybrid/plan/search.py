@@ -88,6 +88,10 @@ def plan(job: Job, cluster: Cluster, builder: Builder, top: int = 5, check: Opti
             fitting.append(p)
             if len(fitting) == top:
                 break
+    tried = ranked[:MAX_ESTIMATES]
+    if not fitting and all(p.notes for p in tried):  # refused for another reason than memory: say which
+        raise PlanError(f"hybrid.train refuses every layout tried, e.g. {tried[0].candidate.label()}: "
+                        f"{tried[0].notes[0]}")
     if not fitting:
         raise no_fit_error(job, cluster, ranked, builder)
     return fitting, len(ranked)

@@ -148,3 +148,10 @@ def test_the_dp_exchange_follows_the_links() -> None:
     for method in ("hierarchical", "int8"):
         c = Candidate(4, 1, 8, micro=1, zero=0, dp_exchange=method)
         validate(configured(job, c, slow), 32)  # hybrid.train would run it
+
+
+def test_a_plan_every_layout_of_which_hybrid_train_refuses_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    """Not "does not fit" but the refusal itself: an optimizer warmup longer than the run, which every layout has."""
+    assert main(["model=gpt-tiny", "optim.warmup_steps=1000", "train.steps=10", "--batch", "8", "--seq", "128"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "hybrid.train refuses every layout tried" in err[0] and "warmup" in err[0], err
