@@ -227,13 +227,18 @@ def reduce_scatter_seq(t: torch.Tensor, group: Group) -> torch.Tensor:
     n = size(group)
     if n == 1:
         return t
-    if t.shape[1] % n:
-        raise ValueError(f"sequence length {t.shape[1]} does not divide by the TP size {n}")
-    chunks = [c.contiguous() for c in t.chunk(n, dim=1)]
+    chunks = seq_chunks(t, n)
     out = torch.empty_like(chunks[0])
     count(group, "reduce_scatter", t)
     timed(group, "reduce_scatter", lambda: dist.reduce_scatter(out, chunks, group=group), False)
     return out
+
+
+def seq_chunks(t: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """[b, s, …] as n contiguous [b, s/n, …] chunks, a reduce-scatter's inputs (ValueError where s does not divide)."""
+    if t.shape[1] % n:
+        raise ValueError(f"sequence length {t.shape[1]} does not divide by the TP size {n}")
+    return [c.contiguous() for c in t.chunk(n, dim=1)]
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:

@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 
 from hybrid.config import Config, compose_config
 from hybrid.memory import Build, micro_of, rank_memory, shard_dp, training_schedule
+from hybrid.overrides import parse
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.plan.cost import Shape
 from hybrid.plan.hardware import Cluster, PlanError
@@ -113,26 +114,18 @@ def _estimated(job: Job, p: Prediction, cluster: Cluster, builder: Builder) -> P
 
 
 def configured(job: Job, c: Candidate, cluster: Cluster) -> Config:
-    """The job's config with `c`'s overrides (bf16 parameters: fp32 main weights and gradients)."""
+    """The job's config with `c`'s overrides (bf16 parameters: fp32 main weights and gradients): a config group's
+    option (`compression=int8`) as that group composed, a value as Hydra reads it."""
     cfg = copy.deepcopy(job.cfg)
-    for o in [*c.overrides(), f"train.global_batch_size={job.global_batch}", f"data.seq_len={job.seq}",
-              "train.precision=bf16_params", f"model.max_seq_len={max(job.seq, job.cfg.model.max_seq_len)}",
-              f"parallel.ranks_per_node={cluster.per_node}"]:
-        key, value = o.split("=", 1)
-        if "." not in key:  # a config group's option (compression=int8): that group composed
-            setattr(cfg, key, copy.deepcopy(getattr(compose_config([o]), key)))
+    words = [*c.overrides(), f"train.global_batch_size={job.global_batch}", f"data.seq_len={job.seq}",
+             "train.precision=bf16_params", f"model.max_seq_len={max(job.seq, job.cfg.model.max_seq_len)}",
+             f"parallel.ranks_per_node={cluster.per_node}"]
+    for o, word in zip(parse(words), words):
+        if "." not in o.key_or_group:
+            setattr(cfg, o.key_or_group, copy.deepcopy(getattr(compose_config([word]), o.key_or_group)))
         else:
-            OmegaConf.update(cfg, key, _value(value), merge=True)
+            OmegaConf.update(cfg, o.key_or_group, o.value(), merge=True)
     return cfg
-
-
-def _value(text: str) -> object:
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text, text)
 
 
 def peak_memory(job: Job, c: Candidate, cluster: Cluster, builder: Builder) -> int:

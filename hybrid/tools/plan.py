@@ -22,6 +22,7 @@ import argparse
 import copy
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -63,16 +64,14 @@ def parser() -> argparse.ArgumentParser:
 
 def cluster_of(args: argparse.Namespace, job: Job) -> Cluster:
     c = preset(args.cluster, args.nodes)
-    if args.calibrate:
-        c = _calibrated(c, args, job)
-    if args.gpu:
-        c = Cluster(device(args.gpu), c.per_node, c.nodes, c.intra, c.inter)
+    c = _calibrated(c, args, job) if args.calibrate else c
+    c = replace(c, device=device(args.gpu)) if args.gpu else c
     if args.per_node is not None:
         if args.per_node < 1:
             raise PlanError(f"--per-node must be >= 1, got {args.per_node}")
-        c = Cluster(c.device, args.per_node, c.nodes, c.intra, c.inter)
-    intra, inter = (link_of(x) if x else None for x in (args.intra, args.inter))
-    c = Cluster(c.device, c.per_node, c.nodes, intra or c.intra, inter or c.inter)
+        c = replace(c, per_node=args.per_node)
+    c = replace(c, intra=link_of(args.intra)) if args.intra else c
+    c = replace(c, inter=link_of(args.inter)) if args.inter else c
     return from_diagnose(Path(args.diagnose), c) if args.diagnose else c
 
 
@@ -86,8 +85,8 @@ def _calibrated(c: Cluster, args: argparse.Namespace, job: Job) -> Cluster:
     block.n_layers = 1
     dev = calibrate(job.shape, min(job.seq, 4096), args.calibrate, per_node,
                     layer=lambda: build_model(block, job.shape.vocab, layers=range(1), pre=False, post=False))
-    links = (link("gloo-local"),) * 2 if args.calibrate == "cpu" else (c.intra, c.inter)
-    return Cluster(dev, per_node, c.nodes, *links)
+    c = replace(c, device=dev, per_node=per_node)
+    return replace(c, intra=link("gloo-local"), inter=link("gloo-local")) if args.calibrate == "cpu" else c
 
 
 def shape_of(cfg: Config, vocab: int) -> Shape:

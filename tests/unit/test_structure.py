@@ -73,7 +73,7 @@ RULES: dict[str, tuple[str, ...]] = {
                      "hybrid.model", "hybrid.data", "hybrid.record.metrics", "hybrid.checkpoint", "hybrid.trainer",
                      "hybrid.record.runlog", "hybrid.startup", "hybrid.memory", "hybrid.nonfinite", "hybrid.health"),
     "hybrid.diagnostics": ("hybrid.parallel",),
-    "hybrid.plan": ("hybrid.config", "hybrid.parallel", "hybrid.memory"),
+    "hybrid.plan": ("hybrid.config", "hybrid.overrides", "hybrid.parallel", "hybrid.memory"),
     "hybrid.tools": ("hybrid.cli", "hybrid.config", "hybrid.validation", "hybrid.parallel", "hybrid.model",
                      "hybrid.checkpoint", "hybrid.data", "hybrid.trainer", "hybrid.diagnostics", "hybrid.memory",
                      "hybrid.record.metrics", "hybrid.overrides", "hybrid.sync", "hybrid.plan"),

@@ -86,9 +86,7 @@ def start_gather_seq(x: torch.Tensor, group: Group, op: str = "regather") -> Pen
 
 def start_reduce_scatter_seq(t: torch.Tensor, group: Group) -> Pending:
     """`collectives.reduce_scatter_seq` launched: the sum of [b, s, …] over the group, this rank's [b, s/n, …]."""
-    n = C.size(group)
-    _check_divides(t.shape[1], n, "the TP size")
-    chunks = [c.contiguous() for c in t.chunk(n, dim=1)]
+    chunks = C.seq_chunks(t, C.size(group))
     out = torch.empty_like(chunks[0])
     C.count(group, "reduce_scatter", t)
     work = C.timed(group, "reduce_scatter", lambda: dist.reduce_scatter(out, chunks, group=group, async_op=True), True)

@@ -52,6 +52,11 @@ def _wgrad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return g.reshape(-1, g.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
 
 
+def _bgrad(g: torch.Tensor) -> torch.Tensor:
+    """Σ ḡ over every token: a linear layer's bias gradient."""
+    return g.reshape(-1, g.shape[-1]).sum(0)
+
+
 def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
     """A piece of the sequence (dim 1)."""
     return t[:, rows]
@@ -84,7 +89,7 @@ class _CopyLinear(torch.autograd.Function):
         if need_x and pending is None:
             C.all_reduce(grad_x, ctx.group)
         grad_w = _wgrad(g, x) if need_w else None
-        grad_b = g.reshape(-1, g.shape[-1]).sum(0) if need_b and ctx.has_bias else None
+        grad_b = _bgrad(g) if need_b and ctx.has_bias else None
         return pending.wait() if pending else grad_x, grad_w, grad_b, None, None
 
 
@@ -103,7 +108,7 @@ class _SequenceParallelLinear(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):  # noqa: ANN001, ANN205
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = needed(ctx.needs_input_grad[:3], ctx.edges)  # a split backward's pass
-        grad_b = g.reshape(-1, g.shape[-1]).sum(0) if need_b and ctx.has_bias else None
+        grad_b = _bgrad(g) if need_b and ctx.has_bias else None
         grad_x, grad_w = _column_grads(x, weight, g, ctx.group, ctx.overlap, (need_x, need_w))
         return grad_x, grad_w, grad_b, None, None
 
