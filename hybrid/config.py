@@ -14,7 +14,7 @@ import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, cast
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -58,7 +58,9 @@ class ParallelConfig:
     # rank r), the least bubble
     zb_memory: str = "1f1b"
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved)
-    stage_layers: Optional[list[int]] = None  # layers per model part (pp·virtual_stages counts); None = balanced
+    # layers per model part (pp·virtual_stages counts); None = equal counts; auto = even predicted times, the
+    # embedding's and the head's included (hybrid.plan.balance)
+    stage_layers: Any = None
     sequence_parallel: bool = False  # split norms/dropout along the sequence inside TP
     # TP's exchanges around its GEMMs: none (blocking), bulk (the backward's regather, input-gradient reduce-scatter
     # and all-reduce launched async, each behind the other gradient GEMM), chunked (bulk, and under SP every

@@ -103,10 +103,12 @@ def _start(cfg: Config, log: Optional[RunLog], layout: Layout, device: torch.dev
     from hybrid.model import analytic_param_count
     from hybrid.parallel.context import ParallelContext
     from hybrid.parallel.rng import stage_seed
+    from hybrid.plan.balance import resolve as resolve_stage_layers
     from hybrid.record.metrics import format_count
     from hybrid.sync import startup_lines
     from hybrid.trainer import Trainer, build_chunks
 
+    balance_line = resolve_stage_layers(cfg, vocab, device.type)  # parallel.stage_layers=auto: the split it means
     ctx = ParallelContext.build(layout, cfg.parallel.timeout_s)
     # dropout on replicated activations: the same stream on every TP rank, a different one per stage and CP rank
     torch.manual_seed(stage_seed(cfg.train.seed, ctx.pp_rank, ctx.cp_rank))
@@ -127,6 +129,8 @@ def _start(cfg: Config, log: Optional[RunLog], layout: Layout, device: torch.dev
             metrics.message("note: parallel.sequence_parallel=true has no effect at tp=1")
         if layout.pp > 1:
             metrics.message(pipeline_summary(trainer.schedule, cfg))
+        if balance_line:
+            metrics.message(balance_line)
         for line in startup_lines(cfg, layout):  # the DP exchange (`hybrid.sync`)
             metrics.message(line)
         metrics.message(memory_summary(cfg, layout, lambda c: build_chunks(cfg, vocab, c), device.type,

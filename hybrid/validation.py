@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from omegaconf import ListConfig
+
 from hybrid.config import (
     CheckpointConfig,
     CompressionConfig,
@@ -177,11 +179,17 @@ def _validate_pipeline(p: ParallelConfig, m: ModelConfig, microbatches: int, com
             check_sizes(p.schedule, p.pp, microbatches, p.virtual_stages)
         except ScheduleError as e:
             raise ConfigError(f"parallel.schedule={p.schedule}: {e}") from None
-    if p.stage_layers is not None:
+    _require(p.stage_layers in (None, "auto") or _is_int_list(p.stage_layers), "parallel.stage_layers must be "
+             f"auto or a list of layer counts like [3,3], got {p.stage_layers!r}")
+    if p.stage_layers not in (None, "auto"):
         try:
             partition_layers(m.n_layers, p.pp * p.virtual_stages, p.stage_layers)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+
+def _is_int_list(value: object) -> bool:
+    return isinstance(value, (list, ListConfig)) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
 
 
 def _validate_optim(o: OptimConfig) -> None:

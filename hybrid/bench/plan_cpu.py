@@ -35,9 +35,9 @@ from hybrid.config import compose_config
 from hybrid.model import build_model
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.plan.calibrate import calibrate
+from hybrid.plan.cost import shape_of
 from hybrid.plan.hardware import Cluster, Link
 from hybrid.plan.predict import Candidate, predict
-from hybrid.tools.plan import shape_of
 from hybrid.trainer import Trainer, build_chunks
 
 MODULE = "hybrid.bench.plan_cpu"
@@ -135,7 +135,7 @@ def _probe_link() -> tuple[float, float]:
 def section(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
     layouts = [parse_layout(t) for t in args.layouts]
     base = config(args)
-    shape = shape_of(base, VOCAB)
+    shape = shape_of(base.model, VOCAB)
     device = calibrate(shape, args.seq * 2, "cpu", args.world, layer=one_block(base.model))
     measured, link = [], None
     for i, c in enumerate(layouts):

@@ -1,19 +1,29 @@
-"""The planner against published throughput: Megatron-LM's weak-scaling table (Narayanan et al., "Efficient
-Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC 2021, Table 1: GPT models of 1.7 B to
-1 T parameters on up to 3,072 A100 80 GB GPUs of NVIDIA's Selene, 8 a node, NVLink inside and 8 HDR InfiniBand
-links a node), predicted from the published layout, hardware and batch.
+"""The planner against published throughput, predicted from the published layout, hardware and batch: two sources.
 
-    PYTHONPATH=. python -m hybrid.bench.plan_published [--rows 1.7B,18B] [--quick]
+    PYTHONPATH=. python -m hybrid.bench.plan_published [--sections megatron,dgxc] [--rows 1.7B,18B] [--rank] [--quick]
 
-Each row: the model (hidden, heads, layers; vocabulary 51,200, sequence 2,048, FFN 4h), the published tp and pp on
-the published GPU count (dp the rest) and global batch, `--cluster` (dgx-a100); full activation recomputation, as
-the paper trained, and the software of its time: the attention kernels (`cost.ATTENTION`'s unfused: the scores
-materialised, before flash attention), no sequence parallelism, blocking TP all-reduces, no distributed optimizer,
-the DP all-reduce after the backward (`of_2021`). The planner predicts each micro batch (1–16) and schedule (1F1B,
-interleaved with 2 virtual stages) of that layout and keeps the fastest; its step time becomes TFLOP/s per GPU by
-the paper's own count (96·B·s·l·h²·(1 + s/6h + V/16lh) a step, recomputation included). Reported: published and
-predicted TFLOP/s per GPU and their ratio (goal: within 20 %), and with `--rank` the published layout's place among
-every (tp, pp) the planner predicts for the same GPUs and batch (goal: top three; memory is not checked there).
+**megatron**: Megatron-LM's weak-scaling table (Narayanan et al., "Efficient Large-Scale Language Model Training on
+GPU Clusters Using Megatron-LM", SC 2021, Table 1: GPT models of 1.7 B to 1 T parameters on up to 3,072 A100 80 GB
+GPUs of NVIDIA's Selene, 8 a node, NVLink inside and 8 HDR InfiniBand links a node). Each row: the model (hidden,
+heads, layers; vocabulary 51,200, sequence 2,048, FFN 4h), the published tp and pp on the published GPU count (dp
+the rest) and global batch, `--cluster` (dgx-a100); full activation recomputation, as the paper trained, and the
+software of its time: the attention kernels (`cost.ATTENTION`'s unfused: the scores materialised, before flash
+attention), no sequence parallelism, blocking TP all-reduces, no distributed optimizer, the DP all-reduce after the
+backward (`of_2021`). The planner predicts each micro batch (1–16) and schedule (1F1B, interleaved with 2 virtual
+stages) of that layout and keeps the fastest; its step time becomes TFLOP/s per GPU by the paper's own count
+(96·B·s·l·h²·(1 + s/6h + V/16lh) a step, recomputation included). Reported: published and predicted TFLOP/s per GPU
+and their ratio (goal: within 20 %), and with `--rank` the published layout's place among every (tp, pp) the
+planner predicts for the same GPUs and batch (goal: top three; memory is not checked there).
+
+**dgxc**: NVIDIA's DGX Cloud benchmarking recipes for Llama 3.1 (github.com/NVIDIA/dgxc-benchmarking, release
+v24.11.1, commit 35a9aecc8d5b17d99d80f52f38c75ade0dbab7ae, `llama3.1/README_{8b,70b,405b}.md` and the layouts in
+`llama3.1/llama3.1_{8b,70b,405b}.yaml`: NeMo 24.09, Megatron-Core, bf16, DGX H100 80 GB, 8 a node, NVLink 4 inside
+and 8 × 400 Gb/s InfiniBand a node), the `dgx-h100` preset. Each row: the model (Llama 3: GQA with 8 KV heads,
+SwiGLU, vocabulary 128,256, sequence 8,192) on the published GPUs with the published tp, pp, virtual stages, cp
+(dp the rest), micro batch 1 and global batch; no recomputation, the distributed optimizer with its overlaps,
+sequence parallelism and TP overlap under TP, flash attention, equal layer counts per stage (`of_dgxc`). Reported:
+published and predicted tokens/s per GPU (the recipes' throughput: sequence × global batch over the step time)
+and their ratio (goal: within 20 %).
 """
 
 from __future__ import annotations
@@ -65,14 +75,53 @@ MEGATRON = [  # Narayanan et al. 2021, Table 1 (TFLOP/s per GPU, end to end)
     Row("145B", 96, 12288, 80, 8, 8, 1536, 2304, 148), Row("310B", 128, 16384, 96, 8, 16, 1920, 2160, 155),
     Row("530B", 128, 20480, 105, 8, 35, 2520, 2520, 163), Row("1T", 160, 25600, 128, 8, 64, 3072, 3072, 163),
 ]
-QUICK = {"rows": "1.7B,39B"}
+
+
+@dataclass(frozen=True)
+class Llama:
+    """One published Llama 3.1 run: the model, its layout and batch, the tokens/s per GPU reported."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    gpus: int
+    tp: int
+    pp: int
+    v: int
+    cp: int
+    batch: int
+    tokens: float
+
+    def shape(self) -> Shape:
+        return Shape(self.layers, self.hidden, self.heads, 8, self.ffn, LLAMA_VOCAB, True)
+
+    def candidate(self) -> Candidate:
+        """The layout as NeMo 24.09 ran it (`of_dgxc`)."""
+        dp = self.gpus // (self.tp * self.pp * self.cp)
+        return Candidate(self.tp, self.pp, dp, 1, cp=self.cp, v=self.v, recompute="none", zero=1,
+                         tp_overlap="chunked" if self.tp > 1 else "none", dp_exchange="flat", stage_layers="equal")
+
+
+LLAMA_VOCAB, LLAMA_SEQ = 128256, 8192
+DGXC = [  # dgxc-benchmarking v24.11.1, llama3.1 README tables (bf16; total tokens/s over the GPUs)
+    Llama("8B-8", 32, 4096, 32, 14336, 8, 1, 1, 1, 2, 128, 10153),
+    Llama("8B-128", 32, 4096, 32, 14336, 128, 1, 1, 1, 2, 2048, 10006),
+    Llama("70B-64", 80, 8192, 64, 28672, 64, 4, 4, 5, 2, 128, 1113),
+    Llama("70B-1024", 80, 8192, 64, 28672, 1024, 4, 4, 5, 2, 2048, 1098),
+    Llama("405B-576", 126, 16384, 128, 53248, 576, 8, 9, 7, 2, 252, 208.4),
+]
+SECTIONS = ("megatron", "dgxc")
+QUICK = {"rows": "1.7B,39B,8B-8", "sections": "megatron,dgxc"}
 RANK_MICRO = (1, 2, 4)  # the micro batches the ranking tries for every (tp, pp): pp = 64 has 512 microbatches to replay
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
     common.add_quick(p, "two rows, no ranking")
-    p.add_argument("--rows", default=",".join(r.name for r in MEGATRON), help="the table's rows, by name")
+    common.add_sections(p, SECTIONS)
+    p.add_argument("--rows", default=",".join(r.name for r in [*MEGATRON, *DGXC]), help="the tables' rows, by name")
     p.add_argument("--cluster", default="dgx-a100", help="the hardware preset (hybrid.plan.hardware.CLUSTERS)")
     p.add_argument("--rank", action="store_true", help="also rank the published layout among all the planner predicts")
     return p
@@ -80,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = build_parser()
-    args = common.parse_with_quick(p, argv, QUICK)
-    names = {r.name for r in MEGATRON}
+    args = common.parse_with_quick(p, argv, QUICK, SECTIONS)
+    names = {r.name for r in [*MEGATRON, *DGXC]}
     unknown = [n for n in args.rows.split(",") if n not in names]
     if unknown:
         p.error(f"unknown rows {unknown}; the table has {', '.join(sorted(names))}")
@@ -96,8 +145,9 @@ def best_of(row: Row, layouts: list[Candidate], cluster_name: str) -> Prediction
 
 def of_2021(c: Candidate) -> Candidate:
     """`c` as 2021's Megatron-LM ran: no sequence parallelism, blocking TP all-reduces, no distributed optimizer, the
-    data-parallel all-reduce (one flat ring) after the backward."""
-    return replace(c, sequence_parallel=False, tp_overlap="none", zero=0, dp_overlap=False, dp_exchange="flat")
+    data-parallel all-reduce (one flat ring) after the backward, equal layer counts per stage."""
+    return replace(c, sequence_parallel=False, tp_overlap="none", zero=0, dp_overlap=False, dp_exchange="flat",
+                   stage_layers="equal")
 
 
 def published_layouts(row: Row, cluster_name: str) -> list[Candidate]:
@@ -119,7 +169,30 @@ def rank_of(row: Row, cluster_name: str, best: Prediction) -> int:
     return 1 + sum(step < best.step_s for key, step in fastest.items() if key != (row.tp, row.pp))
 
 
-def section(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[str, Any]]:
+def dgxc(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[str, Any]]:
+    """NVIDIA's Llama 3.1 runs on DGX H100, each predicted at its published layout on `dgx-h100`."""
+    rows = [r for r in DGXC if r.name in args.rows.split(",")]
+    got = []
+    for row in rows:
+        p = predict(row.shape(), row.candidate(), preset("dgx-h100", row.gpus // 8), row.batch, LLAMA_SEQ)
+        got.append({"row": row.name, "published": row.tokens, "predicted": p.tokens_per_s_per_gpu,
+                    "ratio": p.tokens_per_s_per_gpu / row.tokens, "layout": p.candidate.label(), "parts": p.parts})
+    out("\n## NVIDIA dgxc-benchmarking Llama 3.1 on dgx-h100 (tokens/s per GPU)")
+    out("\n".join(common.table(["model", "GPUs", "tp", "pp", "v", "cp", "published", "predicted", "ratio"],
+                               [[r.name, r.gpus, r.tp, r.pp, r.v, r.cp, f"{r.tokens:,.0f}", f"{g['predicted']:,.0f}",
+                                 f"{g['ratio']:.2f}"] for g, r in zip(got, rows)])))
+    return _verdict(got, out)
+
+
+def _verdict(got: list[dict[str, Any]], out: Callable[[str], None]) -> list[dict[str, Any]]:
+    errors = [abs(g["ratio"] - 1) for g in got]
+    if errors:
+        out(f"\nwithin 20 %: {sum(e <= 0.2 for e in errors)} of {len(got)}; median |error| "
+            f"{statistics.median(errors):.1%}")
+    return got
+
+
+def megatron(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[str, Any]]:
     rows = [r for r in MEGATRON if r.name in args.rows.split(",")]
     got = []
     for row in rows:
@@ -132,13 +205,12 @@ def section(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[s
     out("\n".join(common.table(["model", "GPUs", "tp", "pp", "published", "predicted", "ratio", "layout", "rank"],
                                [[g["row"], r.gpus, r.tp, r.pp, r.tflops, f"{g['predicted']:.0f}", f"{g['ratio']:.2f}",
                                  g["layout"], g["rank"] or "-"] for g, r in zip(got, rows)])))
-    errors = [abs(g["ratio"] - 1) for g in got]
-    out(f"\nwithin 20 %: {sum(e <= 0.2 for e in errors)} of {len(got)}; median |error| {statistics.median(errors):.1%}")
-    return got
+    return _verdict(got, out)
 
 
-def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    return common.run_one(section, args, common.reproduce_command(MODULE, build_parser(), args), MODULE, out)
+def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[str, Any]:
+    command = common.reproduce_command(MODULE, build_parser(), args)
+    return common.run_sections((("megatron", megatron), ("dgxc", dgxc)), args, command, MODULE, out)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,11 @@ of the links the group crosses. TP's exchanges are hidden behind the GEMMs the o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
+from typing import Optional
 
+from hybrid.config import ModelConfig
+from hybrid.model.family import family_of, ffn_hidden, kv_heads
 from hybrid.plan.hardware import Device, Link
 
 ELEMENTWISE_PER_H = 10  # bytes moved per token and hidden feature per layer forward, in activation elements
@@ -56,6 +59,12 @@ class Shape:
             self.mlp_in + self.ffn)
 
 
+def shape_of(m: ModelConfig, vocab: int) -> Shape:
+    """The cost model's view of a model config (any family) with `vocab` ids."""
+    swiglu = family_of(m).blocks.mlp == "swiglu"
+    return Shape(m.n_layers, m.hidden, m.n_heads, kv_heads(m), ffn_hidden(m), vocab, swiglu)
+
+
 @dataclass(frozen=True)
 class Micro:
     """One microbatch on one rank: b sequences of s tokens, tp, cp, the activations' bytes, sequence parallel."""
@@ -74,19 +83,27 @@ class Micro:
 
 @dataclass(frozen=True)
 class Pass:
-    """Seconds of one layer's (or the head's) forward and backward on one rank, compute and exposed TP."""
+    """Seconds of one layer's (or the head's) forward and backward on one rank: compute, and TP's and CP's exchanges
+    (exposed: what no GEMM or attention block hides; total: all of it, hidden or not)."""
 
     forward: float
     backward: float
     tp_exposed: float = 0.0
-    tp_total: float = 0.0  # every TP exchange's seconds, hidden or not
+    tp_total: float = 0.0
+    cp_exposed: float = 0.0
+    cp_total: float = 0.0
 
     def __add__(self, other: Pass) -> Pass:
-        return Pass(self.forward + other.forward, self.backward + other.backward, self.tp_exposed + other.tp_exposed,
-                    self.tp_total + other.tp_total)
+        return Pass(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
     def times(self, n: float) -> Pass:
-        return Pass(self.forward * n, self.backward * n, self.tp_exposed * n, self.tp_total * n)
+        return Pass(*(a * n for a in astuple(self)))
+
+    def clocked(self) -> tuple[float, float]:
+        """(forward, backward) with the exposed exchanges: TP's 0.4 : 0.6, CP's 1 : 2 (K/V forward; K/V and their
+        gradients backward)."""
+        return (self.forward + 0.4 * self.tp_exposed + self.cp_exposed / 3,
+                self.backward + 0.6 * self.tp_exposed + 2 * self.cp_exposed / 3)
 
 
 def collective_s(op: str, payload: float, n: int, link: Link) -> float:
@@ -111,8 +128,9 @@ def attention_s(m: Micro, shape: Shape, dev: Device, kernel: str) -> float:
 
 
 def layer_pass(shape: Shape, m: Micro, dev: Device, recompute: str, overlap: str, tp_link: Link,
-               kernel: str = "flash") -> Pass:
-    """One transformer layer's forward and backward on one rank (TP exchanges exposed as `overlap` leaves them)."""
+               kernel: str = "flash", cp_link: Optional[Link] = None) -> Pass:
+    """One transformer layer's forward and backward on one rank (TP exchanges exposed as `overlap` leaves them, CP's
+    ring over `cp_link` behind the attention blocks)."""
     h, t, d = shape.hidden, m.tokens, shape.hidden // shape.heads
     column = 2 * t * h * (h + 2 * shape.kv_heads * d + shape.mlp_in) / m.tp  # QKV and up projection, forward
     row = 2 * t * (h * h + shape.ffn * h) / m.tp  # attention output and down projection, forward
@@ -123,7 +141,21 @@ def layer_pass(shape: Shape, m: Micro, dev: Device, recompute: str, overlap: str
     backward += forward if recompute == "full" else attention if recompute == "selective" else 0.0
     gemms, rerun = (gemm_s(column, dev), gemm_s(row, dev)), 1 + (recompute == "full") / 2
     exposed, total = (tp_exposed(shape, m, dev, mode, tp_link, gemms) for mode in (overlap, "none"))
-    return Pass(forward, backward, exposed * rerun, total * rerun)
+    ring = cp_ring(shape, m, attention, cp_link or tp_link)
+    return Pass(forward, backward, exposed * rerun, total * rerun, ring[0] * rerun, ring[1] * rerun)
+
+
+def cp_ring(shape: Shape, m: Micro, attention: float, link: Link) -> tuple[float, float]:
+    """(exposed, total) seconds of a layer's CP ring: forward cp − 1 hops of this rank's K and V, each behind one
+    block of the attention (1/cp of it); backward the same hops with K/V's gradients too (twice the bytes) behind
+    the backward's blocks (2.5× the forward's)."""
+    if m.cp == 1:
+        return 0.0, 0.0
+    kv = 2 * m.tokens * shape.kv_heads * (shape.hidden // shape.heads) // m.tp * m.act
+    hop = link.latency + kv / link.busbw
+    block = attention / m.cp
+    exposed = max(0.0, hop - block) + max(0.0, 2 * hop - 2.5 * block)
+    return (m.cp - 1) * exposed, (m.cp - 1) * 3 * hop
 
 
 def tp_exposed(shape: Shape, m: Micro, dev: Device, overlap: str, link: Link, gemms: tuple[float, float]) -> float:
@@ -157,6 +189,16 @@ def head_pass(shape: Shape, m: Micro, dev: Device, tp_link: Link) -> Pass:
     exchange = collective_s("all_gather", t * shape.hidden * m.act, m.tp, tp_link) * 3
     exchange += 3 * collective_s("all_reduce", t * 4, m.tp, tp_link)
     return Pass(gemm + logits / 2, 2 * gemm + logits / 2, exchange, exchange)
+
+
+def embed_pass(shape: Shape, m: Micro, dev: Device, tp_link: Link) -> Pass:
+    """The first stage's extra work per microbatch: the token embedding's gather (read and written), its TP
+    exchange (the vocabulary-parallel lookup's all-reduce, a reduce-scatter under SP), the gradient's scatter-add
+    into the fp32 table backward."""
+    t, h = m.tokens, shape.hidden
+    exchange = collective_s("reduce_scatter" if m.sp else "all_reduce", t * h * m.act, m.tp, tp_link)
+    return Pass(2 * t * h * m.act / dev.hbm + 2 * dev.launch_s, 3 * t * h * 4 / dev.hbm + 2 * dev.launch_s,
+                exchange, exchange)
 
 
 def p2p_s(m: Micro, hidden: int, link: Link) -> float:

@@ -51,6 +51,7 @@ DEVICES = {
     "h100": Device("H100 SXM", 989e12, 80 * GiB, 3.35e12, gemm=0.70, attention=0.40),
     "h200": Device("H200", 989e12, 141 * GiB, 4.8e12, gemm=0.70, attention=0.40),
 }
+CPU = Device("CPU core", 50e9, 0, 10e9, gemm=1.0, attention=0.5, kind="cpu")  # the ratios of a core, uncalibrated
 LINKS = {  # all-reduce bus bandwidth per GPU as nccl-tests shows it, and a hop's latency
     "nvlink3": Link(230e9, 8e-6), "nvlink4": Link(450e9, 8e-6), "pcie4": Link(20e9, 10e-6),
     "ib-hdr": Link(22e9, 15e-6), "ib-ndr": Link(45e9, 15e-6), "eth-100g": Link(10e9, 30e-6),
@@ -92,6 +93,17 @@ def device(name: str) -> Device:
     if name not in DEVICES:
         raise PlanError(f"unknown GPU {name!r}; known: {', '.join(DEVICES)} (or --calibrate on the machine at hand)")
     return DEVICES[name]
+
+
+def local_device(device_type: str) -> Device:
+    """The device a run on `device_type` trains on, as the table knows it (its name matched against the GPU's);
+    an unknown GPU is taken for an H100: only the ratios of its op classes matter to a stage balance."""
+    if device_type != "cuda":
+        return CPU
+    import torch
+
+    name = torch.cuda.get_device_name().lower()
+    return next((d for key, d in DEVICES.items() if key.split("-")[0] in name), DEVICES["h100"])
 
 
 def link(name: str) -> Link:

@@ -1,20 +1,24 @@
 """One layout's predicted step: the stages' microbatch costs (`cost`) replayed by the pipeline simulator, the DP
 gradient exchange (overlapped with the last microbatch's backward), the optimizer, and the step's parts.
 
-A rank's stage holds layers / (pp·v) layers per model part; the slowest stage (the last: the head; or the first:
-the embedding) sets the pipeline's pace, so the simulator replays every rank at the slowest stage's costs. The DP
-group crosses nodes when tp·cp·dp ranks do not fit in one; consecutive pipeline stages sit tp·cp·dp ranks apart
+The model's layers are split over the pp·v parts as `parallel.stage_layers` would split them (`balance`: auto, by
+predicted time — the default —, or equal counts), the embedding on the first part and the head on the last; the
+simulator replays each part at its own cost, and the slowest rank's parts are the step's breakdown. Gradients are
+averaged (and ZeRO shards) over the dp·cp ranks a tp stride apart, which cross nodes when tp·cp·dp ranks do not
+fit in one; CP's ring runs over the cp ranks a tp stride apart; consecutive pipeline stages sit tp·cp·dp ranks apart
 (the `tp-cp-dp-pp` rank order) and talk across nodes when that stride reaches a node.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field, replace
 
+from hybrid.parallel.pp.actions import Schedule
 from hybrid.parallel.pp.schedules import build_schedule
 from hybrid.parallel.pp.simulator import simulate
-from hybrid.plan import exchange
-from hybrid.plan.cost import Micro, Pass, Shape, collective_s, head_pass, layer_pass, optimizer_s, p2p_s
+from hybrid.plan import balance, exchange
+from hybrid.plan.cost import Micro, Pass, Shape, collective_s, optimizer_s, p2p_s
 from hybrid.plan.hardware import Cluster
 
 
@@ -34,6 +38,7 @@ class Candidate:
     sequence_parallel: bool = True
     dp_overlap: bool = True  # the gradient exchange launched bucket by bucket inside the backward
     dp_exchange: str = "flat"  # flat | hierarchical | int8 (`exchange`), or auto: the fastest exact one (or int8)
+    stage_layers: str = "auto"  # auto (layers over the parts by predicted time) | equal (equal layer counts)
 
     @property
     def schedule(self) -> str:
@@ -56,6 +61,7 @@ class Candidate:
                f"parallel.zero={self.zero}"]
         out += [f"parallel.cp={self.cp}"] if self.cp > 1 else []
         out += [f"parallel.schedule={self.schedule}", f"parallel.virtual_stages={self.v}"] if self.pp > 1 else []
+        out += ["parallel.stage_layers=auto"] if self.pp > 1 and self.stage_layers == "auto" else []
         out += ["parallel.sequence_parallel=true"] if self.sp else []
         out += [f"parallel.tp_overlap={self.tp_overlap}"] if self.tp > 1 else []
         return out + exchange.overrides(self.dp_exchange, self.zero)
@@ -93,12 +99,20 @@ class Prediction:
                 "overrides": self.candidate.overrides()}
 
 
-def stage_pass(shape: Shape, c: Candidate, m: Micro, cluster: Cluster, kernel: str) -> tuple[Pass, Pass]:
-    """(a middle stage's, the slowest stage's) microbatch cost, over all its model parts."""
-    per_stage = shape.layers / c.pp
-    layer = layer_pass(shape, m, cluster.device, c.recompute, c.tp_overlap, link_of_group(cluster, c.tp, 1), kernel)
-    middle = layer.times(per_stage)
-    return middle, middle + head_pass(shape, m, cluster.device, link_of_group(cluster, c.tp, 1))
+def part_passes(shape: Shape, c: Candidate, m: Micro, cluster: Cluster, kernel: str) -> list[Pass]:
+    """Each model part's microbatch pass: its layers (split as `c.stage_layers` says), the embedding's on the first
+    part, the head's on the last."""
+    layer, embed, head = balance.passes(shape, m, cluster.device, c.recompute, c.tp_overlap,
+                                        link_of_group(cluster, c.tp, 1), kernel, link_of_group(cluster, c.cp, c.tp))
+    parts = c.pp * c.v
+    even = [shape.layers // parts + (i < shape.layers % parts) for i in range(parts)]
+    counts = balance.split(shape.layers, parts, layer, embed, head) if c.stage_layers == "auto" else even
+    return balance.passes_of(counts, layer, embed, head)
+
+
+def rank_passes(c: Candidate, parts: list[Pass]) -> list[Pass]:
+    """Each pipeline rank's microbatch pass over its chunks (chunk k of rank r holds part k·pp + r)."""
+    return [sum((parts[k * c.pp + r] for k in range(c.v)), Pass(0.0, 0.0)) for r in range(c.pp)]
 
 
 def link_of_group(cluster: Cluster, size: int, stride: int):  # noqa: ANN201 - a Link
@@ -111,36 +125,39 @@ def predict(shape: Shape, c: Candidate, cluster: Cluster, global_batch: int, seq
     """The step of `c` training `shape` on `cluster`, `global_batch` sequences of `seq` tokens, attention by
     `kernel` (`cost.ATTENTION`); a DP exchange `auto` becomes the fastest exact one (`lossy`: int8 too)."""
     if c.dp_exchange == "auto":
-        chosen = exchange.best(c.dp, c.tp * c.cp, c.zero, stage_elements(shape, c), cluster, lossy)
+        chosen = exchange.best(c.dp * c.cp, c.tp, c.zero, stage_elements(shape, c), cluster, lossy)
         c = replace(c, dp_exchange=chosen.method)
     m = Micro(c.micro, seq, c.tp, c.cp, act, c.sp)
     count = global_batch // (c.micro * c.dp)
-    middle, slowest = stage_pass(shape, c, m, cluster, kernel)
+    per_part = part_passes(shape, c, m, cluster, kernel)
+    ranks = rank_passes(c, per_part)
+    slowest = max(ranks, key=balance.seconds)
     p2p = p2p_s(m, shape.hidden, link_of_group(cluster, 2, c.tp * c.cp * c.dp)) * (c.pp > 1)
-    parts = _parts(c, cluster, count, slowest, p2p, stage_elements(shape, c), act)
+    parts = _parts(c, cluster, count, slowest, _pipeline_s(c, count, per_part, p2p), stage_elements(shape, c), act)
+    parts["p2p"] = p2p
     step = parts["pipeline"] + parts["dp_exposed"] + parts["optimizer"]
     if cluster.device.cores and cluster.per_node > cluster.device.cores:  # CPU ranks sharing a node's cores
-        mean = middle.times(1 - 1 / c.pp) + slowest.times(1 / c.pp)  # a rank's share: the head is on 1 stage of pp
+        mean = sum(ranks, Pass(0.0, 0.0)).times(1 / c.pp)  # a rank's share of the work
         parts["shared_cores"] = max(0.0, _shared_s(cluster, count, mean, p2p, parts) - step)
         step += parts["shared_cores"]
     return Prediction(c, step, parts, wire_bytes(shape, c, m, count), global_batch * seq,
                       c.tp * c.cp * c.pp * c.dp, shape.flops_per_token(seq), cluster.device.peak)
 
 
-def _parts(c: Candidate, cluster: Cluster, count: int, stage: Pass, p2p: float, elements: float, act: int
+def _parts(c: Candidate, cluster: Cluster, count: int, stage: Pass, pipeline: float, elements: float, act: int
            ) -> dict[str, float]:
     """The step's parts on the slowest stage: the pipeline (the simulator's makespan), of it compute, exposed TP and
     bubble; the DP exchange (all of it, and what the last backward leaves exposed); the optimizer (Adam, ZeRO-1's
     parameter all-gather)."""
-    forward, backward = stage.forward + stage.tp_exposed * 0.4, stage.backward + stage.tp_exposed * 0.6
-    pipeline = _pipeline_s(c, count, forward, backward, p2p)
-    dp_total, dp_exposed = _dp_s(c, cluster, elements, backward / c.v)
-    gather = collective_s("all_gather", elements * act, c.dp, link_of_group(cluster, c.dp, c.tp * c.cp))
-    optimizer = optimizer_s(elements / (c.dp if c.zero else 1), cluster.device)
-    return {"pipeline": pipeline, "compute": count * (stage.forward + stage.backward),
-            "tp_exposed": count * stage.tp_exposed, "bubble": pipeline - count * (forward + backward),
+    dp_total, dp_exposed = _dp_s(c, cluster, elements, stage.clocked()[1] / c.v)
+    grads = c.dp * c.cp  # the ranks that average gradients (and ZeRO's shards): DP's and CP's
+    gather = collective_s("all_gather", elements * act, grads, link_of_group(cluster, grads, c.tp))
+    optimizer = optimizer_s(elements / (grads if c.zero else 1), cluster.device)
+    compute, exposed = count * (stage.forward + stage.backward), count * (stage.tp_exposed + stage.cp_exposed)
+    return {"pipeline": pipeline, "compute": compute, "tp_exposed": count * stage.tp_exposed,
+            "cp_exposed": count * stage.cp_exposed, "bubble": max(0.0, pipeline - compute - exposed),
             "dp_total": dp_total, "dp_exposed": dp_exposed, "optimizer": optimizer + (gather if c.zero else 0.0),
-            "p2p": p2p, "tp_total": count * stage.tp_total}
+            "tp_total": count * stage.tp_total, "cp_total": count * stage.cp_total}
 
 
 def _shared_s(cluster: Cluster, count: int, stage: Pass, p2p: float, parts: dict[str, float]) -> float:
@@ -149,7 +166,7 @@ def _shared_s(cluster: Cluster, count: int, stage: Pass, p2p: float, parts: dict
     under that contention, hidden or not (its copies take the same cores)."""
     ratio = cluster.per_node / cluster.device.cores
     work = count * (stage.forward + stage.backward) * ratio
-    return work + count * (stage.tp_total + 2 * p2p) + parts["dp_total"] + parts["optimizer"] * ratio
+    return work + count * (stage.tp_total + stage.cp_total + 2 * p2p) + parts["dp_total"] + parts["optimizer"] * ratio
 
 
 def wire_bytes(shape: Shape, c: Candidate, m: Micro, count: int) -> dict[str, float]:
@@ -159,16 +176,24 @@ def wire_bytes(shape: Shape, c: Candidate, m: Micro, count: int) -> dict[str, fl
     stream = m.tokens * shape.hidden * m.act
     per_layer = (10 if c.sp else 8) * stream * (c.tp - 1) / c.tp * (1 + (c.recompute == "full") * 0.4)
     pp = 2 * count * stream / (c.tp if c.sp else 1) if c.pp > 1 else 0.0
-    dp = 2 * stage_elements(shape, c) * 4 * (c.dp - 1) / c.dp
+    grads = c.dp * c.cp
+    dp = 2 * stage_elements(shape, c) * 4 * (grads - 1) / grads
     return {"tp": count * per_layer * shape.layers / c.pp, "pp": pp, "dp": dp}
 
 
-def _pipeline_s(c: Candidate, count: int, forward: float, backward: float, p2p: float) -> float:
-    """The pipeline's makespan from the simulator (one stage: every microbatch in turn)."""
+def _pipeline_s(c: Candidate, count: int, parts: list[Pass], p2p: float) -> float:
+    """The pipeline's makespan from the simulator, each part at its cost with its exposed exchanges (`Pass.clocked`;
+    one stage: every microbatch in turn)."""
+    costs = [p.clocked() for p in parts]
     if c.pp == 1:
-        return count * (forward + backward)
-    schedule = build_schedule(c.schedule, c.pp, count, c.v)
-    return simulate(schedule, forward, backward, p2p).makespan
+        return count * sum(f + b for f, b in costs)
+    return simulate(_schedule(c.schedule, c.pp, count, c.v), comm=p2p, parts=costs).makespan
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(name: str, pp: int, microbatches: int, v: int) -> Schedule:
+    """One schedule object per shape: the simulator checks and wires it once for every layout replayed on it."""
+    return build_schedule(name, pp, microbatches, v)
 
 
 def stage_elements(shape: Shape, c: Candidate) -> float:
@@ -179,16 +204,16 @@ def stage_elements(shape: Shape, c: Candidate) -> float:
 def _dp_s(c: Candidate, cluster: Cluster, elements: float, last_backward: float) -> tuple[float, float]:
     """(the gradient exchange's seconds, what the last microbatch's backward does not hide): fp32 gradients
     exchanged over DP by `c.dp_exchange` (`exchange`), launched bucket by bucket as the backward makes them."""
-    if c.dp == 1:
+    if c.dp * c.cp == 1:
         return 0.0, 0.0
-    timed = {e.method: e.seconds for e in exchange.options(c.dp, c.tp * c.cp, c.zero, elements, cluster)}
+    timed = {e.method: e.seconds for e in exchange.options(c.dp * c.cp, c.tp, c.zero, elements, cluster)}
     total = timed.get(c.dp_exchange, timed["flat"])
     return total, max(total - 0.9 * last_backward, total / 16) if c.dp_overlap else total
 
 
 def exchange_seconds(c: Candidate, shape: Shape, cluster: Cluster) -> dict[str, float]:
     """Seconds of every DP exchange `c`'s group can run (what the chosen one saves against the others)."""
-    if c.dp == 1:
+    if c.dp * c.cp == 1:
         return {}
-    return {e.method: e.seconds for e in exchange.options(c.dp, c.tp * c.cp, c.zero, stage_elements(shape, c),
+    return {e.method: e.seconds for e in exchange.options(c.dp * c.cp, c.tp, c.zero, stage_elements(shape, c),
                                                           cluster)}

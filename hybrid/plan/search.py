@@ -23,6 +23,7 @@ from hybrid.config import Config, compose_config
 from hybrid.memory import Build, micro_of, rank_memory, shard_dp, training_schedule
 from hybrid.overrides import parse
 from hybrid.parallel.context import Layout, ParallelContext
+from hybrid.plan.balance import resolve
 from hybrid.plan.cost import Shape
 from hybrid.plan.hardware import Cluster, PlanError
 from hybrid.plan.predict import Candidate, Prediction, predict
@@ -125,6 +126,7 @@ def configured(job: Job, c: Candidate, cluster: Cluster) -> Config:
             setattr(cfg, o.key_or_group, copy.deepcopy(getattr(compose_config([word]), o.key_or_group)))
         else:
             OmegaConf.update(cfg, o.key_or_group, o.value(), merge=True)
+    resolve(cfg, job.shape.vocab, cluster.device.kind, (cluster.device, cluster.intra))  # stage_layers=auto
     return cfg
 
 

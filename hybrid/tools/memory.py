@@ -67,9 +67,11 @@ def split_flags(argv: list[str]) -> tuple[list[str], dict[str, str]]:
 
 def report(cfg: Config, vocab: int, layout: Layout, device_type: str, memory: int) -> list[str]:
     """The table and the verdict."""
+    from hybrid.plan.balance import resolve
     from hybrid.trainer import build_chunks
 
     t, p = cfg.train, cfg.parallel
+    balance = resolve(cfg, vocab, device_type)  # parallel.stage_layers=auto: the split a run would take
     chunks = meta_stages(layout, lambda ctx: build_chunks(cfg, vocab, ctx))
     stages = stage_estimates(cfg, layout, chunks, device_type)
     schedule = training_schedule(cfg, layout, chunks, micro_of(cfg, device_type)).label if layout.pp > 1 else ""
@@ -77,7 +79,7 @@ def report(cfg: Config, vocab: int, layout: Layout, device_type: str, memory: in
     cp = f" cp{layout.cp} ({p.cp_comm}: seq {cfg.data.seq_len // layout.cp} a rank)" if layout.cp > 1 else ""
     lines = [f"memory per rank: {cfg.model.name}, tp{layout.tp}{cp} pp{layout.pp} dp{layout.dp}, micro batch "
              f"{t.micro_batch_size} × seq {cfg.data.seq_len}, {schedule or 'one stage'}, "
-             f"zero {p.zero}, recompute {t.recompute}, {device_type} ({counted})",
+             f"zero {p.zero}, recompute {t.recompute}, {device_type} ({counted})"] + ([balance] if balance else []) + [
              f"{'stage':>5} {'params':>11} {'grads':>11} {'optimizer':>11} {'activations':>12} {'buffers':>11} "
              f"{'total':>11}"]
     for i, e in enumerate(stages):

@@ -12,7 +12,9 @@ in GB/s) to change the preset, `--diagnose FILE` (a `hybrid-diagnose --json` rep
 links), `--calibrate cpu|cuda` (the device measured on this machine: `hybrid/plan/calibrate.py`; on CPU the node's
 ranks share its cores over gloo's local links), `--batch N` (sequences a step; default train.global_batch_size),
 `--seq N` (default data.seq_len), `--vocab N` (default model.vocab_size, else 50257), `--top K` (5), `--lossy` (let
-the DP exchange send int8 across nodes where that is faster), `--json`. How the prediction is made and how far to
+the DP exchange send int8 across nodes where that is faster), `--target T` (a step time `1.5s` or a throughput
+`200000tok/s`, `5000tok/s/gpu`: the link speed each layout needs to reach it, and what int8 across nodes does:
+`hybrid/plan/target.py`), `--json`. How the prediction is made and how far to
 trust it: docs/planning.md. Bad input is one `hybrid: error: …` line and exit status 2.
 """
 
@@ -29,12 +31,12 @@ from typing import Optional
 import torch
 
 from hybrid.cli import EXIT_BAD_INPUT, UsageError, run_tool
-from hybrid.config import Config, ConfigError, compose_config
+from hybrid.config import ConfigError, compose_config
 from hybrid.model import build_model
-from hybrid.model.family import family_of, ffn_hidden, kv_heads
 from hybrid.overrides import App, check
+from hybrid.plan import target
 from hybrid.plan.calibrate import calibrate
-from hybrid.plan.cost import Shape
+from hybrid.plan.cost import shape_of
 from hybrid.plan.hardware import Cluster, PlanError, device, from_diagnose, link, link_of, preset
 from hybrid.plan.predict import Prediction, exchange_seconds
 from hybrid.plan.search import Job, plan
@@ -51,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="hybrid-plan", add_help=False)
     p.add_argument("--cluster", default="dgx-h100")
     p.add_argument("--nodes", type=int, default=1)
-    for flag in ("--gpu", "--intra", "--inter", "--diagnose"):
+    for flag in ("--gpu", "--intra", "--inter", "--diagnose", "--target"):
         p.add_argument(flag)
     for flag in ("--per-node", "--batch", "--seq", "--vocab"):
         p.add_argument(flag, type=int)
@@ -89,12 +91,6 @@ def _calibrated(c: Cluster, args: argparse.Namespace, job: Job) -> Cluster:
     return replace(c, intra=link("gloo-local"), inter=link("gloo-local")) if args.calibrate == "cpu" else c
 
 
-def shape_of(cfg: Config, vocab: int) -> Shape:
-    m = cfg.model
-    swiglu = family_of(m).blocks.mlp == "swiglu"
-    return Shape(m.n_layers, m.hidden, m.n_heads, kv_heads(m), ffn_hidden(m), vocab, swiglu)
-
-
 def job_of(overrides: list[str], args: argparse.Namespace) -> Job:
     check(overrides, App("hybrid.train", None))
     cfg = compose_config(overrides)
@@ -103,7 +99,7 @@ def job_of(overrides: list[str], args: argparse.Namespace) -> Job:
     vocab = args.vocab if args.vocab is not None else (cfg.model.vocab_size or 50257)
     if min(batch, seq, vocab, args.top) < 1:
         raise PlanError(f"--batch, --seq, --vocab and --top must be >= 1, got {batch}, {seq}, {vocab}, {args.top}")
-    return Job(cfg, shape_of(cfg, vocab), batch, seq)
+    return Job(cfg, shape_of(cfg.model, vocab), batch, seq)
 
 
 def table(plans: list[Prediction]) -> list[str]:
@@ -143,18 +139,24 @@ def body(argv: list[str]) -> str:
     cluster = cluster_of(args, job)
     from hybrid.trainer import build_chunks
 
+    tokens = job.global_batch * job.seq
+    goal = target.parse(args.target, tokens, cluster.world) if args.target else None
     plans, tried = plan(job, cluster, lambda cfg: lambda ctx: build_chunks(cfg, job.shape.vocab, ctx), args.top,
                         check=validate, lossy=args.lossy)
+    answers = [target.answer(job.shape, p, cluster, job.global_batch, job.seq, goal) for p in plans] if goal else []
     if args.json:
         return json.dumps({"cluster": cluster.describe(), "model": job.cfg.model.name, "batch": job.global_batch,
                            "seq": job.seq, "layouts_predicted": tried,
                            "plans": [p.to_json() | {"dp_exchanges_s": exchange_seconds(p.candidate, job.shape, cluster)}
                                      for p in plans],
-                           "command": command(job, cluster, plans[0], rest)}, indent=1)
+                           "command": command(job, cluster, plans[0], rest)}
+                          | ({"target": {"text": goal.text, "step_s": goal.step_s,
+                                         "layouts": [a.to_json() for a in answers]}} if goal else {}), indent=1)
     params = job.shape.layers * job.shape.layer_params() + job.shape.vocab * job.shape.hidden
     lines = [f"plan: {job.cfg.model.name} ({format_count(params)} parameters), {job.global_batch} × {job.seq} tokens a "
              f"step on {cluster.describe()}", f"{tried} layouts predicted; the fastest that fit:", *table(plans),
-             *exchange_line(plans[0], job, cluster), f"run the first: {command(job, cluster, plans[0], rest)}"]
+             *exchange_line(plans[0], job, cluster), *(target.lines(goal, answers, tokens) if goal else []),
+             f"run the first: {command(job, cluster, plans[0], rest)}"]
     return "\n".join(lines)
 
 

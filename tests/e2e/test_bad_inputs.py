@@ -146,6 +146,8 @@ RANKED: list[tuple[str, list[str], str]] = [  # the same, as rank 0 and rank 1 o
                         "parallel.virtual_stages=2", "train.global_batch_size=12"],
      "interleaved schedule needs microbatches (3) divisible by pp=2"),
     ("pp-stage-layers", ["parallel=pp2", "parallel.stage_layers=[3,2]"], "summing to model.n_layers=4"),
+    ("pp-stage-layers-word", ["parallel=pp2", "parallel.stage_layers=balanced"],
+     "parallel.stage_layers must be auto or a list of layer counts"),
     ("cp-seq-len", ["parallel.cp=2", "data.seq_len=66"],
      "parallel.cp=2 cuts each sequence into 2·cp = 4 chunks: data.seq_len=66 is not divisible by 4"),
     ("cp-a2a-heads", ["parallel.cp=2", "parallel.cp_comm=a2a", "model.n_heads=3", "model.hidden=96"],

@@ -96,12 +96,15 @@ def test_two_ranks_train_and_log(tiny_reference: Any) -> None:
 def test_emulated_two_nodes_with_multinode_sh_train_an_interleaved_pipeline(tmp_path: Path,
                                                                             env: dict[str, str]) -> None:
     """Two multinode.sh agents (node ranks 0 and 1, one rank each) meet at one c10d rendezvous; the pipeline's
-    two stages, one per emulated node, train: the last stage's loss reaches rank 0's log. (HYBRID_CHECK=0: the
-    check before launch is tests/e2e/test_bad_inputs.py's; here it would be one more fresh process per node.)"""
+    two stages, one per emulated node, train: the last stage's loss reaches rank 0's log. The layers are split by
+    predicted time (`parallel.stage_layers=auto`): the split the start-up line names is the one built.
+    (HYBRID_CHECK=0: the check before launch is tests/e2e/test_bad_inputs.py's; here it would be one more fresh
+    process per node.)"""
     port = str(29400 + os.getpid() % 500)
     args = ["--nnodes", "2", "--nproc", "1", "--endpoint", f"127.0.0.1:{port}", "--run-id", f"e2e{os.getpid()}",
             "--max-restarts", "0", *QUICK, "parallel=pp2", "parallel.schedule=interleaved",
-            "parallel.virtual_stages=2", "model.hidden=64", "train.steps=6", "logging.traffic_map=false",
+            "parallel.virtual_stages=2", "parallel.stage_layers=auto", "model.hidden=64", "train.steps=6",
+            "logging.traffic_map=false",
             f"logging.dir={tmp_path}",
             f"checkpoint.dir={tmp_path / 'ck'}"]  # multinode.sh adds checkpoint.resume=auto: nothing stale there
     procs = [subprocess.Popen(["bash", str(ROOT / "launch" / "multinode.sh"), "--node-rank", str(n), *args],
@@ -118,7 +121,9 @@ def test_emulated_two_nodes_with_multinode_sh_train_an_interleaved_pipeline(tmp_
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     out = "".join(outs)
     assert "layout: world=2 = pp2 × dp1 × tp1, 2 node(s) × 1 ranks" in out
-    assert "pipeline: schedule interleaved, pp=2 × 2 chunk(s), 4 microbatches, layers per part [1, 1, 1, 1]" in out
+    split = re.search(r"stage balance \(parallel.stage_layers=auto\): layers per part (\[[\d, ]+\])", out)
+    assert split and sum(json.loads(split.group(1))) == 4, out[-3000:]
+    assert f"pipeline: schedule interleaved, pp=2 × 2 chunk(s), 4 microbatches, layers per part {split.group(1)}" in out
     steps, evals = read_metrics(tmp_path)
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.3  # the last stage's loss reached rank 0's log
     assert evals and evals[-1]["eval_loss"] < steps[0]["loss"]

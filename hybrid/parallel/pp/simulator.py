@@ -9,16 +9,19 @@ Costs: `forward` and `backward` are one microbatch through a whole rank's layers
 that). A split backward costs the same in total: `I` (input gradient) `backward − weight`, `W` (weight
 gradient) `weight`, half of the backward by default (the zero-bubble paper's T_B = T_W). A microbatch's
 activations are in flight from its F to its B, or to its W under a split backward (the input pass keeps
-the graph for the weight pass).
+the graph for the weight pass). `parts` instead gives each model part its own (forward, backward) seconds of one
+microbatch (stages of unequal cost: the embedding's, the head's, an uneven `parallel.stage_layers`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-from hybrid.parallel.pp.actions import Action, Op, Schedule, ScheduleError, steps
+from hybrid.parallel.pp.actions import Action, Op, Schedule, ScheduleError, part_of, steps
 
 F, B = Op.FORWARD, Op.FULL_BACKWARD
 IN, WT = Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT  # the split backward's input and weight passes
@@ -129,16 +132,32 @@ def costs(schedule: Schedule, forward: float, backward: float, weight: Optional[
     return {F: forward / v, B: backward / v, IN: (backward - w) / v, WT: w / v}
 
 
+def part_costs(schedule: Schedule, parts: Sequence[tuple[float, float]], weight_share: float
+               ) -> list[list[dict[Op, float]]]:
+    """Seconds per compute op of each rank's chunks when every model part has its own (forward, backward); a split
+    backward's weight pass takes `weight_share` of the part's backward."""
+    if len(parts) != schedule.pp * schedule.virtual_stages:
+        raise ScheduleError(f"{len(parts)} part costs for {schedule.pp * schedule.virtual_stages} model parts")
+    table = []
+    for r in range(schedule.pp):
+        fb = [parts[part_of(schedule.placement, schedule.pp, r, c)] for c in range(schedule.virtual_stages)]
+        table.append([{F: f, B: b, IN: b * (1 - weight_share), WT: b * weight_share} for f, b in fb])
+    return table
+
+
 def simulate(schedule: Schedule, forward: float = 1.0, backward: float = 2.0, comm: float = 0.0,
-             weight: Optional[float] = None) -> Simulation:
+             weight: Optional[float] = None, parts: Optional[Sequence[tuple[float, float]]] = None) -> Simulation:
     """Replay `schedule` on a virtual clock; raise ScheduleError if it is invalid or deadlocks.
 
-    Costs as in the module docstring; `comm` is the time of one comm batch once its ops are matched.
+    Costs as in the module docstring (`parts`: per model part, a weight pass the same share of each part's backward
+    as `weight` of `backward`); `comm` is the time of one comm batch once its ops are matched.
     """
-    validate(schedule)
-    cost = costs(schedule, forward, backward, weight)
-    items = [steps(acts) for acts in schedule.actions]
-    comms = _Comms(schedule, items, comm)
+    wiring = _wired(schedule)
+    one = costs(schedule, forward, backward, weight)
+    share = one[WT] / one[B] if one[B] else 0.5
+    table = part_costs(schedule, parts, share) if parts is not None else [[one] * schedule.virtual_stages] * schedule.pp
+    items = wiring.items
+    comms = _Comms(wiring, comm)
     p = schedule.pp
     pos, clock, busy, live, peak = [0] * p, [0.0] * p, [0.0] * p, [0] * p, [0] * p
     sim = Simulation(schedule, 0.0, busy, peak)
@@ -149,9 +168,10 @@ def simulate(schedule: Schedule, forward: float = 1.0, backward: float = 2.0, co
             while pos[r] < len(items[r]):
                 it = items[r][pos[r]]
                 if isinstance(it, Action):
-                    sim.intervals.append((r, clock[r], clock[r] + cost[it.op], it))
-                    clock[r] += cost[it.op]
-                    busy[r] += cost[it.op]
+                    cost = table[r][it.chunk][it.op]
+                    sim.intervals.append((r, clock[r], clock[r] + cost, it))
+                    clock[r] += cost
+                    busy[r] += cost
                     live[r] += 1 if it.op is F else -(it.op in RELEASES)
                     peak[r] = max(peak[r], live[r])
                 elif not comms.reach(r, clock):
@@ -174,6 +194,50 @@ def _raise_if_stuck(items: list[list], pos: list[int], comms: _Comms) -> None:
         raise ScheduleError(f"deadlock: rank {r}'s comm batch {j} on stream {stream} never completes")
 
 
+@dataclass(frozen=True)
+class _Wiring:
+    """What a replay needs of a schedule whatever its costs: each rank's steps, its comm batches split per stream
+    (`subs`: (rank, stream) → sub-batches; `refs`: rank → batch → its sub-batches), each sub-batch's partners."""
+
+    items: list[list]
+    subs: dict[tuple[int, str], list[list[Action]]]
+    refs: list[list[list[tuple[str, int]]]]
+    partners: dict[tuple[int, str, int], list[tuple[int, str, int]]]
+    receives: frozenset[tuple[int, str, int]]  # the sub-batches with a receive in them
+
+
+@functools.lru_cache(maxsize=16)
+def _wired(schedule: Schedule) -> _Wiring:
+    """`schedule` checked (`validate`) and wired, once per schedule: the planner replays one at many costs."""
+    validate(schedule)
+    items = [steps(acts) for acts in schedule.actions]
+    subs: dict[tuple[int, str], list[list[Action]]] = defaultdict(list)
+    refs = [[_split(schedule, r, batch, subs) for batch in rank_items if isinstance(batch, list)]
+            for r, rank_items in enumerate(items)]
+    receives = frozenset((r, stream, j) for (r, stream), rank_subs in subs.items()
+                         for j, sub in enumerate(rank_subs) if any(a.op.is_recv for a in sub))
+    return _Wiring(items, dict(subs), refs, _match(schedule, subs), receives)
+
+
+def _split(schedule: Schedule, r: int, batch: list[Action], subs: dict[tuple[int, str], list[list[Action]]]
+           ) -> list[tuple[str, int]]:
+    """Rank r's comm batch as one sub-batch per stream, appended to `subs`; their (stream, index) refs."""
+    refs = []
+    for stream in sorted({schedule.stream(r, a) for a in batch}):
+        refs.append((stream, len(subs[(r, stream)])))
+        subs[(r, stream)].append([a for a in batch if schedule.stream(r, a) == stream])
+    return refs
+
+
+def _match(schedule: Schedule, subs: dict[tuple[int, str], list[list[Action]]]
+           ) -> dict[tuple[int, str, int], list[tuple[int, str, int]]]:
+    """(rank, stream, sub-batch) → the (rank, stream, sub-batch) of each of its ops' partner op."""
+    keys_of = {(r, stream, j): keys for (r, stream), rank_subs in subs.items()
+               for j, keys in enumerate(_channel_keys(schedule, r, rank_subs))}
+    where = {key: ref for ref, keys in keys_of.items() for key in keys}
+    return {ref: [where[_partner_key(key)] for key in keys] for ref, keys in keys_of.items()}
+
+
 class _Comms:
     """The comm batches of every rank as the executor runs them. A batch is one sub-batch per comm stream it
     uses (activations F, gradients B: each its own process group, so its own NCCL stream). Rank r's k-th
@@ -183,32 +247,13 @@ class _Comms:
     partner's stream. The rank waits for a batch only if it receives something; sends complete in the
     background (the executor drains them at the end)."""
 
-    def __init__(self, schedule: Schedule, items: list[list], comm: float) -> None:
+    def __init__(self, wiring: _Wiring, comm: float) -> None:
         self.comm = comm
-        self.batches = [[it for it in rank_items if isinstance(it, list)] for rank_items in items]
-        self.subs: dict[tuple[int, str], list[list[Action]]] = defaultdict(list)  # (rank, stream) → sub-batches
-        self.refs: list[list[list[tuple[str, int]]]] = []  # rank → batch → its sub-batches (stream, index)
-        for r, batches in enumerate(self.batches):
-            self.refs.append([self._split(schedule, r, batch) for batch in batches])
-        self.partners = self._match(schedule)
+        self.refs, self.partners, self.receives = wiring.refs, wiring.partners, wiring.receives
         self.posted: dict[tuple[int, str, int], float] = {}
         self._done: dict[tuple[int, str, int], float] = {}
         self._busy: set[tuple[int, str, int]] = set()
-        self.reached = [0] * len(items)  # batches each rank has gone past
-
-    def _split(self, schedule: Schedule, r: int, batch: list[Action]) -> list[tuple[str, int]]:
-        refs = []
-        for stream in sorted({schedule.stream(r, a) for a in batch}):
-            refs.append((stream, len(self.subs[(r, stream)])))
-            self.subs[(r, stream)].append([a for a in batch if schedule.stream(r, a) == stream])
-        return refs
-
-    def _match(self, schedule: Schedule) -> dict[tuple[int, str, int], list[tuple[int, str, int]]]:
-        """(rank, stream, sub-batch) → the (rank, stream, sub-batch) of each of its ops' partner op."""
-        keys_of = {(r, stream, j): keys for (r, stream), subs in self.subs.items()
-                   for j, keys in enumerate(_channel_keys(schedule, r, subs))}
-        where = {key: ref for ref, keys in keys_of.items() for key in keys}
-        return {ref: [where[_partner_key(key)] for key in keys] for ref, keys in keys_of.items()}
+        self.reached = [0] * len(wiring.items)  # batches each rank has gone past
 
     def all_done(self) -> list[Optional[float]]:
         return [self.done(*ref) for ref in self.posted]
@@ -219,7 +264,7 @@ class _Comms:
         refs = [(r, stream, j) for stream, j in self.refs[r][self.reached[r]]]
         for ref in refs:
             self.posted.setdefault(ref, clock[r])
-        waits = [self.done(*ref) for ref in refs if any(a.op.is_recv for a in self.subs[ref[:2]][ref[2]])]
+        waits = [self.done(*ref) for ref in refs if ref in self.receives]
         if any(t is None for t in waits):
             return False
         clock[r] = max([clock[r], *waits])
