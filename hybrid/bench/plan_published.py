@@ -29,16 +29,19 @@ and their ratio (goal: within 20 %).
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from hybrid.bench import common
+from hybrid.config import compose_config
 from hybrid.plan.cost import Shape
-from hybrid.plan.hardware import preset
+from hybrid.plan.hardware import Cluster, PlanError, preset
 from hybrid.plan.predict import Candidate, Prediction, predict
-from hybrid.plan.search import candidates
+from hybrid.plan.search import Job, candidates, fastest, plan
+from hybrid.trainer import build_chunks
 
 MODULE = "hybrid.bench.plan_published"
 VOCAB, SEQ = 51200, 2048
@@ -100,8 +103,20 @@ class Llama:
     def candidate(self) -> Candidate:
         """The layout as NeMo 24.09 ran it (`of_dgxc`)."""
         dp = self.gpus // (self.tp * self.pp * self.cp)
-        return Candidate(self.tp, self.pp, dp, 1, cp=self.cp, v=self.v, recompute="none", zero=1,
-                         tp_overlap="chunked" if self.tp > 1 else "none", dp_exchange="flat", stage_layers="equal")
+        return of_dgxc(Candidate(self.tp, self.pp, dp, 1, cp=self.cp, v=self.v, recompute="none"))
+
+    def job(self) -> Job:
+        cfg = compose_config(["model=llama-1b", f"model.n_layers={self.layers}", f"model.hidden={self.hidden}",
+                              f"model.n_heads={self.heads}", "model.n_kv_heads=8", f"model.ffn_hidden={self.ffn}",
+                              "model.tie_embeddings=false", f"model.max_seq_len={LLAMA_SEQ}"])
+        return Job(cfg, self.shape(), self.batch, LLAMA_SEQ)
+
+
+def of_dgxc(c: Candidate) -> Candidate:
+    """`c` as NeMo 24.09 ran it: the distributed optimizer (its overlaps on), sequence parallelism and TP overlap
+    under TP, the flat DP exchange, equal layer counts per stage."""
+    return replace(c, zero=1, tp_overlap="chunked" if c.tp > 1 else "none", sequence_parallel=True,
+                   dp_exchange="flat", stage_layers="equal")
 
 
 LLAMA_VOCAB, LLAMA_SEQ = 128256, 8192
@@ -115,6 +130,7 @@ DGXC = [  # dgxc-benchmarking v24.11.1, llama3.1 README tables (bf16; total toke
 SECTIONS = ("megatron", "dgxc")
 QUICK = {"rows": "1.7B,39B,8B-8", "sections": "megatron,dgxc"}
 RANK_MICRO = (1, 2, 4)  # the micro batches the ranking tries for every (tp, pp): pp = 64 has 512 microbatches to replay
+RANK_TOP = 24  # fitting layouts the ranking collects: at least 3 distinct (tp, pp) past 6 variants of each
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,16 +173,57 @@ def published_layouts(row: Row, cluster_name: str) -> list[Candidate]:
             if (c.tp, c.pp, c.recompute) == (row.tp, row.pp, "full")]
 
 
-def rank_of(row: Row, cluster_name: str, best: Prediction) -> int:
-    """1 + how many (tp, pp) layouts of the same GPUs and batch the planner predicts faster than the published."""
+def rank_of(job: Job, cluster: Cluster, layouts: list[Candidate], key: Callable[[Candidate], tuple],
+            published: tuple) -> dict[str, str]:
+    """The published layout's place among the distinct `key`s (tp, pp[, cp]) of the fastest layouts, those that fit
+    hybrid's memory estimate (`search.plan`) and all of them; and how much slower than the fastest that fits the
+    planner predicts the published key's fastest variant."""
+    ranked = list(itertools.islice(fastest(job, cluster, layouts), RANK_TOP * 4))
+    mine = min(p.step_s for p in ranked if key(p.candidate) == published) if any(
+        key(p.candidate) == published for p in ranked) else None
+    try:
+        plans, _ = plan(job, cluster, lambda cfg: lambda ctx: build_chunks(cfg, job.shape.vocab, ctx), RANK_TOP,
+                        layouts=layouts)
+    except PlanError:
+        plans = []
+    gap = f"{mine / plans[0].step_s - 1:+.1%}" if plans and mine else "-"
+    return {"fits": _place([key(p.candidate) for p in plans], published),
+            "any": _place([key(p.candidate) for p in ranked], published), "gap": gap}
+
+
+RANKS = ("rank (fits)", "rank (any memory)", "gap")
+
+
+def _rank_cells(g: dict[str, Any]) -> list[str]:
+    rank = g["rank"]
+    return [rank["fits"], rank["any"], rank["gap"]] if rank else ["-", "-", "-"]
+
+
+def _place(keys: list[tuple], published: tuple) -> str:
+    distinct = list(dict.fromkeys(keys))
+    return str(distinct.index(published) + 1) if published in distinct else f"> {len(distinct)}"
+
+
+def megatron_job(row: Row) -> Job:
+    cfg = compose_config(["model=gpt-1b", f"model.n_layers={row.layers}", f"model.hidden={row.hidden}",
+                          f"model.n_heads={row.heads}", f"model.ffn_hidden={4 * row.hidden}",
+                          f"model.vocab_size={VOCAB}", f"model.max_seq_len={SEQ}"])
+    return Job(cfg, row.shape(), row.batch, SEQ, KERNEL)
+
+
+def dgxc_rank(row: Llama, cluster: Cluster) -> dict[str, str]:
+    """Among every (tp, pp, cp) of the row's GPUs and batch, NeMo's software, no recomputation, micro batch 1–4."""
+    layouts = [of_dgxc(c) for c in candidates(row.shape(), cluster, row.batch, LLAMA_SEQ)
+               if c.recompute == "none" and c.micro in RANK_MICRO]
+    return rank_of(row.job(), cluster, layouts, lambda c: (c.tp, c.pp, c.cp), (row.tp, row.pp, row.cp))
+
+
+def megatron_rank(row: Row, cluster_name: str) -> dict[str, str]:
+    """Among every (tp, pp) of the row's GPUs and batch, 2021's software, full recomputation, micro batch 1–4."""
     cluster = preset(cluster_name, row.gpus // 8)
-    fastest: dict[tuple[int, int], float] = {}
-    for c in candidates(row.shape(), cluster, row.batch):
-        if c.recompute == "full" and c.micro in RANK_MICRO:
-            step = predict(row.shape(), of_2021(c), cluster, row.batch, SEQ, kernel=KERNEL).step_s
-            key = (c.tp, c.pp)
-            fastest[key] = min(fastest.get(key, step), step)
-    return 1 + sum(step < best.step_s for key, step in fastest.items() if key != (row.tp, row.pp))
+    layouts = [of_2021(c) for c in candidates(row.shape(), cluster, row.batch)
+               if c.recompute == "full" and c.micro in RANK_MICRO]
+    return rank_of(megatron_job(row), cluster, layouts, lambda c: (c.tp, c.pp), (row.tp, row.pp))
 
 
 def dgxc(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[str, Any]]:
@@ -174,13 +231,15 @@ def dgxc(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[str,
     rows = [r for r in DGXC if r.name in args.rows.split(",")]
     got = []
     for row in rows:
-        p = predict(row.shape(), row.candidate(), preset("dgx-h100", row.gpus // 8), row.batch, LLAMA_SEQ)
+        cluster = preset("dgx-h100", row.gpus // 8)
+        p = predict(row.shape(), row.candidate(), cluster, row.batch, LLAMA_SEQ)
         got.append({"row": row.name, "published": row.tokens, "predicted": p.tokens_per_s_per_gpu,
-                    "ratio": p.tokens_per_s_per_gpu / row.tokens, "layout": p.candidate.label(), "parts": p.parts})
+                    "ratio": p.tokens_per_s_per_gpu / row.tokens, "layout": p.candidate.label(), "parts": p.parts,
+                    "rank": dgxc_rank(row, cluster) if args.rank else None})
     out("\n## NVIDIA dgxc-benchmarking Llama 3.1 on dgx-h100 (tokens/s per GPU)")
-    out("\n".join(common.table(["model", "GPUs", "tp", "pp", "v", "cp", "published", "predicted", "ratio"],
+    out("\n".join(common.table(["model", "GPUs", "tp", "pp", "v", "cp", "published", "predicted", "ratio", *RANKS],
                                [[r.name, r.gpus, r.tp, r.pp, r.v, r.cp, f"{r.tokens:,.0f}", f"{g['predicted']:,.0f}",
-                                 f"{g['ratio']:.2f}"] for g, r in zip(got, rows)])))
+                                 f"{g['ratio']:.2f}", *_rank_cells(g)] for g, r in zip(got, rows)])))
     return _verdict(got, out)
 
 
@@ -199,12 +258,12 @@ def megatron(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[
         best = best_of(row, published_layouts(row, args.cluster), args.cluster)
         tflops = row.flops_per_step() / best.step_s / row.gpus / 1e12
         got.append({"row": row.name, "published": row.tflops, "predicted": tflops, "ratio": tflops / row.tflops,
-                    "layout": best.candidate.label(), "rank": rank_of(row, args.cluster, best) if args.rank else None,
+                    "layout": best.candidate.label(), "rank": megatron_rank(row, args.cluster) if args.rank else None,
                     "parts": best.parts})
     out(f"\n## Megatron-LM Table 1 on {args.cluster} (TFLOP/s per GPU, the paper's count)")
-    out("\n".join(common.table(["model", "GPUs", "tp", "pp", "published", "predicted", "ratio", "layout", "rank"],
+    out("\n".join(common.table(["model", "GPUs", "tp", "pp", "published", "predicted", "ratio", "layout", *RANKS],
                                [[g["row"], r.gpus, r.tp, r.pp, r.tflops, f"{g['predicted']:.0f}", f"{g['ratio']:.2f}",
-                                 g["layout"], g["rank"] or "-"] for g, r in zip(got, rows)])))
+                                 g["layout"], *_rank_cells(g)] for g, r in zip(got, rows)])))
     return _verdict(got, out)
 
 

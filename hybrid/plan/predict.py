@@ -121,9 +121,11 @@ def link_of_group(cluster: Cluster, size: int, stride: int):  # noqa: ANN201 - a
 
 
 def predict(shape: Shape, c: Candidate, cluster: Cluster, global_batch: int, seq: int, act: int = 2,
-            kernel: str = "flash", lossy: bool = False) -> Prediction:
+            kernel: str = "flash", lossy: bool = False, replay: bool = True) -> Prediction:
     """The step of `c` training `shape` on `cluster`, `global_batch` sequences of `seq` tokens, attention by
-    `kernel` (`cost.ATTENTION`); a DP exchange `auto` becomes the fastest exact one (`lossy`: int8 too)."""
+    `kernel` (`cost.ATTENTION`); a DP exchange `auto` becomes the fastest exact one (`lossy`: int8 too). Without
+    `replay` the pipeline is only its busiest rank's work (no bubble): a lower bound of the step, without the
+    simulator."""
     if c.dp_exchange == "auto":
         chosen = exchange.best(c.dp * c.cp, c.tp, c.zero, stage_elements(shape, c), cluster, lossy)
         c = replace(c, dp_exchange=chosen.method)
@@ -133,7 +135,8 @@ def predict(shape: Shape, c: Candidate, cluster: Cluster, global_batch: int, seq
     ranks = rank_passes(c, per_part)
     slowest = max(ranks, key=balance.seconds)
     p2p = p2p_s(m, shape.hidden, link_of_group(cluster, 2, c.tp * c.cp * c.dp)) * (c.pp > 1)
-    parts = _parts(c, cluster, count, slowest, _pipeline_s(c, count, per_part, p2p), stage_elements(shape, c), act)
+    pipeline = _pipeline_s(c, count, per_part, p2p) if replay else count * balance.seconds(slowest)
+    parts = _parts(c, cluster, count, slowest, pipeline, stage_elements(shape, c), act)
     parts["p2p"] = p2p
     step = parts["pipeline"] + parts["dp_exposed"] + parts["optimizer"]
     if cluster.device.cores and cluster.per_node > cluster.device.cores:  # CPU ranks sharing a node's cores

@@ -1,18 +1,19 @@
-"""Every layout a cluster can run a model in, ranked by predicted step time, each checked against memory.
-
-Candidates: tp a power of two inside a node dividing the heads, KV heads and FFN; pp dividing the layers (and
-the world with tp); dp the rest; micro batches dividing each DP rank's share of the global batch (up to 16);
-1F1B, and the interleaved schedule with 2 virtual stages where the parts and microbatches allow it;
-recomputation none, selective or full; ZeRO-1 (the distributed optimizer) where dp > 1. All are predicted
-(`predict`: analytic costs, the simulator's pipeline; each with the fastest exact DP exchange its links allow, int8
-across nodes too when lossy exchanges are allowed); the fastest are then estimated (`hybrid.memory`, each
-stage's first rank built on the meta device, the first and last stages: the embedding's and the head's, the
-largest) in order until `top` fit the device with 10 % to spare.
+"""Every layout a cluster can run a model in, ranked by predicted step time, each checked against memory. Candidates:
+tp a power of two inside a node dividing the heads, KV heads and FFN; cp 1, 2, 4 or 8 inside the node with tp (2·cp
+dividing the sequence); pp dividing the layers (and the world with tp and cp); dp the rest; micro batches dividing
+each DP rank's share of the global batch (up to 16); 1F1B, and the interleaved schedule with 2 virtual stages where
+the parts and microbatches allow it; recomputation none, selective or full; ZeRO-1 (the distributed optimizer) where
+dp·cp > 1. They are predicted (`predict`: analytic costs, the simulator's pipeline; each with the fastest exact DP
+exchange its links allow, int8 across nodes too when lossy exchanges are allowed) fastest first — each bounded below
+without the simulator, and replayed only while it might still be among the fastest (`fastest`) —; the fastest are
+then estimated (`hybrid.memory`, each stage's first rank built on the meta device, the first and last stages: the
+embedding's and the head's, the largest) in order until `top` fit the device with 10 % to spare.
 """
 
 from __future__ import annotations
 
 import copy
+import heapq
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Optional
@@ -44,30 +45,33 @@ class Job:
     shape: Shape
     global_batch: int
     seq: int
+    kernel: str = "flash"  # the attention kernel the step runs (`cost.ATTENTION`)
 
 
-def candidates(shape: Shape, cluster: Cluster, global_batch: int) -> Iterator[Candidate]:
+def candidates(shape: Shape, cluster: Cluster, global_batch: int, seq: int = 0) -> Iterator[Candidate]:
+    """Every layout (see the module doc); CP sizes only given the sequence (`seq`), which 2·cp must divide."""
     world, d = cluster.world, shape.hidden // shape.heads
     for tp in (t for t in (1, 2, 4, 8, 16) if t <= cluster.per_node and _divides(shape, t)):
-        for pp in (p for p in range(1, shape.layers + 1) if shape.layers % p == 0 and world % (tp * p) == 0):
-            dp = world // (tp * pp)
-            if global_batch % dp or d < 1:
-                continue
-            yield from _knobs(shape, tp, pp, dp, global_batch // dp)
+        for cp in (c for c in (1, 2, 4, 8) if c == 1 or (tp * c <= cluster.per_node and seq and seq % (2 * c) == 0)):
+            for pp in (p for p in range(1, shape.layers + 1) if shape.layers % p == 0 and world % (tp * cp * p) == 0):
+                dp = world // (tp * cp * pp)
+                if global_batch % dp or d < 1:
+                    continue
+                yield from _knobs(shape, tp, cp, pp, dp, global_batch // dp)
 
 
 def _divides(shape: Shape, tp: int) -> bool:
     return shape.heads % tp == 0 and shape.kv_heads % tp == 0 and shape.ffn % tp == 0
 
 
-def _knobs(shape: Shape, tp: int, pp: int, dp: int, per_dp: int) -> Iterator[Candidate]:
+def _knobs(shape: Shape, tp: int, cp: int, pp: int, dp: int, per_dp: int) -> Iterator[Candidate]:
     for micro in (b for b in range(1, min(per_dp, MAX_MICRO) + 1) if per_dp % b == 0):
         count = per_dp // micro
         for v in (1, 2) if pp > 1 else (1,):
             if v > 1 and (shape.layers % (pp * v) or count % pp):
                 continue
             for recompute in RECOMPUTE:
-                yield Candidate(tp, pp, dp, micro, v=v, recompute=recompute, zero=1 if dp > 1 else 0,
+                yield Candidate(tp, pp, dp, micro, cp=cp, v=v, recompute=recompute, zero=1 if dp * cp > 1 else 0,
                                 dp_exchange="auto")
 
 
@@ -75,28 +79,46 @@ MAX_ESTIMATES = 120  # memory estimates a plan makes, fastest layouts first, bef
 
 
 def plan(job: Job, cluster: Cluster, builder: Builder, top: int = 5, check: Optional[Checker] = None,
-         lossy: bool = False) -> tuple[list[Prediction], int]:
-    """(the `top` fastest layouts that fit, fastest first; how many layouts were predicted). None fitting: a
+         lossy: bool = False, layouts: Optional[list[Candidate]] = None) -> tuple[list[Prediction], int]:
+    """(the `top` fastest layouts that fit, fastest first; how many layouts were considered). None fitting: a
     PlanError saying how far the leanest layout is from fitting. `check`: a layout whose config it refuses
-    (`validation.validate`: what `hybrid.train` would refuse) is skipped."""
-    ranked = sorted((predict(job.shape, c, cluster, job.global_batch, job.seq, lossy=lossy)
-                     for c in candidates(job.shape, cluster, job.global_batch)), key=lambda p: p.step_s)
-    if not ranked:
+    (`validation.validate`: what `hybrid.train` would refuse) is skipped. `layouts`: these instead of every
+    candidate."""
+    layouts = list(candidates(job.shape, cluster, job.global_batch, job.seq)) if layouts is None else layouts
+    if not layouts:
         raise PlanError(f"no layout divides {cluster.world} ranks and the global batch of {job.global_batch} "
                         f"(tp must divide the {job.shape.heads} heads, pp the {job.shape.layers} layers)")
     fitting: list[Prediction] = []
-    for p in ranked[:MAX_ESTIMATES]:  # fastest first, until `top` run and fit
+    tried: list[Prediction] = []
+    for p in fastest(job, cluster, layouts, lossy):  # fastest first, until `top` run and fit
+        tried.append(p)
         if (check is None or _runs(job, p, cluster, check)) and _estimated(job, p, cluster, builder).fits:
             fitting.append(p)
-            if len(fitting) == top:
-                break
-    tried = ranked[:MAX_ESTIMATES]
+        if len(fitting) == top or len(tried) == MAX_ESTIMATES:
+            break
     if not fitting and all(p.notes for p in tried):  # refused for another reason than memory: say which
         raise PlanError(f"hybrid.train refuses every layout tried, e.g. {tried[0].candidate.label()}: "
                         f"{tried[0].notes[0]}")
     if not fitting:
-        raise no_fit_error(job, cluster, ranked, builder)
-    return fitting, len(ranked)
+        raise no_fit_error(job, cluster, layouts, builder)
+    return fitting, len(layouts)
+
+
+def fastest(job: Job, cluster: Cluster, layouts: list[Candidate], lossy: bool = False) -> Iterator[Prediction]:
+    """The layouts' predictions, fastest first, each replayed only when needed: layouts go in order of their lower
+    bound (`predict` without the pipeline's bubble), and a prediction is yielded once no layout left can beat it."""
+    def one(c: Candidate, replay: bool) -> Prediction:
+        return predict(job.shape, c, cluster, job.global_batch, job.seq, kernel=job.kernel, lossy=lossy,
+                       replay=replay)
+
+    heap: list[tuple[float, int, Prediction]] = []
+    for i, (bound, c) in enumerate(sorted(((one(c, False).step_s, c) for c in layouts), key=lambda t: t[0])):
+        while heap and heap[0][0] <= bound:
+            yield heapq.heappop(heap)[2]
+        p = one(c, True)
+        heapq.heappush(heap, (p.step_s, i, p))
+    while heap:
+        yield heapq.heappop(heap)[2]
 
 
 def _runs(job: Job, p: Prediction, cluster: Cluster, check: Checker) -> bool:
@@ -149,14 +171,14 @@ def _meta(build: Build, layout: Layout, pp_rank: int):  # noqa: ANN202 - the ran
         return build(ParallelContext.shapes(layout, layout.rank(pp_rank, 0, 0)))
 
 
-def no_fit_error(job: Job, cluster: Cluster, ranked: list[Prediction], builder: Builder) -> PlanError:
+def no_fit_error(job: Job, cluster: Cluster, layouts: list[Candidate], builder: Builder) -> PlanError:
     """How far the leanest layouts (full recomputation, micro batch 1, the most model parallelism) are from fitting,
     and the smallest fix: how many times more nodes would spread the states that far."""
-    lean = sorted(ranked, key=lambda p: (p.candidate.recompute != "full", p.candidate.micro,
-                                         -p.candidate.tp * p.candidate.pp))[:4]
-    best = min((_estimated(job, p, cluster, builder) for p in lean), key=lambda p: p.memory)
+    lean = sorted(layouts, key=lambda c: (c.recompute != "full", c.micro, -c.tp * c.cp * c.pp))[:4]
+    predicted = (predict(job.shape, c, cluster, job.global_batch, job.seq) for c in lean)
+    best = min((_estimated(job, p, cluster, builder) for p in predicted), key=lambda p: p.memory)
     need = best.memory / (HEADROOM * cluster.device.memory)
-    return PlanError(f"no layout of {len(ranked)} fits: the leanest ({best.candidate.label()}) needs "
+    return PlanError(f"no layout of {len(layouts)} fits: the leanest ({best.candidate.label()}) needs "
                      f"{best.memory / 2**30:.1f} GiB a rank, {need:.1f}× the {HEADROOM:.0%} of "
                      f"{cluster.device.memory / 2**30:.0f} GiB a plan may fill; at least {need:.1f}× the devices "
                      f"(--nodes {cluster.nodes * max(2, int(need + 0.999))}) or a larger device")

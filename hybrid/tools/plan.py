@@ -146,7 +146,7 @@ def body(argv: list[str]) -> str:
     answers = [target.answer(job.shape, p, cluster, job.global_batch, job.seq, goal) for p in plans] if goal else []
     if args.json:
         return json.dumps({"cluster": cluster.describe(), "model": job.cfg.model.name, "batch": job.global_batch,
-                           "seq": job.seq, "layouts_predicted": tried,
+                           "seq": job.seq, "layouts_considered": tried,
                            "plans": [p.to_json() | {"dp_exchanges_s": exchange_seconds(p.candidate, job.shape, cluster)}
                                      for p in plans],
                            "command": command(job, cluster, plans[0], rest)}
@@ -154,7 +154,7 @@ def body(argv: list[str]) -> str:
                                          "layouts": [a.to_json() for a in answers]}} if goal else {}), indent=1)
     params = job.shape.layers * job.shape.layer_params() + job.shape.vocab * job.shape.hidden
     lines = [f"plan: {job.cfg.model.name} ({format_count(params)} parameters), {job.global_batch} × {job.seq} tokens a "
-             f"step on {cluster.describe()}", f"{tried} layouts predicted; the fastest that fit:", *table(plans),
+             f"step on {cluster.describe()}", f"{tried} layouts considered; the fastest that fit:", *table(plans),
              *exchange_line(plans[0], job, cluster), *(target.lines(goal, answers, tokens) if goal else []),
              f"run the first: {command(job, cluster, plans[0], rest)}"]
     return "\n".join(lines)

@@ -20,7 +20,7 @@ from hybrid.plan import exchange
 from hybrid.plan.cost import Micro, Shape, collective_s, layer_pass, shape_of
 from hybrid.plan.hardware import Link, PlanError, from_diagnose, link_of, preset
 from hybrid.plan.predict import Candidate, predict
-from hybrid.plan.search import Job, candidates, configured, peak_memory
+from hybrid.plan.search import Job, candidates, configured, fastest, peak_memory
 from hybrid.tools.plan import main
 from hybrid.trainer import build_chunks
 from hybrid.validation import validate
@@ -57,10 +57,23 @@ def test_the_pipeline_bubble_is_1f1bs_closed_form_without_communication() -> Non
 
 
 def test_candidates_divide_heads_layers_world_and_batch() -> None:
-    got = list(candidates(GPT, H100, 64))
-    assert got and all(16 % c.tp == 0 and 8 % c.pp == 0 and c.tp * c.pp * c.dp == 16 and 64 % c.dp == 0
-                       and (64 // c.dp) % c.micro == 0 and c.tp <= 8 for c in got)
+    got = list(candidates(GPT, H100, 64, seq=1000))
+    assert got and all(16 % c.tp == 0 and 8 % c.pp == 0 and c.tp * c.cp * c.pp * c.dp == 16 and 64 % c.dp == 0
+                       and (64 // c.dp) % c.micro == 0 and c.tp * c.cp <= 8 and 1000 % (2 * c.cp) == 0 for c in got)
     assert {c.recompute for c in got} == {"none", "selective", "full"} and any(c.v == 2 for c in got)
+    assert {c.cp for c in got} == {1, 2, 4} and {c.cp for c in candidates(GPT, H100, 64)} == {1}  # 8 ∤ 1000 / 2
+
+
+def test_the_lazy_ranking_is_the_exhaustive_one() -> None:
+    """`fastest` replays a layout only while it may still rank: its order is every layout predicted and sorted, and
+    each bound it orders by is at most the step."""
+    node = preset("dgx-h100", 1)
+    job = Job(compose_config(["model=gpt-tiny"]), GPT, 16, 1024)
+    layouts = list(candidates(GPT, node, 16, 1024))
+    full = [predict(GPT, c, node, 16, 1024) for c in layouts]
+    assert [p.step_s for p in fastest(job, node, layouts)] == sorted(p.step_s for p in full)
+    assert all(predict(GPT, c, node, 16, 1024, replay=False).step_s <= p.step_s for c, p in zip(layouts, full))
+    assert len(layouts) > 100 and any(c.pp > 1 for c in layouts) and any(c.cp > 1 for c in layouts)
 
 
 def test_the_memory_filter_is_hybrid_memorys_estimate() -> None:
