@@ -189,8 +189,12 @@ def stage_estimates(cfg: Config, layout: Layout, stages: Sequence[nn.ModuleList]
 
 
 def shard_dp(cfg: Config, layout: Layout) -> int:
-    """The DP ranks ZeRO shards over: all of them, or under `parallel.zero_group` (HSDP) a shard group's."""
-    return layout.zero_shard_size(str(cfg.parallel.zero_group)) if cfg.parallel.zero else layout.dp
+    """The ranks ZeRO shards over: every rank that averages the gradients — DP's, and CP's with them (the cp·dp
+    group) —, or under `parallel.zero_group` (HSDP) a shard group's (`sync.zero.shard_lists`)."""
+    if not cfg.parallel.zero:
+        return layout.dp
+    size = layout.zero_shard_size(str(cfg.parallel.zero_group))
+    return size * layout.cp if size == layout.dp else size
 
 
 def training_schedule(cfg: Config, layout: Layout, stages: Sequence[nn.ModuleList], m: Micro) -> Schedule:

@@ -66,6 +66,20 @@ def test_a_cp_rank_is_estimated_at_its_share_of_the_sequence(capsys: pytest.Capt
     assert activations[0] == activations[1]
 
 
+@pytest.mark.parametrize("world,layout,zero_group", [
+    (8, {"dp": 4, "cp": 2}, "dp"), (8, {"dp": 2, "cp": 2, "tp": 2}, "dp"), (8, {"dp": 8}, "dp"),
+    (8, {"dp": 4, "cp": 2, "ranks_per_node": 4}, "node"), (8, {"dp": 4, "pp": 2}, "2")])
+def test_the_estimate_shards_over_the_runs_own_zero_groups(world: int, layout: dict, zero_group: str) -> None:
+    """The ranks the estimate divides ZeRO's states by are the size of the shard group the run builds (under CP,
+    the cp·dp ranks that average the gradients)."""
+    from hybrid.memory import shard_dp
+    from hybrid.sync.zero import shard_lists
+
+    lay = Layout.create(world, **layout)
+    cfg = compose_config(["model=gpt-tiny", "parallel.zero=1", f"parallel.zero_group={zero_group}"])
+    assert shard_dp(cfg, lay) == len(shard_lists(cfg, lay)[0][0])
+
+
 def test_a_run_that_does_not_fit_is_told_the_zero_stage_that_would(capsys: pytest.CaptureFixture[str]) -> None:
     """Each higher ZeRO stage's largest rank (the estimate of the same chunks), up to the first that fits: at
     gpt-350m's width, 14 layers, pp2dp4, ZeRO-1 is not enough in 1.7 GiB, ZeRO-2 is."""
