@@ -95,3 +95,13 @@ def test_simulator_part_costs() -> None:
     assert simulate(zb, parts=[(1.0, 2.0)] * 2, weight=0.5).makespan == simulate(zb, 1.0, 2.0, weight=0.5).makespan
     with pytest.raises(ScheduleError, match="3 part costs for 4 model parts"):
         simulate(s, parts=[(1.0, 2.0)] * 3)
+
+
+def test_the_bench_runs_both_splits_and_predicts_them(capsys: pytest.CaptureFixture[str]) -> None:
+    """`stage_balance --quick`: both splits launched on 2 ranks and timed, each predicted (no claim on the times)."""
+    from hybrid.bench import stage_balance
+
+    got = stage_balance.run(stage_balance.parse_args(["--quick"]))
+    assert set(got["counts"]) == {"equal", "auto"} and all(sum(c) == 4 for c in got["counts"].values())
+    assert got["ratio"] > 0 and got["predicted"] > 0 and all(len(r) == 1 for r in got["got"]["auto"])
+    assert "auto / equal step time: measured" in capsys.readouterr().out

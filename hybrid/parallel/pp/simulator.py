@@ -197,10 +197,9 @@ def _raise_if_stuck(items: list[list], pos: list[int], comms: _Comms) -> None:
 @dataclass(frozen=True)
 class _Wiring:
     """What a replay needs of a schedule whatever its costs: each rank's steps, its comm batches split per stream
-    (`subs`: (rank, stream) → sub-batches; `refs`: rank → batch → its sub-batches), each sub-batch's partners."""
+    (`refs`: rank → batch → its sub-batches (stream, index)), each sub-batch's partners."""
 
     items: list[list]
-    subs: dict[tuple[int, str], list[list[Action]]]
     refs: list[list[list[tuple[str, int]]]]
     partners: dict[tuple[int, str, int], list[tuple[int, str, int]]]
     receives: frozenset[tuple[int, str, int]]  # the sub-batches with a receive in them
@@ -216,7 +215,7 @@ def _wired(schedule: Schedule) -> _Wiring:
             for r, rank_items in enumerate(items)]
     receives = frozenset((r, stream, j) for (r, stream), rank_subs in subs.items()
                          for j, sub in enumerate(rank_subs) if any(a.op.is_recv for a in sub))
-    return _Wiring(items, dict(subs), refs, _match(schedule, subs), receives)
+    return _Wiring(items, refs, _match(schedule, subs), receives)
 
 
 def _split(schedule: Schedule, r: int, batch: list[Action], subs: dict[tuple[int, str], list[list[Action]]]
