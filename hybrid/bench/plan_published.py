@@ -169,8 +169,8 @@ def of_2021(c: Candidate) -> Candidate:
 def published_layouts(row: Row, cluster_name: str) -> list[Candidate]:
     """Every micro batch and schedule of the published tp and pp, with full recomputation."""
     cluster = preset(cluster_name, row.gpus // 8)
-    return [of_2021(c) for c in candidates(row.shape(), cluster, row.batch)
-            if (c.tp, c.pp, c.recompute) == (row.tp, row.pp, "full")]
+    return list(dict.fromkeys(of_2021(c) for c in candidates(row.shape(), cluster, row.batch)
+                              if (c.tp, c.pp, c.recompute) == (row.tp, row.pp, "full")))
 
 
 def rank_of(job: Job, cluster: Cluster, layouts: list[Candidate], key: Callable[[Candidate], tuple],
@@ -213,16 +213,16 @@ def megatron_job(row: Row) -> Job:
 
 def dgxc_rank(row: Llama, cluster: Cluster) -> dict[str, str]:
     """Among every (tp, pp, cp) of the row's GPUs and batch, NeMo's software, no recomputation, micro batch 1–4."""
-    layouts = [of_dgxc(c) for c in candidates(row.shape(), cluster, row.batch, LLAMA_SEQ)
-               if c.recompute == "none" and c.micro in RANK_MICRO]
+    layouts = list(dict.fromkeys(of_dgxc(c) for c in candidates(row.shape(), cluster, row.batch, LLAMA_SEQ)
+                                 if c.recompute == "none" and c.micro in RANK_MICRO))
     return rank_of(row.job(), cluster, layouts, lambda c: (c.tp, c.pp, c.cp), (row.tp, row.pp, row.cp))
 
 
 def megatron_rank(row: Row, cluster_name: str) -> dict[str, str]:
     """Among every (tp, pp) of the row's GPUs and batch, 2021's software, full recomputation, micro batch 1–4."""
     cluster = preset(cluster_name, row.gpus // 8)
-    layouts = [of_2021(c) for c in candidates(row.shape(), cluster, row.batch)
-               if c.recompute == "full" and c.micro in RANK_MICRO]
+    layouts = list(dict.fromkeys(of_2021(c) for c in candidates(row.shape(), cluster, row.batch)
+                                 if c.recompute == "full" and c.micro in RANK_MICRO))
     return rank_of(megatron_job(row), cluster, layouts, lambda c: (c.tp, c.pp), (row.tp, row.pp))
 
 

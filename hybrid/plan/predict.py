@@ -150,16 +150,20 @@ def predict(shape: Shape, c: Candidate, cluster: Cluster, global_batch: int, seq
 def _parts(c: Candidate, cluster: Cluster, count: int, stage: Pass, pipeline: float, elements: float, act: int
            ) -> dict[str, float]:
     """The step's parts on the slowest stage: the pipeline (the simulator's makespan), of it compute, exposed TP and
-    bubble; the DP exchange (all of it, and what the last backward leaves exposed); the optimizer (Adam, ZeRO-1's
-    parameter all-gather)."""
-    dp_total, dp_exposed = _dp_s(c, cluster, elements, stage.clocked()[1] / c.v)
+    bubble; the DP exchange (all of it, and what the backward leaves exposed; ZeRO-3's parameter all-gathers, each
+    behind the pass it feeds); the optimizer (Adam, ZeRO-1's and ZeRO-2's parameter all-gather)."""
+    forward, backward = stage.clocked()
+    dp_total, dp_exposed = _dp_s(c, cluster, elements, backward / c.v, count)
     grads = c.dp * c.cp  # the ranks that average gradients (and ZeRO's shards): DP's and CP's
     gather = collective_s("all_gather", elements * act, grads, link_of_group(cluster, grads, c.tp))
-    optimizer = optimizer_s(elements / (grads if c.zero else 1), cluster.device)
+    if c.zero == 3:  # parameters gathered before each microbatch's forward and again before its backward
+        dp_total += 2 * count * gather
+        dp_exposed += count * (max(0.0, gather - forward) + max(0.0, gather - backward))
+    optimizer = optimizer_s(elements / (grads if c.zero else 1), cluster.device) + gather * (c.zero in (1, 2))
     compute, exposed = count * (stage.forward + stage.backward), count * (stage.tp_exposed + stage.cp_exposed)
     return {"pipeline": pipeline, "compute": compute, "tp_exposed": count * stage.tp_exposed,
             "cp_exposed": count * stage.cp_exposed, "bubble": max(0.0, pipeline - compute - exposed),
-            "dp_total": dp_total, "dp_exposed": dp_exposed, "optimizer": optimizer + (gather if c.zero else 0.0),
+            "dp_total": dp_total, "dp_exposed": dp_exposed, "optimizer": optimizer,
             "tp_total": count * stage.tp_total, "cp_total": count * stage.cp_total}
 
 
@@ -175,13 +179,25 @@ def _shared_s(cluster: Cluster, count: int, stage: Pass, p2p: float, parts: dict
 def wire_bytes(shape: Shape, c: Candidate, m: Micro, count: int) -> dict[str, float]:
     """Bytes one rank of the largest stage puts on the wire a step, per group: TP's exchanges (under SP 10 of the
     residual stream a layer, forward and backward, 4 all-reduces without; the full recomputation's forward again),
-    PP's hidden states and their gradients, DP's gradients (fp32, the ring's 2(n − 1)/n)."""
+    PP's hidden states and their gradients, DP's (`dp_bytes`)."""
     stream = m.tokens * shape.hidden * m.act
     per_layer = (10 if c.sp else 8) * stream * (c.tp - 1) / c.tp * (1 + (c.recompute == "full") * 0.4)
     pp = 2 * count * stream / (c.tp if c.sp else 1) if c.pp > 1 else 0.0
+    return {"tp": count * per_layer * shape.layers / c.pp, "pp": pp,
+            "dp": dp_bytes(c, stage_elements(shape, c), m.act, count)}
+
+
+def dp_bytes(c: Candidate, elements: float, act: int, count: int) -> float:
+    """A rank's DP bytes a step, the ring's (n − 1)/n of each payload over the dp·cp ranks: without ZeRO the fp32
+    gradients' all-reduce (twice); ZeRO-1 their reduce-scatter and the parameters' all-gather (`act` bytes);
+    ZeRO-2 a reduce-scatter every microbatch; ZeRO-3 also two parameter all-gathers a microbatch, none after."""
     grads = c.dp * c.cp
-    dp = 2 * stage_elements(shape, c) * 4 * (grads - 1) / grads
-    return {"tp": count * per_layer * shape.layers / c.pp, "pp": pp, "dp": dp}
+    share = elements * (grads - 1) / grads
+    if c.zero == 0:
+        return 2 * 4 * share
+    scatters = count if c.zero >= 2 else 1
+    gathers = 2 * count if c.zero == 3 else 1
+    return scatters * 4 * share + gathers * act * share
 
 
 def _pipeline_s(c: Candidate, count: int, parts: list[Pass], p2p: float) -> float:
@@ -204,14 +220,16 @@ def stage_elements(shape: Shape, c: Candidate) -> float:
     return (shape.layers / c.pp * shape.layer_params() + shape.vocab * shape.hidden) / c.tp
 
 
-def _dp_s(c: Candidate, cluster: Cluster, elements: float, last_backward: float) -> tuple[float, float]:
-    """(the gradient exchange's seconds, what the last microbatch's backward does not hide): fp32 gradients
-    exchanged over DP by `c.dp_exchange` (`exchange`), launched bucket by bucket as the backward makes them."""
+def _dp_s(c: Candidate, cluster: Cluster, elements: float, backward: float, count: int) -> tuple[float, float]:
+    """(the gradient exchange's seconds, what the backward does not hide): fp32 gradients exchanged over DP by
+    `c.dp_exchange` (`exchange`), launched bucket by bucket as the backward makes them — once a step behind the last
+    microbatch's backward, or (ZeRO-2 and 3: only shards are kept) every microbatch behind its own."""
     if c.dp * c.cp == 1:
         return 0.0, 0.0
     timed = {e.method: e.seconds for e in exchange.options(c.dp * c.cp, c.tp, c.zero, elements, cluster)}
-    total = timed.get(c.dp_exchange, timed["flat"])
-    return total, max(total - 0.9 * last_backward, total / 16) if c.dp_overlap else total
+    one, rounds = timed.get(c.dp_exchange, timed["flat"]), count if c.zero >= 2 else 1
+    exposed = max(one - 0.9 * backward, one / 16) if c.dp_overlap else one
+    return rounds * one, rounds * exposed
 
 
 def exchange_seconds(c: Candidate, shape: Shape, cluster: Cluster) -> dict[str, float]:

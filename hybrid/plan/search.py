@@ -2,18 +2,19 @@
 tp a power of two inside a node dividing the heads, KV heads and FFN; cp 1, 2, 4 or 8 inside the node with tp (2·cp
 dividing the sequence); pp dividing the layers (and the world with tp and cp); dp the rest; micro batches dividing
 each DP rank's share of the global batch (up to 16); 1F1B, and the interleaved schedule with 2 virtual stages where
-the parts and microbatches allow it; recomputation none, selective or full; ZeRO-1 (the distributed optimizer) where
-dp·cp > 1. They are predicted (`predict`: analytic costs, the simulator's pipeline; each with the fastest exact DP
-exchange its links allow, int8 across nodes too when lossy exchanges are allowed) fastest first — each bounded below
-without the simulator, and replayed only while it might still be among the fastest (`fastest`) —; the fastest are
-then estimated (`hybrid.memory`, each stage's first rank built on the meta device, the first and last stages: the
-embedding's and the head's, the largest) in order until `top` fit the device with 10 % to spare.
+the parts and microbatches allow it; recomputation none, selective or full; ZeRO-1 (the distributed optimizer), 2 or
+3 where dp·cp > 1. They are predicted (`predict`: analytic costs, the simulator's pipeline; each with the fastest
+exact DP exchange its links allow, int8 across nodes too when lossy exchanges are allowed) fastest first — each
+bounded below without the simulator, and replayed only while it might still be among the fastest (`fastest`) —; the
+fastest are then estimated (`hybrid.memory`, each stage's first rank built on the meta device, the first and last
+stages: the embedding's and the head's, the largest) in order until `top` fit the device with 10 % to spare.
 """
 
 from __future__ import annotations
 
 import copy
 import heapq
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Optional
@@ -70,9 +71,8 @@ def _knobs(shape: Shape, tp: int, cp: int, pp: int, dp: int, per_dp: int) -> Ite
         for v in (1, 2) if pp > 1 else (1,):
             if v > 1 and (shape.layers % (pp * v) or count % pp):
                 continue
-            for recompute in RECOMPUTE:
-                yield Candidate(tp, pp, dp, micro, cp=cp, v=v, recompute=recompute, zero=1 if dp * cp > 1 else 0,
-                                dp_exchange="auto")
+            for recompute, zero in itertools.product(RECOMPUTE, (1, 2, 3) if dp * cp > 1 else (0,)):
+                yield Candidate(tp, pp, dp, micro, cp=cp, v=v, recompute=recompute, zero=zero, dp_exchange="auto")
 
 
 MAX_ESTIMATES = 120  # memory estimates a plan makes, fastest layouts first, before it gives up

@@ -18,8 +18,8 @@ from hybrid.memory import meta_stages, stage_estimates
 from hybrid.parallel.context import Layout
 from hybrid.plan import exchange
 from hybrid.plan.cost import Micro, Shape, collective_s, layer_pass, shape_of
-from hybrid.plan.hardware import Link, PlanError, from_diagnose, link_of, preset
-from hybrid.plan.predict import Candidate, predict
+from hybrid.plan.hardware import Cluster, Link, PlanError, from_diagnose, link_of, preset
+from hybrid.plan.predict import Candidate, Prediction, predict, stage_elements
 from hybrid.plan.search import Job, candidates, configured, fastest, peak_memory
 from hybrid.tools.plan import main
 from hybrid.trainer import build_chunks
@@ -56,11 +56,29 @@ def test_the_pipeline_bubble_is_1f1bs_closed_form_without_communication() -> Non
     assert one.parts["bubble"] == pytest.approx(0.0, abs=1e-12)
 
 
+def test_zero_stages_cost_their_exchanges_and_nothing_on_free_links() -> None:
+    """ZeRO-2 reduce-scatters every microbatch, ZeRO-3 also gathers the parameters twice a microbatch and not after
+    the step: on free links every stage predicts the same step; over Ethernet between nodes ZeRO-2 costs at least
+    ZeRO-1; the bytes are the per-microbatch collectives' (4 microbatches, bf16 parameters, fp32 gradients)."""
+    free = replace(H100, intra=Link(1e30, 0.0), inter=Link(1e30, 0.0))
+    slow = replace(H100, inter=link_of("eth-100g"))
+
+    def at(cluster: Cluster, zero: int) -> Prediction:
+        return predict(GPT, Candidate(1, 1, 16, micro=1, zero=zero), cluster, 64, 1024)
+
+    assert at(free, 1).step_s == pytest.approx(at(free, 2).step_s) == pytest.approx(at(free, 3).step_s)
+    assert at(slow, 2).step_s >= at(slow, 1).step_s and at(slow, 3).parts["dp_total"] > at(slow, 2).parts["dp_total"]
+    share = stage_elements(GPT, Candidate(1, 1, 16)) * 15 / 16
+    assert [at(slow, z).bytes["dp"] for z in range(4)] == pytest.approx(
+        [8 * share, 4 * share + 2 * share, 4 * 4 * share + 2 * share, 4 * 4 * share + 8 * 2 * share])
+
+
 def test_candidates_divide_heads_layers_world_and_batch() -> None:
     got = list(candidates(GPT, H100, 64, seq=1000))
     assert got and all(16 % c.tp == 0 and 8 % c.pp == 0 and c.tp * c.cp * c.pp * c.dp == 16 and 64 % c.dp == 0
                        and (64 // c.dp) % c.micro == 0 and c.tp * c.cp <= 8 and 1000 % (2 * c.cp) == 0 for c in got)
     assert {c.recompute for c in got} == {"none", "selective", "full"} and any(c.v == 2 for c in got)
+    assert {c.zero for c in got} == {0, 1, 2, 3} and all((c.zero == 0) == (c.dp * c.cp == 1) for c in got)
     assert {c.cp for c in got} == {1, 2, 4} and {c.cp for c in candidates(GPT, H100, 64)} == {1}  # 8 ∤ 1000 / 2
 
 
