@@ -9,7 +9,9 @@ bandwidth, an op's fixed cost, then fitted to one of the model's blocks run in -
 ranks share the machine's cores); the link is measured in
 the first launch (a 16 MiB all-reduce over all ranks: its bus bandwidth, and a 4-byte one's time as the latency).
 Each layout is one launch of --world ranks training a real `Trainer` (fp32, sequence parallelism and chunked TP
-overlap where tp > 1) for one untimed and --steps timed steps between barriers; its measured step is the median.
+overlap where tp > 1) for one untimed and --steps timed steps between barriers, once a round for --rounds rounds
+(the layouts' order alternating); its measured step is the median over rounds of each launch's median, and with
+more than one round the report adds how well the rounds' own orders agree (the ceiling of any prediction's).
 Reported per layout: measured and predicted seconds and their ratio; over all: Spearman's rank correlation (goal ≥
 0.9), the median absolute error (goal ≤ 15 %), and whether the layout predicted fastest is within 5 % of the
 fastest measured.
@@ -34,6 +36,7 @@ from hybrid.bench.inputs import synthetic_corpus
 from hybrid.config import compose_config
 from hybrid.model import build_model
 from hybrid.parallel.context import Layout, ParallelContext
+from hybrid.plan.balance import resolve
 from hybrid.plan.calibrate import calibrate
 from hybrid.plan.cost import shape_of
 from hybrid.plan.hardware import Cluster, Link
@@ -46,7 +49,7 @@ LAYOUTS = ["tp1pp1dp8 mb2 none zero0", "tp1pp1dp8 mb2 none zero1", "tp2pp1dp4 mb
            "tp4pp1dp2 mb2 none zero1", "tp1pp2dp4 mb2 none zero1", "tp1pp4dp2 mb1 none zero1",
            "tp2pp2dp2 mb2 none zero1", "tp2pp2dp2 v2 mb1 none zero1", "tp1pp1dp8 mb2 full zero1",
            "tp2pp1dp4 mb4 selective zero1", "tp4pp2dp1 mb4 none zero0", "tp1pp2dp4 mb1 full zero1"]
-QUICK = {"model": "gpt-tiny", "layers": 2, "world": 2, "seq": 64, "batch": 4, "steps": 1,
+QUICK = {"model": "gpt-tiny", "layers": 2, "world": 2, "seq": 64, "batch": 4, "steps": 1, "rounds": 2,
          "layouts": ["tp1pp1dp2 mb2 none zero0", "tp2pp1dp1 mb2 none zero0"]}
 
 
@@ -69,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=16, help="sequences a step")
-    p.add_argument("--steps", type=int, default=2, help="timed steps a layout")
+    p.add_argument("--steps", type=int, default=2, help="timed steps a layout a round")
+    p.add_argument("--rounds", type=int, default=1, help="rounds over the layouts, the order alternating")
     p.add_argument("--layouts", nargs="+", default=LAYOUTS)
     p.add_argument("--timeout", type=float, default=900.0)
     return p
@@ -82,6 +86,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         layouts = [parse_layout(t) for t in args.layouts]
     except ValueError as e:
         p.error(str(e))
+    if min(args.rounds, args.steps) < 1:
+        p.error("--rounds and --steps must be >= 1")
     if any(c.tp * c.pp * c.dp != args.world or args.batch % (c.dp * c.micro) for c in layouts):
         p.error(f"every layout's tp·pp·dp must be --world ({args.world}) and dp·mb divide --batch ({args.batch})")
     return args
@@ -91,7 +97,9 @@ def config(args: argparse.Namespace, c: Optional[Candidate] = None) -> Any:
     words = [f"model={args.model}", f"model.n_layers={args.layers}", "model.dropout=0", f"data.seq_len={args.seq}",
              f"train.global_batch_size={args.batch}", "train.eval_every=0", "train.precision=fp32",
              "train.device=cpu", "train.fused_head=off", f"train.steps={10**6}"]
-    return compose_config(words + (c.overrides() if c else []))
+    cfg = compose_config(words + (c.overrides() if c else []))
+    resolve(cfg, VOCAB, "cpu")  # parallel.stage_layers=auto, as hybrid.train resolves it
+    return cfg
 
 
 def one_block(model_cfg: Any) -> Callable[[], torch.nn.Module]:
@@ -137,15 +145,33 @@ def section(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, A
     base = config(args)
     shape = shape_of(base.model, VOCAB)
     device = calibrate(shape, args.seq * 2, "cpu", args.world, layer=one_block(base.model))
-    measured, link = [], None
-    for i, c in enumerate(layouts):
-        got = launch(layout_rank, args.world, config(args, c), args.steps, i == 0, timeout=args.timeout)
-        link = link or Link(*got[0]["link"])
-        measured.append(max(g["step_s"] for g in got))
+    rounds, link = measure(args, layouts)
     cluster = Cluster(device, args.world, 1, link, link)
     predicted = [predict(shape, replace(c, tp_overlap="chunked"), cluster, args.batch, args.seq, act=4).step_s
                  for c in layouts]
-    return report(args, layouts, measured, predicted, cluster, out)
+    measured = [statistics.median(r[i] for r in rounds) for i in range(len(layouts))]
+    result = report(args, layouts, measured, predicted, cluster, out)
+    if len(rounds) > 1:  # the measurement's own repeatability: the ceiling of any model's rank correlation
+        again = statistics.median(spearman(a, b) for a, b in zip(rounds, rounds[1:]))
+        out(f"the measurements repeat round to round to a Spearman of {again:.2f} (median over consecutive rounds)")
+        result["repeat_spearman"] = again
+    return result
+
+
+def measure(args: argparse.Namespace, layouts: list[Candidate]) -> tuple[list[list[float]], Link]:
+    """Each round launches every layout once, in alternating order (forward, then backward, …): per round the
+    slowest rank's median timed step of each layout, in the layouts' order; and the link measured in the first."""
+    rounds, link = [], None
+    for k in range(args.rounds):
+        order = list(range(len(layouts)))[:: 1 if k % 2 == 0 else -1]
+        got = {}
+        for i in order:
+            ranks = launch(layout_rank, args.world, config(args, layouts[i]), args.steps, link is None,
+                           timeout=args.timeout)
+            link = link or Link(*ranks[0]["link"])
+            got[i] = max(g["step_s"] for g in ranks)
+        rounds.append([got[i] for i in range(len(layouts))])
+    return rounds, link
 
 
 def report(args: argparse.Namespace, layouts: list[Candidate], measured: list[float], predicted: list[float],

@@ -156,7 +156,8 @@ def test_the_measured_check_runs_layouts_and_ranks_them(capsys: pytest.CaptureFi
     """plan_cpu at tiny sizes: every layout measured and predicted (no claim on the figures at this size)."""
     got = plan_cpu.run(plan_cpu.parse_args(["--quick"]))
     assert len(got["measured"]) == len(got["predicted"]) == 2 and min(got["measured"] + got["predicted"]) > 0
-    assert -1.0 <= got["spearman"] <= 1.0 and "Spearman" in capsys.readouterr().out
+    assert -1.0 <= got["spearman"] <= 1.0 and -1.0 <= got["repeat_spearman"] <= 1.0
+    assert "repeat round to round" in capsys.readouterr().out
     assert plan_cpu.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
     assert plan_cpu.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
     assert plan_cpu.parse_layout("tp2pp2dp2 v2 mb1 full zero1") == Candidate(2, 2, 2, 1, v=2, recompute="full")

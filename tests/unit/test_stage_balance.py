@@ -9,6 +9,7 @@ import pytest
 
 from hybrid.config import ConfigError, compose_config
 from hybrid.parallel.pp.actions import ScheduleError
+from hybrid.parallel.pp.pipeline import partition_layers
 from hybrid.parallel.pp.schedules import build_schedule
 from hybrid.parallel.pp.simulator import simulate
 from hybrid.plan.balance import auto_stage_layers, balance, part_passes, resolve, seconds
@@ -74,6 +75,8 @@ def test_resolve_replaces_auto_by_the_split_and_says_so() -> None:
     assert "stage balance (parallel.stage_layers=auto): layers per part [" in line and "the head and loss" in line
     plain = config("parallel.stage_layers=[3,3,3,3]")
     assert resolve(plain, 50304, "cpu") == "" and list(plain.parallel.stage_layers) == [3, 3, 3, 3]
+    with pytest.raises(ValueError, match="must be resolved into layer counts before the model is built"):
+        partition_layers(12, 4, "auto")  # a path that builds a model without resolving says so
 
 
 @pytest.mark.parametrize("value", ["balanced", "[1.5,2.5]", "3"])

@@ -43,6 +43,9 @@ def partition_layers(n_layers: int, parts: int, stage_layers: Optional[Sequence[
     """Global layer indices of each model part. Balanced by default: every part gets
     n_layers // parts, and the first n_layers % parts get one more. `stage_layers` sets the counts
     explicitly (the first and last part may be empty: embedding-only or head-only)."""
+    if isinstance(stage_layers, str):  # `auto` is a split still to be made: hybrid.plan.balance.resolve makes it
+        raise ValueError(f"parallel.stage_layers={stage_layers} must be resolved into layer counts before the model "
+                         "is built (hybrid.plan.balance.resolve)")
     if stage_layers is None:
         base, extra = divmod(n_layers, parts)
         counts = [base + (i < extra) for i in range(parts)]
