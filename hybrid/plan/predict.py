@@ -139,7 +139,7 @@ def predict(shape: Shape, c: Candidate, cluster: Cluster, global_batch: int, seq
     parts = _parts(c, cluster, count, slowest, pipeline, stage_elements(shape, c), act)
     parts["p2p"] = p2p
     step = parts["pipeline"] + parts["dp_exposed"] + parts["optimizer"]
-    if cluster.device.cores and cluster.per_node > cluster.device.cores:  # CPU ranks sharing a node's cores
+    if cluster.device.cores and cluster.per_node >= cluster.device.cores:  # CPU ranks with no core to spare
         mean = sum(ranks, Pass(0.0, 0.0)).times(1 / c.pp)  # a rank's share of the work
         parts["shared_cores"] = max(0.0, _shared_s(cluster, count, mean, p2p, parts) - step)
         step += parts["shared_cores"]
@@ -168,9 +168,10 @@ def _parts(c: Candidate, cluster: Cluster, count: int, stage: Pass, pipeline: fl
 
 
 def _shared_s(cluster: Cluster, count: int, stage: Pass, p2p: float, parts: dict[str, float]) -> float:
-    """A step when a node's ranks share fewer cores (CPU): the compute of all of them over the cores — a rank that
-    waits frees its core, so a bubble costs nothing while others have work — plus every exchange's time as measured
-    under that contention, hidden or not (its copies take the same cores)."""
+    """A step when a node's ranks have no core to spare (CPU: as many ranks as cores, or more): the compute of all of
+    them over the cores — a rank that waits frees its core, so a bubble costs nothing while others have work — plus
+    every exchange's time as measured under that contention, hidden or not (its copies take the cores the compute
+    needs: no exchange overlaps)."""
     ratio = cluster.per_node / cluster.device.cores
     work = count * (stage.forward + stage.backward) * ratio
     return work + count * (stage.tp_total + stage.cp_total + 2 * p2p) + parts["dp_total"] + parts["optimizer"] * ratio
