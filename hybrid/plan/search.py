@@ -172,9 +172,9 @@ def _meta(build: Build, layout: Layout, pp_rank: int):  # noqa: ANN202 - the ran
 
 
 def no_fit_error(job: Job, cluster: Cluster, layouts: list[Candidate], builder: Builder) -> PlanError:
-    """How far the leanest layouts (full recomputation, micro batch 1, the most model parallelism) are from fitting,
-    and the smallest fix: how many times more nodes would spread the states that far."""
-    lean = sorted(layouts, key=lambda c: (c.recompute != "full", c.micro, -c.tp * c.cp * c.pp))[:4]
+    """How far the leanest layouts (full recomputation, micro batch 1, ZeRO-3, the most model parallelism) are from
+    fitting, and the smallest fix: how many times more nodes would spread the states that far."""
+    lean = sorted(layouts, key=lambda c: (c.recompute != "full", c.micro, -c.zero, -c.tp * c.cp * c.pp))[:4]
     predicted = (predict(job.shape, c, cluster, job.global_batch, job.seq) for c in lean)
     best = min((_estimated(job, p, cluster, builder) for p in predicted), key=lambda p: p.memory)
     need = best.memory / (HEADROOM * cluster.device.memory)
