@@ -179,8 +179,7 @@ def rank_of(job: Job, cluster: Cluster, layouts: list[Candidate], key: Callable[
     hybrid's memory estimate (`search.plan`) and all of them; and how much slower than the fastest that fits the
     planner predicts the published key's fastest variant."""
     ranked = list(itertools.islice(fastest(job, cluster, layouts), RANK_TOP * 4))
-    mine = min(p.step_s for p in ranked if key(p.candidate) == published) if any(
-        key(p.candidate) == published for p in ranked) else None
+    mine = min((p.step_s for p in ranked if key(p.candidate) == published), default=None)
     try:
         plans, _ = plan(job, cluster, lambda cfg: lambda ctx: build_chunks(cfg, job.shape.vocab, ctx), RANK_TOP,
                         layouts=layouts)

@@ -101,8 +101,9 @@ def resolve(cfg: Config, vocab: int, device_type: str, where: Optional[tuple[Dev
     """Replace `parallel.stage_layers=auto` in `cfg` by the split it means; one start-up line saying so (else '')."""
     if cfg.parallel.stage_layers != AUTO:
         return ""
-    counts = auto_stage_layers(cfg, vocab, device_type, where)
+    passed = part_passes(cfg, vocab, device_type, where)
+    counts = split(cfg.model.n_layers, cfg.parallel.pp * cfg.parallel.virtual_stages, *passed)
     cfg.parallel.stage_layers = counts
-    layer, embed, head = (seconds(x) for x in part_passes(cfg, vocab, device_type, where))
+    layer, embed, head = (seconds(x) for x in passed)
     return (f"stage balance (parallel.stage_layers=auto): layers per part {counts}; predicted, the embedding costs "
             f"{embed / layer:.2f} layer(s) and the head and loss {head / layer:.2f}")

@@ -15,6 +15,7 @@ import functools
 from dataclasses import asdict, dataclass, field, replace
 
 from hybrid.parallel.pp.actions import Schedule
+from hybrid.parallel.pp.pipeline import partition_layers
 from hybrid.parallel.pp.schedules import build_schedule
 from hybrid.parallel.pp.simulator import simulate
 from hybrid.plan import balance, exchange
@@ -105,8 +106,8 @@ def part_passes(shape: Shape, c: Candidate, m: Micro, cluster: Cluster, kernel: 
     layer, embed, head = balance.passes(shape, m, cluster.device, c.recompute, c.tp_overlap,
                                         link_of_group(cluster, c.tp, 1), kernel, link_of_group(cluster, c.cp, c.tp))
     parts = c.pp * c.v
-    even = [shape.layers // parts + (i < shape.layers % parts) for i in range(parts)]
-    counts = balance.split(shape.layers, parts, layer, embed, head) if c.stage_layers == "auto" else even
+    counts = (balance.split(shape.layers, parts, layer, embed, head) if c.stage_layers == "auto"
+              else [len(r) for r in partition_layers(shape.layers, parts)])
     return balance.passes_of(counts, layer, embed, head)
 
 
