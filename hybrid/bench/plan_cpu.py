@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from hybrid.bench import common
 from hybrid.bench.common import launch
+from hybrid.bench.emulated_link import SlowLink, install
 from hybrid.bench.inputs import synthetic_corpus
 from hybrid.config import compose_config
 from hybrid.model import build_model
@@ -39,7 +40,7 @@ from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.plan.balance import resolve
 from hybrid.plan.calibrate import calibrate
 from hybrid.plan.cost import shape_of
-from hybrid.plan.hardware import Cluster, Link
+from hybrid.plan.hardware import Cluster, Device, Link
 from hybrid.plan.predict import Candidate, predict
 from hybrid.trainer import Trainer, build_chunks
 
@@ -57,11 +58,14 @@ def parse_layout(text: str) -> Candidate:
     """'tp2pp2dp2 v2 mb1 none zero1' → its Candidate."""
     import re
 
-    m = re.fullmatch(r"tp(\d+)pp(\d+)dp(\d+)(?: v(\d+))? mb(\d+) (none|selective|full) zero(\d)", text.strip())
+    m = re.fullmatch(r"tp(\d+)pp(\d+)dp(\d+)(?: v(\d+))? mb(\d+) (none|selective|full) zero(\d)"
+                     r"(?: (flat|hierarchical|int8))?", text.strip())
     if not m:
-        raise ValueError(f"layout {text!r} is not like 'tp2pp2dp2 v2 mb1 none zero1'")
-    tp, pp, dp, v, micro, recompute, zero = m.groups()
-    return Candidate(int(tp), int(pp), int(dp), int(micro), v=int(v or 1), recompute=recompute, zero=int(zero))
+        raise ValueError(f"layout {text!r} is not like 'tp2pp2dp2 v2 mb1 none zero1' (then optionally the DP "
+                         "exchange: flat, hierarchical or int8)")
+    tp, pp, dp, v, micro, recompute, zero, dp_exchange = m.groups()
+    return Candidate(int(tp), int(pp), int(dp), int(micro), v=int(v or 1), recompute=recompute, zero=int(zero),
+                     dp_exchange=dp_exchange or "flat")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2, help="timed steps a layout a round")
     p.add_argument("--rounds", type=int, default=1, help="rounds over the layouts, the order alternating")
     p.add_argument("--layouts", nargs="+", default=LAYOUTS)
+    p.add_argument("--nodes", type=int, default=1, help="emulated nodes (consecutive ranks) joined by a slowed link")
+    p.add_argument("--inter-gbs", type=float, default=0.1, help="the slowed link's bus bandwidth, GB/s")
+    p.add_argument("--inter-latency-ms", type=float, default=1.0, help="the slowed link's hop latency, ms")
     p.add_argument("--timeout", type=float, default=900.0)
     return p
 
@@ -88,6 +95,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(str(e))
     if min(args.rounds, args.steps) < 1:
         p.error("--rounds and --steps must be >= 1")
+    if args.nodes < 1 or args.world % args.nodes or min(args.inter_gbs, args.inter_latency_ms) <= 0:
+        p.error(f"--nodes must divide --world ({args.world}); --inter-gbs and --inter-latency-ms must be > 0")
     if any(c.tp * c.pp * c.dp != args.world or args.batch % (c.dp * c.micro) for c in layouts):
         p.error(f"every layout's tp·pp·dp must be --world ({args.world}) and dp·mb divide --batch ({args.batch})")
     return args
@@ -97,6 +106,7 @@ def config(args: argparse.Namespace, c: Optional[Candidate] = None) -> Any:
     words = [f"model={args.model}", f"model.n_layers={args.layers}", "model.dropout=0", f"data.seq_len={args.seq}",
              f"train.global_batch_size={args.batch}", "train.eval_every=0", "train.precision=fp32",
              "train.device=cpu", "train.fused_head=off", f"train.steps={10**6}"]
+    words += [f"parallel.ranks_per_node={args.world // args.nodes}"] if args.nodes > 1 else []
     cfg = compose_config(words + (c.overrides() if c else []))
     resolve(cfg, VOCAB, "cpu")  # parallel.stage_layers=auto, as hybrid.train resolves it
     return cfg
@@ -109,11 +119,16 @@ def one_block(model_cfg: Any) -> Callable[[], torch.nn.Module]:
     return lambda: build_model(cfg, VOCAB, layers=range(1), pre=False, post=False)
 
 
-def layout_rank(rank: int, world: int, cfg: Any, steps: int, probe: bool) -> dict[str, Any]:
-    """Train one untimed and `steps` timed steps; with `probe`, first time the world's all-reduce."""
+def layout_rank(rank: int, world: int, cfg: Any, steps: int, probe: bool, slow: Optional[SlowLink]
+                ) -> dict[str, Any]:
+    """Train one untimed and `steps` timed steps; with `probe`, first time the world's all-reduce; with `slow`,
+    over emulated nodes joined by that link."""
     p = cfg.parallel
-    ctx = ParallelContext.build(Layout.create(world, tp=p.tp, pp=p.pp, dp=p.dp))
-    out = {"link": _probe_link() if probe else None}
+    if slow is not None:
+        install(slow)
+    ctx = ParallelContext.build(Layout.create(world, tp=p.tp, pp=p.pp, dp=p.dp, ranks_per_node=p.ranks_per_node))
+    node = _node_group(world, p.ranks_per_node or world)
+    out = {"link": _probe_link(node, cfg.model.hidden, 2 * cfg.data.seq_len) if probe else None}
     trainer = Trainer(cfg, ctx, build_chunks(cfg, VOCAB, ctx), synthetic_corpus(VOCAB, cfg.data.seq_len, 64),
                       torch.device("cpu"))
     trainer.train_step()
@@ -127,17 +142,56 @@ def layout_rank(rank: int, world: int, cfg: Any, steps: int, probe: bool) -> dic
     return out | {"step_s": statistics.median(times)}
 
 
-def _probe_link() -> tuple[float, float]:
-    """(bus bandwidth B/s of a 16 MiB all-reduce over the world, seconds of a 4-byte one)."""
-    n, big, tiny = dist.get_world_size(), torch.ones(4 * 2**20), torch.ones(1)
-    dist.all_reduce(big)
+def _node_group(world: int, per_node: int) -> Any:
+    """This rank's emulated node's ranks as a group (every rank creates every node's group); None: the world."""
+    if per_node in (1, world):
+        return None
+    groups = [dist.new_group(list(range(k, k + per_node))) for k in range(0, world, per_node)]
+    return groups[dist.get_rank() // per_node]
+
+
+def _probe_link(node: Any, hidden: int, tokens: int) -> dict[str, float]:
+    """The link inside a node as a step meets it: the bus bandwidth (B/s) of a 16 MiB all-reduce over the node's
+    ranks (every node's at once), a 4-byte one's time a hop idle, and a hop's time under load (`_loaded_hop`)."""
+    n, big, tiny = dist.get_world_size(node), torch.ones(4 * 2**20), torch.ones(1)
+    dist.all_reduce(big, group=node)
     start = time.perf_counter()
-    dist.all_reduce(big)
+    dist.all_reduce(big, group=node)
     big_s = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(10):
-        dist.all_reduce(tiny)
-    return 2 * (n - 1) / n * big.numel() * 4 / big_s, (time.perf_counter() - start) / 10 / (2 * (n - 1))
+        dist.all_reduce(tiny, group=node)
+    idle = (time.perf_counter() - start) / 10 / (2 * (n - 1))
+    busbw = 2 * (n - 1) / n * big.numel() * 4 / big_s
+    return {"busbw": busbw, "idle_latency": idle, "latency": max(idle, _loaded_hop(hidden, tokens, busbw))}
+
+
+def _loaded_hop(hidden: int, tokens: int, busbw: float, iters: int = 16) -> float:
+    """Seconds a hop takes, beyond its bytes, while every rank computes: the ranks in pairs alternate a GEMM of the
+    model's MLP shape with an all-gather of a microbatch's hidden states (TP's exchange) in their pair, against the
+    same GEMMs alone (twice each, alternating; the median difference), less the bytes' time at `busbw`. With more
+    ranks than cores a hop also waits for its partner to be scheduled: the machine's latency, not a wire's, and the
+    one TP's and PP's exchanges meet inside a step."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
+    pair = pairs[rank // 2] if rank // 2 < len(pairs) else None
+    x, w = torch.randn(tokens, hidden), torch.randn(4 * hidden, hidden)
+    half = torch.ones(tokens * hidden // 2)
+    got = [torch.empty_like(half), torch.empty_like(half)]
+
+    def run(hops: bool) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            torch.nn.functional.linear(x, w)
+            if hops and pair is not None:
+                dist.all_gather(got, half, group=pair)
+        dist.barrier()
+        return time.perf_counter() - start
+
+    run(True)
+    extra = statistics.median([run(True) - run(False) for _ in range(2)] + [0.0]) / iters
+    return extra - half.numel() * 4 / busbw
 
 
 def section(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:
@@ -145,8 +199,10 @@ def section(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, A
     base = config(args)
     shape = shape_of(base.model, VOCAB)
     device = calibrate(shape, args.seq * 2, "cpu", args.world, layer=one_block(base.model))
-    rounds, link = measure(args, layouts)
-    cluster = Cluster(device, args.world, 1, link, link)
+    rounds, probed = measure(args, layouts)
+    cluster = _cluster(args, device, probed)
+    out(f"link probe: {probed['busbw'] / 1e9:.2f} GB/s; a hop {probed['idle_latency'] * 1e6:.0f} µs idle, "
+        f"{probed['latency'] * 1e6:.0f} µs under load")
     predicted = [predict(shape, replace(c, tp_overlap="chunked"), cluster, args.batch, args.seq, act=4).step_s
                  for c in layouts]
     measured = [statistics.median(r[i] for r in rounds) for i in range(len(layouts))]
@@ -158,7 +214,22 @@ def section(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, A
     return result
 
 
-def measure(args: argparse.Namespace, layouts: list[Candidate]) -> tuple[list[list[float]], Link]:
+def _slow(args: argparse.Namespace) -> Optional[SlowLink]:
+    if args.nodes == 1:
+        return None
+    return SlowLink(args.world // args.nodes, args.inter_gbs * 1e9, args.inter_latency_ms / 1e3)
+
+
+def _cluster(args: argparse.Namespace, device: Device, probed: dict[str, float]) -> Cluster:
+    """The machine as the planner sees it: --nodes nodes sharing its cores evenly, the link measured here inside a
+    node (bus bandwidth, the hop under load) and, between nodes, the slower of it and the emulated link."""
+    intra, slow = Link(probed["busbw"], probed["latency"]), _slow(args)
+    inter = intra if slow is None else Link(min(intra.busbw, slow.busbw), max(intra.latency, slow.latency))
+    shared = replace(device, cores=max(1, device.cores // args.nodes))
+    return Cluster(shared, args.world // args.nodes, args.nodes, intra, inter)
+
+
+def measure(args: argparse.Namespace, layouts: list[Candidate]) -> tuple[list[list[float]], dict[str, float]]:
     """Each round launches every layout once, in alternating order (forward, then backward, …): per round the
     slowest rank's median timed step of each layout, in the layouts' order; and the link measured in the first."""
     rounds, link = [], None
@@ -167,8 +238,8 @@ def measure(args: argparse.Namespace, layouts: list[Candidate]) -> tuple[list[li
         got = {}
         for i in order:
             ranks = launch(layout_rank, args.world, config(args, layouts[i]), args.steps, link is None,
-                           timeout=args.timeout)
-            link = link or Link(*ranks[0]["link"])
+                           _slow(args), timeout=args.timeout)
+            link = link or ranks[0]["link"]
             got[i] = max(g["step_s"] for g in ranks)
         rounds.append([got[i] for i in range(len(layouts))])
     return rounds, link
@@ -178,7 +249,9 @@ def report(args: argparse.Namespace, layouts: list[Candidate], measured: list[fl
            cluster: Cluster, out: Callable[[str], None]) -> dict[str, Any]:
     out(f"\n## {args.model} ({args.layers} layers), {args.batch} × {args.seq} tokens a step, {args.world} gloo ranks; "
         f"{cluster.describe()}; link measured {cluster.intra.busbw / 1e9:.2f} GB/s, "
-        f"{cluster.intra.latency * 1e6:.0f} µs a hop")
+        f"{cluster.intra.latency * 1e6:.0f} µs a hop under load"
+        + (f"; between the {args.nodes} emulated nodes {cluster.inter.busbw / 1e9:.2f} GB/s, "
+           f"{cluster.inter.latency * 1e3:.1f} ms a hop" if args.nodes > 1 else ""))
     rows = [[c.label(), f"{m:.3f}", f"{p:.3f}", f"{p / m:.2f}"] for c, m, p in zip(layouts, measured, predicted)]
     out("\n".join(common.table(["layout", "measured s", "predicted s", "predicted / measured"], rows)))
     rho, error = spearman(measured, predicted), statistics.median(abs(p / m - 1) for m, p in zip(measured, predicted))

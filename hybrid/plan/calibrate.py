@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from hybrid.plan.cost import Micro, Shape, layer_pass
+from hybrid.plan.cost import KERNELS, OPTIMIZER_BYTES, Micro, Shape, layer_pass
 from hybrid.plan.hardware import LINKS, Device
 
 
@@ -50,25 +50,52 @@ def calibrate(shape: Shape, tokens: int, device: str = "cpu", ranks: int = 1, me
 
 
 def fitted(dev: Device, shape: Shape, tokens: int, layer: Callable[[], torch.nn.Module], ranks: int = 1) -> Device:
-    """`dev` with every rate scaled by how much slower (or faster) the model's own block runs here than the cost
-    model predicts from the op measurements alone: the ops between the GEMMs, the framework's own time. On CPU
-    with more ranks than cores the block runs in `ranks` processes at once, as a run's ranks do, and its time is
-    compared with the model's share of the cores (`predict`'s shared-core bound): caches and memory bandwidth
-    shared the same way."""
-    act = 2 if dev.kind == "cuda" else 4
-    model = layer_pass(shape, Micro(1, tokens, act=act, sp=False), dev, "none", "none", LINKS["gloo-local"])
+    """`dev` refitted to the model's own block, run here at `tokens` and at a quarter of them: its time is the cost
+    model's work at every rate scaled by one factor — the ops between the GEMMs — plus a fixed cost an op that does
+    not shrink with the tokens (the framework's own time: what a TP-split layer keeps whole), the two solved from the
+    two sizes (one size, every rate scaled, when they do not separate); the optimizer's rate from the same block's
+    AdamW step with its gradients clipped, as a step ends. On CPU with more ranks than cores the block runs in
+    `ranks` processes at once, as a run's ranks do, and its time is compared with the model's share of the cores
+    (`predict`'s shared-core bound): caches and memory bandwidth shared the same way. Three rounds; the medians count.
+    """
     share = ranks / dev.cores if dev.cores and ranks > dev.cores else 1.0
     concurrent = int(ranks if share > 1 else 1)
-    scale = _block_s(layer, tokens, shape.hidden, dev.kind, concurrent) / ((model.forward + model.backward) * share)
-    return replace(dev, peak=dev.peak / scale, hbm=dev.hbm / scale, launch_s=dev.launch_s * scale)
+    rounds = [_block_s(layer, tokens, shape.hidden, dev.kind, concurrent) for _ in range(3)]
+    full, small, per_element = (statistics.median(r[i] for r in rounds) / share for i in range(3))
+    launches = 3 * KERNELS  # a layer's forward and its backward (twice the forward's)
+    work = [model_pass_s(shape, n, dev) - launches * dev.launch_s for n in (tokens, tokens // 4)]
+    scale = (full - small) / (work[0] - work[1])
+    fixed = (full - scale * work[0]) / launches
+    if scale <= 0 or fixed <= 0:  # noise or no fixed cost to see: one factor for everything
+        scale = full / (work[0] + launches * dev.launch_s)
+        fixed = dev.launch_s * scale
+    return replace(dev, peak=dev.peak / scale, hbm=dev.hbm / scale, launch_s=fixed,
+                   optimizer_bw=OPTIMIZER_BYTES / per_element)
 
 
-def _block_s(layer: Callable[[], torch.nn.Module], tokens: int, hidden: int, device: str, processes: int) -> float:
-    """The median over `processes` forked processes (running at once) of the block's forward and backward."""
-    def one() -> float:
+def model_pass_s(shape: Shape, tokens: int, dev: Device) -> float:
+    """The cost model's forward and backward of one layer at `tokens` tokens, no TP."""
+    act = 2 if dev.kind == "cuda" else 4
+    one = layer_pass(shape, Micro(1, tokens, act=act, sp=False), dev, "none", "none", LINKS["gloo-local"])
+    return one.forward + one.backward
+
+
+def _block_s(layer: Callable[[], torch.nn.Module], tokens: int, hidden: int, device: str, processes: int
+             ) -> tuple[float, float, float]:
+    """The medians over `processes` forked processes (running at once) of the block's forward and backward at
+    `tokens` and at a quarter of them, and of its optimizer step's seconds an element."""
+    def one() -> tuple[float, float, float]:
         module = layer().to(device)
-        x = torch.randn(1, tokens, hidden, device=device, requires_grad=True)
-        return _seconds(lambda: module(x).sum().backward(), device)
+        sizes = [torch.randn(1, n, hidden, device=device, requires_grad=True) for n in (tokens, tokens // 4)]
+        full, small = (_seconds(lambda x=x: module(x).sum().backward(), device) for x in sizes)
+        params = list(module.parameters())
+        adam = torch.optim.AdamW(params, lr=1e-4, fused=True)
+
+        def step() -> None:
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            adam.step()
+
+        return full, small, _seconds(step, device) / sum(p.numel() for p in params)
 
     if processes == 1:
         return one()
@@ -76,13 +103,14 @@ def _block_s(layer: Callable[[], torch.nn.Module], tokens: int, hidden: int, dev
 
     _FORKED[:] = [one]  # the forked workers inherit it (a closure does not pickle)
     with mp.get_context("fork").Pool(processes) as pool:
-        return statistics.median(pool.map(_forked, range(processes)))
+        got = pool.map(_forked, range(processes))
+    return tuple(statistics.median(g[i] for g in got) for i in range(3))  # type: ignore[return-value]
 
 
-_FORKED: list[Callable[[], float]] = []
+_FORKED: list[Callable[[], tuple[float, float, float]]] = []
 
 
-def _forked(_: int) -> float:
+def _forked(_: int) -> tuple[float, float, float]:
     torch.set_num_threads(1)
     return _FORKED[0]()
 

@@ -28,6 +28,7 @@ from hybrid.plan.hardware import Device, Link
 ELEMENTWISE_PER_H = 10  # bytes moved per token and hidden feature per layer forward, in activation elements
 KERNELS = 24  # kernels per layer forward (backward: twice)
 ATTENTION = ("flash", "unfused")
+OPTIMIZER_BYTES = 34  # bytes Adam moves an element (`optimizer_s`)
 UNFUSED_BYTES = 13  # bytes moved per attention score forward by the unfused kernels (fp16/bf16 scores, a byte mask)
 
 
@@ -209,5 +210,6 @@ def p2p_s(m: Micro, hidden: int, link: Link) -> float:
 
 def optimizer_s(elements: float, dev: Device) -> float:
     """Adam over `elements` parameters: fp32 weight, gradient, two moments read and written, the bf16 copy written
-    (about 34 bytes an element), memory-bound."""
-    return 34 * elements / dev.hbm
+    (about 34 bytes an element), memory-bound — at the device's optimizer rate where calibrated, else its memory
+    bandwidth."""
+    return OPTIMIZER_BYTES * elements / (dev.optimizer_bw or dev.hbm)

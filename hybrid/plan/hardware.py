@@ -34,6 +34,7 @@ class Device:
     launch_s: float = 5e-6
     kind: str = "cuda"  # cuda | cpu: which kernels the memory estimate assumes
     cores: int = 0  # > 0: a node's ranks share this many cores (CPU ranks), each at `peak` while it runs alone
+    optimizer_bw: float = 0.0  # B/s of the optimizer's pass (`cost.optimizer_s`) where calibrated; 0: `hbm`
 
 
 @dataclass(frozen=True)

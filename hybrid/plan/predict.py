@@ -142,7 +142,8 @@ def predict(shape: Shape, c: Candidate, cluster: Cluster, global_batch: int, seq
     step = parts["pipeline"] + parts["dp_exposed"] + parts["optimizer"]
     if cluster.device.cores and cluster.per_node >= cluster.device.cores:  # CPU ranks with no core to spare
         mean = sum(ranks, Pass(0.0, 0.0)).times(1 / c.pp)  # a rank's share of the work
-        parts["shared_cores"] = max(0.0, _shared_s(cluster, count, mean, p2p, parts) - step)
+        shared = _shared_s(c, cluster, count, mean, p2p, parts, stage_elements(shape, c), act)
+        parts["shared_cores"] = max(0.0, shared - step)
         step += parts["shared_cores"]
     return Prediction(c, step, parts, wire_bytes(shape, c, m, count), global_batch * seq,
                       c.tp * c.cp * c.pp * c.dp, shape.flops_per_token(seq), cluster.device.peak)
@@ -165,17 +166,34 @@ def _parts(c: Candidate, cluster: Cluster, count: int, stage: Pass, pipeline: fl
     return {"pipeline": pipeline, "compute": compute, "tp_exposed": count * stage.tp_exposed,
             "cp_exposed": count * stage.cp_exposed, "bubble": max(0.0, pipeline - compute - exposed),
             "dp_total": dp_total, "dp_exposed": dp_exposed, "optimizer": optimizer,
+            "param_gather": gather * (c.zero in (1, 2)),
             "tp_total": count * stage.tp_total, "cp_total": count * stage.cp_total}
 
 
-def _shared_s(cluster: Cluster, count: int, stage: Pass, p2p: float, parts: dict[str, float]) -> float:
+def _shared_s(c: Candidate, cluster: Cluster, count: int, stage: Pass, p2p: float, parts: dict[str, float],
+              elements: float, act: int) -> float:
     """A step when a node's ranks have no core to spare (CPU: as many ranks as cores, or more): the compute of all of
     them over the cores — a rank that waits frees its core, so a bubble costs nothing while others have work — plus
     every exchange's time as measured under that contention, hidden or not (its copies take the cores the compute
-    needs: no exchange overlaps)."""
+    needs: no exchange overlaps); across nodes, the DP exchange's and ZeRO's gather's wire time instead of their
+    copies where it is the longer (`_dp_shared_s`)."""
     ratio = cluster.per_node / cluster.device.cores
     work = count * (stage.forward + stage.backward) * ratio
-    return work + count * (stage.tp_total + stage.cp_total + 2 * p2p) + parts["dp_total"] + parts["optimizer"] * ratio
+    exchanges = count * (stage.tp_total + stage.cp_total + 2 * c.v * p2p)  # a hop each way per chunk
+    dp = _dp_shared_s(c, cluster, elements, stage.backward / c.v * ratio, count)
+    grads = c.dp * c.cp
+    gather = collective_s("all_gather", elements * act, grads, cluster.intra) * (c.zero in (1, 2))
+    adam = parts["optimizer"] - parts["param_gather"]
+    return work + exchanges + dp + adam * ratio + max(gather * ratio, parts["param_gather"])
+
+
+def _dp_shared_s(c: Candidate, cluster: Cluster, elements: float, backward: float, count: int) -> float:
+    """Under shared cores, the DP exchange: its copies over the node's own link in full (the cores run them) — or,
+    when the group crosses nodes and the wire takes longer, the part of the exchange over the real links that the
+    backward (its wall time here) does not hide."""
+    copies = _dp_s(c, replace(cluster, inter=cluster.intra), elements, backward, count)[0]
+    total, exposed = _dp_s(c, cluster, elements, backward, count)
+    return max(copies, exposed) if total > copies else copies
 
 
 def wire_bytes(shape: Shape, c: Candidate, m: Micro, count: int) -> dict[str, float]:
