@@ -2,12 +2,16 @@
 time measured and predicted (`hybrid-plan`'s model, its device calibrated here).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python -m hybrid.bench.plan_cpu [--model gpt-125m] [--layers 4] [--world 8]
-        [--seq 256] [--batch 16] [--steps 2] [--layouts "tp2pp2dp2 mb2 none zero1" …] [--quick]
+        [--seq 256] [--batch 16] [--steps 2] [--rounds 1] [--layouts "tp2pp2dp2 mb2 none zero1" …]
+        [--nodes 2 --inter-gbs 0.1 --inter-latency-ms 1] [--quick]
 
-The device is calibrated here (`plan.calibrate`: the GEMM rate at the model's MLP shape, attention, copy
-bandwidth, an op's fixed cost, then fitted to one of the model's blocks run in --world processes at once; the
-ranks share the machine's cores); the link is measured in
-the first launch (a 16 MiB all-reduce over all ranks: its bus bandwidth, and a 4-byte one's time as the latency).
+The device is calibrated here (`plan.calibrate`: the GEMM rate at the model's MLP shape, attention, copy bandwidth,
+an op's fixed cost, then fitted to one of the model's blocks at two sizes, and its optimizer step, run in --world
+processes at once: the ranks share the machine's cores); the link inside a node is measured in the first launch
+(`plan.probe`: a 16 MiB all-reduce's bus bandwidth, and a hop's latency under load). With `--nodes N` the ranks
+form N emulated nodes (`parallel.ranks_per_node`) joined by a link slowed to --inter-gbs and --inter-latency-ms
+(`bench.emulated_link`); the planner sees N nodes sharing the cores evenly and, between them, that link.
+
 Each layout is one launch of --world ranks training a real `Trainer` (fp32, sequence parallelism and chunked TP
 overlap where tp > 1) for one untimed and --steps timed steps between barriers, once a round for --rounds rounds
 (the layouts' order alternating); its measured step is the median over rounds of each launch's median, and with
@@ -42,6 +46,8 @@ from hybrid.plan.calibrate import calibrate
 from hybrid.plan.cost import shape_of
 from hybrid.plan.hardware import Cluster, Device, Link
 from hybrid.plan.predict import Candidate, predict
+from hybrid.plan.probe import node_group
+from hybrid.plan.probe import probe as link_probe
 from hybrid.trainer import Trainer, build_chunks
 
 MODULE = "hybrid.bench.plan_cpu"
@@ -127,8 +133,8 @@ def layout_rank(rank: int, world: int, cfg: Any, steps: int, probe: bool, slow: 
     if slow is not None:
         install(slow)
     ctx = ParallelContext.build(Layout.create(world, tp=p.tp, pp=p.pp, dp=p.dp, ranks_per_node=p.ranks_per_node))
-    node = _node_group(world, p.ranks_per_node or world)
-    out = {"link": _probe_link(node, cfg.model.hidden, 2 * cfg.data.seq_len) if probe else None}
+    node = node_group(world, p.ranks_per_node or world) if probe else None
+    out = {"link": link_probe(node, cfg.model.hidden, 2 * cfg.data.seq_len) if probe else None}
     trainer = Trainer(cfg, ctx, build_chunks(cfg, VOCAB, ctx), synthetic_corpus(VOCAB, cfg.data.seq_len, 64),
                       torch.device("cpu"))
     trainer.train_step()
@@ -140,58 +146,6 @@ def layout_rank(rank: int, world: int, cfg: Any, steps: int, probe: bool, slow: 
         dist.barrier()
         times.append(time.perf_counter() - start)
     return out | {"step_s": statistics.median(times)}
-
-
-def _node_group(world: int, per_node: int) -> Any:
-    """This rank's emulated node's ranks as a group (every rank creates every node's group); None: the world."""
-    if per_node in (1, world):
-        return None
-    groups = [dist.new_group(list(range(k, k + per_node))) for k in range(0, world, per_node)]
-    return groups[dist.get_rank() // per_node]
-
-
-def _probe_link(node: Any, hidden: int, tokens: int) -> dict[str, float]:
-    """The link inside a node as a step meets it: the bus bandwidth (B/s) of a 16 MiB all-reduce over the node's
-    ranks (every node's at once), a 4-byte one's time a hop idle, and a hop's time under load (`_loaded_hop`)."""
-    n, big, tiny = dist.get_world_size(node), torch.ones(4 * 2**20), torch.ones(1)
-    dist.all_reduce(big, group=node)
-    start = time.perf_counter()
-    dist.all_reduce(big, group=node)
-    big_s = time.perf_counter() - start
-    start = time.perf_counter()
-    for _ in range(10):
-        dist.all_reduce(tiny, group=node)
-    idle = (time.perf_counter() - start) / 10 / (2 * (n - 1))
-    busbw = 2 * (n - 1) / n * big.numel() * 4 / big_s
-    return {"busbw": busbw, "idle_latency": idle, "latency": max(idle, _loaded_hop(hidden, tokens, busbw))}
-
-
-def _loaded_hop(hidden: int, tokens: int, busbw: float, iters: int = 16) -> float:
-    """Seconds a hop takes, beyond its bytes, while every rank computes: the ranks in pairs alternate a GEMM of the
-    model's MLP shape with an all-gather of a microbatch's hidden states (TP's exchange) in their pair, against the
-    same GEMMs alone (twice each, alternating; the median difference), less the bytes' time at `busbw`. With more
-    ranks than cores a hop also waits for its partner to be scheduled: the machine's latency, not a wire's, and the
-    one TP's and PP's exchanges meet inside a step."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
-    pair = pairs[rank // 2] if rank // 2 < len(pairs) else None
-    x, w = torch.randn(tokens, hidden), torch.randn(4 * hidden, hidden)
-    half = torch.ones(tokens * hidden // 2)
-    got = [torch.empty_like(half), torch.empty_like(half)]
-
-    def run(hops: bool) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(iters):
-            torch.nn.functional.linear(x, w)
-            if hops and pair is not None:
-                dist.all_gather(got, half, group=pair)
-        dist.barrier()
-        return time.perf_counter() - start
-
-    run(True)
-    extra = statistics.median([run(True) - run(False) for _ in range(2)] + [0.0]) / iters
-    return extra - half.numel() * 4 / busbw
 
 
 def section(args: argparse.Namespace, out: Callable[[str], None]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""Which layout? Every tp × pp × dp (micro batch, schedule, recomputation, ZeRO) a cluster can train a model in,
-ranked by predicted step time, each with its memory per rank, its step's parts and the command that runs it.
+"""Which layout? Every tp × pp × dp (micro batch, schedule, recomputation, ZeRO) a cluster can train a model in, ranked
+by predicted step time, each with its memory per rank, its step's parts and the command that runs it.
 
     hybrid-plan model=gpt-1b --cluster dgx-h100 --nodes 2 --batch 256 --seq 2048
     hybrid-plan model=llama-1b model.n_layers=32 model.hidden=4096 --cluster dgx-a100 --nodes 8 --json
@@ -10,12 +10,12 @@ NAME` (dgx-a100, dgx-a100-40gb, dgx-h100 — the default —, hgx-h200), `--node
 `--intra LINK`, `--inter LINK` (a link name: nvlink3, nvlink4, pcie4, ib-hdr, ib-ndr, eth-100g, or a bus bandwidth
 in GB/s) to change the preset, `--diagnose FILE` (a `hybrid-diagnose --json` report: its node size and measured
 links), `--calibrate cpu|cuda` (the device measured on this machine: `hybrid/plan/calibrate.py`; on CPU the node's
-ranks share its cores over gloo's local links), `--batch N` (sequences a step; default train.global_batch_size),
-`--seq N` (default data.seq_len), `--vocab N` (default model.vocab_size, else 50257), `--top K` (5), `--lossy` (let
-the DP exchange send int8 across nodes where that is faster), `--target T` (a step time `1.5s` or a throughput
-`200000tok/s`, `5000tok/s/gpu`: the link speed each layout needs to reach it, and what int8 across nodes does:
-`hybrid/plan/target.py`), `--json`. How the prediction is made and how far to
-trust it: docs/planning.md. Bad input is one `hybrid: error: …` line and exit status 2.
+ranks share its cores and their gloo link is measured under load: `hybrid/plan/probe.py`), `--batch N` (sequences a
+step; default train.global_batch_size), `--seq N` (default data.seq_len), `--vocab N` (default model.vocab_size,
+else 50257), `--top K` (5), `--lossy` (let the DP exchange send int8 across nodes where that is faster), `--target
+T` (a step time `1.5s` or a throughput `200000tok/s`, `5000tok/s/gpu`: the link speed each layout needs to reach it,
+and what int8 across nodes does: `hybrid/plan/target.py`), `--json`. How the prediction is made and how far to trust
+it: docs/planning.md. Bad input is one `hybrid: error: …` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from hybrid.cli import EXIT_BAD_INPUT, UsageError, run_tool
 from hybrid.config import ConfigError, compose_config
 from hybrid.model import build_model
 from hybrid.overrides import App, check
-from hybrid.plan import target
+from hybrid.plan import probe, target
 from hybrid.plan.calibrate import calibrate
 from hybrid.plan.cost import shape_of
 from hybrid.plan.hardware import Cluster, PlanError, device, from_diagnose, link, link_of, preset
@@ -79,7 +79,8 @@ def cluster_of(args: argparse.Namespace, job: Job) -> Cluster:
 
 def _calibrated(c: Cluster, args: argparse.Namespace, job: Job) -> Cluster:
     """The preset with its device measured here (`plan.calibrate`); on CPU, the ranks of a node share this machine's
-    cores and talk over gloo's local links unless --intra/--inter/--diagnose say otherwise."""
+    cores, and the link among them is measured here too (`plan.probe`: gloo's bus bandwidth, a hop under load) —
+    between nodes gloo's local link — unless --intra/--inter/--diagnose say otherwise."""
     if args.calibrate == "cuda" and not torch.cuda.is_available():
         raise PlanError("--calibrate cuda: no CUDA device here")
     per_node = args.per_node or c.per_node
@@ -88,7 +89,10 @@ def _calibrated(c: Cluster, args: argparse.Namespace, job: Job) -> Cluster:
     dev = calibrate(job.shape, min(job.seq, 4096), args.calibrate, per_node,
                     layer=lambda: build_model(block, job.shape.vocab, layers=range(1), pre=False, post=False))
     c = replace(c, device=dev, per_node=per_node)
-    return replace(c, intra=link("gloo-local"), inter=link("gloo-local")) if args.calibrate == "cpu" else c
+    if args.calibrate != "cpu":
+        return c
+    intra = probe.link_of(probe.measure(per_node, job.shape.hidden, min(job.seq, 4096))) if per_node > 1 else None
+    return replace(c, intra=intra or link("gloo-local"), inter=link("gloo-local"))
 
 
 def job_of(overrides: list[str], args: argparse.Namespace) -> Job:
