@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from dataclasses import asdict, dataclass, field, replace
 
+from hybrid.config import ParallelConfig
 from hybrid.parallel.pp.actions import Schedule
 from hybrid.parallel.pp.pipeline import partition_layers
 from hybrid.parallel.pp.schedules import build_schedule
@@ -21,6 +22,8 @@ from hybrid.parallel.pp.simulator import simulate
 from hybrid.plan import balance, exchange
 from hybrid.plan.cost import Micro, Pass, Shape, collective_s, optimizer_s, p2p_s
 from hybrid.plan.hardware import Cluster
+
+BUCKET_ELEMENTS = ParallelConfig.bucket_mb * 2**20 / 4  # a DP bucket's fp32 gradients (the default size)
 
 
 @dataclass(frozen=True)
@@ -243,12 +246,17 @@ def stage_elements(shape: Shape, c: Candidate) -> float:
 def _dp_s(c: Candidate, cluster: Cluster, elements: float, backward: float, count: int) -> tuple[float, float]:
     """(the gradient exchange's seconds, what the backward does not hide): fp32 gradients exchanged over DP by
     `c.dp_exchange` (`exchange`), launched bucket by bucket as the backward makes them — once a step behind the last
-    microbatch's backward, or (ZeRO-2 and 3: only shards are kept) every microbatch behind its own."""
+    microbatch's backward, or (ZeRO-2 and 3: only shards are kept) every microbatch behind its own. The flat
+    exchange overlaps up to 0.9 of that backward, its last bucket (`parallel.bucket_mb`, filled as the backward
+    ends) never; the two-hop and int8 hooks wait for each bucket's exchange across nodes inside the backward
+    (`compression/hierarchical.py`), so nothing of theirs is hidden."""
     if c.dp * c.cp == 1:
         return 0.0, 0.0
     timed = {e.method: e.seconds for e in exchange.options(c.dp * c.cp, c.tp, c.zero, elements, cluster)}
     one, rounds = timed.get(c.dp_exchange, timed["flat"]), count if c.zero >= 2 else 1
-    exposed = max(one - 0.9 * backward, one / 16) if c.dp_overlap else one
+    last = min(1.0, BUCKET_ELEMENTS / elements)
+    hidden = c.dp_overlap and c.dp_exchange in ("flat", "auto")
+    exposed = max(one - 0.9 * backward, one / 16, one * last) if hidden else one
     return rounds * one, rounds * exposed
 
 
