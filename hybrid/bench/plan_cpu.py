@@ -127,8 +127,8 @@ def one_block(model_cfg: Any) -> Callable[[], torch.nn.Module]:
 
 def layout_rank(rank: int, world: int, cfg: Any, steps: int, probe: bool, slow: Optional[SlowLink]
                 ) -> dict[str, Any]:
-    """Train one untimed and `steps` timed steps; with `probe`, first time the world's all-reduce; with `slow`,
-    over emulated nodes joined by that link."""
+    """Train one untimed and `steps` timed steps; with `probe`, first measure the link inside a node (`plan.probe`);
+    with `slow`, over emulated nodes joined by that link."""
     p = cfg.parallel
     if slow is not None:
         install(slow)

@@ -78,8 +78,8 @@ class Cluster:
         d = self.device
         peak = f"{d.peak / 1e12:.0f} TFLOP/s" if d.peak >= 1e12 else f"{d.peak / 1e9:.1f} GFLOP/s"
         return (f"{self.nodes} × {self.per_node} {d.name} ({peak} dense, {d.memory / GiB:.0f} GiB;"
-                f" GEMMs at {d.gemm:.0%}, attention at {d.attention:.0%}), links {self.intra.busbw / 1e9:.0f} GB/s "
-                f"inside a node, {self.inter.busbw / 1e9:.0f} GB/s between nodes")
+                f" GEMMs at {d.gemm:.0%}, attention at {d.attention:.0%}), links {self.intra.busbw / 1e9:.3g} GB/s "
+                f"inside a node, {self.inter.busbw / 1e9:.3g} GB/s between nodes")
 
 
 CLUSTERS = {  # name → (device, devices per node, intra link, inter link)
