@@ -160,7 +160,7 @@ def _parts(c: Candidate, cluster: Cluster, count: int, stage: Pass, pipeline: fl
     forward, backward = stage.clocked()
     dp_total, dp_exposed = _dp_s(c, cluster, elements, backward / c.v, count)
     grads = c.dp * c.cp  # the ranks that average gradients (and ZeRO's shards): DP's and CP's
-    gather = collective_s("all_gather", elements * act, grads, link_of_group(cluster, grads, c.tp))
+    gather = _param_gather_s(c, cluster, elements, act)
     if c.zero == 3:  # parameters gathered before each microbatch's forward and again before its backward
         dp_total += 2 * count * gather
         dp_exposed += count * (max(0.0, gather - forward) + max(0.0, gather - backward))
@@ -183,20 +183,27 @@ def _shared_s(c: Candidate, cluster: Cluster, count: int, stage: Pass, p2p: floa
     ratio = cluster.per_node / cluster.device.cores
     work = count * (stage.forward + stage.backward) * ratio
     exchanges = count * (stage.tp_total + stage.cp_total + 2 * c.v * p2p)  # a hop each way per chunk
-    dp = _dp_shared_s(c, cluster, elements, stage.backward / c.v * ratio, count)
-    grads = c.dp * c.cp
-    gather = collective_s("all_gather", elements * act, grads, cluster.intra) * (c.zero in (1, 2))
+    local = replace(cluster, inter=cluster.intra)  # every group's copies over the node's own link
+    dp = _dp_shared_s(c, cluster, local, elements, stage.backward / c.v * ratio, count)
+    gather = _param_gather_s(c, local, elements, act) * (c.zero in (1, 2))
     adam = parts["optimizer"] - parts["param_gather"]
     return work + exchanges + dp + adam * ratio + max(gather * ratio, parts["param_gather"])
 
 
-def _dp_shared_s(c: Candidate, cluster: Cluster, elements: float, backward: float, count: int) -> float:
-    """Under shared cores, the DP exchange: its copies over the node's own link in full (the cores run them) — or,
-    when the group crosses nodes and the wire takes longer, the part of the exchange over the real links that the
-    backward (its wall time here) does not hide."""
-    copies = _dp_s(c, replace(cluster, inter=cluster.intra), elements, backward, count)[0]
+def _dp_shared_s(c: Candidate, cluster: Cluster, local: Cluster, elements: float, backward: float, count: int
+                 ) -> float:
+    """Under shared cores, the DP exchange: its copies over the node's own link (`local`) in full (the cores run
+    them) — or, when the group crosses nodes and the wire takes longer, the part of the exchange over the real links
+    that the backward (its wall time here) does not hide."""
+    copies = _dp_s(c, local, elements, backward, count)[0]
     total, exposed = _dp_s(c, cluster, elements, backward, count)
     return max(copies, exposed) if total > copies else copies
+
+
+def _param_gather_s(c: Candidate, cluster: Cluster, elements: float, act: int) -> float:
+    """One all-gather of a rank's parameters (`act` bytes each) over the dp·cp ranks that shard them."""
+    grads = c.dp * c.cp
+    return collective_s("all_gather", elements * act, grads, link_of_group(cluster, grads, c.tp))
 
 
 def wire_bytes(shape: Shape, c: Candidate, m: Micro, count: int) -> dict[str, float]:
