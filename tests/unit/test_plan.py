@@ -176,8 +176,11 @@ def test_the_measured_check_runs_layouts_and_ranks_them(capsys: pytest.CaptureFi
     assert plan_cpu.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
     assert plan_cpu.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
     assert plan_cpu.parse_layout("tp2pp2dp2 v2 mb1 full zero1") == Candidate(2, 2, 2, 1, v=2, recompute="full")
-    with pytest.raises(SystemExit):
-        plan_cpu.parse_args(["--quick", "--layouts", "tp3pp1dp1 mb1 none zero0"])  # tp·pp·dp ≠ world
+    assert plan_cpu.parse_layout("tp1pp1dp8 mb2 none zero0 int8").dp_exchange == "int8"
+    for bad in (["--layouts", "tp3pp1dp1 mb1 none zero0"], ["--nodes", "3"], ["--nodes", "2", "--inter-gbs", "0"]):
+        with pytest.raises(SystemExit):  # tp·pp·dp ≠ world; nodes not dividing the world; no link speed
+            plan_cpu.parse_args(["--quick", *bad])
+    assert "--nodes must divide --world" in capsys.readouterr().err
 
 
 def test_the_dp_exchange_follows_the_links() -> None:
