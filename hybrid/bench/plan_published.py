@@ -98,7 +98,7 @@ class Llama:
     tokens: float
 
     def shape(self) -> Shape:
-        return Shape(self.layers, self.hidden, self.heads, 8, self.ffn, LLAMA_VOCAB, True)
+        return Shape(self.layers, self.hidden, self.heads, 8, self.ffn, LLAMA_VOCAB, True, tied=False)
 
     def candidate(self) -> Candidate:
         """The layout as NeMo 24.09 ran it (`of_dgxc`)."""

@@ -17,7 +17,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -27,12 +27,16 @@ from hybrid.plan.hardware import LINKS, Device
 
 
 def _seconds(fn: Callable[[], object], device: str, reps: int = 3) -> float:
-    """The best of `reps` timed calls after one warm-up (synchronised on CUDA)."""
+    """The best of `reps` timed calls after one warm-up (synchronised on CUDA); in processes forked to run at once
+    (`_block_s`), each call starts when all of them start theirs — else the first to finish leave their cores to
+    the rest, and the best call is one that ran with fewer rivals than a step's ranks have."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     fn()
     best = float("inf")
     for _ in range(reps):
         sync()
+        for barrier in _TOGETHER:
+            barrier.wait(timeout=600)
         start = time.perf_counter()
         fn()
         sync()
@@ -101,13 +105,18 @@ def _block_s(layer: Callable[[], torch.nn.Module], tokens: int, hidden: int, dev
         return one()
     import multiprocessing as mp
 
-    _FORKED[:] = [one]  # the forked workers inherit it (a closure does not pickle)
-    with mp.get_context("fork").Pool(processes) as pool:
-        got = pool.map(_forked, range(processes))
+    fork = mp.get_context("fork")
+    _FORKED[:], _TOGETHER[:] = [one], [fork.Barrier(processes)]  # the forked workers inherit them
+    try:
+        with fork.Pool(processes) as pool:
+            got = pool.map(_forked, range(processes))
+    finally:
+        _TOGETHER.clear()
     return tuple(statistics.median(g[i] for g in got) for i in range(3))  # type: ignore[return-value]
 
 
-_FORKED: list[Callable[[], tuple[float, float, float]]] = []
+_FORKED: list[Callable[[], tuple[float, float, float]]] = []  # a closure does not pickle: the workers inherit it
+_TOGETHER: list[Any] = []  # the barrier of processes timed at once
 
 
 def _forked(_: int) -> tuple[float, float, float]:

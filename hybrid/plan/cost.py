@@ -43,6 +43,7 @@ class Shape:
     ffn: int
     vocab: int
     swiglu: bool
+    tied: bool = True  # the head shares the token embedding (one vocab × hidden matrix)
 
     @property
     def mlp_in(self) -> int:
@@ -63,7 +64,7 @@ class Shape:
 def shape_of(m: ModelConfig, vocab: int) -> Shape:
     """The cost model's view of a model config (any family) with `vocab` ids."""
     swiglu = family_of(m).blocks.mlp == "swiglu"
-    return Shape(m.n_layers, m.hidden, m.n_heads, kv_heads(m), ffn_hidden(m), vocab, swiglu)
+    return Shape(m.n_layers, m.hidden, m.n_heads, kv_heads(m), ffn_hidden(m), vocab, swiglu, m.tie_embeddings)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ fit in one; CP's ring runs over the cp ranks a tp stride apart; consecutive pipe
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import asdict, dataclass, field, replace
 
 from hybrid.config import ParallelConfig
@@ -19,7 +20,7 @@ from hybrid.parallel.pp.actions import Schedule
 from hybrid.parallel.pp.pipeline import partition_layers
 from hybrid.parallel.pp.schedules import build_schedule
 from hybrid.parallel.pp.simulator import simulate
-from hybrid.plan import balance, exchange
+from hybrid.plan import balance, exchange, tail
 from hybrid.plan.cost import Micro, Pass, Shape, collective_s, optimizer_s, p2p_s
 from hybrid.plan.hardware import Cluster
 
@@ -140,25 +141,27 @@ def predict(shape: Shape, c: Candidate, cluster: Cluster, global_batch: int, seq
     slowest = max(ranks, key=balance.seconds)
     p2p = p2p_s(m, shape.hidden, link_of_group(cluster, 2, c.tp * c.cp * c.dp)) * (c.pp > 1)
     pipeline = _pipeline_s(c, count, per_part, p2p) if replay else count * balance.seconds(slowest)
-    parts = _parts(c, cluster, count, slowest, pipeline, stage_elements(shape, c), act)
+    grads = stage_segments(shape, c)
+    parts = _parts(c, cluster, count, slowest, pipeline, grads, act)
     parts["p2p"] = p2p
     step = parts["pipeline"] + parts["dp_exposed"] + parts["optimizer"]
     if cluster.device.cores and cluster.per_node >= cluster.device.cores:  # CPU ranks with no core to spare
         mean = sum(ranks, Pass(0.0, 0.0)).times(1 / c.pp)  # a rank's share of the work
-        shared = _shared_s(c, cluster, count, mean, p2p, parts, stage_elements(shape, c), act)
+        shared = _shared_s(c, cluster, count, mean, p2p, parts, grads, act)
         parts["shared_cores"] = max(0.0, shared - step)
         step += parts["shared_cores"]
     return Prediction(c, step, parts, wire_bytes(shape, c, m, count), global_batch * seq,
                       c.tp * c.cp * c.pp * c.dp, shape.flops_per_token(seq), cluster.device.peak)
 
 
-def _parts(c: Candidate, cluster: Cluster, count: int, stage: Pass, pipeline: float, elements: float, act: int
-           ) -> dict[str, float]:
+def _parts(c: Candidate, cluster: Cluster, count: int, stage: Pass, pipeline: float, grads: list[tail.Segment],
+           act: int) -> dict[str, float]:
     """The step's parts on the slowest stage: the pipeline (the simulator's makespan), of it compute, exposed TP and
     bubble; the DP exchange (all of it, and what the backward leaves exposed; ZeRO-3's parameter all-gathers, each
     behind the pass it feeds); the optimizer (Adam, ZeRO-1's and ZeRO-2's parameter all-gather)."""
     forward, backward = stage.clocked()
-    dp_total, dp_exposed = _dp_s(c, cluster, elements, backward / c.v, count)
+    elements = sum(s.elements for s in grads)
+    dp_total, dp_exposed = _dp_s(c, cluster, grads, backward / c.v, count)
     grads = c.dp * c.cp  # the ranks that average gradients (and ZeRO's shards): DP's and CP's
     gather = _param_gather_s(c, cluster, elements, act)
     if c.zero == 3:  # parameters gathered before each microbatch's forward and again before its backward
@@ -174,7 +177,7 @@ def _parts(c: Candidate, cluster: Cluster, count: int, stage: Pass, pipeline: fl
 
 
 def _shared_s(c: Candidate, cluster: Cluster, count: int, stage: Pass, p2p: float, parts: dict[str, float],
-              elements: float, act: int) -> float:
+              grads: list[tail.Segment], act: int) -> float:
     """A step when a node's ranks have no core to spare (CPU: as many ranks as cores, or more): the compute of all of
     them over the cores — a rank that waits frees its core, so a bubble costs nothing while others have work — plus
     every exchange's time as measured under that contention, hidden or not (its copies take the cores the compute
@@ -184,19 +187,19 @@ def _shared_s(c: Candidate, cluster: Cluster, count: int, stage: Pass, p2p: floa
     work = count * (stage.forward + stage.backward) * ratio
     exchanges = count * (stage.tp_total + stage.cp_total + 2 * c.v * p2p)  # a hop each way per chunk
     local = replace(cluster, inter=cluster.intra)  # every group's copies over the node's own link
-    dp = _dp_shared_s(c, cluster, local, elements, stage.backward / c.v * ratio, count)
-    gather = _param_gather_s(c, local, elements, act) * (c.zero in (1, 2))
+    dp = _dp_shared_s(c, cluster, local, grads, stage.backward / c.v * ratio, count)
+    gather = _param_gather_s(c, local, sum(s.elements for s in grads), act) * (c.zero in (1, 2))
     adam = parts["optimizer"] - parts["param_gather"]
     return work + exchanges + dp + adam * ratio + max(gather * ratio, parts["param_gather"])
 
 
-def _dp_shared_s(c: Candidate, cluster: Cluster, local: Cluster, elements: float, backward: float, count: int
-                 ) -> float:
+def _dp_shared_s(c: Candidate, cluster: Cluster, local: Cluster, grads: list[tail.Segment], backward: float,
+                 count: int) -> float:
     """Under shared cores, the DP exchange: its copies over the node's own link (`local`) in full (the cores run
     them) — or, when the group crosses nodes and the wire takes longer, the part of the exchange over the real links
     that the backward (its wall time here) does not hide."""
-    copies = _dp_s(c, local, elements, backward, count)[0]
-    total, exposed = _dp_s(c, cluster, elements, backward, count)
+    copies = _dp_s(c, local, grads, backward, count)[0]
+    total, exposed = _dp_s(c, cluster, grads, backward, count)
     return max(copies, exposed) if total > copies else copies
 
 
@@ -246,25 +249,41 @@ def _schedule(name: str, pp: int, microbatches: int, v: int) -> Schedule:
 
 
 def stage_elements(shape: Shape, c: Candidate) -> float:
-    """Parameters a rank of the largest stage holds (its layers' and the embedding's or head's, over tp)."""
-    return (shape.layers / c.pp * shape.layer_params() + shape.vocab * shape.hidden) / c.tp
+    """Parameters a rank of the largest stage holds (its layers', the embedding's and, one stage holding an untied
+    head too, the head's; over tp)."""
+    return sum(s.elements for s in stage_segments(shape, c))
 
 
-def _dp_s(c: Candidate, cluster: Cluster, elements: float, backward: float, count: int) -> tuple[float, float]:
-    """(the gradient exchange's seconds, what the backward does not hide): fp32 gradients exchanged over DP by
-    `c.dp_exchange` (`exchange`), launched bucket by bucket as the backward makes them — once a step behind the last
-    microbatch's backward, or (ZeRO-2 and 3: only shards are kept) every microbatch behind its own. The flat
-    exchange overlaps up to 0.9 of that backward, its last bucket (`parallel.bucket_mb`, filled as the backward
-    ends) never; the two-hop and int8 hooks wait for each bucket's exchange across nodes inside the backward
-    (`compression/hierarchical.py`), so nothing of theirs is hidden."""
+def stage_segments(shape: Shape, c: Candidate) -> list[tail.Segment]:
+    """The gradients of a rank of the first stage (the largest: its embedding's backward ends last) in the order its
+    last backward finishes them (`tail`): its other chunks' layers and an untied head's (one stage) already final,
+    the last chunk's layer by layer, the embedding's at the end."""
+    layer, embedding = shape.layer_params() / c.tp, shape.vocab * shape.hidden / c.tp
+    chunk = shape.layers / (c.pp * c.v)  # layers a chunk holds (a fraction when the stages outnumber them)
+    steps = max(1, round(chunk))
+    early = (shape.layers / c.pp - chunk) * layer + embedding * (c.pp == 1 and not shape.tied)
+    return tail.segments(chunk * layer / steps, steps, embedding, early)
+
+
+def _dp_s(c: Candidate, cluster: Cluster, grads: list[tail.Segment], backward: float, count: int
+          ) -> tuple[float, float]:
+    """(the gradient exchange's seconds, what the backward does not hide): the fp32 gradients `grads` (a rank's, in the
+    order the backward finishes them) exchanged over DP by `c.dp_exchange` (`exchange`), launched bucket by bucket
+    as the backward makes them — once a step behind the last microbatch's backward, or (ZeRO-2 and 3: only shards
+    are kept) every microbatch behind its own, each bucket its own exchange. The flat exchange runs behind 0.9 of
+    that backward (the exchange slows the compute it overlaps), its tail exposed as the buckets queue on the link
+    (`tail`; never less than 1/16 of it); the two-hop and int8 hooks wait for each bucket's exchange across nodes
+    inside the backward (`compression/hierarchical.py`), so nothing of theirs is hidden."""
     if c.dp * c.cp == 1:
         return 0.0, 0.0
-    timed = {e.method: e.seconds for e in exchange.options(c.dp * c.cp, c.tp, c.zero, elements, cluster)}
+    elements = sum(s.elements for s in grads)
+    buckets = math.ceil(elements / BUCKET_ELEMENTS)  # each its own exchange: its hops' latencies each time
+    timed = {e.method: e.seconds * buckets
+             for e in exchange.options(c.dp * c.cp, c.tp, c.zero, elements / buckets, cluster)}
     one, rounds = timed.get(c.dp_exchange, timed["flat"]), count if c.zero >= 2 else 1
-    last = min(1.0, BUCKET_ELEMENTS / elements)
     hidden = c.dp_overlap and c.dp_exchange in ("flat", "auto")
-    exposed = max(one - 0.9 * backward, one / 16, one * last) if hidden else one
-    return rounds * one, rounds * exposed
+    queued = tail.exposed(grads, one, 0.9 * backward, BUCKET_ELEMENTS, per_unit=c.zero > 0)
+    return rounds * one, rounds * (max(queued, one / 16) if hidden else one)
 
 
 def exchange_seconds(c: Candidate, shape: Shape, cluster: Cluster) -> dict[str, float]:
