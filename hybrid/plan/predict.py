@@ -197,9 +197,11 @@ def _dp_shared_s(c: Candidate, cluster: Cluster, local: Cluster, grads: list[tai
                  count: int) -> float:
     """Under shared cores, the DP exchange: its copies over the node's own link (`local`) in full (the cores run
     them) — or, when the group crosses nodes and the wire takes longer, the part of the exchange over the real links
-    that the backward (its wall time here) does not hide."""
+    that the backward (its wall time here) does not hide. A codec's passes share the cores as the compute does."""
+    ratio = cluster.per_node / cluster.device.cores
+    shared, local = (replace(k, device=replace(k.device, hbm=k.device.hbm / ratio)) for k in (cluster, local))
     copies = _dp_s(c, local, grads, backward, count)[0]
-    total, exposed = _dp_s(c, cluster, grads, backward, count)
+    total, exposed = _dp_s(c, shared, grads, backward, count)
     return max(copies, exposed) if total > copies else copies
 
 
