@@ -5,7 +5,9 @@
 #                                                  and the whole model compiled) beside the compiled plain loop,
 #                                                  figures as JSON in OUT_DIR; then CP's ring blocks (cp=1) beside
 #                                                  SDPA on one GPU; then the chunked TP overlap's GEMMs in
-#                                                  pieces beside whole on one GPU (its single-device cost)
+#                                                  pieces beside whole on one GPU (its single-device cost);
+#                                                  then hybrid-plan calibrated on the GPU: gpt-1b's predicted
+#                                                  tokens/s per micro batch, beside gpucheck's measured ones
 #   bash scripts/gpu_session.sh OUT_DIR --dry-run  the same steps on the CPU, tiny (what CI can check)
 #
 # Wheels the GPU machine lacks (it reaches no package index) travel in .whl/ and are installed into a private
@@ -40,6 +42,8 @@ if [[ "$DRY" == "--dry-run" ]]; then
         --sides hybrid,hybrid_compiled,plain --hybrid "train.compile_scope=model" --out "$OUT/vs_plain_loop.json"
     step cp_kernels 120 "$PY" -m hybrid.bench.cp_kernels --quick --device cpu
     step tp_chunk_cost 60 "$PY" -m hybrid.bench.tp_chunk_cost --quick --device cpu
+    step plan 120 "$PY" -m hybrid.tools.plan model=gpt-tiny --cluster hgx-h200 --nodes 1 --per-node 1 --batch 4 \
+        --seq 64 --top 3 --calibrate cpu --json
 else
     "$PY" -c "import torch; print(torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/session.log"
     step gpucheck 280 "$PY" -m hybrid.bench.gpucheck --no-tests --models gpt-1b --steps 10 --out "$OUT/gpucheck.json"
@@ -49,5 +53,7 @@ else
     step cp_kernels 90 "$PY" -m hybrid.bench.cp_kernels --device cuda --dtype bf16 --seq 8192 --heads 16 --head-dim 128
     step tp_chunk_cost 60 "$PY" -m hybrid.bench.tp_chunk_cost --device cuda --dtype bf16 --model gpt-1b --tp 2 \
         --seq 4096 --pieces 2 4 8 --rounds 20 --reps 10
+    step plan 120 "$PY" -m hybrid.tools.plan model=gpt-1b --cluster hgx-h200 --nodes 1 --per-node 1 --batch 16 \
+        --seq 1024 --top 15 --calibrate cuda --json
 fi
 exit $failed
