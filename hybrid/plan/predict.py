@@ -162,12 +162,12 @@ def _parts(c: Candidate, cluster: Cluster, count: int, stage: Pass, pipeline: fl
     forward, backward = stage.clocked()
     elements = sum(s.elements for s in grads)
     dp_total, dp_exposed = _dp_s(c, cluster, grads, backward / c.v, count)
-    grads = c.dp * c.cp  # the ranks that average gradients (and ZeRO's shards): DP's and CP's
+    shards = c.dp * c.cp  # the ranks that average gradients (and ZeRO's shards): DP's and CP's
     gather = _param_gather_s(c, cluster, elements, act)
     if c.zero == 3:  # parameters gathered before each microbatch's forward and again before its backward
         dp_total += 2 * count * gather
         dp_exposed += count * (max(0.0, gather - forward) + max(0.0, gather - backward))
-    optimizer = optimizer_s(elements / (grads if c.zero else 1), cluster.device) + gather * (c.zero in (1, 2))
+    optimizer = optimizer_s(elements / (shards if c.zero else 1), cluster.device) + gather * (c.zero in (1, 2))
     compute, exposed = count * (stage.forward + stage.backward), count * (stage.tp_exposed + stage.cp_exposed)
     return {"pipeline": pipeline, "compute": compute, "tp_exposed": count * stage.tp_exposed,
             "cp_exposed": count * stage.cp_exposed, "bubble": max(0.0, pipeline - compute - exposed),
