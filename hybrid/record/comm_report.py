@@ -7,7 +7,9 @@ makes, and `record` turns the sums into per-rank means:
 - `comm/<group>/<op>/{calls,bytes,s,exposed_s,algbw_gbps,busbw_gbps}`: algbw = bytes / s (the op's time is
   the union of its spans, launch to completion), busbw = algbw · `bus_factor(op, group size)` (nccl-tests'
   definitions). Times include waiting for the slowest peer, as a training step sees them.
-- `comm/<group>/{s,exposed_s,busbw_gbps}`: the group's time, the time the training thread waited on it.
+- `comm/<group>/{s,exposed_s,busbw_gbps}`: the group's time, the time the training thread waited on it. The
+  groups are every kind a rank belongs to, `cp`, and `ps`: the parameter server's pushes (`send`) and replies
+  (`recv`, counted by the worker they reach), whose waits are exposed `ps` time.
 - `comm/overlap_dp`, `comm/overlap_pp`, `comm/overlap_cp`, `comm/overlap_tp`: 1 − exposed / total over the DP
   groups' gradient sync, over PP's p2p, over CP's ring and over TP's exchanges (`parallel.tp_overlap`: 0 when
   blocking) — the loss's and the compression meter's metrics-only reductions left out.
@@ -30,8 +32,9 @@ from hybrid.parallel.timing import StepTiming, union_length
 LOSS = "loss"  # the op label of the loss's metrics-only broadcast / mean
 METER = "meter"  # the compression error meter's exact all-reduce (logged steps only)
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "regather", "all_to_all", "send_fwd", "send_bwd",
-       "send_recv", "ring", LOSS, METER)
-GROUPS = (*GROUP_KINDS, "cp")  # the groups reported: every kind a rank belongs to, and context parallelism's
+       "send_recv", "send", "recv", "ring", LOSS, METER)
+GROUPS = (*GROUP_KINDS, "cp", "ps")  # the groups reported: every kind a rank belongs to, context parallelism's and
+# the parameter server's (`sync=ps`: the pushes a worker sends, the replies it receives)
 PHASES = ("step", "data", "compute", "optimizer", "bubble")
 OVERLAPPED = ("dp", "pp", "cp", "tp")  # the `comm/overlap_<name>` figures (dp: every DP group)
 

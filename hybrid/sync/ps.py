@@ -121,16 +121,17 @@ class PSWorker:
         return norm
 
     def _exchange(self, pushes: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every shard's push out and reply in: the replies' receives posted first, then the pushes."""
+        """Every shard's push out and reply in: the replies' receives posted first, then the pushes. A reply is
+        counted (`ps`, `recv`) here, by the worker it reaches, when it arrives — inside this step, in the training
+        thread — and every reply's wait timed as exposed `ps` time (the server thread that sends it counts nothing)."""
         replies = [torch.empty(1 + hi - lo) for lo, hi in self.bounds]
         recvs = [None if s == self.me else dist.irecv(r, group=self.pull, group_src=s) for s, r in enumerate(replies)]
         self._send_all(pushes)
         for s, work in enumerate(recvs):
-            if work is None:
-                replies[s] = self._local_reply()
-            else:
-                with C.TIMER.waiting(C.group_name(self.pull)):
-                    work.wait()
+            with C.TIMER.waiting(C.group_name(self.pull), "recv"):  # this rank's own server too: it waits for
+                replies[s] = self._local_reply() if work is None else _waited(work, replies[s])  # every push
+            if work is not None:
+                C.COUNTER.record(C.group_name(self.pull), "recv", replies[s])
         return replies
 
     def _send_all(self, msgs: list[torch.Tensor], replied: bool = True) -> None:
@@ -144,8 +145,9 @@ class PSWorker:
             if self.node_of(s) != self.node_of(self.me):  # the push out (and its reply back) cross nodes
                 self.inter_bytes += (2 * msg.numel() - 3 if replied else msg.numel()) * 4
             works.append(dist.isend(msg, group=self.push, group_dst=s))
-        for w in works:
-            w.wait()
+        with C.TIMER.waiting(C.group_name(self.push), "send"):
+            for w in works:
+                w.wait()
 
     def _local_reply(self) -> torch.Tensor:
         reply = self.server.local_out.get()
@@ -212,6 +214,11 @@ class PSWorker:
             self.server.optimizer.load_state_dict(sd["server"]["optim"])
             self.server.version, self.server.staleness = int(sd["server"]["version"]), sd["server"]["staleness"]
             self.server.snapshots = {int(v): t for v, t in sd["server"]["snapshots"].items()}
+
+
+def _waited(work: dist.Work, into: torch.Tensor) -> torch.Tensor:
+    work.wait()
+    return into
 
 
 class ParameterServer:

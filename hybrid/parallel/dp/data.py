@@ -49,8 +49,9 @@ from hybrid.parallel.dp.sharded import EncodedReduceScatter, ShardedGrads, shard
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 
-DP_GROUPS = ("dp", "dp_intra", "dp_inter")
-"""The counter names whose traffic is gradient sync (`bytes_dp`); the last two only under hierarchical."""
+DP_GROUPS = ("dp", "dp_intra", "dp_inter", "ps")
+"""The counter names whose traffic is gradient sync (`bytes_dp`): the last two of DP's only under hierarchical; the
+parameter server's pushes and replies (`sync=ps`)."""
 
 
 @runtime_checkable
