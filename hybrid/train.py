@@ -23,6 +23,7 @@ from hybrid.health import ReplicaDivergence
 from hybrid.nonfinite import NonFiniteStop
 from hybrid.parallel import collectives as C
 from hybrid.parallel.timeouts import CollectiveFault, collective_fault, timeout_of
+from hybrid.record import comm_env
 from hybrid.record.runlog import RunLog, command_line, save_hydra_files
 from hybrid.startup import WriteFault, check_wandb_key, hold_run_folders, write_fault
 from hybrid.validation import validate
@@ -125,6 +126,7 @@ def _start(cfg: Config, log: Optional[RunLog], layout: Layout, device: torch.dev
         save_hydra_files(cfg, Path(cfg.logging.dir))
         n, analytic = trainer.n_params, analytic_param_count(cfg.model, vocab, layout.tp)
         metrics.message(layout.rank_map())
+        metrics.message(comm_env.line(comm_env.communication(comm_env.backend())))
         if cfg.parallel.sequence_parallel and layout.tp == 1:
             metrics.message("note: parallel.sequence_parallel=true has no effect at tp=1")
         if layout.pp > 1:

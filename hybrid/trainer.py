@@ -46,6 +46,7 @@ from hybrid.parallel.pp.actions import part_of
 from hybrid.parallel.pp.pipeline import P2P, PipelineStats, partition_layers, run_schedule
 from hybrid.parallel.pp.schedules import SCHEDULES, Schedule, build_schedule
 from hybrid.parallel.tp.comm import TPOverlap
+from hybrid.record import comm_env
 from hybrid.record.profiling import StepProfiler
 from hybrid.record.report import StepReport, StepResult
 from hybrid.record.runlog import Tally, gather, open_metrics, peak_memory, summary, summary_line, write_summary
@@ -180,7 +181,8 @@ class Trainer:
         if self.ctx.rank != 0 or self.metrics is None:
             return None
         saved = [str(p) for s, p, ok in scan(self.checkpointer.root) if ok and s > self.tally.start_step]  # kept ones
-        doc = summary(self.tally, (self.step, self.cfg.train.steps), wall_s, ranks, self.device, saved, log)
+        doc = summary(self.tally, (self.step, self.cfg.train.steps), wall_s, ranks, self.device, saved, log,
+                      comm_env.communication(comm_env.backend()))
         self.metrics.close(last_line=summary_line(write_summary(Path(self.cfg.logging.dir), doc)))
         return doc
 

@@ -215,9 +215,11 @@ def ended(step: int, steps: int, signals: Sequence[int]) -> str:
 
 
 def summary(tally: Tally, steps: tuple[int, int], wall_s: float, ranks: Sequence[tuple[int, int]],
-            device: torch.device, checkpoints: Sequence[str], log: Optional[Path]) -> dict[str, Any]:
+            device: torch.device, checkpoints: Sequence[str], log: Optional[Path],
+            communication: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """summary.json's content. `steps`: (step reached, train.steps); `ranks`: (peak memory, signal caught)
-    of every rank (`peak_memory` on `device`'s type)."""
+    of every rank (`peak_memory` on `device`'s type); `communication`: the backend and its settings
+    (`comm_env.communication`)."""
     mean = sum(tally.rates) / len(tally.rates) if tally.rates else None
     peaks, end_step = [peak for peak, _ in ranks], steps[0]
     memory_kind = "cuda max_memory_allocated" if device.type == "cuda" else "max RSS"
@@ -227,7 +229,7 @@ def summary(tally: Tally, steps: tuple[int, int], wall_s: float, ranks: Sequence
             "mean_tokens_per_s": mean, "tokens_per_s_excludes_first_step": True,
             "logged_steps_averaged": len(tally.rates),
             "peak_memory_bytes": list(peaks), "peak_memory": memory_kind, "checkpoints": list(checkpoints),
-            "export": None, "log": str(log) if log else None}
+            "export": None, "log": str(log) if log else None, "communication": communication}
 
 
 def _num(value: Optional[float]) -> str:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hybrid.cli import say, warn
+from hybrid.record import comm_env
 from hybrid.record.metrics import format_bytes, format_duration
 from hybrid.record.runlog import RunLog, Tally, gather, peak_memory, summary, summary_line, write_summary
 from hybrid.record.sinks import MetricsLogger
@@ -128,3 +129,18 @@ def test_a_logged_step_reports_the_mean_time_of_its_window() -> None:
     assert w.take(0.5) == 9.0  # logged itself (log_every=1): reported
     w.add(4.0)
     assert w.take(0.5) == 4.0
+
+
+def test_the_communication_record_keeps_only_the_libraries_settings() -> None:
+    env = {"NCCL_IB_HCA": "mlx5_0", "TORCH_NCCL_BLOCKING_WAIT": "1", "GLOO_SOCKET_IFNAME": "eth0",
+           "TORCH_DISTRIBUTED_DEBUG": "DETAIL", "HOME": "/root", "MY_NCCL_NOTE": "x", "WANDB_API_KEY": "secret"}
+    doc = comm_env.communication("gloo", env)
+    assert doc == {"backend": "gloo", "nccl": None, "settings": {
+        "GLOO_SOCKET_IFNAME": "eth0", "NCCL_IB_HCA": "mlx5_0", "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+        "TORCH_NCCL_BLOCKING_WAIT": "1"}}
+    assert comm_env.line(doc) == ("communication: gloo; GLOO_SOCKET_IFNAME=eth0 NCCL_IB_HCA=mlx5_0 "
+                                  "TORCH_DISTRIBUTED_DEBUG=DETAIL TORCH_NCCL_BLOCKING_WAIT=1")
+    assert comm_env.line(comm_env.communication("gloo", {})).endswith("no NCCL_*, TORCH_NCCL_* or GLOO_* settings "
+                                                                      "in the environment")
+    assert comm_env.line({"backend": "nccl", "nccl": "2.21.5", "settings": {}}).startswith("communication: nccl "
+                                                                                           "2.21.5; ")
