@@ -87,6 +87,9 @@ class ParallelConfig:
     # seconds a collective may wait for a peer before the run stops naming the group (every group gets it);
     # Megatron's 10 minutes: a checkpoint save or an eval on a slow rank must fit inside it
     timeout_s: float = 600.0
+    # the same once the first step has completed (torchtitan's 100 s), but around checkpoint saves and evals, which
+    # keep timeout_s: a hung rank then ends the run within about two minutes; 0 keeps timeout_s throughout
+    train_timeout_s: float = 100.0
 
 
 @dataclass

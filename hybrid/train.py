@@ -141,10 +141,10 @@ def _start(cfg: Config, log: Optional[RunLog], layout: Layout, device: torch.dev
                         f"exact match: {n == analytic}), {trainer.report.flops_per_token / 1e9:.3f} GFLOP/token "
                         f"(6N + 12·L·h·s), vocab {vocab}, {trainer.num_microbatches} microbatch(es)/step, "
                         f"device {device}, run dir {cfg.logging.dir}")
-    _fit(trainer, log, cfg.parallel.timeout_s)
+    _fit(trainer, log)
 
 
-def _fit(trainer: Trainer, log: RunLog, timeout_s: float) -> None:
+def _fit(trainer: Trainer, log: RunLog) -> None:
     """Train, summarize, close; a write that fails meanwhile (full disk, permissions) is a WriteFault, a
     collective that timed out or lost a peer a CollectiveFault (one line naming the group)."""
     try:
@@ -154,7 +154,7 @@ def _fit(trainer: Trainer, log: RunLog, timeout_s: float) -> None:
         fault = write_fault(e, trainer.step)  # one line and exit 1 instead of a traceback
         if fault is not None:
             raise WriteFault(fault) from None
-        hang = collective_fault(e, trainer.step, timeout_s)
+        hang = collective_fault(e, trainer.step, trainer.timeouts.now_s, trainer.timeouts.key)
         if hang is None:
             raise
         raise CollectiveFault(with_flight(hang, trainer.cfg.logging.dir, trainer.ctx.rank)) from None

@@ -45,6 +45,7 @@ from hybrid.parallel.params import count_params
 from hybrid.parallel.pp.actions import part_of
 from hybrid.parallel.pp.pipeline import P2P, PipelineStats, partition_layers, run_schedule
 from hybrid.parallel.pp.schedules import SCHEDULES, Schedule, build_schedule
+from hybrid.parallel.timeouts import Timeouts
 from hybrid.parallel.tp.comm import TPOverlap
 from hybrid.record import comm_env
 from hybrid.record.profiling import StepProfiler
@@ -114,6 +115,7 @@ class Trainer:
         self.n_params = count_params(self.model.parameters(), ctx.tp_rank, (ctx.tp_group, ctx.pp_group))  # TP, PP
         self.report = StepReport(cfg, ctx, self.grad_sync, device, self.n_params, corpus.seq_len, self.message)
         self.profiler = StepProfiler(cfg.profile, ctx.rank, device, self.message)
+        self.timeouts = Timeouts(cfg.parallel.timeout_s, cfg.parallel.train_timeout_s)
         self.checkpointer = Checkpointer(cfg, ctx, device, self.checkpoint_states(),
                                          tokenizer=getattr(corpus, "tokenizer", None), log=self.message)
         self.guard = Guard(t, ctx, self.checkpointer, self.message, self.dp.same_norm,  # train.on_nonfinite
@@ -331,12 +333,16 @@ class Trainer:
                     self.report.traffic(self.step, self.message)  # before eval adds its own p2p bytes
             elif self.metrics is not None:
                 self.metrics.update_progress(self.step)
+            self.timeouts.training()  # parallel.train_timeout_s from here on; an eval or a save: timeout_s
             if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
-                eval_loss = self.evaluate()
+                with self.timeouts.relaxed():
+                    eval_loss = self.evaluate()
                 if self.metrics is not None:
                     self.metrics.log_eval(self.step, eval_loss)
-            self.checkpointer.after_step(self.step)
-            if self.checkpointer.save_on_signal(self.step):
+            with self.timeouts.relaxed(self.checkpointer.due(self.step) or bool(self.checkpointer.preemption.caught)):
+                self.checkpointer.after_step(self.step)
+                signal = self.checkpointer.save_on_signal(self.step)
+            if signal:
                 break
         return last
 

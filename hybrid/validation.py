@@ -91,6 +91,8 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
              f"model.n_layers={m.n_layers} is fewer than pp·virtual_stages = {p.pp * p.virtual_stages}")
     _require(p.bucket_mb > 0, f"parallel.bucket_mb must be > 0, got {p.bucket_mb}")
     _require(math.isfinite(p.timeout_s) and p.timeout_s > 0, f"parallel.timeout_s must be > 0, got {p.timeout_s}")
+    _require(math.isfinite(p.train_timeout_s) and p.train_timeout_s >= 0,
+             f"parallel.train_timeout_s must be >= 0 (0: parallel.timeout_s throughout), got {p.train_timeout_s}")
     _require(t.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {t.micro_batch_size}")
     per_step = t.micro_batch_size * layout.dp
     _require(t.global_batch_size >= per_step and t.global_batch_size % per_step == 0,

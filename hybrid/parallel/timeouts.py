@@ -1,6 +1,14 @@
 """Collective timeouts: every process group of a run gets `parallel.timeout_s`, and a collective that timed
 out, or lost its peer, becomes one line naming the group, its ranks, the operation and the step.
 
+Two timeouts, as torchtitan's: `parallel.timeout_s` (Megatron's 10 minutes) while the run starts and takes its
+first step — rendezvous, loading, the first compilation and allocation may all be slow —, then
+`parallel.train_timeout_s` (`Timeouts.training`; 100 s by default: a stopped rank ends the run within about two
+minutes) on every process group of this process but the async checkpoint saves' own, whose collectives wait on
+the slowest rank's disk in the background. Around a checkpoint save and an evaluation, the waits that may take
+long on a slow rank, the start-up timeout applies again (`Timeouts.relaxed`). A timeout is a setting of each
+process's own groups: no collective changes it, so ranks switch at the same step boundary but need not agree.
+
 Without a timeout a rank that stops answering (hung, SIGSTOPped, deadlocked) holds every peer in its
 collective for torch's default of 30 minutes, silently. With one, gloo raises in each waiting rank after
 `timeout_s` (`RuntimeError: ... Timed out waiting 5000ms for recv operation to complete`; a peer that died
@@ -16,7 +24,9 @@ by the name `ParallelContext.build` gave it (`collectives.name_group`); `group=N
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from datetime import timedelta
 from types import FrameType, TracebackType
 from typing import Any, Optional
@@ -37,15 +47,55 @@ class CollectiveFault(RuntimeError):
     """A collective timed out or lost a peer while training: one line (`collective_fault`), exit 1."""
 
 
+class Timeouts:
+    """The timeout this process's groups wait with now: `start_s` until `training()`, then `train_s` (never longer
+    than `start_s`; 0: `start_s` throughout), `start_s` again inside `relaxed()`."""
+
+    def __init__(self, start_s: float, train_s: float) -> None:
+        self.start_s, self.now_s, self.key = start_s, start_s, "parallel.timeout_s"  # the key the fault line names
+        self.train_s = min(train_s or start_s, start_s)
+
+    def training(self) -> None:
+        """After the first step: the training timeout (a no-op once set, or when it is the start-up one)."""
+        if self.now_s != self.train_s:
+            self._set(self.train_s, "parallel.train_timeout_s")
+
+    @contextlib.contextmanager
+    def relaxed(self, when: bool = True) -> Iterator[None]:
+        """The start-up timeout for what runs inside (`when`), the timeout before it again after."""
+        before = (self.now_s, self.key)
+        if when and before[0] != self.start_s:
+            self._set(self.start_s, "parallel.timeout_s")
+        try:
+            yield
+        finally:
+            if self.now_s != before[0]:
+                self._set(*before)
+
+    def _set(self, seconds: float, key: str) -> None:
+        for group in own_groups():
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+        self.now_s, self.key = seconds, key
+
+
+def own_groups() -> list[dist.ProcessGroup]:
+    """Every process group this process belongs to (torch's registry), but the async checkpoint saves'."""
+    if not dist.is_initialized():
+        return []
+    c10d = dist.distributed_c10d
+    return [pg for pg in c10d._world.pg_map if group_name(pg) != "checkpoint" and not c10d._rank_not_in_group(pg)]
+
+
 def timeout_of(seconds: Optional[float]) -> Optional[timedelta]:
     """`parallel.timeout_s` as torch.distributed takes it (None: torch's default)."""
     return None if seconds is None else timedelta(seconds=seconds)
 
 
-def collective_fault(e: BaseException, step: Optional[int], timeout_s: float) -> Optional[str]:
+def collective_fault(e: BaseException, step: Optional[int], timeout_s: float, key: str = "parallel.timeout_s"
+                     ) -> Optional[str]:
     """The one line for `e` when it is a collective that timed out or lost a peer (gloo's words, or one of
     torch.distributed's DistError kinds: a store or NCCL failure), else None. `step`: the steps completed
-    (None: during start-up, before the first)."""
+    (None: during start-up, before the first); `timeout_s`: the timeout in force, set by `key`."""
     text = str(e)
     if isinstance(e, CollectiveFault) or not (isinstance(e, dist.DistError) or (
             isinstance(e, RuntimeError) and any(m in text for m in MARKERS))):
@@ -56,7 +106,7 @@ def collective_fault(e: BaseException, step: Optional[int], timeout_s: float) ->
     detail = _NOISE.sub("", next((ln for ln in lines if any(m in ln for m in MARKERS)), lines[0])).strip()
     when = "during start-up" if step is None else f"in step {step + 1}" if stepping else f"after step {step}"
     return (f"collective {op} on the {group} group ({ranks}) failed {when}: {detail}; a rank of that group "
-            f"stopped answering for parallel.timeout_s={timeout_s:g} s (hung, stopped or dead)")
+            f"stopped answering for {key}={timeout_s:g} s (hung, stopped or dead)")
 
 
 def _named(pg: Optional[dist.ProcessGroup]) -> tuple[str, str]:

@@ -95,6 +95,7 @@ CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece o
     ("tokenizer-empty", ["data.tokenizer={empty}"], "holds no tokenizer"),
     ("tokenizer-garbled", ["data.tokenizer={garbled}"], "cannot be loaded"),
     ("timeout-zero", ["parallel.timeout_s=0"], "parallel.timeout_s must be > 0"),
+    ("train-timeout-negative", ["parallel.train_timeout_s=-1"], "parallel.train_timeout_s must be >= 0"),
     ("straggler-threshold", ["health.straggler_threshold=0"], "health.straggler_threshold must be a finite number > 0"),
     ("health-every", ["health.divergence_every=-1"], "health.straggler_every and health.divergence_every must be >= 0"),
     ("recompute", ["train.recompute=some"], "train.recompute='some' is not one of none, selective, full"),
