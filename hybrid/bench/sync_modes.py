@@ -30,6 +30,7 @@ from hybrid.compression.hooks import make_hook
 from hybrid.config import Config, compose_config
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
+from hybrid.parallel.dp.data import DP_GROUPS
 from hybrid.trainer import Trainer, build_chunks
 from hybrid.validation import validate
 
@@ -146,7 +147,7 @@ def mode_rank(rank: int, world: int, cfg: Config, corpus: Corpus) -> dict[str, A
         trainer.train_step()
         inter += C.COUNTER.group_bytes("dp_inter")
         wire += C.COUNTER.wire_bytes("dp_inter")
-        dp += sum(C.COUNTER.group_bytes(g) for g in ("dp", "dp_intra", "dp_inter"))
+        dp += sum(C.COUNTER.group_bytes(g) for g in DP_GROUPS)  # the parameter server's pushes and replies too
     wall = time.perf_counter() - start
     p2p = getattr(trainer.dp.replica, "inter_bytes", 0)  # gossip, PS: their point-to-point bytes across nodes
     model = 4 * sum(p.numel() for p in trainer.model.parameters())
