@@ -52,30 +52,35 @@ class Timeouts:
     than `start_s`; 0: `start_s` throughout), `start_s` again inside `relaxed()`."""
 
     def __init__(self, start_s: float, train_s: float) -> None:
-        self.start_s, self.now_s, self.key = start_s, start_s, "parallel.timeout_s"  # the key the fault line names
+        self.start_s = self.now_s = start_s
         self.train_s = min(train_s or start_s, start_s)
+
+    @property
+    def key(self) -> str:
+        """The setting the timeout in force comes from (the fault line names it)."""
+        return "parallel.timeout_s" if self.now_s == self.start_s else "parallel.train_timeout_s"
 
     def training(self) -> None:
         """After the first step: the training timeout (a no-op once set, or when it is the start-up one)."""
         if self.now_s != self.train_s:
-            self._set(self.train_s, "parallel.train_timeout_s")
+            self._set(self.train_s)
 
     @contextlib.contextmanager
     def relaxed(self, when: bool = True) -> Iterator[None]:
         """The start-up timeout for what runs inside (`when`), the timeout before it again after."""
-        before = (self.now_s, self.key)
-        if when and before[0] != self.start_s:
-            self._set(self.start_s, "parallel.timeout_s")
+        before = self.now_s
+        if when and before != self.start_s:
+            self._set(self.start_s)
         try:
             yield
         finally:
-            if self.now_s != before[0]:
-                self._set(*before)
+            if self.now_s != before:
+                self._set(before)
 
-    def _set(self, seconds: float, key: str) -> None:
+    def _set(self, seconds: float) -> None:
         for group in own_groups():
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
-        self.now_s, self.key = seconds, key
+        self.now_s = seconds
 
 
 def own_groups() -> list[dist.ProcessGroup]:

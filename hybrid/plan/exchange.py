@@ -13,6 +13,7 @@ quality).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hybrid.plan.cost import collective_s
@@ -39,8 +40,16 @@ def overrides(method: str, zero: int) -> list[str]:
     return []
 
 
-def options(dp: int, tp_cp: int, zero: int, elements: float, cluster: Cluster) -> list[Exchange]:
-    """Every exchange this DP group can run, timed (`elements` gradient elements a rank)."""
+def options(dp: int, tp_cp: int, zero: int, elements: float, cluster: Cluster, bucket: float = 0.0
+            ) -> list[Exchange]:
+    """Every exchange this DP group can run, timed (`elements` gradient elements a rank), in buckets of `bucket`
+    elements (`parallel.bucket_mb`), each its own exchange with its hops' latencies (0: one exchange of all)."""
+    buckets = math.ceil(elements / bucket) if bucket else 1
+    return [Exchange(e.method, e.seconds * buckets) for e in _one(dp, tp_cp, zero, elements / buckets, cluster)]
+
+
+def _one(dp: int, tp_cp: int, zero: int, elements: float, cluster: Cluster) -> list[Exchange]:
+    """Every exchange of `elements` gradient elements at once, timed."""
     payload, op = elements * 4, "reduce_scatter" if zero else "all_reduce"
     flat_link = cluster.intra if dp * tp_cp <= cluster.per_node else cluster.inter
     out = [Exchange("flat", collective_s(op, payload, dp, flat_link))]
@@ -61,7 +70,8 @@ def _inside(payload: float, local: int, zero: int, cluster: Cluster) -> float:
     return hops if zero else hops + collective_s("all_gather", payload, local, cluster.intra)
 
 
-def best(dp: int, tp_cp: int, zero: int, elements: float, cluster: Cluster, lossy: bool = True) -> Exchange:
-    """The fastest exchange (exact ones only unless `lossy`)."""
-    allowed = [e for e in options(dp, tp_cp, zero, elements, cluster) if lossy or e.method != "int8"]
+def best(dp: int, tp_cp: int, zero: int, elements: float, cluster: Cluster, lossy: bool = True,
+         bucket: float = 0.0) -> Exchange:
+    """The fastest exchange (exact ones only unless `lossy`), in buckets of `bucket` elements (`options`)."""
+    allowed = [e for e in options(dp, tp_cp, zero, elements, cluster, bucket) if lossy or e.method != "int8"]
     return min(allowed, key=lambda e: e.seconds)

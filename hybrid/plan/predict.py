@@ -12,7 +12,6 @@ fit in one; CP's ring runs over the cp ranks a tp stride apart; consecutive pipe
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import asdict, dataclass, field, replace
 
 from hybrid.config import ParallelConfig
@@ -132,7 +131,7 @@ def predict(shape: Shape, c: Candidate, cluster: Cluster, global_batch: int, seq
     `replay` the pipeline is only its busiest rank's work (no bubble): a lower bound of the step, without the
     simulator."""
     if c.dp_exchange == "auto":
-        chosen = exchange.best(c.dp * c.cp, c.tp, c.zero, stage_elements(shape, c), cluster, lossy)
+        chosen = exchange.best(c.dp * c.cp, c.tp, c.zero, stage_elements(shape, c), cluster, lossy, BUCKET_ELEMENTS)
         c = replace(c, dp_exchange=chosen.method)
     m = Micro(c.micro, seq, c.tp, c.cp, act, c.sp)
     count = global_batch // (c.micro * c.dp)
@@ -160,7 +159,7 @@ def _parts(c: Candidate, cluster: Cluster, count: int, stage: Pass, pipeline: fl
     bubble; the DP exchange (all of it, and what the backward leaves exposed; ZeRO-3's parameter all-gathers, each
     behind the pass it feeds); the optimizer (Adam, ZeRO-1's and ZeRO-2's parameter all-gather)."""
     forward, backward = stage.clocked()
-    elements = sum(s.elements for s in grads)
+    elements = tail.total(grads)
     dp_total, dp_exposed = _dp_s(c, cluster, grads, backward / c.v, count)
     shards = c.dp * c.cp  # the ranks that average gradients (and ZeRO's shards): DP's and CP's
     gather = _param_gather_s(c, cluster, elements, act)
@@ -188,7 +187,7 @@ def _shared_s(c: Candidate, cluster: Cluster, count: int, stage: Pass, p2p: floa
     exchanges = count * (stage.tp_total + stage.cp_total + 2 * c.v * p2p)  # a hop each way per chunk
     local = replace(cluster, inter=cluster.intra)  # every group's copies over the node's own link
     dp = _dp_shared_s(c, cluster, local, grads, stage.backward / c.v * ratio, count)
-    gather = _param_gather_s(c, local, sum(s.elements for s in grads), act) * (c.zero in (1, 2))
+    gather = _param_gather_s(c, local, tail.total(grads), act) * (c.zero in (1, 2))
     adam = parts["optimizer"] - parts["param_gather"]
     return work + exchanges + dp + adam * ratio + max(gather * ratio, parts["param_gather"])
 
@@ -253,7 +252,7 @@ def _schedule(name: str, pp: int, microbatches: int, v: int) -> Schedule:
 def stage_elements(shape: Shape, c: Candidate) -> float:
     """Parameters a rank of the largest stage holds (its layers', the embedding's and, one stage holding an untied
     head too, the head's; over tp)."""
-    return sum(s.elements for s in stage_segments(shape, c))
+    return tail.total(stage_segments(shape, c))
 
 
 def stage_segments(shape: Shape, c: Candidate) -> list[tail.Segment]:
@@ -278,10 +277,7 @@ def _dp_s(c: Candidate, cluster: Cluster, grads: list[tail.Segment], backward: f
     inside the backward (`compression/hierarchical.py`), so nothing of theirs is hidden."""
     if c.dp * c.cp == 1:
         return 0.0, 0.0
-    elements = sum(s.elements for s in grads)
-    buckets = math.ceil(elements / BUCKET_ELEMENTS)  # each its own exchange: its hops' latencies each time
-    timed = {e.method: e.seconds * buckets
-             for e in exchange.options(c.dp * c.cp, c.tp, c.zero, elements / buckets, cluster)}
+    timed = exchange_timed(c, tail.total(grads), cluster)
     one, rounds = timed.get(c.dp_exchange, timed["flat"]), count if c.zero >= 2 else 1
     hidden = c.dp_overlap and c.dp_exchange in ("flat", "auto")
     queued = tail.exposed(grads, one, 0.9 * backward, BUCKET_ELEMENTS, per_unit=c.zero > 0)
@@ -290,7 +286,10 @@ def _dp_s(c: Candidate, cluster: Cluster, grads: list[tail.Segment], backward: f
 
 def exchange_seconds(c: Candidate, shape: Shape, cluster: Cluster) -> dict[str, float]:
     """Seconds of every DP exchange `c`'s group can run (what the chosen one saves against the others)."""
-    if c.dp * c.cp == 1:
-        return {}
-    return {e.method: e.seconds for e in exchange.options(c.dp * c.cp, c.tp, c.zero, stage_elements(shape, c),
-                                                          cluster)}
+    return exchange_timed(c, stage_elements(shape, c), cluster) if c.dp * c.cp > 1 else {}
+
+
+def exchange_timed(c: Candidate, elements: float, cluster: Cluster) -> dict[str, float]:
+    """Seconds of every DP exchange of `elements` gradient elements, bucket by bucket (`exchange.options`)."""
+    return {e.method: e.seconds for e in exchange.options(c.dp * c.cp, c.tp, c.zero, elements, cluster,
+                                                          BUCKET_ELEMENTS)}

@@ -33,15 +33,20 @@ def segments(layer_elements: float, layers: int, embedding: float, early: float)
     return out + ([Segment(embedding, 1.0)] if embedding else [])
 
 
+def total(parts: list[Segment]) -> float:
+    """The elements of all `parts`."""
+    return sum(p.elements for p in parts)
+
+
 def exposed(parts: list[Segment], seconds: float, backward: float, bucket: float, per_unit: bool) -> float:
     """Seconds the exchange (`seconds` for all of `parts`' elements) runs past the end of a `backward` of that
     length, buckets of `bucket` elements (cut at each part when `per_unit`: ZeRO's units) launched in order onto a
     link carrying one at a time."""
-    total = sum(p.elements for p in parts)
+    elements = total(parts)
     launched = free = 0.0
     for size, at in _buckets(parts, bucket, per_unit):
         launched = max(launched, at * backward)
-        free = max(free, launched) + seconds * size / total
+        free = max(free, launched) + seconds * size / elements
     return max(0.0, free - backward)
 
 

@@ -129,7 +129,10 @@ class PSWorker:
         self._send_all(pushes)
         for s, work in enumerate(recvs):
             with C.TIMER.waiting(C.group_name(self.pull), "recv"):  # this rank's own server too: it waits for
-                replies[s] = self._local_reply() if work is None else _waited(work, replies[s])  # every push
+                if work is None:  # every worker's push of the clock, as a remote one does
+                    replies[s] = self._local_reply()
+                else:
+                    work.wait()
             if work is not None:
                 C.COUNTER.record(C.group_name(self.pull), "recv", replies[s])
         return replies
@@ -214,11 +217,6 @@ class PSWorker:
             self.server.optimizer.load_state_dict(sd["server"]["optim"])
             self.server.version, self.server.staleness = int(sd["server"]["version"]), sd["server"]["staleness"]
             self.server.snapshots = {int(v): t for v, t in sd["server"]["snapshots"].items()}
-
-
-def _waited(work: dist.Work, into: torch.Tensor) -> torch.Tensor:
-    work.wait()
-    return into
 
 
 class ParameterServer:
