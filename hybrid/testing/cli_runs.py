@@ -9,8 +9,9 @@ every command line starts from the same clean state. Use it only where the paren
 a fork would break (a test process with OMP_NUM_THREADS=1 and no process group).
 
 `run_forked_ranks` starts `world` such children at once, each with the environment torchrun gives its
-ranks (RANK, WORLD_SIZE, LOCAL_*, MASTER_ADDR/MASTER_PORT on a free local port): one multi-rank run of
-the real entry point, each rank's exit status and output apart, without torchrun's seconds of start-up.
+ranks (RANK, WORLD_SIZE, LOCAL_*, MASTER_ADDR/MASTER_PORT of a store this process holds, as torchrun's agent
+does: TORCHELASTIC_USE_AGENT_STORE): one multi-rank run of the real entry point, each rank's exit status and
+output apart, without torchrun's seconds of start-up.
 
 `refusal` is the in-process counterpart for bad input that composition or validation refuses: the message
 `hybrid.train` would print after `hybrid: error:`, without a process (the edge that prints it is the same
@@ -22,7 +23,6 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -31,6 +31,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, TextIO
+
+from hybrid.testing.ranks import rendezvous_port
 
 
 @dataclass(frozen=True)
@@ -67,14 +69,12 @@ def run_forked_ranks(main: Callable[[], Optional[int]], argv: Sequence[str], cwd
                      env: Optional[Mapping[str, str]] = None, timeout_s: float = 120.0) -> list[CliRun]:
     """`main()` as the `world` ranks of one run (see the module docstring), their results by rank; every
     child still running after `timeout_s` (all ranks share the deadline) is killed and reported with -9."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
+    with rendezvous_port() as port, tempfile.TemporaryDirectory() as tmp:
         files, pids = [(Path(tmp) / f"out{r}", Path(tmp) / f"err{r}") for r in range(world)], []
         for rank, (out, err) in enumerate(files):
             ranked = {**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                      "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+                      "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                      "TORCHELASTIC_USE_AGENT_STORE": "True"}
             sys.stdout.flush(), sys.stderr.flush()
             pid = _fork()
             if pid == 0:

@@ -15,10 +15,10 @@ import io
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -26,10 +26,32 @@ import torch
 import torch.distributed as dist
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextmanager
+def rendezvous_port(method: str | None = None) -> Iterator[int]:
+    """The port of a TCPStore server that a helper process holds for the ranks, which connect to it as clients
+    (torchrun's agent-store mode). The server binds port 0 itself, so no other process can take the port between
+    its choice and its use (a probed "free" port that rank 0 binds later can be: EADDRINUSE). A helper, not this
+    process: the server's thread would be forked into every rank, and a child forked while it holds a lock
+    can hang in its own store's set-up."""
+    ctx = mp.get_context(method or start_method())
+    ours, theirs = ctx.Pipe()
+    helper = ctx.Process(target=_serve_store, args=(theirs,), daemon=True)
+    helper.start()
+    try:
+        if not ours.poll(60):
+            raise TimeoutError("the rendezvous store's helper process did not start within 60 s")
+        yield ours.recv()
+    finally:
+        helper.kill()
+        helper.join()
+
+
+def _serve_store(conn: Any) -> None:
+    """The helper: serve a store on a port the kernel picks, say which, and live until killed."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    conn.send(store.port)
+    while True:
+        time.sleep(3600)
 
 
 def _rank_main(fn: Callable, rank: int, world: int, port: int, q: Any, args: tuple, kwargs: dict,
@@ -41,8 +63,9 @@ def _rank_main(fn: Callable, rank: int, world: int, port: int, q: Any, args: tup
     torch.set_num_threads(1)
     ok = False
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=init_timeout_s))
+        timeout = timedelta(seconds=init_timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         buf = io.BytesIO()
         torch.save(fn(rank, world, *args, **kwargs), buf)
         q.put((rank, "ok", buf.getvalue()))
@@ -85,32 +108,43 @@ def launch(fn: Callable, world: int, *args: Any, timeout: float = 900.0, init_ti
     when a rank fails, and TimeoutError (every child killed) after `timeout` seconds. `method`: the
     multiprocessing start method (default `start_method()`).
     """
-    ctx = mp.get_context(method or start_method())
-    q, port = ctx.Queue(), _free_port()
+    with rendezvous_port(method) as port:
+        return _run(fn, world, port, args, kwargs, timeout, init_timeout_s, mp.get_context(method or start_method()))
+
+
+def _run(fn: Callable, world: int, port: int, args: tuple, kwargs: dict, timeout: float, init_timeout_s: float,
+         ctx: Any) -> list[Any]:
+    """Start the ranks, gather their results, and reap every child whatever happened."""
+    q = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, q, args, kwargs, init_timeout_s), daemon=True)
              for r in range(world)]
     start_frozen(procs)
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
     try:
-        while len(results) < world:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{world - len(results)} rank(s) did not finish within {timeout:.0f} s")
-            try:
-                rank, status, payload = q.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                dead = [proc.exitcode for proc in procs if proc.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"a rank process died with exit code {dead[0]}") from None
-                continue
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        return _collect(q, procs, timeout)
     finally:
         for proc in procs:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+
+
+def _collect(q: Any, procs: list[Any], timeout: float) -> list[Any]:
+    """Each rank's result off the queue, by rank; a rank's error, a dead rank or the deadline raise."""
+    world, results = len(procs), {}
+    deadline = time.monotonic() + timeout
+    while len(results) < world:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{world - len(results)} rank(s) did not finish within {timeout:.0f} s")
+        try:
+            rank, status, payload = q.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            dead = [proc.exitcode for proc in procs if proc.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a rank process died with exit code {dead[0]}") from None
+            continue
+        if status == "error":
+            raise RuntimeError(f"rank {rank} failed:\n{payload}")
+        results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     return [results[r] for r in range(world)]
