@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Sequence
 from types import FrameType
 from typing import Any, Optional
@@ -31,6 +32,11 @@ from hybrid.checkpoint.files import distributed
 from hybrid.config import ConfigError
 
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
+REPEAT_S = 10.0
+"""A repeat of the caught signal within this many seconds is the same request delivered twice, not a second one:
+Slurm signals every process of a job step and torchrun's agent forwards the signal it got to its workers, so
+under `srun torchrun` each rank receives one `scancel --signal`, or the time limit's or a preemption's SIGTERM,
+twice within milliseconds."""
 
 
 def parse_signals(names: Sequence[str]) -> tuple[signal.Signals, ...]:
@@ -64,14 +70,18 @@ class Preemption:
         self.signals = parse_signals(names)
         self.device = device
         self.caught = 0  # the first signal number caught on this rank; 0: none
+        self.caught_at = 0.0  # when (time.monotonic)
         self._previous: dict[signal.Signals, Any] = {}
 
     def handle(self, signum: int, frame: Optional[FrameType] = None) -> None:
         """The handler: remember the first signal, nothing else (no I/O, no collective). A second one
         while the first is pending (a rank stuck in a collective, a user insisting) takes its default
-        action: the process ends at once."""
+        action: the process ends at once; the first one repeated within REPEAT_S is the same request
+        delivered twice (a job step under Slurm) and changes nothing."""
         if not self.caught:
-            self.caught = signum
+            self.caught, self.caught_at = signum, time.monotonic()
+            return
+        if signum == self.caught and time.monotonic() - self.caught_at < REPEAT_S:
             return
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)

@@ -2,8 +2,9 @@
 (with tests/e2e on PYTHONPATH) runs `hybrid.train.main()`, and rank `HYBRID_KILL_RANK` (default 1; `all`: every
 rank) SIGKILLs itself, or stops, hangs or holds. Ranks forked from a test (hybrid.testing.cli_runs) run `main`,
 with the same environment variables. `HYBRID_KILL` is a comma-separated list, one fault per attempt: its A-th item
-acts on attempt A (`TORCHELASTIC_RESTART_COUNT`), so one torchrun launch can meet several faults in a row;
-attempts past the list (and empty items) run clean.
+acts on attempt A (`TORCHELASTIC_RESTART_COUNT`, plus `SLURM_RESTART_COUNT` in a requeued Slurm job), so one
+torchrun launch (or one Slurm job) can meet several faults in a row; attempts past the list (and empty items) run
+clean.
 
 - `HYBRID_KILL=step:N`: at the start of optimizer step N (after steps 1..N-1 completed);
 - `HYBRID_KILL=save:N`: while writing its shard file of checkpoint `step_%07d` % N, after its
@@ -100,7 +101,8 @@ def _kill_mid_save(step: int) -> None:
 
 def arm() -> None:
     """Patch the kill point HYBRID_KILL names for this attempt into this process (chosen rank only)."""
-    attempt, rank = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), os.environ.get("RANK", "0")
+    attempt = str(sum(int(os.environ.get(k, "0")) for k in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")))
+    rank = os.environ.get("RANK", "0")
     _say(f"attempt {attempt} rank {rank}")
     specs = os.environ.get("HYBRID_KILL", "").split(",")
     spec = specs[int(attempt)] if int(attempt) < len(specs) else ""

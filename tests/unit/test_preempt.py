@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hybrid.checkpoint.preempt import Preemption, parse_signals
+from hybrid.checkpoint.preempt import REPEAT_S, Preemption, parse_signals
 from hybrid.config import ConfigError
 from hybrid.testing.ranks import launch
 
@@ -69,17 +69,23 @@ def test_single_process_sees_its_own_signal() -> None:
     assert Preemption(["SIGUSR1"], CPU).agreed() is None  # a fresh flag
 
 
-def _insist() -> None:
-    with Preemption(["SIGUSR1"], CPU):
+def _insist(second: signal.Signals, later_s: float) -> None:
+    """SIGUSR1, then `second` as if `later_s` seconds had passed (the first catch's time moved back)."""
+    with Preemption(["SIGUSR1", "SIGTERM"], CPU) as p:
         signal.raise_signal(signal.SIGUSR1)  # the first: a flag only
-        signal.raise_signal(signal.SIGUSR1)  # the second: the default action ends the process
+        p.caught_at -= later_s
+        signal.raise_signal(second)  # a second request: the default action ends the process
     raise SystemExit(0)
 
 
-def test_a_second_signal_ends_the_process_at_once() -> None:
+@pytest.mark.parametrize("second, later_s, exitcode", [
+    (signal.SIGUSR1, 0.0, 0),  # the same signal at once: one request delivered twice (srun torchrun under Slurm)
+    (signal.SIGUSR1, 10 * REPEAT_S, -signal.SIGUSR1),  # the same one, far later: a user insisting
+    (signal.SIGTERM, 0.0, -signal.SIGTERM)])  # another signal: a second request, however soon
+def test_a_second_signal_ends_the_process_at_once(second: signal.Signals, later_s: float, exitcode: int) -> None:
     import multiprocessing
 
-    proc = multiprocessing.get_context("fork").Process(target=_insist)
+    proc = multiprocessing.get_context("fork").Process(target=_insist, args=(second, later_s))
     proc.start()
     proc.join(timeout=30)
-    assert proc.exitcode == -signal.SIGUSR1
+    assert proc.exitcode == exitcode
