@@ -126,6 +126,7 @@ def _start(cfg: Config, log: Optional[RunLog], layout: Layout, device: torch.dev
         save_hydra_files(cfg, Path(cfg.logging.dir))
         n, analytic = trainer.n_params, analytic_param_count(cfg.model, vocab, layout.tp)
         metrics.message(layout.rank_map())
+        metrics.message(comm_env.binding_line())
         metrics.message(comm_env.line(comm_env.communication(comm_env.backend())))
         if cfg.parallel.sequence_parallel and layout.tp == 1:
             metrics.message("note: parallel.sequence_parallel=true has no effect at tp=1")

@@ -33,6 +33,9 @@ Environment:
   HYBRID_MODULE    module to run instead of hybrid.train (smoke tests); gets the same arguments
   HYBRID_CHECK     0: skip the configuration check before launch (python -m hybrid.tools.check, one
                    process: bad input is one line and exit 2 before any rank starts)
+  NUMA_BINDING     node (default): each rank on its GPU's NUMA node's CPUs (torchrun --numa-binding;
+                   with GPUs and numactl); socket, exclusive, core-complex: torchrun's other modes;
+                   none: no binding (launch/binding.sh)
 
 Examples:
   launch/local.sh                                   # all GPUs (or 2 CPU ranks), default config
@@ -105,5 +108,8 @@ elif [[ -n "${PYTHON:-}" ]] || ! command -v torchrun >/dev/null 2>&1; then
 else
   LAUNCHER=(torchrun)
 fi
+# shellcheck source=launch/binding.sh
+source "$REPO_ROOT/launch/binding.sh"
+numa_binding local.sh "$(gpu_count)" "${LAUNCHER[@]}"
 exec "${LAUNCHER[@]}" --standalone --nproc_per_node="$NPROC" --max-restarts="$MAX_RESTARTS" \
-  -m "${HYBRID_MODULE:-hybrid.train}" ${RESUME[@]+"${RESUME[@]}"} "$@"
+  ${BINDING_ARGS[@]+"${BINDING_ARGS[@]}"} -m "${HYBRID_MODULE:-hybrid.train}" ${RESUME[@]+"${RESUME[@]}"} "$@"

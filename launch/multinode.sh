@@ -27,6 +27,8 @@ Extra torchrun flags: TORCHRUN_ARGS="..."; TORCHRUN="cmd" replaces the torchrun
 command; HYBRID_MODULE=pkg.mod runs another module instead of hybrid.train with the
 same arguments (smoke tests); PYTHON (default python3) runs the check and the filter
 that shortens a join timeout's traceback to one line.
+NUMA_BINDING=node (default; with GPUs and numactl) binds each rank to its GPU's NUMA
+node's CPUs through torchrun --numa-binding; none turns it off (launch/binding.sh).
 
 Fault tolerance: when a rank on any node fails, every agent stops and restarts its
 ranks (at most --max-restarts times, 0 = fail at once) and, with checkpoint.resume=auto,
@@ -155,5 +157,10 @@ TIMED_OUT+=" (rendezvous id $RUN_ID); start the same command on every node, or r
 if FILTER="$(command -v "${PYTHON:-python3}")"; then
   exec 2> >(trap '' INT TERM HUP; exec "$FILTER" -m hybrid.rdzv_timeout "$TIMED_OUT" >&2)
 fi
+# shellcheck source=launch/binding.sh
+source "$REPO_ROOT/launch/binding.sh"
 # shellcheck disable=SC2086  # TORCHRUN may hold a command with arguments
-exec ${TORCHRUN:-torchrun} "${ARGS[@]}" -m "${HYBRID_MODULE:-hybrid.train}" ${RESUME[@]+"${RESUME[@]}"} "$@"
+numa_binding multinode.sh "$(gpu_count)" ${TORCHRUN:-torchrun}
+# shellcheck disable=SC2086
+exec ${TORCHRUN:-torchrun} "${ARGS[@]}" ${BINDING_ARGS[@]+"${BINDING_ARGS[@]}"} -m "${HYBRID_MODULE:-hybrid.train}" \
+  ${RESUME[@]+"${RESUME[@]}"} "$@"

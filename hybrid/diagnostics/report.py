@@ -12,7 +12,10 @@ from typing import Any, Optional
 from hybrid.parallel.context import Layout
 
 from .advice import Finding, Suggestion, Thresholds, node_of, worst_link
+from .nccl_advice import Advice
+from .nccl_advice import render as nccl_section
 from .pairwise import Matrix, rounds, summarize
+from .topology import by_class, gpu_lines, pair_classes, parse
 
 Facts = dict[str, Any]  # JSON-like facts of a rank (hybrid.diagnostics.system)
 MATRIX_MAX = 16  # the text shows the whole matrix up to this many ranks, else a line per rank
@@ -40,6 +43,7 @@ class Report:
     warnings: list[Finding]
     suggestion: Optional[Suggestion]  # None for a world of one
     thresholds: Thresholds = Thresholds()
+    nccl: Optional[list[Advice]] = None  # `--nccl`: the settings advised (hybrid.diagnostics.nccl_advice)
 
     def to_json(self) -> dict[str, object]:
         lay = self.layout
@@ -54,12 +58,15 @@ class Report:
                           "iters": self.probe.iters, "warmup": self.probe.warmup, "serial": self.probe.serial,
                           "rounds": len(rounds(lay.world, self.probe.serial)),
                           "matrix": [[None if math.isnan(v) else v for v in row] for row in self.matrix],
-                          "summary": summarize(self.matrix, node_of(lay))},
+                          "summary": summarize(self.matrix, node_of(lay)),
+                          "classes": {f"{i}-{j}": c for (i, j), c in pair_classes(self.facts).items()},
+                          "by_class": by_class(self.matrix, pair_classes(self.facts))},
             "layout": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ranks_per_node": lay.ranks_per_node,
                        "compression": self.compression, "tp_groups": lay.tp_groups(), "dp_groups": lay.dp_groups(),
                        "pp_groups": lay.pp_groups()},
             "warnings": [w.to_json() for w in self.warnings],
             "suggestion": self.suggestion.to_json() if self.suggestion else None,
+            "nccl": None if self.nccl is None else [a.to_json() for a in self.nccl],
         }
 
 
@@ -89,7 +96,7 @@ def spans(ranks: list[int]) -> str:
 def render(rep: Report) -> str:
     """The readable report, one section after the other."""
     parts = [header(rep), ranks_section(rep), hosts_section(rep), bandwidth_section(rep), layout_section(rep),
-             warnings_section(rep), suggestion_section(rep)]
+             warnings_section(rep), suggestion_section(rep), nccl_section(rep.nccl) if rep.nccl is not None else ""]
     return "\n\n".join(p for p in parts if p)
 
 
@@ -137,13 +144,19 @@ def hosts_section(rep: Report) -> str:
         numa = ", ".join(f"node{n['node']} cpus {n['cpus']}" for n in facts["numa"]) or "not available"
         nics = ", ".join(f"{n['name']} ({n['state']}, {_or_q(n['speed_mbps'], ' Mb/s')}, numa "
                          f"{_or_q(n['numa_node'])})" for n in facts["nics"]) or "not available"
-        topo = facts["topology"]
         out.append("\n".join([f"host {host} (ranks {spans(ranks)})",
                               f"  cpu: {facts['cpu']}, {facts['cores']} cores, {gib(facts['memory_bytes'])}",
-                              f"  numa: {numa}", f"  nics: {nics}",
-                              "  nvidia-smi topo -m: " + ("\n    " + topo.replace("\n", "\n    ") if topo
-                                                          else "not available")]))
+                              f"  numa: {numa}", f"  nics: {nics}", topology_lines(facts.get("topology"))]))
     return "\n".join(sorted(out))
+
+
+def topology_lines(text: Optional[str]) -> str:
+    """`nvidia-smi topo -m` classified: per GPU its NUMA node, CPUs and nearest NIC, the GPU pairs by class (the
+    raw text is in the JSON)."""
+    topo = parse(text)
+    if topo is None:
+        return "  gpu topology (nvidia-smi topo -m): " + ("not a GPU matrix" if text else "not available")
+    return "  gpu topology (nvidia-smi topo -m):" + "".join(f"\n    {line}" for line in gpu_lines(topo))
 
 
 def _or_q(v: Optional[int], unit: str = "") -> str:
@@ -161,7 +174,9 @@ def bandwidth_section(rep: Report) -> str:
     summary = summarize(rep.matrix, node_of(rep.layout))
     lines = [f"  {name}-node: " + (f"{s['count']} links, min {s['min']:.3g} median {s['median']:.3g} "
                                    f"max {s['max']:.3g}" if s else "no links") for name, s in summary.items()]
-    return "\n".join([head, body, *lines])
+    classes = [f"  {name}: {s['links']} links, min {s['min']:.3g} median {s['median']:.3g} max {s['max']:.3g}"
+               for name, s in by_class(rep.matrix, pair_classes(rep.facts)).items()]
+    return "\n".join([head, body, *lines, "  by link class (docs/diagnose.md):", *classes])
 
 
 def matrix_table(matrix: Matrix) -> str:

@@ -28,6 +28,7 @@ ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_")
 ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
 NODE_ROOT = Path("/sys/devices/system/node")
 NET_ROOT = Path("/sys/class/net")
+IB_ROOT = Path("/sys/class/infiniband")
 SMI_TIMEOUT_S = 10.0
 
 
@@ -69,6 +70,16 @@ def nics(root: Path = NET_ROOT) -> list[Facts]:
              "numa_node": read_int(root / n / "device" / "numa_node")} for n in names]
 
 
+def ib_devices(root: Path = IB_ROOT) -> list[Facts]:
+    """RDMA adapters: name, link layer of port 1 (InfiniBand, or Ethernet for RoCE) and its rate; [] without."""
+    try:
+        names = sorted(p.name for p in root.iterdir())
+    except OSError:
+        return []
+    return [{"name": n, "link_layer": read_text(root / n / "ports" / "1" / "link_layer"),
+             "rate": read_text(root / n / "ports" / "1" / "rate")} for n in names]
+
+
 def run_smi(args: list[str], timeout_s: float = SMI_TIMEOUT_S) -> Optional[str]:
     """`nvidia-smi <args>`'s output, or None when nvidia-smi is absent, fails or exceeds `timeout_s`."""
     exe = shutil.which("nvidia-smi")
@@ -95,10 +106,18 @@ def memory_bytes() -> Optional[int]:
 
 
 def host_facts(smi_timeout_s: float = SMI_TIMEOUT_S) -> Facts:
-    """What the machine shows: CPU model and cores, memory, NUMA nodes, NICs, `nvidia-smi topo -m`."""
+    """What the machine shows: CPU model and cores, memory, NUMA nodes, NICs, RDMA adapters, `nvidia-smi topo -m`
+    and the GPUs' PCI addresses in its order."""
     return {"hostname": socket.gethostname(), "cpu": cpu_model(), "cores": os.cpu_count(),
             "memory_bytes": memory_bytes(), "numa": numa_nodes(), "nics": nics(),
-            "topology": run_smi(["topo", "-m"], smi_timeout_s)}
+            "ib_devices": ib_devices(), "topology": run_smi(["topo", "-m"], smi_timeout_s),
+            "gpu_bus_ids": gpu_bus_ids(smi_timeout_s)}
+
+
+def gpu_bus_ids(smi_timeout_s: float = SMI_TIMEOUT_S) -> list[str]:
+    """The host's GPUs' PCI addresses in nvidia-smi's order (its `topo -m` names GPU<i> by it); [] without one."""
+    out = run_smi(["--query-gpu=pci.bus_id", "--format=csv,noheader"], smi_timeout_s)
+    return [line.strip() for line in (out or "").splitlines() if line.strip()]
 
 
 def env_vars(environ: Optional[dict[str, str]] = None) -> dict[str, str]:
@@ -177,3 +196,4 @@ def node_size(keys: list[str]) -> Optional[int]:
     of consecutive ranks (the trainer's node = rank // ranks_per_node); None when they do not."""
     runs = [len(list(g)) for _, g in itertools.groupby(keys)]
     return runs[0] if len(set(runs)) == 1 and len(runs) == len(set(keys)) else None
+

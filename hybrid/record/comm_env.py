@@ -3,7 +3,8 @@
 changes how the ranks communicate — NCCL's own (`NCCL_*`), torch's around it (`TORCH_NCCL_*`), gloo's
 (`GLOO_*`, `TORCH_GLOO_*`) and torch's debug switch — so that two runs' communication figures are compared
 knowing what differed between them (docs/nccl.md says what each setting does). Rank 0's environment: launchers
-give every rank the same one.
+give every rank the same one. And where the ranks run: the CPU binding the launch script chose (`binding_line`,
+printed under the rank map).
 """
 
 from __future__ import annotations
@@ -46,3 +47,22 @@ def line(doc: dict[str, Any]) -> str:
     head = f"{doc['backend']} {doc['nccl']}" if doc["nccl"] else doc["backend"]
     pairs = " ".join(f"{k}={v}" for k, v in doc["settings"].items())
     return f"communication: {head}; {pairs or 'no NCCL_*, TORCH_NCCL_* or GLOO_* settings in the environment'}"
+
+
+def binding_line(environ: Optional[dict[str, str]] = None) -> str:
+    """The binding the launch script chose (HYBRID_BINDING, launch/binding.sh) and the CPUs this rank may run on."""
+    env = dict(os.environ) if environ is None else environ
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    chosen = env.get("HYBRID_BINDING", "not set (the launch scripts in launch/ choose one)")
+    return f"binding: {chosen}; rank 0 may run on CPUs {cpu_ranges(cpus)} ({len(cpus)} of {os.cpu_count()})"
+
+
+def cpu_ranges(cpus: list[int]) -> str:
+    """Sorted CPU numbers as a cpulist: [0, 1, 2, 5] → "0-2,5"."""
+    runs: list[list[int]] = []
+    for c in cpus:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs) or "?"

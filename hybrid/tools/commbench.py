@@ -20,6 +20,11 @@ Options (nccl-tests' letters):
   --preflight           the sniff test instead of the tables (all-reduces, ring links, GEMMs)
   --threshold PCT       preflight: flag a rank or link more than PCT% slower than the median (default 20)
   --timeout S           seconds before a collective that does not complete fails (default 300)
+  --soak DURATION       the acceptance test: every op over every group kind back to back at -e bytes for
+                        DURATION (90, 90s, 10m, 2h); calls, wrong results, errors and the slowest calls per
+                        group kind and op (docs/commbench.md)
+  --backend NAMES       gloo, nccl or gloo,nccl (both, side by side on the same sizes); default: NCCL with
+                        CUDA, else gloo
   -h, --help            this text
 
 Words without a leading dash are the trainer's Hydra overrides (`parallel=tp2pp2`, `parallel.tp=2`,
@@ -34,14 +39,10 @@ See docs/commbench.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
-import os
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import NoReturn, Optional
 
 import torch
@@ -53,12 +54,15 @@ from hybrid.config import ConfigError, compose_config
 from hybrid.diagnostics import DiagnosticsError, bandwidth_table
 from hybrid.diagnostics import bandwidth as bw
 from hybrid.diagnostics import preflight as pf
+from hybrid.diagnostics import soak as sk
 from hybrid.parallel.context import Layout, LayoutError, ParallelContext
+from hybrid.tools.commbench_backends import compare, parse_backends, process_group
 from hybrid.validation import validate
 
 KINDS = ("world", "tp", "dp", "pp", "dp_intra", "dp_inter")
 SIZE = re.compile(r"^(\d+)\s*([KMG]?)(I?B)?$", re.IGNORECASE)
 UNITS = {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
+DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhSMH]?)$")
 NOTHING = "# nothing to measure: every group has a single rank (run under torchrun --nproc-per-node N)"
 Emit = Callable[[str], None]
 
@@ -79,6 +83,8 @@ class Options:
     preflight: bool = False
     threshold: float = 20.0
     timeout: float = 300.0
+    soak: Optional[float] = None  # seconds
+    backends: list[str] = field(default_factory=lambda: ["gloo"])
     overrides: list[str] = field(default_factory=list)
 
 
@@ -119,6 +125,8 @@ def _parser() -> _Parser:
     p.add_argument("--preflight", action="store_true")
     p.add_argument("--threshold", type=float)
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--soak")
+    p.add_argument("--backend")
     return p
 
 
@@ -148,11 +156,22 @@ def parse_args(argv: list[str]) -> Options:
         raise UsageError(f"need -n >= 1 and -w >= 0, got -n {a.iters} -w {a.warmup_iters}")
     if a.timeout <= 0 or (a.threshold is not None and (not a.preflight or a.threshold <= 0)):
         raise UsageError("--threshold needs --preflight and a value > 0; --timeout must be > 0")
+    if a.soak is not None and a.preflight:
+        raise UsageError("--soak and --preflight are two different runs: choose one")
     groups = _split(a.groups, KINDS, "group kind") if a.groups is not None else None
     return Options(ops=_split(a.op, bw.OPS, "op"), minbytes=minbytes, maxbytes=maxbytes, stepfactor=a.stepfactor,
                    datatype=a.datatype, warmup_iters=a.warmup_iters, iters=a.iters, check=bool(a.check),
                    groups=groups, preflight=a.preflight, threshold=20.0 if a.threshold is None else a.threshold,
-                   timeout=a.timeout, overrides=rest)
+                   timeout=a.timeout, soak=None if a.soak is None else parse_duration(a.soak),
+                   backends=parse_backends(a.backend, torch.cuda.is_available()), overrides=rest)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of `90`, `90s`, `10m`, `2h`; must be > 0."""
+    m = DURATION.match(text.strip())
+    if not m or float(m.group(1)) <= 0:
+        raise UsageError(f"--soak must be a positive duration such as 90, 90s, 10m or 2h, got {text!r}")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2).lower()]
 
 
 def world_size() -> int:
@@ -220,7 +239,7 @@ def bench(opts: Options, layout: Optional[Layout], device: torch.device, emit: E
 
     sets, notes = group_sets(opts, layout)
     dtype, sizes = bw.dtype_of(opts.datatype), bw.sizes(opts.minbytes, opts.maxbytes, opts.stepfactor)
-    out(f"# hybrid-commbench: world {dist.get_world_size()} ({dist.get_backend()} on {device.type}), "
+    out(f"# hybrid-commbench: world {dist.get_world_size()} ({_backend_on(device)} on {device.type}), "
         f"{opts.iters} iterations after {opts.warmup_iters} warm-up, check {'on' if opts.check else 'off'}; "
         f"time: mean over ranks, algbw and busbw: from the slowest rank")
     for line in (layout.rank_map().splitlines() if layout else []):
@@ -239,44 +258,29 @@ def bench(opts: Options, layout: Optional[Layout], device: torch.device, emit: E
     return Outcome(EXIT_FAILED if wrong else EXIT_OK, "\n".join(lines), tables)
 
 
+def soak(opts: Options, layout: Optional[Layout], device: torch.device, emit: Emit) -> Outcome:
+    """`--soak`: every op over every group kind at -e bytes for the duration (hybrid.diagnostics.soak)."""
+    sets, notes = group_sets(opts, layout)
+    if not sets:
+        text = "\n".join([*notes, NOTHING])
+        emit(text)
+        return Outcome(EXIT_OK, text)
+    result = sk.soak(sets, opts.ops, opts.maxbytes, bw.dtype_of(opts.datatype), device, opts.soak or 0.0, opts.check)
+    text = sk.render(result, dist.get_world_size(), _backend_on(device), device, opts.soak or 0.0)
+    emit(text)
+    return Outcome(EXIT_FAILED if result.failed else EXIT_OK, text)
+
+
+def _backend_on(device: torch.device) -> str:
+    """The backend that carries this device's tensors: NCCL the GPU's, gloo the CPU's (`--backend`)."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def preflight(opts: Options, device: torch.device, emit: Emit) -> Outcome:
     report = pf.run_preflight(device, opts.threshold)
-    text = pf.render(report, dist.get_backend(), device)
+    text = pf.render(report, _backend_on(device), device)
     emit(text)
     return Outcome(EXIT_OK if report.healthy else EXIT_FAILED, text, preflight=report)
-
-
-@contextlib.contextmanager
-def process_group(timeout_s: float) -> Iterator[torch.device]:
-    """This rank's device, inside a process group: the one already initialised (kept), or one made here
-    (torchrun's env://, or a world of one in memory without torchrun) and destroyed on the way out."""
-    if dist.is_initialized():
-        yield _device(dist.get_backend() == "nccl")
-        return
-    cuda = torch.cuda.is_available()
-    device = _device(cuda)
-    timeout = timedelta(seconds=timeout_s)
-    if "RANK" in os.environ:
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
-    else:
-        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
-    finished = False
-    try:
-        yield device
-        finished = True
-    finally:
-        if finished:  # the clean gloo exit (as hybrid.train): collect, barrier, destroy
-            gc.collect()
-            dist.barrier()
-        dist.destroy_process_group()
-
-
-def _device(cuda: bool) -> torch.device:
-    if not cuda:
-        return torch.device("cpu")
-    torch.cuda.set_device(env_int("LOCAL_RANK", 0))
-    return torch.device("cuda", env_int("LOCAL_RANK", 0))
 
 
 def execute(argv: list[str], emit: Emit = lambda text: None) -> Outcome:
@@ -284,8 +288,14 @@ def execute(argv: list[str], emit: Emit = lambda text: None) -> Outcome:
     ConfigError, DiagnosticsError) before any process group is touched, so every rank fails alike."""
     opts = parse_args(argv)
     layout = resolve_layout(opts)
-    with process_group(opts.timeout) as device:
-        return preflight(opts, device, emit) if opts.preflight else bench(opts, layout, device, emit)
+    with process_group(opts.timeout, opts.backends) as devices:
+        if opts.preflight:
+            return preflight(opts, devices[0], emit)
+        outcomes = [(soak if opts.soak else bench)(opts, layout, device, emit) for device in devices]
+        if len(outcomes) == 2 and not opts.soak:
+            emit(compare(outcomes[0].tables, outcomes[1].tables, opts.backends))
+        return Outcome(max(o.code for o in outcomes), "\n".join(o.text for o in outcomes),
+                       [t for o in outcomes for t in o.tables])
 
 
 def run(argv: Optional[list[str]] = None) -> int:

@@ -16,6 +16,8 @@ Options:
   --timeout S    seconds a collective may take before the run fails (default 300; a process group
                  that is already initialised keeps its own)
   --strict       exit status 1 when there is a warning
+  --nccl         also print the NCCL settings advised for the machines found, each with its reason
+                 (debug output for one run, P2P level, NVLS, IB adapters, socket interface, RoCE GID)
 Every key=value word is a hybrid.train override (parallel=tp2pp2, parallel.tp=2, parallel.ranks_per_node=2,
 compression=powersgd, …): the layout the warnings judge, composed and validated as hybrid.train does.
 Exit status: 0 report written, 1 warnings under --strict, 2 bad input (one `hybrid: error:` line per rank).
@@ -43,6 +45,7 @@ from hybrid.config import Config, ConfigError, compose_config
 from hybrid.diagnostics import DiagnosticsError
 from hybrid.diagnostics import advice as A
 from hybrid.diagnostics.heatmap import write_heatmap
+from hybrid.diagnostics.nccl_advice import advise
 from hybrid.diagnostics.pairwise import measure
 from hybrid.diagnostics.report import Probe, Report, render, size_text
 from hybrid.diagnostics.system import Facts, gather_facts, node_size, rank_facts
@@ -67,10 +70,11 @@ class Options:
     png: Optional[str] = None
     timeout: float = 300.0
     strict: bool = False
+    nccl: bool = False
     overrides: list[str] = field(default_factory=list)
 
 
-SWITCHES = ("--serial", "--strict")
+SWITCHES = ("--serial", "--strict", "--nccl")
 VALUED = ("--size", "--iters", "--warmup", "--json", "--png", "--timeout")
 
 
@@ -209,7 +213,7 @@ def diagnose(opts: Options, cfg: Config) -> Report:
              + A.version_findings([f["versions"] for f in facts])
              + A.findings(layout, matrix, method, zero=cfg.parallel.zero, zero_group=str(cfg.parallel.zero_group)))
     return Report(facts, layout, source, matrix, probe, method, found,
-                  A.suggest(layout, matrix) if layout.world > 1 else None)
+                  A.suggest(layout, matrix) if layout.world > 1 else None, nccl=advise(facts) if opts.nccl else None)
 
 
 def write_outputs(rep: Report, opts: Options, out: TextIO) -> str:

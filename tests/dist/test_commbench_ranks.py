@@ -158,13 +158,88 @@ SLOW = ([1e-3, 1e-2, 1e-3], [2e-3] * 3)  # GEMM and link seconds by rank: rank 1
 HEALTHY = ([1.0e-3, 1.1e-3, 1.2e-3], [2.0e-3, 2.1e-3, 2.2e-3])  # within 20 % of their medians
 
 
+SOAK = ["--soak", "0.3", "-e", "4K", "-o", "all_reduce,send_recv"]
+
+
+def soak_rank(rank: int, world: int) -> dict[str, Any]:
+    """A short soak over the layout's groups, then one whose all-reduce raises in its third round (every rank: a
+    timed-out collective) and one with an all-reduce corrupted on rank 1."""
+    healthy = commbench.execute([*LAYOUT, *SOAK])
+    real_call, calls = bw.call, []
+
+    def failing(op: str, *args: Any) -> None:
+        calls.append(op)
+        # all-reduces: round 1 times and checks tp's and dp's (4 calls), round 2 times them (6): the 8th is round 3's dp
+        if op == "all_reduce" and calls.count("all_reduce") == 8:
+            raise RuntimeError("Timed out waiting 300000ms for recv operation to complete\nmore detail")
+        real_call(op, *args)
+
+    bw.call = failing  # this forked rank only
+    try:
+        broken = commbench.execute([*LAYOUT, *SOAK, "--soak", "30"])
+    finally:
+        bw.call = real_call
+    return {"healthy": (healthy.code, healthy.text), "broken": (broken.code, broken.text)}
+
+
+def soak_corrupted_rank(rank: int, world: int) -> tuple[int, str]:
+    real = dist.all_reduce
+
+    def corrupt(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        work = real(t, *args, **kwargs)
+        if rank == 1 and t.numel() > 1:
+            t.view(-1)[0] += 100
+        return work
+
+    dist.all_reduce = corrupt
+    try:
+        outcome = commbench.execute([*SOAK, "--backend", "gloo"])
+    finally:
+        dist.all_reduce = real
+    return outcome.code, outcome.text
+
+
 def run_jobs(rank: int, world: int) -> dict[str, Any]:
     """Rank function: every check of this world size in turn → its result by name."""
     if world == 2:
-        return {"every_op": every_op_rank(rank, world), "corrupted": corrupted_rank(rank, world)}
+        return {"every_op": every_op_rank(rank, world), "corrupted": corrupted_rank(rank, world),
+                "soak_corrupted": soak_corrupted_rank(rank, world)}
     if world == 3:
         return {"slow": preflight_rank(rank, world, *SLOW), "healthy": preflight_rank(rank, world, *HEALTHY)}
-    return {"groups": groups_rank(rank, world)}
+    return {"groups": groups_rank(rank, world), "soak": soak_rank(rank, world)}
+
+
+def soak_rows(text: str) -> dict[tuple[str, str], list[str]]:
+    return {(r[0], r[1]): r for r in (line.split() for line in text.splitlines() if line.startswith("   "))}
+
+
+def test_a_soak_counts_every_call_of_every_group_and_op() -> None:
+    code, text = launched(4)["soak"][0]["healthy"]
+    assert code == 0, text
+    head, *_ = text.splitlines()
+    rounds = int(head.split("), ")[1].split()[0])
+    assert head.startswith("# hybrid-commbench --soak 0.3 s: world 4 (gloo on cpu)") and rounds >= 1
+    table = soak_rows(text)
+    assert set(table) == {(k, op) for k in ("tp", "dp") for op in ("all_reduce", "send_recv")}
+    for row in table.values():  # group, op, size, calls, median, p99, max, busbw, wrong, errors, slowest…
+        assert row[2] == "4K" and int(row[3]) == rounds and (row[8], row[9]) == ("0", "0")
+        assert float(row[4]) <= float(row[5]) <= float(row[6])
+        assert " ".join(row).count("round ") == min(3, rounds)  # the slowest calls, at most 3
+    assert text.splitlines()[-1] == "# passed: no wrong result, no error"
+
+
+def test_a_soak_stops_at_the_first_error_and_counts_a_wrong_result() -> None:
+    code, text = launched(4)["soak"][0]["broken"]
+    assert code == 1 and text.splitlines()[-1] == ("# FAILED: dp all_reduce, round 3: Timed out waiting 300000ms for "
+                                                   "recv operation to complete"), text
+    table = soak_rows(text)
+    assert table[("dp", "all_reduce")][9] == "1" and table[("tp", "all_reduce")][9] == "0"
+    assert {int(r[3]) for r in table.values()} == {2}  # the rounds every (group, op) completed
+    results = launched(2)["soak_corrupted"]
+    assert [c for c, _ in results] == [1, 1]
+    rows_2 = soak_rows(results[0][1])
+    assert int(rows_2[("world", "all_reduce")][8]) >= 1 and rows_2[("world", "send_recv")][8] == "0"
+    assert "(gloo on cpu)" in results[0][1] and "wrong element(s)" in results[0][1].splitlines()[-1]
 
 
 @functools.cache

@@ -19,6 +19,7 @@ import torch
 from hybrid.diagnostics import bandwidth as bw
 from hybrid.diagnostics import preflight as pf
 from hybrid.tools import commbench
+from hybrid.tools.commbench_backends import compare
 
 
 @pytest.mark.parametrize("op,n,factor", [
@@ -164,6 +165,13 @@ def one_process(monkeypatch: pytest.MonkeyPatch) -> None:
     (["--threshold", "10"], "--threshold needs --preflight"),
     (["parallel.tp=2"], "does not divide world size 1"),
     (["parallel=tp9"], "Could not find 'parallel/tp9'"),
+    (["--soak", "0"], "--soak must be a positive duration"),
+    (["--soak", "ten"], "--soak must be a positive duration"),
+    (["--soak", "10", "--preflight"], "--soak and --preflight are two different runs"),
+    (["--backend", "mpi"], "--backend must be gloo, nccl or gloo,nccl"),
+    (["--backend", "gloo,gloo"], "--backend must be gloo, nccl or gloo,nccl"),
+    (["--backend", "nccl"], "--backend nccl needs a CUDA GPU"),  # the suite hides the GPUs
+    (["--backend", "gloo,nccl"], "--backend nccl needs a CUDA GPU"),
 ])
 def test_bad_input_is_one_line_and_status_2(argv: list[str], needle: str, one_process: None,
                                             capsys: pytest.CaptureFixture[str]) -> None:
@@ -192,3 +200,21 @@ def test_the_comm_peak_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> Non
     assert all(p["ratio"] == pytest.approx(p["busbw"] / result["copy_gbps"]) for p in result["peaks"])
     out = capsys.readouterr().out
     assert "## memcpy" in out and "# Avg bus bandwidth" in out and "reproduce: OMP_NUM_THREADS=1" in out
+
+
+@pytest.mark.parametrize("text, seconds", [("90", 90.0), ("90s", 90.0), ("1.5", 1.5), ("10m", 600.0), ("2h", 7200.0)])
+def test_soak_durations(text: str, seconds: float) -> None:
+    assert commbench.parse_duration(text) == seconds
+
+
+def test_soak_in_a_world_of_one_and_the_backend_comparison(one_process: None,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert commbench.run(["--soak", "0.1", "--backend", "gloo"]) == 0
+    assert "nothing to measure" in capsys.readouterr().out
+    cell = lambda gbs: bw.Cell(1e-3, 1e-3, 1e-3, 0, 0, gbs, gbs, 0)  # noqa: E731
+    table = lambda gbs: bw.Table("all_reduce", "float32", bw.GroupSet("dp", ((0, 1),)),  # noqa: E731
+                                 [bw.Row(1024, 256, cell(gbs), cell(gbs)), bw.Row(4096, 1024, cell(0.0), None)])
+    text = compare([table(2.0)], [table(50.0)], ["gloo", "nccl"]).splitlines()
+    assert text[1] == "# ===== gloo against nccl: bus bandwidth (GB/s, out of place) on the same sizes"
+    assert text[3].split() == ["dp", "all_reduce", "1K", "2.000", "50.000", "25.00×"]
+    assert text[4].split()[-1] == "-"  # nothing measured under the first backend: no ratio

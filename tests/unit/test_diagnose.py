@@ -299,7 +299,12 @@ def test_one_process_report(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
     assert diagnose.run(["--json", str(tmp_path / "d.json")]) == 0
     doc = json.loads((tmp_path / "d.json").read_text())
     assert doc["world"] == 1 and doc["bandwidth"]["matrix"] == [[None]] and doc["suggestion"] is None
-    assert "a world of 1 has no links to measure" in capsys.readouterr().out
+    assert doc["nccl"] is None and doc["bandwidth"]["by_class"] == {}
+    out = capsys.readouterr().out
+    assert "a world of 1 has no links to measure" in out and "NCCL settings" not in out
+    assert diagnose.run(["--nccl", "--json", str(tmp_path / "n.json")]) == 0
+    advice = {a["setting"]: a["verdict"] for a in json.loads((tmp_path / "n.json").read_text())["nccl"]}
+    assert advice["NCCL_DEBUG"] == "debug" and "NCCL settings for what was found" in capsys.readouterr().out
 
 
 def test_a_config_the_trainer_refuses_is_a_warning_and_strict_fails_on_it(
