@@ -27,13 +27,13 @@ import torch.distributed as dist
 
 
 @contextmanager
-def rendezvous_port(method: str | None = None) -> Iterator[int]:
+def rendezvous_port() -> Iterator[int]:
     """The port of a TCPStore server that a helper process holds for the ranks, which connect to it as clients
     (torchrun's agent-store mode). The server binds port 0 itself, so no other process can take the port between
     its choice and its use (a probed "free" port that rank 0 binds later can be: EADDRINUSE). A helper, not this
     process: the server's thread would be forked into every rank, and a child forked while it holds a lock
-    can hang in its own store's set-up."""
-    ctx = mp.get_context(method or start_method())
+    can hang in its own store's set-up. Forked even where the ranks are spawned: it touches no CUDA."""
+    ctx = mp.get_context("fork")
     ours, theirs = ctx.Pipe()
     helper = ctx.Process(target=_serve_store, args=(theirs,), daemon=True)
     helper.start()
@@ -108,7 +108,7 @@ def launch(fn: Callable, world: int, *args: Any, timeout: float = 900.0, init_ti
     when a rank fails, and TimeoutError (every child killed) after `timeout` seconds. `method`: the
     multiprocessing start method (default `start_method()`).
     """
-    with rendezvous_port(method) as port:
+    with rendezvous_port() as port:
         return _run(fn, world, port, args, kwargs, timeout, init_timeout_s, mp.get_context(method or start_method()))
 
 
