@@ -84,7 +84,7 @@ class Options:
     threshold: float = 20.0
     timeout: float = 300.0
     soak: Optional[float] = None  # seconds
-    backends: list[str] = field(default_factory=lambda: ["gloo"])
+    backends: list[str] = field(default_factory=list)  # [] = the default (commbench_backends.process_group)
     overrides: list[str] = field(default_factory=list)
 
 

@@ -26,10 +26,10 @@ BACKENDS = ("gloo", "nccl")
 
 
 def parse_backends(text: Optional[str], cuda: bool) -> list[str]:
-    """`--backend`'s comma list (None: NCCL with CUDA, else gloo); UsageError for an unknown one or NCCL
-    without a GPU."""
+    """`--backend`'s comma list ([] without one: the default, see `process_group`); UsageError for an unknown
+    one or NCCL without a GPU."""
     if text is None:
-        return ["nccl" if cuda else "gloo"]
+        return []
     names = [w.strip() for w in text.split(",") if w.strip()]
     if not names or any(n not in BACKENDS for n in names) or len(set(names)) < len(names):
         raise UsageError(f"--backend must be gloo, nccl or gloo,nccl, got {text!r}")
@@ -40,11 +40,13 @@ def parse_backends(text: Optional[str], cuda: bool) -> list[str]:
 
 @contextlib.contextmanager
 def process_group(timeout_s: float, backends: Sequence[str]) -> Iterator[list[torch.device]]:
-    """The devices to measure on, one per backend, inside a process group: the one already initialised (kept), or
-    one made here (torchrun's env://, or a world of one in memory without torchrun) and destroyed on the way out."""
+    """The devices to measure on, one per backend, inside a process group: the one already initialised (kept; by
+    default its own backend's device), or one made here (torchrun's env://, or a world of one in memory without
+    torchrun; by default NCCL with CUDA, else gloo) and destroyed on the way out."""
     if dist.is_initialized():
-        yield [_device(b == "nccl") for b in backends]
+        yield [_device(b == "nccl") for b in backends or [dist.get_backend()]]
         return
+    backends = list(backends) or ["nccl" if torch.cuda.is_available() else "gloo"]
     devices = [_device(b == "nccl") for b in backends]
     spec = "cpu:gloo,cuda:nccl" if len(backends) > 1 else backends[0]
     timeout = timedelta(seconds=timeout_s)
