@@ -7,7 +7,9 @@
 #                                                  SDPA on one GPU; then the chunked TP overlap's GEMMs in
 #                                                  pieces beside whole on one GPU (its single-device cost);
 #                                                  then hybrid-plan calibrated on the GPU: gpt-1b's predicted
-#                                                  tokens/s per micro batch, beside gpucheck's measured ones
+#                                                  tokens/s per micro batch, beside gpucheck's measured ones;
+#                                                  then hybrid-diagnose --nccl (the host's real topo -m classified)
+#                                                  and a 3-step run through launch/local.sh (its NUMA binding)
 #   bash scripts/gpu_session.sh OUT_DIR --dry-run  the same steps on the CPU, tiny (what CI can check)
 #
 # Wheels the GPU machine lacks (it reaches no package index) travel in .whl/ and are installed into a private
@@ -55,5 +57,9 @@ else
         --seq 4096 --pieces 2 4 8 --rounds 20 --reps 10
     step plan 120 "$PY" -m hybrid.tools.plan model=gpt-1b --cluster hgx-h200 --nodes 1 --per-node 1 --batch 16 \
         --seq 1024 --top 15 --calibrate cuda --json
+    # a real `nvidia-smi topo -m` classified, the NCCL advice for it; the launch script's NUMA binding on a GPU host
+    step diagnose 60 "$PY" -m hybrid.tools.diagnose --nccl --json "$OUT/diagnose.json"
+    step binding 120 env NUMA_BINDING=node PYTHON="$PY" bash launch/local.sh 1 model=gpt-tiny train.steps=3 \
+        logging.wandb.mode=disabled "logging.dir=$OUT/binding-run" checkpoint.every=0 checkpoint.resume=none
 fi
 exit $failed
