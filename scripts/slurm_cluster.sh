@@ -3,8 +3,9 @@
 # one slurmctld and one slurmd per node name, all on this host.
 #
 #   scripts/slurm_cluster.sh install   apt-get install slurm-wlm munge (as root; nothing when both are there)
-#   scripts/slurm_cluster.sh start     write $SLURM_DIR/slurm.conf, start munged, slurmctld and the slurmd's, wait
-#                                      until every node is idle; prints `export SLURM_CONF=…` for the clients
+#   scripts/slurm_cluster.sh start     write $SLURM_DIR/slurm.conf, start munged, slurmctld (no jobs of an earlier
+#                                      start: -c) and the slurmd's, wait until every node is idle; prints
+#                                      `export SLURM_CONF=…` for the clients
 #   scripts/slurm_cluster.sh stop      stop the daemons this script started (their pid files in $SLURM_DIR)
 #   scripts/slurm_cluster.sh status    sinfo of the cluster
 #
@@ -91,7 +92,7 @@ start() {
     write_conf
     export SLURM_CONF=$DIR/slurm.conf
     start_munge
-    slurmctld -i || die "slurmctld did not start: $DIR/log/slurmctld.log"
+    slurmctld -c -i || die "slurmctld did not start: $DIR/log/slurmctld.log"
     local name
     while read -r name; do
         slurmd -N "$name" || die "slurmd $name did not start: $DIR/log/slurmd-$name.log"
@@ -112,10 +113,15 @@ wait_idle() {
     die "the nodes are not idle after 60 s (sinfo: $(sinfo -h -N -o '%N %T' 2>&1 | tr '\n' ' '))"
 }
 
+# each daemon of a pid file TERMed, and waited for (10 s at most), so that a start right after finds its ports free
 stop() {
-    local pid
-    for pid in "$DIR"/slurmd-*.pid "$DIR"/slurmctld.pid; do
-        [[ -f $pid ]] && kill "$(cat "$pid")" 2>/dev/null && rm -f "$pid"
+    local file pid
+    for file in "$DIR"/slurmd-*.pid "$DIR"/slurmctld.pid; do
+        [[ -f $file ]] || continue
+        pid=$(cat "$file")
+        kill "$pid" 2>/dev/null || true
+        for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        rm -f "$file"
     done
     return 0
 }
