@@ -3,9 +3,9 @@ Pure functions of the ranks' facts (hybrid.diagnostics.system: hosts' `topo -m`,
 environment), so each rule is tested on crafted facts. docs/nccl.md says what every setting does, when it helps
 and when it hurts; the advice is the part of that page that applies here.
 
-An `Advice` is a setting and a value (empty: leave it unset), a verdict (`set`, `keep` — the default is right
-here, `unset` — the environment sets something that hurts on this machine — or `debug`, for one run) and one line
-of reason naming what was found.
+An `Advice` is a setting and a value (empty: leave it unset), a verdict (`set`, `try` — measure the step with and
+without it, `keep` — the default is right here, `unset` — the environment sets something that hurts on this
+machine — or `debug`, for one run) and one line of reason naming what was found.
 """
 
 from __future__ import annotations
@@ -30,16 +30,19 @@ class Advice:
         return asdict(self)
 
 
-def advise(facts: list[dict[str, Any]]) -> list[Advice]:
-    """Every rule's advice for these ranks (rank 0's environment is the one judged)."""
+def advise(facts: list[dict[str, Any]], tp: int = 1, tp_overlap: str = "none") -> list[Advice]:
+    """Every rule's advice for these ranks (rank 0's environment is the one judged) running a layout of `tp` with
+    `parallel.tp_overlap`."""
     hosts = [f["host"] for f in facts if "host" in f]
     topos = [t for t in (parse(h.get("topology")) for h in hosts) if t is not None]
     env, multi = facts[0].get("env", {}), len({f["hostname"] for f in facts}) > 1
     gpus = [f["device"].get("name", "") for f in facts if f["device"].get("kind") == "cuda"]
     out = debug_advice() + p2p_advice(topos, env) + nvls_advice(topos, gpus, env)
     if multi:
-        out += hca_advice(topos, hosts) + socket_advice(hosts) + roce_advice(hosts)
-    return out
+        out += hca_advice(topos, hosts) + socket_advice(hosts) + roce_advice(hosts) + buffer_advice(hosts)
+    if gpus and tp > 1 and tp_overlap != "none":
+        out += channel_advice(tp, tp_overlap)
+    return out + algo_advice(env)
 
 
 def debug_advice() -> list[Advice]:
@@ -115,6 +118,31 @@ def roce_advice(hosts: list[dict[str, Any]]) -> list[Advice]:
         return [Advice("NCCL_IB_GID_INDEX", "3", "set", "RoCE adapters: the GID of the RoCE v2 address (check "
                        "with show_gids; a wrong index hangs at start-up)")]
     return []
+
+
+def buffer_advice(hosts: list[dict[str, Any]]) -> list[Advice]:
+    """Between nodes over TCP a larger buffer keeps more in flight; with RDMA the default is NCCL's tuned size."""
+    if any(h.get("ib_devices") for h in hosts):
+        return [Advice("NCCL_BUFFSIZE", "", "keep", "RDMA between the nodes: the default 4 MiB is NCCL's tuned size")]
+    return [Advice("NCCL_BUFFSIZE", "8388608", "try", "NCCL over TCP between the nodes: a larger buffer keeps more "
+                   "data in flight on a high-latency link; it costs GPU memory per channel and peer")]
+
+
+def channel_advice(tp: int, tp_overlap: str) -> list[Advice]:
+    """TP exchanges overlapped with GEMMs share the SMs with them: fewer NCCL channels leave more to the GEMMs."""
+    return [Advice("NCCL_MAX_CTAS", "16", "try", f"tp={tp} with parallel.tp_overlap={tp_overlap}: the exchanges run "
+                   "beside GEMMs, and each NCCL channel holds an SM; fewer leave more to the GEMMs but slow the "
+                   "exchange (NCCL before 2.17: NCCL_MAX_NCHANNELS)")]
+
+
+def algo_advice(env: dict[str, str]) -> list[Advice]:
+    """NCCL's tuner picks the algorithm and protocol per size; forcing one is wrong for some sizes."""
+    forced = [k for k in ("NCCL_ALGO", "NCCL_PROTO") if env.get(k)]
+    if forced:
+        return [Advice(" / ".join(forced), "", "unset", "forced for every size: small messages want LL and trees, "
+                       "large ones Simple and rings; compare with hybrid-commbench at the run's sizes first")]
+    return [Advice("NCCL_ALGO / NCCL_PROTO", "", "keep", "NCCL's tuner picks per size; to compare, run "
+                   "hybrid-commbench with NCCL_ALGO=Ring and then Tree at the run's sizes")]
 
 
 def render(advice: list[Advice]) -> str:

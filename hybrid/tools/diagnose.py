@@ -213,7 +213,8 @@ def diagnose(opts: Options, cfg: Config) -> Report:
              + A.version_findings([f["versions"] for f in facts])
              + A.findings(layout, matrix, method, zero=cfg.parallel.zero, zero_group=str(cfg.parallel.zero_group)))
     return Report(facts, layout, source, matrix, probe, method, found,
-                  A.suggest(layout, matrix) if layout.world > 1 else None, nccl=advise(facts) if opts.nccl else None)
+                  A.suggest(layout, matrix) if layout.world > 1 else None,
+                  nccl=advise(facts, layout.tp, cfg.parallel.tp_overlap) if opts.nccl else None)
 
 
 def write_outputs(rep: Report, opts: Options, out: TextIO) -> str:

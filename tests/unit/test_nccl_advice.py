@@ -43,13 +43,26 @@ def test_two_dgx_h100_keep_the_defaults_but_name_the_compute_rails() -> None:
     assert "the others (mlx5_8, mlx5_9)" in reason
     assert got["NCCL_SOCKET_IFNAME"][:2] == ("ib0", "set") and got["GLOO_SOCKET_IFNAME"][:2] == ("ib0", "set")
     assert "NCCL_IB_GID_INDEX" not in got  # InfiniBand, not RoCE
+    assert got["NCCL_BUFFSIZE"][1] == "keep" and got["NCCL_ALGO / NCCL_PROTO"][1] == "keep"
+    assert "NCCL_MAX_CTAS" not in got  # tp=1
 
 
 def test_what_the_environment_sets_that_hurts_here() -> None:
-    env = {"NCCL_P2P_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
+    env = {"NCCL_P2P_DISABLE": "1", "NCCL_NVLS_ENABLE": "0", "NCCL_PROTO": "LL"}
     got = by_setting(ranks(host("a", "dgx_h100"), env=env))
     assert got["NCCL_P2P_DISABLE / NCCL_P2P_LEVEL"][1] == "unset" and got["NCCL_NVLS_ENABLE"][1] == "unset"
-    assert "NCCL_IB_HCA" not in got  # one host: no network advice
+    assert got["NCCL_PROTO"][1] == "unset" and "forced for every size" in got["NCCL_PROTO"][2]
+    assert "NCCL_IB_HCA" not in got and "NCCL_BUFFSIZE" not in got  # one host: no network advice
+
+
+def test_overlapped_tp_may_want_fewer_channels() -> None:
+    facts = ranks(host("a", "dgx_h100"))
+    assert by_setting(facts) == {a.setting: (a.value, a.verdict, a.reason) for a in advise(facts, 1, "bulk")}
+    got = {a.setting: a for a in advise(facts, 8, "chunked")}
+    assert (got["NCCL_MAX_CTAS"].value, got["NCCL_MAX_CTAS"].verdict) == ("16", "try")
+    assert "tp=8 with parallel.tp_overlap=chunked" in got["NCCL_MAX_CTAS"].reason
+    assert "NCCL_MAX_CTAS" not in {a.setting for a in advise(facts, 8, "none")}
+    assert "NCCL_MAX_CTAS" not in {a.setting for a in advise(ranks(host("a", None), gpu=""), 8, "bulk")}  # CPU
 
 
 def test_pcie_boxes_try_host_staging_and_a100_has_no_nvls() -> None:
@@ -65,6 +78,7 @@ def test_between_nodes_without_infiniband_and_with_roce() -> None:
     assert tcp["NCCL_SOCKET_NTHREADS / NCCL_NSOCKS_PERTHREAD"][:2] == ("4 / 4", "set")
     assert tcp["NCCL_SOCKET_IFNAME"][1] == "keep"  # eth0 alone (lo, docker0 are not candidates)
     assert tcp["NCCL_IB_HCA"][1] == "keep" and tcp["NCCL_P2P_LEVEL"][1] == "keep"
+    assert tcp["NCCL_BUFFSIZE"][:2] == ("8388608", "try")
     roce = [(f"mlx5_{i}", "Ethernet") for i in range(8)]
     got = by_setting(ranks(host("a", "dgx_h100", roce), host("b", "dgx_h100", roce)))
     assert got["NCCL_IB_GID_INDEX"][:2] == ("3", "set") and got["NCCL_IB_HCA"][1] == "keep"
