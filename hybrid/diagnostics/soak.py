@@ -133,11 +133,11 @@ def _p99(ms: list[float]) -> float:
     return ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else 0.0
 
 
-def render(result: Soak, world: int, backend: str, device: torch.device, duration_s: float) -> str:
+def render(result: Soak, world: int, backend: str, device: torch.device, duration_s: float, check: bool = True) -> str:
     """The soak's report (rank 0 prints it)."""
+    checked = f"results checked every {CHECK_EVERY}th round" if check else "results not checked (-c 0)"
     head = (f"# hybrid-commbench --soak {duration_s:g} s: world {world} ({backend} on {device.type}), {result.rounds} "
-            f"rounds in {result.seconds:.1f} s; a call's time is its slowest rank's; results checked every "
-            f"{CHECK_EVERY}th round")
+            f"rounds in {result.seconds:.1f} s; a call's time is its slowest rank's; {checked}")
     cols = "#  group      op               size  calls  median ms   p99 ms   max ms  busbw GB/s  wrong  errors  slowest"
     rows = [f"   {x.kind:<10} {x.op:<14} {bw_size(x.size):>7} {x.calls:>6} {x.median_ms:>10.3f} {x.p99_ms:>8.3f} "
             f"{x.max_ms:>8.3f} {x.busbw:>11.3f} {x.wrong:>6} {x.errors:>7}  "

@@ -266,7 +266,7 @@ def soak(opts: Options, layout: Optional[Layout], device: torch.device, emit: Em
         emit(text)
         return Outcome(EXIT_OK, text)
     result = sk.soak(sets, opts.ops, opts.maxbytes, bw.dtype_of(opts.datatype), device, opts.soak or 0.0, opts.check)
-    text = sk.render(result, dist.get_world_size(), _backend_on(device), device, opts.soak or 0.0)
+    text = sk.render(result, dist.get_world_size(), _backend_on(device), device, opts.soak or 0.0, opts.check)
     emit(text)
     return Outcome(EXIT_FAILED if result.failed else EXIT_OK, text)
 
