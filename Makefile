@@ -1,9 +1,10 @@
 # hybrid — the commands the README names.
 PYTHON ?= python3
 NPROC ?= 2
-# pytest-xdist processes for `make test` (each takes whole test files; 3 on 2 cores: a third worker runs while the
-# others wait on launches, restarts and timeouts, 544 s against 603–638 s with 2); 0 runs the suite in one process
-TEST_WORKERS ?= 3
+# pytest-xdist processes for `make test` (each takes whole test files); 0 runs the suite in one process. 3 on the
+# 2 cores measured no better: 544 against 638 s in one adjacent pair of runs, 667 against 615 s in another, and up
+# to 14 % more CPU (docs/benchmarks/2026-11-29-suite-time.md)
+TEST_WORKERS ?= 2
 export OMP_NUM_THREADS ?= 1
 
 .PHONY: setup ready run test test-slurm lint bench gpu-check gpu-check-dry clean
