@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Optional
 
 from hybrid.parallel.context import Layout
+from hybrid.record.comm_env import spans
 
 from .advice import Finding, Suggestion, Thresholds, node_of, worst_link
 from .nccl_advice import Advice
@@ -45,6 +47,11 @@ class Report:
     thresholds: Thresholds = Thresholds()
     nccl: Optional[list[Advice]] = None  # `--nccl`: the settings advised (hybrid.diagnostics.nccl_advice)
 
+    @cached_property
+    def classes(self) -> dict[tuple[int, int], str]:
+        """The link class of every pair of ranks (`topology.pair_classes`), worked out once."""
+        return pair_classes(self.facts)
+
     def to_json(self) -> dict[str, object]:
         lay = self.layout
         return {
@@ -59,8 +66,8 @@ class Report:
                           "rounds": len(rounds(lay.world, self.probe.serial)),
                           "matrix": [[None if math.isnan(v) else v for v in row] for row in self.matrix],
                           "summary": summarize(self.matrix, node_of(lay)),
-                          "classes": {f"{i}-{j}": c for (i, j), c in pair_classes(self.facts).items()},
-                          "by_class": by_class(self.matrix, pair_classes(self.facts))},
+                          "classes": {f"{i}-{j}": c for (i, j), c in self.classes.items()},
+                          "by_class": by_class(self.matrix, self.classes)},
             "layout": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ranks_per_node": lay.ranks_per_node,
                        "compression": self.compression, "tp_groups": lay.tp_groups(), "dp_groups": lay.dp_groups(),
                        "pp_groups": lay.pp_groups()},
@@ -80,17 +87,6 @@ def size_text(n: int) -> str:
         if n % k == 0:
             return f"{n // k} {unit}"
     return f"{n} B"
-
-
-def spans(ranks: list[int]) -> str:
-    """Ranks as runs: [0, 1, 2, 5] → '0-2,5'."""
-    runs: list[list[int]] = []
-    for r in ranks:
-        if runs and r == runs[-1][-1] + 1:
-            runs[-1].append(r)
-        else:
-            runs.append([r])
-    return ",".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in runs)
 
 
 def render(rep: Report) -> str:
@@ -175,7 +171,7 @@ def bandwidth_section(rep: Report) -> str:
     lines = [f"  {name}-node: " + (f"{s['count']} links, min {s['min']:.3g} median {s['median']:.3g} "
                                    f"max {s['max']:.3g}" if s else "no links") for name, s in summary.items()]
     classes = [f"  {name}: {s['links']} links, min {s['min']:.3g} median {s['median']:.3g} max {s['max']:.3g}"
-               for name, s in by_class(rep.matrix, pair_classes(rep.facts)).items()]
+               for name, s in by_class(rep.matrix, rep.classes).items()]
     return "\n".join([head, body, *lines, "  by link class (docs/diagnose.md):", *classes])
 
 

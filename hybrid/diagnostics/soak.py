@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import bandwidth as bw
+from .report import size_text
 
 CHECK_EVERY = 10  # rounds between correctness checks (a check recomputes the expected values: costly)
 SLOWEST = 3  # slowest calls listed per (group kind, op)
@@ -66,7 +67,7 @@ def soak(sets: Sequence[bw.GroupSet], ops: Sequence[str], size: int, dtype: torc
     """Run the soak (see the module doc). Collective over the world: every rank calls it alike."""
     pairs = [(g, op) for g in sets for op in ops]
     times: list[list[float]] = [[] for _ in pairs]
-    wrong, starts, error, start = [0] * len(pairs), [], "", clock()
+    wrong, starts, error, failed, start = [0] * len(pairs), [], "", -1, clock()
     while not error and _go_on(clock() - start < duration_s, device):
         starts.append(clock() - start)
         for i, (g, op) in enumerate(pairs):
@@ -75,9 +76,9 @@ def soak(sets: Sequence[bw.GroupSet], ops: Sequence[str], size: int, dtype: torc
                 if check and len(starts) % CHECK_EVERY == 1:
                     wrong[i] += bw.check_call(op, g.member(), _count(op, g, size, dtype), dtype, device, False)
             except RuntimeError as e:  # a timeout or a lost peer: the group cannot be trusted any more
-                error = f"{g.kind} {op}, round {len(starts)}: {str(e).splitlines()[0]}"
+                error, failed = f"{g.kind} {op}, round {len(starts)}: {str(e).splitlines()[0]}", i
                 break
-    return _summary(pairs, times, wrong, starts, size, error, clock() - start, device)
+    return _summary(pairs, times, wrong, starts, size, (error, failed), clock() - start, device)
 
 
 def _go_on(mine: bool, device: torch.device) -> bool:
@@ -103,9 +104,11 @@ def _timed(op: str, g: bw.GroupSet, size: int, dtype: torch.dtype, device: torch
 
 
 def _summary(pairs: list[tuple[bw.GroupSet, str]], times: list[list[float]], wrong: list[int], starts: list[float],
-             size: int, error: str, seconds: float, device: torch.device) -> Soak:
+             size: int, fault: tuple[str, int], seconds: float, device: torch.device) -> Soak:
     """Every rank's times and counts gathered (one all-gather); each call's time is its slowest rank's. After an
-    error the group cannot gather: this rank's own figures then (rank 0's are printed)."""
+    error (`fault`: its line and the failing pair's index) the group cannot gather: this rank's own figures then
+    (rank 0's are printed)."""
+    error, failed = fault
     rounds = min(map(len, times), default=0)  # an error ends the last round early on some (group kind, op)
     local = [t for ts in times for t in ts[:rounds]] + [float(w) for w in wrong]
     every = torch.tensor([local], dtype=torch.float64) if error else bw.gather_world(local, device)
@@ -114,8 +117,7 @@ def _summary(pairs: list[tuple[bw.GroupSet, str]], times: list[list[float]], wro
         per_rank = every[:, i * rounds:(i + 1) * rounds]  # [world, rounds]
         slowest, who = per_rank.max(dim=0) if rounds else (torch.zeros(0), torch.zeros(0))
         lines.append(_line(g, op, size, slowest.tolist(), who.tolist(), starts,
-                           int(every[:, len(pairs) * rounds + i].sum()), 1 if error.startswith(f"{g.kind} {op},")
-                           else 0))
+                           int(every[:, len(pairs) * rounds + i].sum()), int(i == failed)))
     return Soak(lines, rounds, seconds, error)
 
 
@@ -138,8 +140,9 @@ def render(result: Soak, world: int, backend: str, device: torch.device, duratio
     checked = f"results checked every {CHECK_EVERY}th round" if check else "results not checked (-c 0)"
     head = (f"# hybrid-commbench --soak {duration_s:g} s: world {world} ({backend} on {device.type}), {result.rounds} "
             f"rounds in {result.seconds:.1f} s; a call's time is its slowest rank's; {checked}")
-    cols = "#  group      op               size  calls  median ms   p99 ms   max ms  busbw GB/s  wrong  errors  slowest"
-    rows = [f"   {x.kind:<10} {x.op:<14} {bw_size(x.size):>7} {x.calls:>6} {x.median_ms:>10.3f} {x.p99_ms:>8.3f} "
+    cols = ("#  group      op                 size  calls  median ms   p99 ms   max ms  busbw GB/s  wrong  errors  "
+            "slowest")
+    rows = [f"   {x.kind:<10} {x.op:<14} {size_text(x.size):>9} {x.calls:>6} {x.median_ms:>10.3f} {x.p99_ms:>8.3f} "
             f"{x.max_ms:>8.3f} {x.busbw:>11.3f} {x.wrong:>6} {x.errors:>7}  "
             + ", ".join(f"round {s.round} at {s.at_s:.1f} s: {s.ms:.2f} ms (rank {s.rank})" for s in x.slowest)
             for x in result.lines]
@@ -148,9 +151,3 @@ def render(result: Soak, world: int, backend: str, device: torch.device, duratio
                "# passed: no wrong result, no error")
     return "\n".join([head, cols, *rows, verdict])
 
-
-def bw_size(n: int) -> str:
-    for unit, scale in (("G", 1024 ** 3), ("M", 1024 ** 2), ("K", 1024)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale}{unit}"
-    return str(n)

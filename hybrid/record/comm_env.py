@@ -54,15 +54,15 @@ def binding_line(environ: Optional[dict[str, str]] = None) -> str:
     env = dict(os.environ) if environ is None else environ
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     chosen = env.get("HYBRID_BINDING", "not set (the launch scripts in launch/ choose one)")
-    return f"binding: {chosen}; rank 0 may run on CPUs {cpu_ranges(cpus)} ({len(cpus)} of {os.cpu_count()})"
+    return f"binding: {chosen}; rank 0 may run on CPUs {spans(cpus) or '?'} ({len(cpus)} of {os.cpu_count()})"
 
 
-def cpu_ranges(cpus: list[int]) -> str:
-    """Sorted CPU numbers as a cpulist: [0, 1, 2, 5] → "0-2,5"."""
+def spans(numbers: list[int]) -> str:
+    """Sorted numbers (ranks, CPUs) as runs, a cpulist: [0, 1, 2, 5] → '0-2,5'; '' for none."""
     runs: list[list[int]] = []
-    for c in cpus:
-        if runs and c == runs[-1][1] + 1:
-            runs[-1][1] = c
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
         else:
-            runs.append([c, c])
-    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs) or "?"
+            runs.append([n, n])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)

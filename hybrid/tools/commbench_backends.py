@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hybrid.cli import UsageError, env_int
 from hybrid.diagnostics import bandwidth as bw
-from hybrid.diagnostics.soak import bw_size
+from hybrid.diagnostics.report import size_text
 
 BACKENDS = ("gloo", "nccl")
 
@@ -76,10 +76,10 @@ def compare(first: Sequence[bw.Table], second: Sequence[bw.Table], names: Sequen
     """The out-of-place bus bandwidth of the same tables under two backends, and their ratio."""
     a, b = names
     lines = ["#", f"# ===== {a} against {b}: bus bandwidth (GB/s, out of place) on the same sizes",
-             f"#  group      op              size {a:>10} {b:>10}  {b}/{a}"]
+             f"#  group      op                size {a:>10} {b:>10}  {b}/{a}"]
     for ta, tb in zip(first, second):
         for ra, rb in zip(ta.rows, tb.rows):
             x, y = ra.out_of_place.busbw, rb.out_of_place.busbw
-            lines.append(f"   {ta.groups.kind:<10} {ta.op:<14} {bw_size(ra.size):>6} {x:>10.3f} {y:>10.3f}  "
+            lines.append(f"   {ta.groups.kind:<10} {ta.op:<14} {size_text(ra.size):>8} {x:>10.3f} {y:>10.3f}  "
                          + (f"{y / x:.2f}×" if x > 0 else "-"))
     return "\n".join(lines)

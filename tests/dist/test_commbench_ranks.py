@@ -210,7 +210,9 @@ def run_jobs(rank: int, world: int) -> dict[str, Any]:
 
 
 def soak_rows(text: str) -> dict[tuple[str, str], list[str]]:
-    return {(r[0], r[1]): r for r in (line.split() for line in text.splitlines() if line.startswith("   "))}
+    """The soak table's rows by (group, op), split into cells (the size, `4 KiB`, one cell)."""
+    rows = (line.split() for line in text.splitlines() if line.startswith("   "))
+    return {(r[0], r[1]): [*r[:2], f"{r[2]} {r[3]}", *r[4:]] for r in rows}
 
 
 def test_a_soak_counts_every_call_of_every_group_and_op() -> None:
@@ -222,7 +224,7 @@ def test_a_soak_counts_every_call_of_every_group_and_op() -> None:
     table = soak_rows(text)
     assert set(table) == {(k, op) for k in ("tp", "dp") for op in ("all_reduce", "send_recv")}
     for row in table.values():  # group, op, size, calls, median, p99, max, busbw, wrong, errors, slowest…
-        assert row[2] == "4K" and int(row[3]) == rounds and (row[8], row[9]) == ("0", "0")
+        assert row[2] == "4 KiB" and int(row[3]) == rounds and (row[8], row[9]) == ("0", "0")
         assert float(row[4]) <= float(row[5]) <= float(row[6])
         assert " ".join(row).count("round ") == min(3, rounds)  # the slowest calls, at most 3
     assert text.splitlines()[-1] == "# passed: no wrong result, no error"

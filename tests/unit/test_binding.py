@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.record.comm_env import binding_line, cpu_ranges
+from hybrid.record.comm_env import binding_line, spans
 
 ROOT = Path(__file__).resolve().parents[2]
 HELP = {"new": "echo '  --numa-binding {node,socket,exclusive,core-complex}'", "old": "echo '  --standalone'"}
@@ -58,8 +58,11 @@ def test_an_unknown_mode_is_one_line_and_exit_2(tmp_path: Path) -> None:
         "x: error: NUMA_BINDING must be node, socket, exclusive, core-complex or none, got 'numa'"]
 
 
-def test_the_binding_line_under_the_rank_map() -> None:
-    assert cpu_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8" and cpu_ranges([]) == "?"
+def test_the_binding_line_under_the_rank_map(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert spans([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8" and spans([]) == ""
+    with monkeypatch.context() as m:
+        m.setattr(os, "sched_getaffinity", lambda pid: set())
+        assert "rank 0 may run on CPUs ? (0 of " in binding_line({})
     line = binding_line({"HYBRID_BINDING": "node (torchrun --numa-binding=node: …)"})
     assert line.startswith("binding: node (torchrun --numa-binding=node: …); rank 0 may run on CPUs ")
     assert binding_line({}).startswith("binding: not set (the launch scripts in launch/ choose one)")

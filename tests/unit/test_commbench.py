@@ -216,5 +216,5 @@ def test_soak_in_a_world_of_one_and_the_backend_comparison(one_process: None,
                                  [bw.Row(1024, 256, cell(gbs), cell(gbs)), bw.Row(4096, 1024, cell(0.0), None)])
     text = compare([table(2.0)], [table(50.0)], ["gloo", "nccl"]).splitlines()
     assert text[1] == "# ===== gloo against nccl: bus bandwidth (GB/s, out of place) on the same sizes"
-    assert text[3].split() == ["dp", "all_reduce", "1K", "2.000", "50.000", "25.00×"]
+    assert text[3].split() == ["dp", "all_reduce", "1", "KiB", "2.000", "50.000", "25.00×"]
     assert text[4].split()[-1] == "-"  # nothing measured under the first backend: no ratio

@@ -74,7 +74,7 @@ RULES: dict[str, tuple[str, ...]] = {
                      "hybrid.model", "hybrid.data", "hybrid.record.metrics", "hybrid.checkpoint", "hybrid.trainer",
                      "hybrid.record.runlog", "hybrid.startup", "hybrid.memory", "hybrid.nonfinite", "hybrid.health",
                      "hybrid.plan", "hybrid.record.comm_env"),
-    "hybrid.diagnostics": ("hybrid.parallel",),
+    "hybrid.diagnostics": ("hybrid.parallel", "hybrid.record.comm_env"),
     "hybrid.plan": ("hybrid.config", "hybrid.overrides", "hybrid.parallel", "hybrid.model", "hybrid.memory",
                     "hybrid.testing"),
     "hybrid.tools": ("hybrid.cli", "hybrid.config", "hybrid.validation", "hybrid.parallel", "hybrid.model",
