@@ -10,6 +10,7 @@ everything knowable before a process group exists, and raises `ConfigError` with
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,9 @@ from typing import TYPE_CHECKING, Any, Optional, cast
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
+
+from hybrid.config_run import HealthConfig, LoggingConfig, ProfileConfig
+from hybrid.config_run import WandbConfig as WandbConfig  # re-exported: the schema's groups are named from here
 
 
 class ConfigError(ValueError):
@@ -205,34 +209,6 @@ else:
 
 
 @dataclass
-class WandbConfig:
-    # values left at these defaults yield to WANDB_MODE / WANDB_PROJECT / WANDB_ENTITY / WANDB_RUN_GROUP
-    mode: str = "offline"  # offline | online | disabled
-    project: str = "hybrid"
-    entity: Optional[str] = None
-    group: Optional[str] = None  # wandb's run group (e.g. one per sweep)
-    tags: list[str] = field(default_factory=list)
-
-
-@dataclass
-class LoggingConfig:
-    dir: str = "runs/${run_name}"  # everything of a run lives here; a sweep job (-m): its job folder
-    log_every: int = 10  # steps between metrics.jsonl lines (torchtitan's 10); the progress bar moves every step
-    progress: bool = True  # progress bar on rank 0
-    timing: bool = True  # logged steps: time every collective (comm/ keys) and break the step down (time/ keys)
-    traffic_map: bool = True  # the last step's bytes rank → rank: traffic.json (+ traffic.png with matplotlib)
-    tensorboard: bool = False  # scalars under <dir>/tensorboard/ (needs the tensorboard package)
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-
-
-@dataclass
-class ProfileConfig:
-    steps: list[int] = field(default_factory=list)  # [first, last]: torch.profiler traces of these steps
-    dir: str = "${logging.dir}/profile"  # one Chrome/Perfetto trace per rank (+ a CUDA memory snapshot)
-    memory: bool = True  # on CUDA, also record a memory snapshot of the profiled steps
-
-
-@dataclass
 class SyncConfig:
     """How DP replicas agree (`hybrid.sync`): gradients every step, or rarely, with neighbours, through servers."""
 
@@ -251,13 +227,6 @@ class SyncConfig:
     asynchronous: bool = False  # ps: workers run ahead of the slowest by up to max_staleness versions
     max_staleness: int = 0  # ps (asynchronous): versions a worker's parameters may lag behind its clock
     staleness_weighting: bool = False  # ps: each gradient weighted 1/(1 + its staleness) in the server's mean
-
-
-@dataclass
-class HealthConfig:
-    straggler_every: int = 50  # steps between sharing every rank's compute time (an all-gather of a scalar); 0 = off
-    straggler_threshold: float = 0.2  # name a rank computing this fraction above the median of its stage's ranks
-    divergence_every: int = 200  # steps between checksums of what replicas must hold alike (DP, TP); 0 = off
 
 
 @dataclass
@@ -297,9 +266,16 @@ def layout_label(parallel: ParallelConfig) -> str:
     path = Path(CONFIG_DIR) / "parallel" / f"{parallel.name}.yaml"
     if not path.is_file():
         return parallel.name
-    saved = OmegaConf.merge(OmegaConf.structured(ParallelConfig), OmegaConf.load(path))
-    same = all(getattr(parallel, k) == saved[k] for k in _LAYOUT_KEYS)
+    same = tuple(getattr(parallel, k) for k in _LAYOUT_KEYS) == _group_layout(str(path), path.stat().st_mtime_ns)
     return parallel.name if same else derived_label(parallel.tp, parallel.pp, parallel.virtual_stages, parallel.dp)
+
+
+@functools.lru_cache(maxsize=64)
+def _group_layout(path: str, mtime_ns: int) -> tuple[Any, ...]:
+    """tp, pp, virtual_stages, dp of the parallel group file at `path`, read once per version of the file: the
+    run name resolves at every read of `run_name`, `logging.dir` or a checkpoint path (a merge costs ~10 ms)."""
+    saved = OmegaConf.merge(OmegaConf.structured(ParallelConfig), OmegaConf.load(path))
+    return tuple(saved[k] for k in _LAYOUT_KEYS)
 
 
 def derived_label(tp: int, pp: int, virtual_stages: int, dp: Optional[int]) -> str:

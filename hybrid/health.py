@@ -1,4 +1,4 @@
-"""Health checks of a long run: a straggler named, replicas that drifted apart caught.
+"""Health checks of a long run: a straggler named, replicas that drifted apart caught, communication watched.
 
 **Stragglers** (`health.straggler_every` steps, `health.straggler_threshold`). Each rank adds up its compute
 time (forward, backward and weight passes: `PipelineStats.busy_s`, the bubble and communication excluded);
@@ -17,6 +17,9 @@ its TP group, and compares exactly. A mismatch — silent data corruption, a syn
 update — stops the run on every rank (a world all-reduce of the verdict) with one line naming the parameter
 and the ranks that disagree (`ReplicaDivergence`, exit 1). Under ZeRO-1 with overlapped parameter gathers the
 gathers are waited for first.
+
+**Communication** (`health.comm_*`, `self.comm`): each group's bus bandwidth and exposed time against the run's
+own baseline, checked on the timed logged steps (`hybrid.comm_watch`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybrid.comm_watch import CommWatch
 from hybrid.config import HealthConfig
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
@@ -52,6 +56,7 @@ class HealthMonitor:
         self.device = self.named[0][1].device if self.named else torch.device("cpu")  # NCCL: CUDA tensors
         self.busy: list[Callable[[], float]] = []  # each step's compute seconds since the last check, unread
         self.steps, self.latest = 0, {}
+        self.comm = CommWatch(cfg, ctx.layout, say, lambda values: _gather_rows(values, self.device, ctx))
 
     def after_step(self, step: int, busy_s: Callable[[], float]) -> None:
         """Account step `step`'s compute (`busy_s()` its seconds, read only at a check: on CUDA a read waits for
@@ -73,7 +78,7 @@ class HealthMonitor:
         """Share the compute seconds since the last check (one all-gather over the world); warn about the slowest
         rank of any group when it is more than the threshold above the group's median."""
         busy = sum(seconds() for seconds in self.busy)
-        times = _gather_world(torch.tensor([busy], dtype=torch.float64, device=self.device), self.ctx)
+        times = [row[0] for row in _gather_rows([busy], self.device, self.ctx)]
         n, self.steps, self.busy = max(self.steps, 1), 0, []
         worst = max(_compare(times, self.ctx), key=lambda x: x[0])
         ratio, rank, median = worst
@@ -134,12 +139,14 @@ def fingerprint(p: torch.Tensor) -> torch.Tensor:
     return torch.stack([x.sum(), (x * ramp).sum()])
 
 
-def _gather_world(t: torch.Tensor, ctx: ParallelContext) -> list[float]:
+def _gather_rows(values: list[float], device: torch.device, ctx: ParallelContext) -> list[list[float]]:
+    """Every rank's `values`, by rank (one all-gather over the world; metrics only, uncounted)."""
     if not dist.is_initialized() or ctx.layout.world == 1:
-        return [float(t.item())]
+        return [list(values)]
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     out = [torch.empty_like(t) for _ in range(ctx.layout.world)]
     dist.all_gather(out, t)
-    return [float(x.item()) for x in out]
+    return [x.tolist() for x in out]
 
 
 def _compare(times: list[float], ctx: ParallelContext) -> list[tuple[float, int, float]]:

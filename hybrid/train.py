@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from hybrid.checkpoint import NonFiniteState
 from hybrid.cli import EXIT_BAD_INPUT, EXIT_FAILED, App, env_int, exit_on_error, precheck, warn
+from hybrid.comm_watch import CommDegraded
 from hybrid.config import CONFIG_DIR, Config, ConfigError, register_configs
 from hybrid.health import ReplicaDivergence
 from hybrid.nonfinite import NonFiniteStop
@@ -36,11 +37,12 @@ if TYPE_CHECKING:
 
 
 RUN_ERRORS = ((ConfigError, EXIT_BAD_INPUT), (WriteFault, EXIT_FAILED), (NonFiniteState, EXIT_FAILED),
-              (NonFiniteStop, EXIT_FAILED), (CollectiveFault, EXIT_FAILED), (ReplicaDivergence, EXIT_FAILED))
+              (NonFiniteStop, EXIT_FAILED), (CollectiveFault, EXIT_FAILED), (ReplicaDivergence, EXIT_FAILED),
+              (CommDegraded, EXIT_FAILED))
 """Bad input (config, data, checkpoint, the run's folders) exits 2; a write that failed while training, a
 diverged (non-finite) state due to be checkpointed, a non-finite gradient the run stops on
-(`train.on_nonfinite`), a collective that timed out or lost a peer, or replicas found to differ
-(`health.divergence_every`), 1."""
+(`train.on_nonfinite`), a collective that timed out or lost a peer, replicas found to differ
+(`health.divergence_every`), or communication that stayed degraded under `health.comm_action=stop` (after saving), 1."""
 
 
 def _device(cfg: Config) -> torch.device:
@@ -151,6 +153,9 @@ def _fit(trainer: Trainer, log: RunLog) -> None:
     try:
         trainer.fit()
         trainer.summarize(log.elapsed(), log.path)  # collective: after a fit every rank completed
+    except CommDegraded as e:  # every rank raised it after the same step's record
+        _stop_degraded(trainer, log, e)
+        raise
     except BaseException as e:
         fault = write_fault(e, trainer.step)  # one line and exit 1 instead of a traceback
         if fault is not None:
@@ -161,6 +166,16 @@ def _fit(trainer: Trainer, log: RunLog) -> None:
         raise CollectiveFault(with_flight(hang, trainer.cfg.logging.dir, trainer.ctx.rank)) from None
     finally:
         trainer.close()
+
+
+def _stop_degraded(trainer: Trainer, log: RunLog, e: CommDegraded) -> None:
+    """`health.comm_action=stop`: log the alerting step's record, save that step and write summary.json (collective:
+    every rank stops at the same step), before the one error line and exit 1."""
+    if trainer.metrics is not None:
+        trainer.metrics.log(trainer.step, e.record)
+    trainer.checkpointer.save()  # waits for a save still in flight first
+    trainer.checkpointer.wait()
+    trainer.summarize(log.elapsed(), log.path)
 
 
 def with_flight(line: str, run_dir: str, rank: int) -> str:

@@ -184,7 +184,7 @@ class Trainer:
             return None
         saved = [str(p) for s, p, ok in scan(self.checkpointer.root) if ok and s > self.tally.start_step]  # kept ones
         doc = summary(self.tally, (self.step, self.cfg.train.steps), wall_s, ranks, self.device, saved, log,
-                      comm_env.communication(comm_env.backend()))
+                      comm_env.communication(comm_env.backend()) | self.health.comm.summary())
         self.metrics.close(last_line=summary_line(write_summary(Path(self.cfg.logging.dir), doc)))
         return doc
 
@@ -284,7 +284,8 @@ class Trainer:
         stage = self.dp.stage_record(self.step) | self.guard.record()
         stage |= self.health.record() | self.dp.replica_record(self.step - self.tally.start_step)
         seconds = self.report.window.take(r.step_time_s)  # the mean since the last logged step
-        return {**self.report.record(self.step, r.loss, r.grad_norm, r.lr, seconds), **stage}
+        record = {**self.report.record(self.step, r.loss, r.grad_norm, r.lr, seconds), **stage}
+        return record | self.health.comm.check(self.step, record, self.report.timing)  # collective on an alert
 
     def _logs(self, step: int) -> bool:
         """Whether step `step` (counted from 1) writes a metrics record."""

@@ -14,12 +14,14 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from omegaconf import ListConfig
 
+from hybrid.comm_watch import read_preflight
 from hybrid.config import (
     CheckpointConfig,
     CompressionConfig,
     Config,
     ConfigError,
     DataConfig,
+    HealthConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
@@ -43,6 +45,7 @@ _CHOICES = {
     "parallel.tp_overlap": OVERLAP_MODES,
     "train.compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
     "train.on_nonfinite": ("stop", "skip", "rewind"),
+    "health.comm_action": ("warn", "stop"),
     "optim.name": ("adamw", "sgd"),
     "optim.implementation": ("fused", "foreach"),
     "train.device": ("auto", "cpu", "cuda"),
@@ -57,6 +60,20 @@ def _get(cfg: Any, dotted: str) -> Any:
 def _require(ok: bool, msg: str) -> None:
     if not ok:
         raise ConfigError(msg)
+
+
+def _validate_health(h: HealthConfig) -> None:
+    _require(min(h.straggler_every, h.divergence_every, h.comm_checks, h.comm_warmup) >= 0,
+             "health.straggler_every, divergence_every, comm_checks and comm_warmup must be >= 0 (0 = off / none), "
+             f"got {h.straggler_every}, {h.divergence_every}, {h.comm_checks}, {h.comm_warmup}")
+    _require(math.isfinite(h.straggler_threshold) and h.straggler_threshold > 0,
+             f"health.straggler_threshold must be a finite number > 0, got {h.straggler_threshold}")
+    _require(math.isfinite(h.comm_slowdown) and h.comm_slowdown > 1,
+             f"health.comm_slowdown must be a finite number > 1 (times worse than the baseline), got {h.comm_slowdown}")
+    _require(0 <= h.comm_min_share < 1, f"health.comm_min_share must be in [0, 1) (a share of the step), "
+             f"got {h.comm_min_share}")
+    _require(h.comm_baseline >= 1, f"health.comm_baseline must be >= 1 (timed steps), got {h.comm_baseline}")
+    read_preflight(h.comm_preflight)  # a missing or unreadable file: one line
 
 
 def layout_of(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None) -> Layout:
@@ -119,11 +136,7 @@ def validate(cfg: Config, world_size: int, ranks_per_node: Optional[int] = None)
     check_sync(cfg, layout)  # sync.mode's rules and the DP exchange's compression options
     _require(cfg.logging.log_every >= 1, f"logging.log_every must be >= 1, got {cfg.logging.log_every}")
     _validate_checkpoint(cfg.checkpoint)
-    h = cfg.health
-    _require(min(h.straggler_every, h.divergence_every) >= 0, "health.straggler_every and health.divergence_every "
-             f"must be >= 0 (0 = off), got {h.straggler_every}, {h.divergence_every}")
-    _require(math.isfinite(h.straggler_threshold) and h.straggler_threshold > 0,
-             f"health.straggler_threshold must be a finite number > 0, got {h.straggler_threshold}")
+    _validate_health(cfg.health)
     _validate_run_name(str(cfg.run_name))
     s = list(cfg.profile.steps)
     _require(not s or (len(s) == 2 and 1 <= s[0] <= s[1] <= t.steps),

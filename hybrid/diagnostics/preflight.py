@@ -24,6 +24,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -182,6 +183,16 @@ def run_preflight(device: torch.device, threshold: float = 20.0) -> Report:
     report = Report(plan, threshold, hosts, every[:, 0].tolist(), every[:, 1].tolist(), tables)
     report.problems = problems(report)
     return report
+
+
+def figures(r: Report) -> dict[str, Any]:
+    """The report as JSON (`hybrid-commbench --preflight --save`): the world's larger all-reduce (what a training
+    run's `health.comm_preflight` quotes beside its alerts; None in a world of one), every link and GEMM time."""
+    rows = [row for t in r.allreduce for row in t.rows]
+    big = max(rows, key=lambda row: row.size) if rows else None
+    allreduce = {"bytes": big.size, "busbw_gbps": big.out_of_place.busbw} if big else None
+    return {"world": len(r.hosts), "hosts": r.hosts, "allreduce": allreduce, "link_bytes": r.plan.link,
+            "link_s": r.link, "gemm_s": r.gemm, "problems": r.problems}
 
 
 def render(r: Report, backend: str, device: torch.device) -> str:

@@ -118,3 +118,9 @@ def _breakdown(phases: Sequence[float], exposed: dict[str, float], meter: float)
     out = {"time/step_s": step, **{f"time/{k}_s": s for k, s in parts.items()}}
     out["time/other_s"] = step - sum(parts.values())
     return out
+
+
+def group_seconds(local: Sequence[float]) -> list[float]:
+    """Each group's seconds (in `GROUPS`' order) in one rank's `local_vector`."""
+    block = 4 * len(OPS) + 3  # per op: calls, bytes, s, exposed; then the group's s, exposed, meter
+    return [local[i * block + 4 * len(OPS)] for i in range(len(GROUPS))]

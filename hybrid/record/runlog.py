@@ -239,7 +239,7 @@ def _num(value: Optional[float]) -> str:
 def summary_line(doc: dict[str, Any]) -> str:
     """'done: 100 steps in 3m12s, loss 9.01 → 5.8, eval 5.95, 12.3K tokens/s, peak mem …, checkpoint …, log …'."""
     steps = doc["end_step"] - doc["start_step"]
-    head = "done" if doc["ended"] == "completed" else f"stopped ({doc['ended']})"
+    head = {"completed": "done", "stopped": "stopped"}.get(doc["ended"], f"stopped ({doc['ended']})")
     parts = [f"{head}: {steps} steps (to step {doc['end_step']}) in {format_duration(doc['wall_s'])}",
              f"loss {_num(doc['first_loss'])} → {_num(doc['final_loss'])}", f"eval {_num(doc['final_eval_loss'])}"]
     if doc["mean_tokens_per_s"] is not None:

@@ -19,6 +19,7 @@ Options (nccl-tests' letters):
                         layout; every kind of the layout with more than one rank with one)
   --preflight           the sniff test instead of the tables (all-reduces, ring links, GEMMs)
   --threshold PCT       preflight: flag a rank or link more than PCT% slower than the median (default 20)
+  --save FILE           preflight: also write its figures as JSON (a training run's health.comm_preflight)
   --timeout S           seconds before a collective that does not complete fails (default 300)
   --soak DURATION       the acceptance test: every op over every group kind back to back at -e bytes for
                         DURATION (90, 90s, 10m, 2h); calls, wrong results, errors and the slowest calls per
@@ -39,10 +40,12 @@ See docs/commbench.md.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NoReturn, Optional
 
 import torch
@@ -82,6 +85,7 @@ class Options:
     groups: Optional[list[str]] = None
     preflight: bool = False
     threshold: float = 20.0
+    save: Optional[str] = None  # the preflight's figures as JSON
     timeout: float = 300.0
     soak: Optional[float] = None  # seconds
     backends: list[str] = field(default_factory=list)  # [] = the default (commbench_backends.process_group)
@@ -124,6 +128,7 @@ def _parser() -> _Parser:
     p.add_argument("--groups")
     p.add_argument("--preflight", action="store_true")
     p.add_argument("--threshold", type=float)
+    p.add_argument("--save")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--soak")
     p.add_argument("--backend")
@@ -156,13 +161,16 @@ def parse_args(argv: list[str]) -> Options:
         raise UsageError(f"need -n >= 1 and -w >= 0, got -n {a.iters} -w {a.warmup_iters}")
     if a.timeout <= 0 or (a.threshold is not None and (not a.preflight or a.threshold <= 0)):
         raise UsageError("--threshold needs --preflight and a value > 0; --timeout must be > 0")
+    if a.save is not None and (not a.preflight or not Path(a.save).parent.is_dir()):
+        raise UsageError(f"--save {a.save}: writes the preflight's figures, so it needs --preflight and a folder that "
+                         "exists")
     if a.soak is not None and a.preflight:
         raise UsageError("--soak and --preflight are two different runs: choose one")
     groups = _split(a.groups, KINDS, "group kind") if a.groups is not None else None
     return Options(ops=_split(a.op, bw.OPS, "op"), minbytes=minbytes, maxbytes=maxbytes, stepfactor=a.stepfactor,
                    datatype=a.datatype, warmup_iters=a.warmup_iters, iters=a.iters, check=bool(a.check),
                    groups=groups, preflight=a.preflight, threshold=20.0 if a.threshold is None else a.threshold,
-                   timeout=a.timeout, soak=None if a.soak is None else parse_duration(a.soak),
+                   save=a.save, timeout=a.timeout, soak=None if a.soak is None else parse_duration(a.soak),
                    backends=parse_backends(a.backend, torch.cuda.is_available()), overrides=rest)
 
 
@@ -280,6 +288,8 @@ def preflight(opts: Options, device: torch.device, emit: Emit) -> Outcome:
     report = pf.run_preflight(device, opts.threshold)
     text = pf.render(report, _backend_on(device), device)
     emit(text)
+    if opts.save and dist.get_rank() == 0:
+        Path(opts.save).write_text(json.dumps(pf.figures(report), indent=1) + "\n")
     return Outcome(EXIT_OK if report.healthy else EXIT_FAILED, text, preflight=report)
 
 

@@ -15,9 +15,11 @@ before the ranks fork.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from harness import run_ranks
 
 import hybrid.checkpoint  # noqa: F401  (`validate` imports it, ~2.5 CPU-s: once here, not in every forked rank)
+from hybrid.comm_watch import read_preflight
 from hybrid.config import compose_config
 from hybrid.diagnostics import bandwidth as bw
 from hybrid.parallel.context import Layout, ParallelContext
@@ -125,9 +128,9 @@ def test_layout_groups_are_the_trainers_groups() -> None:
     assert "# ===== tp: 2 group(s) of 2 ranks: [0, 1] [2, 3]" in text
 
 
-def preflight_rank(rank: int, world: int, gemm_s: list[float], link_s: list[float]) -> dict[str, Any]:
+def preflight_rank(rank: int, world: int, gemm_s: list[float], link_s: list[float], *save: str) -> dict[str, Any]:
     """The preflight at its default threshold (20 %), this rank reporting the made-up `gemm_s[rank]` and
-    `link_s[rank]` seconds for its GEMM and its outgoing link."""
+    `link_s[rank]` seconds for its GEMM and its outgoing link; `save`: `--save FILE`."""
     pf = commbench.pf
     real_gemm, real_link = pf.gemm_seconds, pf.link_seconds
 
@@ -141,7 +144,7 @@ def preflight_rank(rank: int, world: int, gemm_s: list[float], link_s: list[floa
 
     pf.gemm_seconds, pf.link_seconds = gemm, link  # this forked rank only, until the check is over
     try:
-        outcome = commbench.execute(["--preflight"])
+        outcome = commbench.execute(["--preflight", *save])
     finally:
         pf.gemm_seconds, pf.link_seconds = real_gemm, real_link
     report = outcome.preflight
@@ -156,6 +159,7 @@ def rows(text: str) -> list[list[str]]:
 
 SLOW = ([1e-3, 1e-2, 1e-3], [2e-3] * 3)  # GEMM and link seconds by rank: rank 1's GEMM is slow
 HEALTHY = ([1.0e-3, 1.1e-3, 1.2e-3], [2.0e-3, 2.1e-3, 2.2e-3])  # within 20 % of their medians
+SAVED = Path(tempfile.mkdtemp(prefix="preflight")) / "pf.json"  # the healthy preflight's --save (the ranks inherit it)
 
 
 SOAK = ["--soak", "0.3", "-e", "4K", "-o", "all_reduce,send_recv"]
@@ -205,7 +209,8 @@ def run_jobs(rank: int, world: int) -> dict[str, Any]:
         return {"every_op": every_op_rank(rank, world), "corrupted": corrupted_rank(rank, world),
                 "soak_corrupted": soak_corrupted_rank(rank, world)}
     if world == 3:
-        return {"slow": preflight_rank(rank, world, *SLOW), "healthy": preflight_rank(rank, world, *HEALTHY)}
+        return {"slow": preflight_rank(rank, world, *SLOW),
+                "healthy": preflight_rank(rank, world, *HEALTHY, "--save", str(SAVED))}
     return {"groups": groups_rank(rank, world), "soak": soak_rank(rank, world)}
 
 
@@ -271,6 +276,18 @@ def test_preflight_passes_a_healthy_world() -> None:
     assert [(float(r[2]), r[5], float(r[6])) for r in table] == want
     assert results[0]["text"].splitlines()[-1] == ("preflight: healthy (3 rank(s): GEMMs and 3 ring links within 20% "
                                                    "of the median, all-reduces correct)")
+
+
+def test_the_saved_preflight_holds_its_figures_and_feeds_the_alerts() -> None:
+    """`--save` (rank 0 writes): the made-up link and GEMM seconds by rank, the larger all-reduce's size and bus
+    bandwidth, read back as a training run's `health.comm_preflight`."""
+    launched(3)
+    doc = json.loads(SAVED.read_text())
+    assert (doc["world"], doc["gemm_s"], doc["link_s"], doc["problems"]) == (3, *HEALTHY, [])
+    assert doc["allreduce"]["bytes"] == commbench.pf.plan_for(torch.device("cpu")).large
+    big = doc["allreduce"]
+    assert read_preflight(str(SAVED)) == {"busbw_gbps": big["busbw_gbps"], "bytes": big["bytes"], "world": 3}
+    assert big["busbw_gbps"] > 0
 
 
 def test_bad_input_under_torchrun_is_one_line_per_rank() -> None:

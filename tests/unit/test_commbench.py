@@ -163,6 +163,8 @@ def one_process(monkeypatch: pytest.MonkeyPatch) -> None:
     (["--groups", "tp,xx"], "unknown group kind 'xx'"),
     (["--groups", "tp"], "needs a layout"),
     (["--threshold", "10"], "--threshold needs --preflight"),
+    (["--save", "pf.json"], "--save pf.json: writes the preflight's figures, so it needs --preflight"),
+    (["--preflight", "--save", "/nonexistent/pf.json"], "needs --preflight and a folder that exists"),
     (["parallel.tp=2"], "does not divide world size 1"),
     (["parallel=tp9"], "Could not find 'parallel/tp9'"),
     (["--soak", "0"], "--soak must be a positive duration"),

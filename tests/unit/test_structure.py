@@ -34,12 +34,13 @@ RULES: dict[str, tuple[str, ...]] = {
                      "hybrid.parallel.rng", "hybrid.parallel.recompute", "hybrid.parallel.pp.actions",
                      "hybrid.parallel.cp"),
     "hybrid.testing": (),
-    "hybrid.config": (),
+    "hybrid.config_run": (),
+    "hybrid.config": ("hybrid.config_run",),
     "hybrid.lifeline": (),
     "hybrid.rdzv_timeout": (),
     "hybrid.sync": ("hybrid.config", "hybrid.parallel", "hybrid.compression", "hybrid.optim"),
     "hybrid.validation": ("hybrid.config", "hybrid.parallel", "hybrid.compression", "hybrid.model",
-                          "hybrid.checkpoint.preempt", "hybrid.sync"),
+                          "hybrid.checkpoint.preempt", "hybrid.sync", "hybrid.comm_watch"),
     "hybrid.overrides": ("hybrid.config",),
     "hybrid.cli": ("hybrid.config", "hybrid.overrides"),
     "hybrid.data": ("hybrid.config",),
@@ -63,7 +64,8 @@ RULES: dict[str, tuple[str, ...]] = {
     "hybrid.record.traffic_map": ("hybrid.parallel",),
     "hybrid.record.report": ("hybrid.config", "hybrid.parallel", "hybrid.record.metrics", "hybrid.record.comm_report",
                              "hybrid.record.traffic_map", "hybrid.diagnostics"),
-    "hybrid.health": ("hybrid.config", "hybrid.parallel"),
+    "hybrid.comm_watch": ("hybrid.config", "hybrid.parallel", "hybrid.record.comm_report"),
+    "hybrid.health": ("hybrid.config", "hybrid.parallel", "hybrid.comm_watch"),
     "hybrid.trainer": ("hybrid.config", "hybrid.parallel", "hybrid.model", "hybrid.data", "hybrid.sampler",
                        "hybrid.record.metrics", "hybrid.optim", "hybrid.checkpoint", "hybrid.record.profiling",
                        "hybrid.record.report", "hybrid.record.sinks", "hybrid.record.runlog", "hybrid.nonfinite",
@@ -73,7 +75,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "hybrid.train": ("hybrid.cli", "hybrid.config", "hybrid.validation", "hybrid.parallel", "hybrid.sync",
                      "hybrid.model", "hybrid.data", "hybrid.record.metrics", "hybrid.checkpoint", "hybrid.trainer",
                      "hybrid.record.runlog", "hybrid.startup", "hybrid.memory", "hybrid.nonfinite", "hybrid.health",
-                     "hybrid.plan", "hybrid.record.comm_env"),
+                     "hybrid.plan", "hybrid.record.comm_env", "hybrid.comm_watch"),
     "hybrid.diagnostics": ("hybrid.parallel", "hybrid.record.comm_env"),
     "hybrid.plan": ("hybrid.config", "hybrid.overrides", "hybrid.parallel", "hybrid.model", "hybrid.memory",
                     "hybrid.testing"),
@@ -131,11 +133,15 @@ GRAPH = {m: imports_of(m) for m in MODULES}  # the run-time graph: TYPE_CHECKING
 
 
 def _schemas() -> set[str]:
-    """`hybrid.config.<name>` of every schema: the config dataclasses and assigned classes named *Config."""
-    tree = ast.parse(MODULES["hybrid.config"].read_text(encoding="utf-8"))
-    names = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
-    names |= {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
-    return {f"hybrid.config.{n}" for n in names if n.endswith("Config")}
+    """`hybrid.config.<name>` of every schema: the config dataclasses and assigned classes named *Config (those of
+    `hybrid.config_run`, re-exported by `hybrid.config`, under both names)."""
+    names = set()
+    for module in ("hybrid.config", "hybrid.config_run"):
+        tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+        names |= {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+        names |= {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets
+                  if isinstance(t, ast.Name)}
+    return {f"{m}.{n}" for n in names if n.endswith("Config") for m in ("hybrid.config", "hybrid.config_run")}
 
 
 SCHEMAS = _schemas()
