@@ -16,34 +16,30 @@ resume and whether it fits), `state` (the layout-independent state dict and its 
 the restricted index reader, foreign folders, removal inside the run folder only).
 """
 
-from hybrid.checkpoint.checkpointer import Checkpointer, NonFiniteState
-from hybrid.checkpoint.files import (
-    FORMAT,
-    MANIFEST,
-    METADATA,
-    CheckpointError,
-    find_latest,
-    list_steps,
-    problem,
-    read_manifest,
-    run_root,
-    stale,
-    step_path,
-)
-from hybrid.checkpoint.resume import (
-    check_compatible,
-    config_changes,
-    finished_line,
-    layout_name,
-    layout_of,
-    model_shape,
-    plan_resume,
-    refuse_changes,
-    resolve_resume,
-    training_changes,
-)
-from hybrid.checkpoint.stager import Stager
-from hybrid.checkpoint.state import init_optimizer_state, load_weights
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {  # each name → its room, imported on first use: `preempt`'s or `files`' users (the validation, the
+    # pre-launch check) do not load DCP (~1 s: DTensor, sympy) through the checkpointer
+    **dict.fromkeys(("Checkpointer", "NonFiniteState"), "checkpointer"),
+    **dict.fromkeys(("FORMAT", "MANIFEST", "METADATA", "CheckpointError", "find_latest", "list_steps", "problem",
+                     "read_manifest", "run_root", "stale", "step_path"), "files"),
+    **dict.fromkeys(("check_compatible", "config_changes", "finished_line", "layout_name", "layout_of", "model_shape",
+                     "plan_resume", "refuse_changes", "resolve_resume", "training_changes"), "resume"),
+    "Stager": "stager",
+    **dict.fromkeys(("init_optimizer_state", "load_weights"), "state"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'hybrid.checkpoint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"hybrid.checkpoint.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "FORMAT", "MANIFEST", "METADATA", "CheckpointError", "Checkpointer", "NonFiniteState", "Stager", "check_compatible",

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from hybrid.checkpoint.trust import SafeReader, untrusted
+from hybrid.checkpoint.trust import safe_reader, untrusted
 from hybrid.config import Config, ConfigError
 
 MANIFEST, METADATA, FORMAT = "hybrid.json", ".metadata", 1
@@ -72,7 +72,7 @@ def problem(path: Path) -> Optional[str]:
     except Exception as e:  # noqa: BLE001  (any unreadable manifest is a corrupt checkpoint)
         return f"is corrupt: cannot read its {MANIFEST} ({first_line(e)})"
     try:
-        md = SafeReader(str(path)).read_metadata()  # a restricted unpickler: a crafted index runs no code
+        md = safe_reader(str(path)).read_metadata()  # a restricted unpickler: a crafted index runs no code
     except Exception as e:  # noqa: BLE001  (any unreadable index is a corrupt checkpoint)
         return f"is corrupt: cannot read its index {METADATA} ({first_line(e)})"
     need: dict[str, int] = {}

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor, Shard
 
 from hybrid.checkpoint.files import CheckpointError, distributed, first_line, single_process_quiet
-from hybrid.checkpoint.trust import SafeReader
+from hybrid.checkpoint.trust import safe_reader
 from hybrid.parallel.params import param_info
 
 if TYPE_CHECKING:
@@ -273,7 +273,7 @@ def read_state(state: dict[str, Any], path: Path) -> None:
     failure is a CheckpointError naming `path`."""
     try:
         with single_process_quiet():
-            dcp.load(state, storage_reader=SafeReader(str(path)), planner=ReshardingLoadPlanner(),
+            dcp.load(state, storage_reader=safe_reader(str(path)), planner=ReshardingLoadPlanner(),
                      no_dist=not distributed())
     except CheckpointException as e:  # DCP wraps each rank's error (a BaseException): report the first
         failures = [exc for exc, _ in e.failures.values()]

@@ -1,7 +1,7 @@
 """What a checkpoint folder must be before it is read or removed: ours, not planted, and inside the run.
 
 - **Reading.** DCP's index `.metadata` is a pickle, and unpickling runs whatever the pickle names.
-  `SafeReader` reads it with an unpickler that admits only the classes an index holds (DCP's metadata
+  `safe_reader` reads it with an unpickler that admits only the classes an index holds (DCP's metadata
   dataclasses, `torch.Size`, dtypes, paths), so a crafted index is refused (an `UnpicklingError` the
   callers report as a corrupt checkpoint) instead of executed. Our own per-rank blobs are read with
   `torch.load(weights_only=True)` (`state.unblob`). `untrusted` names a folder that someone else could
@@ -14,16 +14,18 @@ Local file operations only; no collectives.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import shutil
 import stat
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import IO, TYPE_CHECKING, Any, Optional
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
@@ -52,23 +54,36 @@ def _admitted(module: str, name: str) -> bool:
 
 def read_index(stream: IO[bytes]) -> Metadata:
     """A DCP index from `stream`, through the restricted unpickler."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
     md = _IndexUnpickler(stream).load()
     if not isinstance(md, Metadata):
         raise pickle.UnpicklingError(f"the index holds a {type(md).__name__}, not DCP Metadata")
     return md
 
 
-class SafeReader(dcp.FileSystemReader):
-    """DCP's file-system reader with `read_metadata` through `read_index` (no code runs on a load)."""
+def safe_reader(path: str) -> Any:
+    """DCP's file-system reader with `read_metadata` through `read_index` (no code runs on a load). DCP (~1 s of
+    imports: DTensor, sympy) loads on the first read, not when a run that never reads a checkpoint imports this."""
+    return _safe_reader_class()(path)
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            md = read_index(f)
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
+
+@functools.cache
+def _safe_reader_class() -> type:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _SafeReader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as f:
+                md = read_index(f)
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    return _SafeReader
 
 
 def untrusted(path: Path) -> Optional[str]:

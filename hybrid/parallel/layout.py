@@ -69,8 +69,9 @@ class Coord(Mapping[str, int]):
         return ".".join([kind, *parts])
 
 
+@functools.lru_cache(maxsize=64)
 def split_order(order: str) -> tuple[str, ...]:
-    """"tp-cp-dp-pp" → its axes; LayoutError unless it names each of `AXES` once."""
+    """"tp-cp-dp-pp" → its axes; LayoutError unless it names each of `AXES` once (each order split once)."""
     axes = tuple(order.split("-"))
     if sorted(axes) != sorted(AXES):
         raise LayoutError(f"parallel order {order!r} must name each of {', '.join(AXES)} once, joined by '-'")
@@ -141,8 +142,8 @@ class Layout:
         return self.world // self.ranks_per_node
 
     def coord(self, rank: int) -> Coord:
-        """The rank's index along each axis."""
-        return Coord(**{a: (rank // self.stride(a)) % self.size(a) for a in AXES})
+        """The rank's index along each axis (worked out once per layout and rank: the step asks for it per op)."""
+        return _coord(self, rank)
 
     def rank(self, pp: int = 0, dp: int = 0, tp: int = 0, cp: int = 0) -> int:
         """The rank at that coordinate."""
@@ -286,3 +287,8 @@ def _axis_groups(layout: Layout, varying: tuple[str, ...]) -> tuple[tuple[int, .
         c = layout.coord(r)
         groups.setdefault(tuple(c[a] for a in AXES if a not in varying), []).append(r)
     return tuple(sorted(tuple(g) for g in groups.values()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _coord(layout: Layout, rank: int) -> Coord:
+    return Coord(**{a: (rank // layout.stride(a)) % layout.size(a) for a in AXES})

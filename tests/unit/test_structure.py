@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -129,7 +130,11 @@ def imports_of(module: str, type_only: bool = False) -> set[str]:
     return {m for n in imported_names(module, type_only) if (m := _resolve(n)) and m != module}
 
 
-GRAPH = {m: imports_of(m) for m in MODULES}  # the run-time graph: TYPE_CHECKING imports left out
+@functools.cache
+def graph() -> dict[str, set[str]]:
+    """The run-time graph (TYPE_CHECKING imports left out), worked out by the first test that reads it, not at
+    collection (~2 CPU-s in every xdist worker)."""
+    return {m: imports_of(m) for m in MODULES}
 
 
 def _schemas() -> set[str]:
@@ -185,7 +190,7 @@ def test_the_checker_finds_cycles_and_accepts_dags() -> None:
 
 
 def test_no_import_cycles() -> None:
-    cycle = find_cycle(GRAPH)
+    cycle = find_cycle(graph())
     assert not cycle, "import cycle: " + " → ".join(cycle)
 
 
@@ -197,7 +202,7 @@ def test_every_module_has_a_room() -> None:
 def test_imports_follow_the_layering(module: str) -> None:
     room = room_of(module)
     allowed = (room, *RULES[room])
-    bad = sorted(n for n in GRAPH[module] if not any(_under(n, r) for r in allowed) and n != "hybrid")
+    bad = sorted(n for n in graph()[module] if not any(_under(n, r) for r in allowed) and n != "hybrid")
     assert bad == [], f"{module} (room {room}) may import only {', '.join(allowed)}"
 
 
@@ -205,7 +210,7 @@ def test_type_checking_imports_stay_out_of_the_runtime_graph() -> None:
     assert "hybrid.config.ModelConfig" in SCHEMAS and "hybrid.config.CheckpointConfig" in SCHEMAS
     assert "hybrid.config.ConfigError" not in SCHEMAS
     assert "hybrid.config" in imports_of("hybrid.model.layers", type_only=True)
-    assert "hybrid.config" not in GRAPH["hybrid.model.layers"]
+    assert "hybrid.config" not in graph()["hybrid.model.layers"]
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m != "hybrid"))
