@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 from hybrid.checkpoint.files import list_steps, problem, read_manifest
-from hybrid.checkpoint.state import named_parameters
 from hybrid.parallel.dp.grads import grad_of
 
 if TYPE_CHECKING:
@@ -54,6 +53,8 @@ def _world() -> int:
 
 def first_nonfinite_grad(model: nn.ModuleList) -> Optional[str]:
     """The global name of this rank's first parameter whose gradient holds a NaN or an inf, else None."""
+    from hybrid.checkpoint.state import named_parameters  # DCP's room: loaded once a run trains
+
     for name, p in named_parameters(model, True):
         g = grad_of(p)
         if g is not None and not bool(torch.isfinite(g).all()):

@@ -44,7 +44,6 @@ from typing import TYPE_CHECKING, Optional
 from urllib.parse import urlsplit
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from hybrid.checkpoint import run_root
 from hybrid.cli import warn
@@ -304,6 +303,8 @@ def hold_run_folders(cfg: Config, n_params: int, writer: bool) -> RunFolders:
 def write_fault(e: BaseException, step: int) -> Optional[str]:
     """The line for a write that failed while training (an OSError of `_WRITE_ERRNOS`, also inside DCP's
     CheckpointException or as the cause of Checkpointer.wait's RuntimeError), or None for anything else."""
+    from torch.distributed.checkpoint.api import CheckpointException  # DCP: loaded by then, if anything saved
+
     cause: Optional[BaseException] = e
     while cause is not None and not isinstance(cause, (OSError, CheckpointException)):
         cause = cause.__cause__

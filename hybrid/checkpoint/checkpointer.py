@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from hybrid.checkpoint.files import (
     FORMAT,
     Log,
+    NonFiniteState,
     distributed,
     first_line,
     point_latest,
@@ -83,10 +84,6 @@ def _save_group(cfg: Config) -> dist.ProcessGroup:
                            group_desc="checkpoint")
     name_group(group, "checkpoint")
     return group
-
-
-class NonFiniteState(RuntimeError):
-    """The state due to be saved holds a NaN or an inf: it was not saved, and nothing was removed."""
 
 
 def _tp_mesh(ctx: ParallelContext, device: torch.device) -> Optional[DeviceMesh]:

@@ -33,6 +33,10 @@ class CheckpointError(ConfigError):
     """A checkpoint that cannot be resumed (missing, partial, corrupt, another model): one line, exit 2."""
 
 
+class NonFiniteState(RuntimeError):
+    """The state due to be saved holds a NaN or an inf: it was not saved, and nothing was removed."""
+
+
 def run_root(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir) / cfg.run_name
 

@@ -6,7 +6,8 @@ exchange and this machine's load add.
 The link carries ~20 MB/s for the first 500 steps — a steady run checked every 5 steps (100 checks), which must
 raise nothing — then from step 501 a twentieth of that (its latency 20× too): the DP exchange ~20× longer, ten times
 beyond the alert's threshold (`health.comm_slowdown=2`). With `health.comm_action=stop` the 3rd check in a row after
-the change (step 515) is one warning line naming the dp group, its all_reduce and both ranks; every rank saves
+the change (step 515) is one warning line naming the dp group, its all_reduce and both ranks (and one for its
+exposed time when that also rose three checks in a row); every rank saves
 step 515, rank 0 writes the record of that step and summary.json (its `communication.alerts`), and each rank ends
 with one error line and exit 1.
 """
@@ -86,19 +87,23 @@ def test_the_slowed_link_stops_the_run_with_one_line_per_rank(stopped: dict[str,
         assert "communication degraded, stopping (health.comm_action=stop): dp all_reduce bus bandwidth fell" \
             in r.error_lines()[0], r.error_lines()
     warnings = [line for line in out.splitlines() if "warning: communication:" in line]
-    assert len(warnings) == 2 and all(f"to step {ALERT_STEP} " in w for w in warnings), warnings  # busbw, exposed
+    assert warnings[0].startswith("warning: communication: dp all_reduce bus bandwidth fell"), warnings
+    assert all(f"to step {ALERT_STEP} " in w for w in warnings), warnings  # and the exposed time's, if it rose too
     assert "(the only such group," in warnings[0] and "ranks [0, 1]" in warnings[0], warnings[0]
     print("\n" + warnings[0])
 
 
 def test_nothing_alerts_over_the_steady_500_steps_and_the_alert_is_recorded(stopped: dict[str, Any]) -> None:
     rows, summary = stopped["rows"], stopped["summary"]
-    assert rows[-1]["step"] == ALERT_STEP and rows[-1]["health/comm_alerts"] == 2
+    alerts = summary["communication"]["alerts"]
+    assert rows[-1]["step"] == ALERT_STEP and rows[-1]["health/comm_alerts"] == len(alerts)
     assert all(r.get("health/comm_alerts", 0) == 0 for r in rows if r["step"] <= STEADY_STEPS + (CHECKS - 1) * 5)
     assert sum(1 for r in rows if "health/comm_alerts" in r and r["step"] <= STEADY_STEPS) >= 90  # checked, quiet
-    alerts = summary["communication"]["alerts"]
-    assert [(a["step"], a["group"], a["figure"], a["op"], a["ranks"]) for a in alerts] == [
-        (ALERT_STEP, "dp", "busbw", "all_reduce", [[0, 1]]), (ALERT_STEP, "dp", "exposed", "all_reduce", [[0, 1]])]
+    # the bus bandwidth's alert first; the exposed time's beside it when the wait also rose three checks in a row
+    # (it did on an idle machine; under load the steady steps' waits vary more and its baseline may be higher)
+    got = [(a["step"], a["group"], a["figure"], a["op"], a["ranks"]) for a in alerts]
+    assert got[0] == (ALERT_STEP, "dp", "busbw", "all_reduce", [[0, 1]]), got
+    assert all(g == (ALERT_STEP, "dp", "exposed", "all_reduce", [[0, 1]]) for g in got[1:]), got
     assert alerts[0]["now"] < alerts[0]["before"] / 10  # the link's twentieth, as the record measured it
     assert summary["ended"] == "stopped" and summary["end_step"] == ALERT_STEP
 
