@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 from harness import run_ranks
 
-import hybrid.checkpoint  # noqa: F401  (`validate` imports it, ~2.5 CPU-s: once here, not in every forked rank)
 from hybrid.comm_watch import read_preflight
 from hybrid.config import compose_config
 from hybrid.diagnostics import bandwidth as bw

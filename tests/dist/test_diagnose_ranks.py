@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from harness import run_ranks
 
-import hybrid.checkpoint  # noqa: F401  (`validate` imports it, ~2.5 CPU-s: once here, not in every forked rank)
 from hybrid.diagnostics import pairwise
 from hybrid.diagnostics.pairwise import bandwidth_gbs
 from hybrid.tools import diagnose

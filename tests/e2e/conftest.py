@@ -35,12 +35,15 @@ def e2e_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
 def forking(e2e_cache: str) -> dict[str, str]:
     """The environment of ranks forked from this process (`run_forked_ranks`), made ready for them: one torch
     thread, as a launched rank's OMP_NUM_THREADS=1 (the same floats as the launched runs), and loaded here, once,
-    what every run would load (transformers' tokenizer classes, AdamW's kernels and torch._dynamo, matplotlib's
-    figure for the traffic map): the forked ranks inherit them instead of importing them again (seconds each)."""
+    what every run would load (the trainer and with it DCP, which `hybrid.train` imports only once the run builds
+    its trainer; transformers' tokenizer classes, AdamW's kernels and torch._dynamo, matplotlib's figure for the
+    traffic map): the forked ranks inherit them instead of importing them again (seconds each)."""
     import torch
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
     from matplotlib.figure import Figure  # noqa: F401
     from transformers import AutoTokenizer  # noqa: F401
+
+    import hybrid.trainer  # noqa: F401
 
     torch.set_num_threads(1)
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], fused=True)
