@@ -15,7 +15,8 @@ its exposed time (the training thread's wait) above the baseline's × `comm_slow
 (its time, or its exposed time, over the step's) rose by at least `health.comm_min_share`: a machine slower as a
 whole (its compute too) moves no share, and a collective of microseconds cannot matter. A step whose group moved
 more than twice, or less than half, the baseline's bytes is another exchange (a DiLoCo fragment, a final sync), not
-a slower one, and is not checked.
+a slower one, and is not checked; `health.comm_baseline` such steps in a row (the auto compression schedule switched
+to a codec) are the group's new baseline.
 
 **An alert.** `health.comm_checks` checks in a row worse is one warning line: the group, the op whose time grew most,
 the figure before and now, and the ranks involved — from one all-gather over the world of each rank's seconds in
@@ -107,9 +108,8 @@ def median_figures(samples: Sequence[Figures]) -> Figures:
 
 
 def worse(base: Figures, now: Figures, cfg: HealthConfig) -> list[str]:
-    """The figures of `now` worse than `base` by the thresholds (see the module doc): "busbw", "exposed"."""
-    if not base.nbytes / 2 <= now.nbytes <= base.nbytes * 2:
-        return []  # another exchange, not a slower one
+    """The figures of `now` (the same exchange as `base`'s) worse than `base` by the thresholds (see the module
+    doc): "busbw", "exposed"."""
     out = []
     if base.busbw and now.busbw and now.busbw < base.busbw / cfg.comm_slowdown \
             and now.share - base.share >= cfg.comm_min_share:
@@ -201,6 +201,8 @@ class CommWatch:
             if len(self.samples[g]) == self.cfg.comm_baseline:
                 self.base[g] = median_figures(self.samples.pop(g))
             return []
+        if not self._same_exchange(g, now):
+            return []
         bad, out = worse(self.base[g], now, self.cfg), []
         for figure in FIGURES:
             n = self.streak.get((g, figure), 0) + 1 if figure in bad else 0
@@ -208,6 +210,19 @@ class CommWatch:
             if n == self.cfg.comm_checks:
                 out.append(figure)
         return out
+
+    def _same_exchange(self, g: str, now: Figures) -> bool:
+        """Whether `now` moved about the baseline's bytes (within 2×). `health.comm_baseline` other ones in a row
+        (the auto compression schedule switched, a mode changed what it sends) are the group's new baseline."""
+        base = self.base[g]
+        if base.nbytes / 2 <= now.nbytes <= base.nbytes * 2:
+            self.samples.pop(g, None)
+            return True
+        self.samples.setdefault(g, []).append(now)
+        if len(self.samples[g]) == self.cfg.comm_baseline:
+            self.base[g] = median_figures(self.samples.pop(g))
+            self.streak = {k: n for k, n in self.streak.items() if k[0] != g}
+        return False
 
     def _alert(self, step: int, due: list[tuple[str, str, Figures]], local: Sequence[float],
                record: dict[str, Any]) -> None:
