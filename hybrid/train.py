@@ -151,10 +151,8 @@ def _fit(trainer: Trainer, log: RunLog) -> None:
     """Train, summarize, close; a write that fails meanwhile (full disk, permissions) is a WriteFault, a
     collective that timed out or lost a peer a CollectiveFault (one line naming the group)."""
     try:
-        trainer.fit()
-        trainer.summarize(log.elapsed(), log.path)  # collective: after a fit every rank completed
-    except CommDegraded as e:  # every rank raised it after the same step's record
-        _stop_degraded(trainer, log, e)
+        _fit_or_stop(trainer, log)
+    except CommDegraded:
         raise
     except BaseException as e:
         fault = write_fault(e, trainer.step)  # one line and exit 1 instead of a traceback
@@ -166,6 +164,17 @@ def _fit(trainer: Trainer, log: RunLog) -> None:
         raise CollectiveFault(with_flight(hang, trainer.cfg.logging.dir, trainer.ctx.rank)) from None
     finally:
         trainer.close()
+
+
+def _fit_or_stop(trainer: Trainer, log: RunLog) -> None:
+    """Train and summarize (collective: after a fit every rank completed); under `health.comm_action=stop` an alert
+    saves and summarizes first (`_stop_degraded`: a write failing there is a WriteFault as during training)."""
+    try:
+        trainer.fit()
+    except CommDegraded as e:  # every rank raised it after the same step's record
+        _stop_degraded(trainer, log, e)
+        raise
+    trainer.summarize(log.elapsed(), log.path)
 
 
 def _stop_degraded(trainer: Trainer, log: RunLog, e: CommDegraded) -> None:

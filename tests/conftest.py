@@ -1,7 +1,8 @@
 """Shared pytest fixtures (a plain module of fixtures; add more as the suite grows).
 
 The suite runs on the CPU wherever it runs: on a GPU machine its GPUs are hidden (before anything initialises
-CUDA), so runs default to the CPU as in CI, and forked ranks inherit no CUDA state or autograd device threads.
+CUDA), so runs default to the CPU as in CI, and forked ranks inherit no CUDA state or autograd device threads;
+unless told otherwise it runs one OpenMP thread, as `make test` does.
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ from __future__ import annotations
 import os
 
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # noqa: E402 - before torch is imported by anything below
+# one OpenMP thread, as `make test` sets it, also for a bare `pytest`: GNU OpenMP is not fork-safe, and a test process
+# whose pool had several threads leaves the ranks it forks hanging in their first parallel op (a parameter's copy_)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from collections.abc import Callable, Iterator
 from pathlib import Path

@@ -24,9 +24,8 @@ from typing import Any
 _WHERE = {  # each name → its room, imported on first use: `preempt`'s or `files`' users (the validation, the
     # pre-launch check) do not load DCP (~1 s: DTensor, sympy) through the checkpointer
     "Checkpointer": "checkpointer",
-    **dict.fromkeys(("FORMAT", "MANIFEST", "METADATA", "CheckpointError", "NonFiniteState", "find_latest", "list_steps",
-                     "problem",
-                     "read_manifest", "run_root", "stale", "step_path"), "files"),
+    **dict.fromkeys(("FORMAT", "MANIFEST", "METADATA", "CheckpointError", "NonFiniteState", "find_latest",
+                     "list_steps", "problem", "read_manifest", "run_root", "stale", "step_path"), "files"),
     **dict.fromkeys(("check_compatible", "config_changes", "finished_line", "layout_name", "layout_of", "model_shape",
                      "plan_resume", "refuse_changes", "resolve_resume", "training_changes"), "resume"),
     "Stager": "stager",

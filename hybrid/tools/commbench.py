@@ -288,9 +288,14 @@ def preflight(opts: Options, device: torch.device, emit: Emit) -> Outcome:
     report = pf.run_preflight(device, opts.threshold)
     text = pf.render(report, _backend_on(device), device)
     emit(text)
+    code = EXIT_OK if report.healthy else EXIT_FAILED
     if opts.save and dist.get_rank() == 0:
-        Path(opts.save).write_text(json.dumps(pf.figures(report), indent=1) + "\n")
-    return Outcome(EXIT_OK if report.healthy else EXIT_FAILED, text, preflight=report)
+        try:
+            Path(opts.save).write_text(json.dumps(pf.figures(report), indent=1) + "\n")
+        except OSError as e:  # measured, but not kept: one line, and the status says so
+            emit(f"preflight: --save {opts.save} not written: {e}")
+            code = EXIT_FAILED
+    return Outcome(code, text, preflight=report)
 
 
 def execute(argv: list[str], emit: Emit = lambda text: None) -> Outcome:
