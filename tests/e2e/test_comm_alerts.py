@@ -7,9 +7,8 @@ The link carries ~20 MB/s for the first 500 steps — a steady run checked every
 raise nothing — then from step 501 a twentieth of that (its latency 20× too): the DP exchange ~20× longer, ten times
 beyond the alert's threshold (`health.comm_slowdown=2`). With `health.comm_action=stop` the 3rd check in a row after
 the change (step 515) is one warning line naming the dp group, its all_reduce and both ranks (and one for its
-exposed time when that also rose three checks in a row); every rank saves
-step 515, rank 0 writes the record of that step and summary.json (its `communication.alerts`), and each rank ends
-with one error line and exit 1.
+exposed time when that also rose three checks in a row); every rank saves step 515, rank 0 writes the record of that
+step and summary.json (its `communication.alerts`), and each rank ends with one error line and exit 1.
 """
 
 from __future__ import annotations
@@ -70,8 +69,7 @@ def stopped(tmp_path_factory: pytest.TempPathFactory, forking: dict[str, str]) -
     ids = (np.arange(20_000) * 7 + np.arange(20_000) // 97) % VOCAB  # a token file: a 64-id vocabulary, a small head
     np.save(tmp / "tokens.npy", ids.astype(np.uint16))
     argv = [*ARGV, f"data.path={tmp / 'tokens.npy'}", f"checkpoint.dir={tmp / 'ck'}", f"logging.dir={tmp / 'run'}"]
-    runs = run_forked_ranks(emulated_nodes_main, argv, tmp, 2, forking,
-                            timeout_s=240)
+    runs = run_forked_ranks(emulated_nodes_main, argv, tmp, 2, forking, timeout_s=240)
     assert (tmp / "run" / "summary.json").is_file(), "".join(r.stdout + r.stderr for r in runs)[-4000:]
     rows = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
     return {"runs": runs, "tmp": tmp, "rows": [r for r in rows if "loss" in r],
