@@ -197,9 +197,7 @@ class CommWatch:
         """Feed group `g`'s figures to its baseline, or check them against it; the figures whose streak just
         reached `health.comm_checks`."""
         if g not in self.base:
-            self.samples.setdefault(g, []).append(now)
-            if len(self.samples[g]) == self.cfg.comm_baseline:
-                self.base[g] = median_figures(self.samples.pop(g))
+            self._settle(g, now)
             return []
         if not self._same_exchange(g, now):
             return []
@@ -218,11 +216,18 @@ class CommWatch:
         if base.nbytes / 2 <= now.nbytes <= base.nbytes * 2:
             self.samples.pop(g, None)
             return True
-        self.samples.setdefault(g, []).append(now)
-        if len(self.samples[g]) == self.cfg.comm_baseline:
-            self.base[g] = median_figures(self.samples.pop(g))
+        if self._settle(g, now):
             self.streak = {k: n for k, n in self.streak.items() if k[0] != g}
         return False
+
+    def _settle(self, g: str, now: Figures) -> bool:
+        """Add `now` to group `g`'s records towards a baseline; with `health.comm_baseline` of them, their medians
+        are its baseline (True)."""
+        self.samples.setdefault(g, []).append(now)
+        if len(self.samples[g]) < self.cfg.comm_baseline:
+            return False
+        self.base[g] = median_figures(self.samples.pop(g))
+        return True
 
     def _alert(self, step: int, due: list[tuple[str, str, Figures]], local: Sequence[float],
                record: dict[str, Any]) -> None:

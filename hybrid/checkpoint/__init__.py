@@ -41,9 +41,4 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = [
-    "FORMAT", "MANIFEST", "METADATA", "CheckpointError", "Checkpointer", "NonFiniteState", "Stager", "check_compatible",
-    "config_changes", "find_latest", "finished_line", "init_optimizer_state", "layout_name", "layout_of",
-    "list_steps", "load_weights", "model_shape", "plan_resume", "problem", "read_manifest", "refuse_changes",
-    "resolve_resume", "run_root", "stale", "step_path", "training_changes",
-]
+__all__ = sorted(_WHERE)

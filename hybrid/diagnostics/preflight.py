@@ -29,8 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybrid.diagnostics.bandwidth import GroupSet, Table, measure, synchronize, world_barrier
-from hybrid.parallel.collectives import dist_all_gather_single
+from hybrid.diagnostics.bandwidth import GroupSet, Table, gather_world, measure, synchronize, world_barrier
 
 KIB, MIB = 1024, 1024 * 1024
 
@@ -174,12 +173,9 @@ def run_preflight(device: torch.device, threshold: float = 20.0) -> Report:
     link = link_seconds(plan, device)
     world_barrier(device)
     gemm = gemm_seconds(plan, device)
-    mine = torch.tensor([gemm, link], dtype=torch.float64, device=device)
-    every = torch.empty(2 * world, dtype=torch.float64, device=device)
-    dist_all_gather_single(every, mine)
+    every = gather_world([gemm, link], device)
     hosts: list[str] = [""] * world
     dist.all_gather_object(hosts, socket.gethostname())
-    every = every.view(world, 2).cpu()
     report = Report(plan, threshold, hosts, every[:, 0].tolist(), every[:, 1].tolist(), tables)
     report.problems = problems(report)
     return report

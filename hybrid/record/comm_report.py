@@ -37,6 +37,8 @@ GROUPS = (*GROUP_KINDS, "cp", "ps")  # the groups reported: every kind a rank be
 # the parameter server's (`sync=ps`: the pushes a worker sends, the replies it receives)
 PHASES = ("step", "data", "compute", "optimizer", "bubble")
 OVERLAPPED = ("dp", "pp", "cp", "tp")  # the `comm/overlap_<name>` figures (dp: every DP group)
+PER_OP, PER_GROUP = 4, 3  # `local_vector`'s floats per (group, op): calls, bytes, s, exposed; then per group: s,
+# exposed, meter
 
 
 def local_vector(t: StepTiming, counter: CommCounter, idle_s: float) -> list[float]:
@@ -73,12 +75,12 @@ def record(sums: Sequence[float], world: int, sizes: dict[str, int]) -> dict[str
     for g in GROUPS:
         wire = 0.0
         for op in OPS:
-            calls, nbytes, s, exp = v[i: i + 4]
-            i += 4
+            calls, nbytes, s, exp = v[i: i + PER_OP]
+            i += PER_OP
             out.update(_op_keys(f"comm/{g}/{op}", calls, nbytes, s, exp, bus_factor(op, sizes.get(g, 1))))
             wire += nbytes * bus_factor(op, sizes.get(g, 1))
-        s, exp, met = v[i: i + 3]
-        i += 3
+        s, exp, met = v[i: i + PER_GROUP]
+        i += PER_GROUP
         exposed[g], meter = exp - met, meter + met
         if s or exp:
             out.update({f"comm/{g}/s": s, f"comm/{g}/exposed_s": exp})
@@ -122,5 +124,5 @@ def _breakdown(phases: Sequence[float], exposed: dict[str, float], meter: float)
 
 def group_seconds(local: Sequence[float]) -> list[float]:
     """Each group's seconds (in `GROUPS`' order) in one rank's `local_vector`."""
-    block = 4 * len(OPS) + 3  # per op: calls, bytes, s, exposed; then the group's s, exposed, meter
-    return [local[i * block + 4 * len(OPS)] for i in range(len(GROUPS))]
+    block = PER_OP * len(OPS) + PER_GROUP
+    return [local[i * block + PER_OP * len(OPS)] for i in range(len(GROUPS))]
