@@ -12,8 +12,10 @@ settles a baseline of its own.
 
 **Worse.** A check finds a group worse when its bus bandwidth is below the baseline's / `health.comm_slowdown`, or
 its exposed time (the training thread's wait) above the baseline's × `comm_slowdown` — *and* its share of the step
-(its time, or its exposed time, over the step's) rose by at least `health.comm_min_share`: a machine slower as a
-whole (its compute too) moves no share, and a collective of microseconds cannot matter. A step whose group moved
+(its time, or its exposed time, over the step's) rose by at least `health.comm_min_share` — and, for the exposed
+time, the step itself grew by at least `comm_min_share` of the baseline's: a machine slower as a whole (its compute
+too) moves no share, a collective of microseconds cannot matter, and a wait that grew only because faster compute
+stopped hiding the same exchange leaves the step as long as it was. A step whose group moved
 more than twice, or less than half, the baseline's bytes is another exchange (a DiLoCo fragment, a final sync), not
 a slower one, and is not checked; `health.comm_baseline` such steps in a row (the auto compression schedule switched
 to a codec) are the group's new baseline.
@@ -114,7 +116,9 @@ def worse(base: Figures, now: Figures, cfg: HealthConfig) -> list[str]:
     if base.busbw and now.busbw and now.busbw < base.busbw / cfg.comm_slowdown \
             and now.share - base.share >= cfg.comm_min_share:
         out.append("busbw")
-    if now.exposed > base.exposed * cfg.comm_slowdown and now.exposed_share - base.exposed_share >= cfg.comm_min_share:
+    grown = now.step - base.step >= cfg.comm_min_share * base.step  # the step longer, not only less of it hidden
+    if now.exposed > base.exposed * cfg.comm_slowdown and now.exposed_share - base.exposed_share >= cfg.comm_min_share \
+            and grown:
         out.append("exposed")
     return out
 
