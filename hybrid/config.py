@@ -22,6 +22,7 @@ from omegaconf import MISSING, OmegaConf
 
 from hybrid.config_run import HealthConfig, LoggingConfig, ProfileConfig
 from hybrid.config_run import WandbConfig as WandbConfig  # re-exported: the schema's groups are named from here
+from hybrid.config_sync import CompressionConfig, SyncConfig
 
 
 class ConfigError(ValueError):
@@ -140,31 +141,6 @@ def optimizer_moments(o: OptimConfig) -> int:
 
 
 @dataclass
-class CompressionConfig:
-    # none | fp16 | bf16 | int8 | sign | topk | powersgd | dgc | hierarchical | onebit_adam | torch_fp16 | torch_bf16
-    # | torch_powersgd
-    method: str = "none"
-    rank: int = 4  # powersgd, torch_powersgd: rank of the low-rank factors
-    fraction: float = 0.01  # topk: fraction of each chunk's elements sent, in (0, 1]
-    block_size: int = 256  # int8, sign: elements sharing one fp32 scale
-    error_feedback: bool = True  # sign, topk, powersgd, torch_powersgd: add last step's compression error back
-    warmup_steps: int = 0  # steps of exact all-reduce before compressing (schedule=auto: at least, per stage)
-    schedule: str = "fixed"  # fixed: exact for warmup_steps, then the method | auto: switch once the loss settles
-    stages: list[str] = field(default_factory=list)  # auto: methods between exact and `method`, e.g. [bf16, int8]
-    settle_window: int = 10  # auto: steps per window of the settling rule (2 windows compared)
-    settle_tol: float = 0.02  # auto: settled when the loss's window mean fell by less than this (relative)
-    exact_params: Optional[list[str]] = None  # kept exact: vectors (norms, biases), embeddings; null: auto's [vectors]
-    min_compression_rate: float = 2.0  # powersgd: compress a matrix only if its factors are this much smaller
-    seed: int = 0  # powersgd: seed of the first random factors (shared by the DP ranks)
-    inner: str = ""  # hierarchical: the method between nodes (exact inside a node)
-    dgc_momentum: float = 0.9  # dgc: momentum of the accumulated velocity (momentum correction)
-    dgc_clip: float = 1.0  # dgc: local clipping of each bucket's gradient to dgc_clip / sqrt(dp); 0: off
-    sparsity_warmup_steps: int = 0  # dgc: density decays exponentially from 1 to `fraction` over these steps
-    measure_error: bool = True  # compression_error: one extra exact all-reduce per bucket (bytes_meter) on ...
-    measure_every: int = 10  # ... every measure_every-th logged step (and the last)
-
-
-@dataclass
 class TrainConfig:
     steps: int = 100  # optimizer steps
     seed: int = 1234  # weights, data order, dropout
@@ -206,27 +182,6 @@ if TYPE_CHECKING:
 else:
     CheckpointConfig = dataclasses.dataclass(init=False, repr=False, eq=False)(
         type("CheckpointConfig", (CheckpointFields,), {"__annotations__": {"async": bool}, "async": False}))
-
-
-@dataclass
-class SyncConfig:
-    """How DP replicas agree (`hybrid.sync`): gradients every step, or rarely, with neighbours, through servers."""
-
-    name: str = "dp"  # label only; the config file name
-    mode: str = "dp"  # dp (gradients every step) | diloco (local_sgd: its plain-averaging case) | gossip | ps
-    inner_steps: int = 1  # H: local optimizer steps between outer steps (gossip: between gossip rounds)
-    outer_lr: float = 0.7  # the outer optimizer's learning rate (DiLoCo's 0.7; 1 with no momentum = averaging)
-    outer_momentum: float = 0.9  # the outer SGD's momentum
-    nesterov: bool = True  # the outer SGD's momentum is Nesterov's (DiLoCo)
-    scope: str = "dp"  # dp: every DP replica syncs every H steps; inter: DP inside a node every step, between every H
-    fragments: int = 1  # streaming: the model in F fragments, each synced every H steps, staggered by H/F
-    overlap_steps: int = 0  # τ: inner steps an outer exchange runs behind the training (0: the exchange blocks)
-    overlap_mix: float = 0.0  # α: the local weights' share when an overlapped outer step lands (0: the global's)
-    topology: str = "ring"  # gossip's graph: ring | exponential | one_peer (dp a power of two) | complete
-    servers: int = 1  # ps: parameter-server shards per (pp, tp) coordinate, served by DP ranks 0..servers-1
-    asynchronous: bool = False  # ps: workers run ahead of the slowest by up to max_staleness versions
-    max_staleness: int = 0  # ps (asynchronous): versions a worker's parameters may lag behind its clock
-    staleness_weighting: bool = False  # ps: each gradient weighted 1/(1 + its staleness) in the server's mean
 
 
 @dataclass

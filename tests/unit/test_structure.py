@@ -36,7 +36,8 @@ RULES: dict[str, tuple[str, ...]] = {
                      "hybrid.parallel.cp"),
     "hybrid.testing": (),
     "hybrid.config_run": (),
-    "hybrid.config": ("hybrid.config_run",),
+    "hybrid.config_sync": (),
+    "hybrid.config": ("hybrid.config_run", "hybrid.config_sync"),
     "hybrid.lifeline": (),
     "hybrid.rdzv_timeout": (),
     "hybrid.sync": ("hybrid.config", "hybrid.parallel", "hybrid.compression", "hybrid.optim"),
@@ -139,14 +140,15 @@ def graph() -> dict[str, set[str]]:
 
 def _schemas() -> set[str]:
     """`hybrid.config.<name>` of every schema: the config dataclasses and assigned classes named *Config (those of
-    `hybrid.config_run`, re-exported by `hybrid.config`, under both names)."""
+    `hybrid.config_run` and `hybrid.config_sync`, re-exported by `hybrid.config`, under both names)."""
     names = set()
-    for module in ("hybrid.config", "hybrid.config_run"):
+    rooms = ("hybrid.config", "hybrid.config_run", "hybrid.config_sync")
+    for module in rooms:
         tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
         names |= {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
         names |= {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets
                   if isinstance(t, ast.Name)}
-    return {f"{m}.{n}" for n in names if n.endswith("Config") for m in ("hybrid.config", "hybrid.config_run")}
+    return {f"{m}.{n}" for n in names if n.endswith("Config") for m in rooms}
 
 
 SCHEMAS = _schemas()
