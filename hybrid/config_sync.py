@@ -12,14 +12,17 @@ from typing import Optional
 
 @dataclass
 class CompressionConfig:
-    # none | fp16 | bf16 | int8 | sign | topk | powersgd | dgc | hierarchical | onebit_adam | torch_fp16 | torch_bf16
-    # | torch_powersgd
+    # none | fp16 | bf16 | int8 | sign | topk | powersgd | dgc | hierarchical | onebit_adam | zeroone_adam | torch_fp16
+    # | torch_bf16 | torch_powersgd
     method: str = "none"
     rank: int = 4  # powersgd, torch_powersgd: rank of the low-rank factors
     fraction: float = 0.01  # topk: fraction of each chunk's elements sent, in (0, 1]
     block_size: int = 256  # int8, sign: elements sharing one fp32 scale
     error_feedback: bool = True  # sign, topk, powersgd, torch_powersgd: add last step's compression error back
-    warmup_steps: int = 0  # steps of exact all-reduce before compressing (schedule=auto: at least, per stage)
+    # steps of exact all-reduce before compressing (schedule=auto: at least, per stage); null: sized from the run,
+    # warmup_share of train.steps (null: the method's own, compression/defaults.py); 0: compress from step 1
+    warmup_steps: Optional[int] = None
+    warmup_share: Optional[float] = None
     schedule: str = "fixed"  # fixed: exact for warmup_steps, then the method | auto: switch once the loss settles
     stages: list[str] = field(default_factory=list)  # auto: methods between exact and `method`, e.g. [bf16, int8]
     settle_window: int = 10  # auto: steps per window of the settling rule (2 windows compared)
@@ -27,10 +30,23 @@ class CompressionConfig:
     exact_params: Optional[list[str]] = None  # kept exact: vectors (norms, biases), embeddings; null: auto's [vectors]
     min_compression_rate: float = 2.0  # powersgd: compress a matrix only if its factors are this much smaller
     seed: int = 0  # powersgd: seed of the first random factors (shared by the DP ranks)
+    # powersgd's adaptive rank: each matrix's rank follows its measured error (`rank` is where it starts); 0: fixed
+    target_error: float = 0.3  # grow a matrix's rank while ‖M̄ − M̂‖/‖M̄‖ is above this, shrink below half of it
+    rank_window: int = 10  # steps whose error estimates make one decision
+    max_rank: int = 32  # no matrix's rank above this
+    min_ratio: float = 20.0  # the byte budget: a bucket's payload stays ≤ its fp32 bytes / min_ratio when ranks grow
     inner: str = ""  # hierarchical: the method between nodes (exact inside a node)
     dgc_momentum: float = 0.9  # dgc: momentum of the accumulated velocity (momentum correction)
     dgc_clip: float = 1.0  # dgc: local clipping of each bucket's gradient to dgc_clip / sqrt(dp); 0: off
     sparsity_warmup_steps: int = 0  # dgc: density decays exponentially from 1 to `fraction` over these steps
+    # zeroone_adam (0/1 Adam): the variance refreshed at steps 2^⌊j/κ⌋ apart (j-th refresh) up to a freeze step,
+    # the momentum sent as signs between; after the freeze, local steps between syncs 1, 2, 4, … apart
+    var_freeze_step: int = 0  # the last step that may refresh the variance; 0: train.steps // 2
+    var_update_scaler: int = 0  # κ: refreshes per gap length (16 in the paper); 0: the largest ≤ 16 whose
+    # refreshes up to the freeze stay within 10% of train.steps
+    local_step_scaler: int = 0  # steps after the freeze per doubling of the sync interval; 0: (train.steps −
+    # freeze) / bit_length(local_step_clipper), so the longest interval is reached for the run's last part
+    local_step_clipper: int = 16  # the longest sync interval (the paper's H); 1: no local steps
     measure_error: bool = True  # compression_error: one extra exact all-reduce per bucket (bytes_meter) on ...
     measure_every: int = 10  # ... every measure_every-th logged step (and the last)
 
@@ -42,10 +58,17 @@ class SyncConfig:
 
     name: str = "dp"  # label only; the config file name
     mode: str = "dp"  # dp (gradients every step) | diloco (local_sgd: its plain-averaging case) | gossip | ps
-    inner_steps: int = 1  # H: local optimizer steps between outer steps (gossip: between gossip rounds)
-    outer_lr: float = 0.7  # the outer optimizer's learning rate (DiLoCo's 0.7; 1 with no momentum = averaging)
-    outer_momentum: float = 0.9  # the outer SGD's momentum
+    # H: local optimizer steps between outer steps (gossip: between gossip rounds); diloco: null = from train.steps
+    inner_steps: Optional[int] = 1
+    # diloco's outer step: auto (averaging, then the paper's Nesterov once consecutive pseudo-gradients agree and
+    # enough outer steps remain) | nesterov (the paper's: lr 0.7, momentum 0.9) | average (lr 1, no momentum)
+    outer: str = "auto"
+    outer_lr: Optional[float] = None  # set (or outer_momentum): the outer step pinned, the other 0.7 / 0.9 if null
+    outer_momentum: Optional[float] = None  # pinned outer SGD momentum (today's: outer_lr=0.7 outer_momentum=0.9)
     nesterov: bool = True  # the outer SGD's momentum is Nesterov's (DiLoCo)
+    outer_switch_cos: float = 0.9  # auto: Nesterov once the cosine of consecutive mean pseudo-gradients exceeds ...
+    outer_switch_window: int = 3  # ... in this many outer rounds in a row ...
+    outer_switch_left: int = 20  # ... while at least this many outer rounds remain in the run
     scope: str = "dp"  # dp: every DP replica syncs every H steps; inter: DP inside a node every step, between every H
     fragments: int = 1  # streaming: the model in F fragments, each synced every H steps, staggered by H/F
     overlap_steps: int = 0  # τ: inner steps an outer exchange runs behind the training (0: the exchange blocks)

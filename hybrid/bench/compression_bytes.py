@@ -38,6 +38,7 @@ from hybrid.bench.compression_common import (
     formula_payload,
 )
 from hybrid.bench.memory import proc_status_kb
+from hybrid.compression.defaults import warmup_of
 from hybrid.compression.hooks import Hook, make_hook
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext
@@ -101,7 +102,7 @@ def counted_sync(ctx: ParallelContext, ccfg: CompressionConfig, buckets: list[Gr
     """One counted sync step of `buckets` through a fresh hook of `ccfg`, after its warm-up steps (uncounted:
     our exact warm-up, torch's start_powerSGD_iter); COUNTER's payload and wire bytes per DP group, seconds."""
     hook, state = make_hook(ccfg, ctx.dp_group, ctx.dp_intra_group, ctx.dp_inter_group)
-    for step in range(ccfg.warmup_steps):
+    for step in range(warmup_of(ccfg, None)):
         fill_(buckets, seed + step + 1)
         sync_step(hook, state, buckets)
     fill_(buckets, seed)

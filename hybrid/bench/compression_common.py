@@ -26,6 +26,7 @@ BYTES_METHODS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sign", ("compression=sign",)),
     ("topk", ("compression=topk", "compression.fraction=0.01")),
     ("powersgd", ("compression=powersgd", "compression.rank=4")),
+    ("powersgd fixed", ("compression=powersgd", "compression.rank=4", "compression.target_error=0")),  # PyTorch's
     ("torch_fp16", ("compression=torch_fp16",)),
     ("torch_powersgd", ("compression=torch_powersgd", "compression.rank=4")),  # its config: warmup_steps=2
     ("hier+int8", ("compression=hierarchical", "compression.inner=int8")),
@@ -64,8 +65,9 @@ def flat_payload(method: str, ccfg: CompressionConfig, shapes: list[torch.Size],
         return 4 * numel
     if method in ("fp16", "bf16", "torch_fp16", "torch_bf16"):
         return 2 * numel
-    if method in ("powersgd", "torch_powersgd"):
-        return powersgd.payload_bytes(shapes, ccfg.rank, ccfg.min_compression_rate)
+    if method in ("powersgd", "torch_powersgd"):  # ours probes its error under an adaptive rank
+        probed = method == "powersgd" and ccfg.target_error > 0
+        return powersgd.payload_bytes(shapes, ccfg.rank, ccfg.min_compression_rate, probed=probed)
     codec = REGISTRY[method](ccfg, None)[1].codec  # the codec the method's factory builds
     return codecs.payload_bytes(codec, numel, n)
 

@@ -23,10 +23,12 @@ import torch
 from hybrid.bench import common
 from hybrid.bench.common import check_models, launch, parse_with_quick, table, verdict
 from hybrid.bench.inputs import add_size_options, size_overrides
+from hybrid.compression.defaults import warmup_of
 from hybrid.compression.hooks import make_hook
 from hybrid.config import Config, compose_config
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import ParallelContext
+from hybrid.parallel.dp.data import DP_GROUPS
 from hybrid.trainer import Trainer, build_chunks
 from hybrid.validation import validate
 
@@ -47,10 +49,12 @@ PARITY_RUNS: tuple[tuple[str, tuple[str, ...], bool], ...] = (  # (label, overri
     ("topk no-EF", ("compression=topk", "compression.fraction=0.01", "compression.error_feedback=false"), False),
     ("powersgd EF", ("compression=powersgd", "compression.rank=4"), True),
     ("powersgd no-EF", ("compression=powersgd", "compression.rank=4", "compression.error_feedback=false"), False),
-    ("powersgd EF", ("compression=powersgd", "compression.rank=4", "compression.warmup_steps=2"), True),
-    ("powersgd r8 EF", ("compression=powersgd", "compression.rank=8"), True),  # twice the factors' bytes
+    ("powersgd fixed EF", ("compression=powersgd", "compression.rank=4", "compression.warmup_steps=2",
+                           "compression.target_error=0"), True),  # a fixed rank: beside PyTorch's
+    ("powersgd r8 EF", ("compression=powersgd", "compression.rank=8", "compression.target_error=0"), True),
     ("torch_powersgd EF", ("compression=torch_powersgd", "compression.rank=4", "compression.warmup_steps=2"), False),
     ("onebit_adam", ("compression=onebit_adam",), True),  # its warm-up: --warmup-share of the steps
+    ("zeroone_adam", ("compression=zeroone_adam",), True),
     ("dgc", ("compression=dgc",), True),  # its sparsity warm-up: --warmup-share of the steps
     ("dgc β1=0", ("compression=dgc", "optim.beta1=0"), True),  # DGC's velocity as the only momentum
     ("sign auto", ("compression=sign", "compression.schedule=auto"), True),  # exact until the loss settles
@@ -140,7 +144,7 @@ def parity_rank(rank: int, world: int, cfg: Config, corpus: Corpus, error_every:
     """Train `cfg` for train.steps on this rank (as `Trainer.fit`, metering the compression error every
     `error_every` steps), then `evaluate()`; per step the loss and `mean_bytes()`'s figures."""
     ctx = ParallelContext.build(validate(cfg, world, world))
-    hook, state = make_hook(cfg.compression, ctx.dp_group, ctx.dp_intra_group, ctx.dp_inter_group)
+    hook, state = make_hook(cfg.compression, ctx.dp_group, ctx.dp_intra_group, ctx.dp_inter_group, cfg.train.steps)
     trainer = Trainer(cfg, ctx, build_chunks(cfg, corpus.vocab_size, ctx), corpus, CPU, hook, state)
     c, steps = cfg.compression, []
     start = time.perf_counter()
@@ -152,9 +156,10 @@ def parity_rank(rank: int, world: int, cfg: Config, corpus: Corpus, error_every:
         trainer.dp.observe(trainer.step, lambda r=result: r.loss)  # the auto schedule, as `Trainer.fit` does
         m = trainer.report.mean_bytes()
         steps.append({"loss": result.loss, "bytes_dp": m["bytes_dp"], "ratio": m.get("compression_ratio", 1.0),
-                      "error": m.get("compression_error") if metered else None})
+                      "error": m.get("compression_error") if metered else None,
+                      "wire": sum(C.COUNTER.wire_bytes(g) for g in DP_GROUPS)})  # this rank's, for the run's ratio
     wall = time.perf_counter() - start
-    bounds = state.schedule.bounds if state.schedule is not None else [cfg.compression.warmup_steps]
+    bounds = state.schedule.bounds if state.schedule is not None else [warmup_of(cfg.compression, cfg.train.steps)]
     exact = bounds[0] if bounds else cfg.train.steps  # auto: the step it switched after (never: the whole run)
     return {"steps": steps, "eval": trainer.evaluate(), "s_per_step": wall / cfg.train.steps, "exact_steps": exact}
 
@@ -169,13 +174,15 @@ def parity_ranks(rank: int, world: int, cfgs: list[Config], corpus: Corpus, erro
     return out
 
 
-def parity_runs(args: argparse.Namespace, corpus: Corpus, runs: Sequence[tuple[str, Sequence[str], bool]]
-                ) -> list[dict[str, Any]]:
-    """The parity runs (label, overrides, held to the goal) on --dp ranks: their rows."""
+def parity_runs(args: argparse.Namespace, corpus: Corpus, runs: Sequence[tuple[str, Sequence[str], bool]],
+                keep_steps: bool = False) -> list[dict[str, Any]]:
+    """The parity runs (label, overrides, held to the goal) on --dp ranks: their rows (with rank 0's figures per
+    step under "steps" when `keep_steps`)."""
     cfgs = [parity_cfg(args, overrides) for _, overrides, _ in runs]
     results = launch(parity_ranks, args.dp * args.tp, cfgs, corpus, args.error_every,
                      timeout=args.timeout * len(runs))[0]
-    return [parity_row(label, o, goal, cfg, res) for (label, o, goal), cfg, res in zip(runs, cfgs, results)]
+    rows = [parity_row(label, o, goal, cfg, res) for (label, o, goal), cfg, res in zip(runs, cfgs, results)]
+    return [r | ({"steps": res["steps"]} if keep_steps else {}) for r, res in zip(rows, results)]
 
 
 def parity_row(label: str, overrides: Sequence[str], goal: bool, cfg: Config, res: dict[str, Any]) -> dict[str, Any]:
@@ -225,7 +232,8 @@ def print_pair(rows: list[dict[str, Any]], out: Callable[[str], None]) -> None:
     """Our PowerSGD next to PyTorch's powerSGD_hook at the same rank and warm-up: bytes and loss."""
     torch_row = next((r for r in rows if r["method"] == "torch_powersgd"), None)
     ours = next((r for r in rows if r["method"] == "powersgd" and torch_row and r["warmup"] == torch_row["warmup"]
-                 and "compression.error_feedback=false" not in r["overrides"]), None)
+                 and "compression.error_feedback=false" not in r["overrides"]
+                 and "compression.target_error=0" in r["overrides"]), None)
     if ours is None or torch_row is None:
         return
     out(f"PowerSGD pair (rank 4, error feedback, warm-up {ours['warmup']} steps each: PyTorch needs "

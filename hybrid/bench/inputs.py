@@ -38,6 +38,16 @@ def add_size_options(p: argparse.ArgumentParser) -> None:
                    "of the corpus (default: all of it)")
 
 
+def add_train_options(p: argparse.ArgumentParser, global_batch: int) -> None:
+    """The training run's own options: --lr, --seq, the size options, --micro-batch, --global-batch, --eval-batches."""
+    p.add_argument("--lr", type=float, default=None, help="train.lr (default: the config's)")
+    p.add_argument("--seq", type=int, default=64, help="data.seq_len")
+    add_size_options(p)
+    p.add_argument("--micro-batch", type=int, default=2, help="train.micro_batch_size")
+    p.add_argument("--global-batch", type=int, default=global_batch, help="train.global_batch_size")
+    p.add_argument("--eval-batches", type=int, default=16, help="held-out global batches of the final eval")
+
+
 def add_train_shape(p: argparse.ArgumentParser, seq: int, micro_batch: int, global_batch: int) -> None:
     """--seq, the `add_size_options` options, --micro-batch and --global-batch of a benchmark that trains."""
     p.add_argument("--seq", type=int, default=seq, help="data.seq_len")

@@ -136,7 +136,8 @@ def mode_config(args: argparse.Namespace, overrides: Sequence[str], steps: Optio
 
 
 def mode_rank(rank: int, world: int, cfg: Config, corpus: Corpus) -> dict[str, Any]:
-    """Train `cfg` on this rank; the final eval loss, this rank's inter-node and DP bytes, seconds per step."""
+    """Train `cfg` on this rank; the final eval loss, this rank's inter-node and DP bytes, seconds per step, and the
+    auto outer step's run state (None unless `sync.outer=auto` chose it)."""
     ctx = ParallelContext.build(validate(cfg, world, 2))
     hook, state = make_hook(cfg.compression, ctx.dp_group, ctx.dp_intra_group, ctx.dp_inter_group)
     trainer = Trainer(cfg, ctx, build_chunks(cfg, corpus.vocab_size, ctx), corpus, CPU, hook, state)
@@ -152,7 +153,7 @@ def mode_rank(rank: int, world: int, cfg: Config, corpus: Corpus) -> dict[str, A
     p2p = getattr(trainer.dp.replica, "inter_bytes", 0)  # gossip, PS: their point-to-point bytes across nodes
     model = 4 * sum(p.numel() for p in trainer.model.parameters())
     return {"eval": trainer.evaluate(), "inter": inter + p2p, "wire": wire + p2p, "dp": dp,
-            "s_per_step": wall / cfg.train.steps, "model": model}
+            "s_per_step": wall / cfg.train.steps, "model": model, "outer": trainer.dp.state_dict().get("sync_outer")}
 
 
 def mode_ranks(rank: int, world: int, cfgs: list[Config], corpus: Corpus) -> list[dict[str, Any]]:

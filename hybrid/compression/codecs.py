@@ -239,6 +239,10 @@ class TwoPhaseState:
     scratch: dict[int, torch.Tensor] = field(default_factory=dict)  # n·L working buffer (not state)
     stream: Optional[Any] = None  # CUDA: the codec's own stream (torch.cuda.Stream), made on first use
 
+    def bucket_setting(self, index: int) -> dict[str, float]:
+        """The error budget's figure (`hybrid.record.error_budget`): top-k's (and DGC's) density."""
+        return {"density": self.codec.fraction} if isinstance(self.codec, TopKCodec) else {}
+
     def state_dict(self) -> dict[str, Any]:
         return {"worker": dict(self.worker), "server": dict(self.server)}
 

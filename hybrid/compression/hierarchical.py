@@ -100,6 +100,11 @@ class HierarchicalState:
     inner_state: Any
     ranges: dict[tuple[int, int], list[Range]] = field(default_factory=dict)
 
+    def bucket_setting(self, index: int) -> dict[str, float]:
+        """The inner method's error-budget figures of bucket `index` (this rank's range of it)."""
+        setting = getattr(self.inner_state, "bucket_setting", None)
+        return setting(index) if setting is not None else {}
+
     def state_dict(self) -> dict[str, Any]:
         sd = getattr(self.inner_state, "state_dict", None)
         return {"inner": sd() if sd else {}}

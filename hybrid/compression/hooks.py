@@ -12,18 +12,20 @@ Methods (`compression=<method>`, knobs under `compression.*`):
   int8        block-wise int8, two-phase (all-to-all → average → all-gather), `codecs.py`
   sign        1 bit per element + a scale per block, two-phase, error feedback
   topk        the largest `fraction` of each chunk, values + indices, two-phase, error feedback
-  powersgd    rank-`rank` factors, error feedback, warm start, `powersgd.py`
+  powersgd    low-rank factors, each matrix's rank following its error, error feedback, warm start, `powersgd.py`
   dgc         top-k with Deep Gradient Compression's corrections (local clipping, momentum correction and
               masking, sparsity warm-up), `dgc.py`
   onebit_adam  1-bit Adam: exact AdamW for `warmup_steps`, then the momentum, not the gradient, sent as
               sign bits (two-phase, error feedback) with Adam's variance frozen, `onebit_adam.py`
+  zeroone_adam  0/1 Adam: variance refreshed on a growing schedule, momentum as signs, local steps, `zeroone_adam.py`
   hierarchical  exact inside a node, `inner` method between nodes, `hierarchical.py`
 
 `make_hook` wraps every method in `Compression`, the hook state that adds what is common to all:
-exact all-reduce for the first `warmup_steps` steps, or, under `compression.schedule=auto`, the stages
-`schedule.py` steps through (exact, `compression.stages`, the method) as the loss settles; buckets of
-parameters kept exact (`compression.exact_params`); the optional measurement of the relative
-compression error ‖ĝ − g‖/‖g‖, and `state_dict()` / `load_state_dict()` for checkpoints.
+exact all-reduce for the first `warmup_steps` steps (null: sized from the run, `defaults.py`), or,
+under `compression.schedule=auto`, the stages `schedule.py` steps through (exact, `compression.stages`,
+the method) as the loss settles; buckets of parameters kept exact (`compression.exact_params`); the
+optional measurement of the relative compression error ‖ĝ − g‖/‖g‖, overall and per bucket (with each
+bucket's rank or density: `bucket_figures`), and `state_dict()` / `load_state_dict()` for checkpoints.
 Bytes are counted at the collective calls (`hybrid.parallel.collectives`); PyTorch's hooks call
 `torch.distributed` themselves, so their module sees a counting proxy of it (`_CountingDist`).
 """
@@ -37,11 +39,12 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
-from hybrid.compression import CompressionError, codecs, powersgd
-from hybrid.compression.codecs import done
+from hybrid.compression import CompressionError, adaptive_rank, codecs, powersgd, zeroone_adam
+from hybrid.compression.defaults import check_warmup, resolved, sized
 from hybrid.compression.dgc import DGCState, dgc_hook
 from hybrid.compression.hierarchical import HierarchicalState, hierarchical_hook
 from hybrid.compression.onebit_adam import MomentumExchange, local_hook
+from hybrid.compression.plain import CastState, allreduce_hook, cast_hook
 from hybrid.compression.schedule import Plateau, StageSchedule, check_schedule
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
@@ -50,34 +53,6 @@ if TYPE_CHECKING:
     from hybrid.config import CompressionConfig
 
 Hook = Callable[[Any, Any], torch.futures.Future]
-
-
-def allreduce_hook(group: Group, bucket: Any) -> torch.futures.Future:
-    """Exact mean: divide by the DP size, then one all-reduce (sum) of the whole bucket."""
-    buf = bucket.buffer()
-    buf.div_(C.size(group))
-    work = C.all_reduce(buf, group, async_op=True)
-    return done(buf) if work is None else work.get_future().then(lambda f: f.value()[0])
-
-
-@dataclass
-class CastState:
-    group: Group
-    dtype: torch.dtype
-
-
-def cast_hook(st: CastState, bucket: Any) -> torch.futures.Future:
-    """Mean in 16 bits: divide in fp32, cast, all-reduce (sum) the 16-bit copy, cast back.
-
-    Dividing before the cast keeps the n-term sum inside fp16's range whenever each term is."""
-    buf = bucket.buffer()
-    low = (buf / C.size(st.group)).to(st.dtype)
-    work = C.all_reduce(low, st.group, async_op=True)
-
-    def back(_: Any = None) -> torch.Tensor:
-        return buf.copy_(low)
-
-    return done(back()) if work is None else work.get_future().then(back)
 
 
 @dataclass
@@ -104,12 +79,26 @@ class Compression:
     schedule: Optional[StageSchedule] = None
     ladder: list[tuple[Hook, Any]] = field(default_factory=list)
     exact_params: frozenset[int] = frozenset()
+    sized: bool = False  # warmup_steps was sized from the run (compression.warmup_steps=null): kept on resume
     _exact_buckets: dict[int, bool] = field(default_factory=dict)
     _sq: list[float] = field(default_factory=lambda: [0.0, 0.0])  # Σ‖ĝ − g‖², Σ‖g‖²
+    _bucket_sq: dict[int, list[float]] = field(default_factory=dict)  # the same per bucket index
+    _compressed: dict[int, int] = field(default_factory=dict)  # bucket → the last step that ran the method on it
     _pending: Optional[torch.futures.Future] = None
 
     def take_error(self) -> tuple[float, float]:
         out, self._sq = (self._sq[0], self._sq[1]), [0.0, 0.0]
+        return out
+
+    def bucket_figures(self) -> dict[int, dict[str, float]]:
+        """The error budget's figures per bucket index (`hybrid.record.error_budget`): the metered Σ‖ĝ − g‖² and
+        Σ‖g‖² (cleared), and the method's setting (`bucket_setting`: rank, density, …) for the buckets the last
+        step compressed with it."""
+        out = {i: {"err_sq": e, "ref_sq": r} for i, (e, r) in self._bucket_sq.items()}
+        self._bucket_sq = {}
+        setting = getattr(self.state, "bucket_setting", None)
+        for i in [i for i, at in sorted(self._compressed.items()) if at == self.iteration - 1 and setting]:
+            out.setdefault(i, {}).update(setting(i))
         return out
 
     def stage_at(self, step: int) -> int:
@@ -135,13 +124,17 @@ class Compression:
         return self.schedule.observe(step, loss()) if self.schedule is not None else None
 
     def run_state(self) -> Optional[dict[str, Any]]:
-        """The auto schedule's decisions: run-level state, the same on every rank and layout-independent (the
-        trainer's part of a checkpoint, not the per-rank blob); None without an auto schedule."""
-        return self.schedule.state_dict() if self.schedule is not None else None
+        """The auto schedule's decisions, or a warm-up sized from the run (`defaults.py`): run-level state, the
+        same on every rank and layout-independent (the trainer's part of a checkpoint, not the per-rank blob)."""
+        if self.schedule is not None:
+            return self.schedule.state_dict()
+        return {"warmup_steps": self.warmup_steps} if self.sized else None
 
     def load_run_state(self, state: dict[str, Any]) -> None:
-        if self.schedule is not None:
+        if self.schedule is not None and "names" in state:
             self.schedule.load_state_dict(state)
+        elif self.sized and "warmup_steps" in state:
+            self.warmup_steps = int(state["warmup_steps"])
 
     def exact_steps(self) -> int:
         """Steps of the exact stage (1-bit Adam's warm-up, whose variance it freezes): decided or configured."""
@@ -169,15 +162,19 @@ class Compression:
         for (_, state), blob in zip(self.ladder, sd.get("ladder", [])):
             _load_state_dict(state, blob)
 
-    def add_error(self, exact: torch.Tensor, value: torch.Tensor) -> None:
-        """Account one compressed `value` against its `exact` counterpart in Σ‖ĝ − g‖² and Σ‖g‖²."""
-        self._sq[0] += float((value - exact).pow(2).sum())
-        self._sq[1] += float(exact.pow(2).sum())
+    def add_error(self, exact: torch.Tensor, value: torch.Tensor, index: Optional[int] = None) -> None:
+        """Account one compressed `value` against its `exact` counterpart in Σ‖ĝ − g‖² and Σ‖g‖² (and in bucket
+        `index`'s, when given)."""
+        err, ref = float((value - exact).pow(2).sum()), float(exact.pow(2).sum())
+        self._sq = [self._sq[0] + err, self._sq[1] + ref]
+        if index is not None:
+            prev = self._bucket_sq.get(index, [0.0, 0.0])
+            self._bucket_sq[index] = [prev[0] + err, prev[1] + ref]
 
-    def _meter(self, exact: torch.Tensor, fut: torch.futures.Future) -> torch.Tensor:
+    def _meter(self, exact: torch.Tensor, fut: torch.futures.Future, index: int) -> torch.Tensor:
         value = fut.value()
         value = value[0] if isinstance(value, list) else value
-        self.add_error(exact, value)
+        self.add_error(exact, value, index)
         return value
 
 
@@ -193,18 +190,19 @@ def run_hook(st: Compression, bucket):  # noqa: ANN001, ANN201
     exact = None
     if st.measure and st.meter_in_hook and C.size(st.group) > 1:
         exact = codecs.exact_mean(bucket.buffer(), st.group)  # counted as `meter`, not as training traffic
-    stage = st.stage_at(st.iteration)
+    stage, index = st.stage_at(st.iteration), bucket.index()
     if stage == 0 or st.kept_exact(bucket):
         fut = allreduce_hook(st.group, bucket)
     elif stage <= len(st.ladder):
         hook, state = st.ladder[stage - 1]
         fut = hook(state, bucket)
     else:
+        st._compressed[index] = st.iteration
         fut = st.hook(st.state, bucket)
     if bucket.is_last():
         st.iteration += 1
     if exact is not None:
-        fut = fut.then(lambda f: st._meter(exact, f))
+        fut = fut.then(lambda f: st._meter(exact, f, index))
     st._pending = fut
     return fut
 
@@ -243,11 +241,6 @@ def _two_phase(spec: codecs.CodecSpec) -> Callable[[CompressionConfig, Group], t
     return make
 
 
-def _powersgd(cfg: CompressionConfig, group: Group) -> tuple[Hook, Any]:
-    return powersgd.powersgd_hook, powersgd.PowerSGDState(group, cfg.rank, cfg.error_feedback,
-                                                          cfg.min_compression_rate, cfg.seed)
-
-
 def _dgc(cfg: CompressionConfig, group: Group) -> tuple[Hook, Any]:
     return dgc_hook, DGCState(codecs.TopKCodec(cfg.fraction), group, True, fraction=cfg.fraction,
                               momentum=cfg.dgc_momentum, clip=cfg.dgc_clip, warmup_steps=cfg.sparsity_warmup_steps)
@@ -262,13 +255,13 @@ REGISTRY: dict[str, Callable[[CompressionConfig, Group], tuple[Hook, Any]]] = {
     "fp16": _cast(torch.float16),
     "bf16": _cast(torch.bfloat16),
     **{name: _two_phase(spec) for name, spec in codecs.CODECS.items()},  # int8, sign, topk
-    "powersgd": _powersgd,
+    "powersgd": powersgd.make,
     "dgc": _dgc,
 }
-"""Flat gradient methods: name → factory(compression cfg, group) → (hook, state). `make_hook` also builds
-hierarchical (around one of these), PyTorch's hooks (`torch_hooks.py`) and onebit_adam."""
+"""Flat gradient methods: name → factory(compression cfg, group) → (hook, state); `make_hook` builds the others."""
 
-OPTIMIZER_SIDE: dict[str, Callable[[CompressionConfig, Group], tuple[Hook, Any]]] = {"onebit_adam": _onebit_adam}
+OPTIMIZER_SIDE: dict[str, Callable[[CompressionConfig, Group], tuple[Hook, Any]]] = {
+    "onebit_adam": _onebit_adam, "zeroone_adam": lambda cfg, group: zeroone_adam.make(cfg, group, allreduce_hook)}
 """Methods that compress inside the optimizer step (`optim.build_optimizer` picks the optimizer by the state)."""
 
 METHODS = (*REGISTRY, "hierarchical", "torch_fp16", "torch_bf16", "torch_powersgd", *OPTIMIZER_SIDE)
@@ -284,7 +277,7 @@ def check(cfg: CompressionConfig) -> None:
     need(cfg.rank > 0, f"compression.rank must be > 0, got {cfg.rank}")
     need(0 < cfg.fraction <= 1, f"compression.fraction must be in (0, 1], got {cfg.fraction}")
     need(cfg.block_size > 0, f"compression.block_size must be > 0, got {cfg.block_size}")
-    need(cfg.warmup_steps >= 0, f"compression.warmup_steps must be >= 0, got {cfg.warmup_steps}")
+    check_warmup(cfg)
     need(0 <= cfg.dgc_momentum < 1, f"compression.dgc_momentum must be in [0, 1), got {cfg.dgc_momentum}")
     need(cfg.dgc_clip >= 0, f"compression.dgc_clip must be >= 0 (0: no local clipping), got {cfg.dgc_clip}")
     need(cfg.sparsity_warmup_steps >= 0, f"compression.sparsity_warmup_steps must be >= 0, got "
@@ -292,17 +285,13 @@ def check(cfg: CompressionConfig) -> None:
     need(cfg.method != "dgc" or cfg.error_feedback, "compression=dgc accumulates what it did not send: it needs "
          "compression.error_feedback=true")
     check_schedule(cfg, [m for m in REGISTRY if m != "none"], list(OPTIMIZER_SIDE))
+    zeroone_adam.check_knobs(cfg)
     need(cfg.measure_every >= 1, f"compression.measure_every must be >= 1, got {cfg.measure_every}")
     need(cfg.min_compression_rate > 0, f"compression.min_compression_rate must be > 0, got {cfg.min_compression_rate}")
+    adaptive_rank.check_knobs(cfg)
     if cfg.method == "hierarchical":
         need(cfg.inner in REGISTRY, f"compression=hierarchical needs compression.inner set to one of "
              f"{', '.join(REGISTRY)} (the method between nodes), got {cfg.inner!r}")
-    if cfg.method in OPTIMIZER_SIDE and cfg.schedule == "fixed":
-        need(cfg.warmup_steps >= 1, f"compression={cfg.method} needs compression.warmup_steps >= 1 (exact AdamW "
-             f"steps that estimate the variance it then freezes), got {cfg.warmup_steps}")
-    if cfg.method == "torch_powersgd" and cfg.error_feedback:
-        need(cfg.warmup_steps >= 2, "compression=torch_powersgd with error feedback needs "
-             f"compression.warmup_steps >= 2 (PyTorch's start_powerSGD_iter), got {cfg.warmup_steps}")
 
 
 def _scheduled(comp: Compression, cfg: CompressionConfig, group: Group) -> Compression:
@@ -319,14 +308,21 @@ SERIAL = ("torch_powersgd",)
 (`Compression.serial`), and nothing may run them across steps (`sync.overlap_steps`)."""
 
 
-def make_hook(cfg: CompressionConfig, group: Group, dp_intra: Group = None,
-              dp_inter: Group = None) -> tuple[Hook, Compression]:
-    """The (hook, state) pair for `cfg` (the `compression` config) over the DP `group`.
+def make_hook(cfg: CompressionConfig, group: Group, dp_intra: Group = None, dp_inter: Group = None,
+              steps: Optional[int] = None) -> tuple[Hook, Compression]:
+    """The (hook, state) pair for `cfg` (the `compression` config) over the DP `group`, for a run of `steps`
+    steps (a null `warmup_steps` is sized from it, `defaults.py`; None: unknown, no warm-up).
 
     Hierarchical uses `dp_intra` / `dp_inter` (ParallelContext's node-cut DP groups). The pair
     also works as `DistributedDataParallel.register_comm_hook(state, hook)`. Raises
     CompressionError for a bad config (`check`) or DP groups that hierarchical cannot use."""
     check(cfg)
+    hook, comp = _make(resolved(cfg, steps), group, dp_intra, dp_inter)
+    comp.sized = sized(cfg, steps)
+    return hook, comp
+
+
+def _make(cfg: CompressionConfig, group: Group, dp_intra: Group, dp_inter: Group) -> tuple[Hook, Compression]:
     warmup, serial = cfg.warmup_steps, False
     if cfg.method == "hierarchical":
         if C.size(dp_intra) * C.size(dp_inter) != C.size(group):

@@ -56,5 +56,5 @@ def average_momentum(comp: Compression, buffers: list[tuple[torch.Tensor, int]])
     with C.TIMER.waiting(C.group_name(st.group)):
         for fut in futures:
             fut.wait()  # on CUDA: the optimizer's stream waits for the codec's
-    for (m, _), reference in zip(buffers, exact):
-        comp.add_error(reference, m)
+    for (m, index), reference in zip(buffers, exact):
+        comp.add_error(reference, m, index)

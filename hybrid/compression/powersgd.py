@@ -13,18 +13,26 @@ sent as two thin factors; the rest (biases, norms, small matrices) are sent exac
 The residual M − M̂ (this rank's gradient minus the approximated mean) is added to the next
 step's gradient. Counted payload per bucket (`payload_bytes`): 4·(exact elements + Σ (n + m)·r).
 The first Q is random from a seed shared by the DP ranks, so every replica starts equal.
+
+With `compression.target_error > 0` (`control`, `adaptive_rank.py`) each matrix's rank follows its measured
+error: a probe of min(n, m) floats per matrix rides in step 2's all-reduce, and the payload is
+4·(exact + Σ (n + m)·rᵢ + Σ min(n, m)) with the ranks of that step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from hybrid.compression.adaptive_rank import RankControl, probe_size
 from hybrid.compression.codecs import done
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
+
+if TYPE_CHECKING:
+    from hybrid.config import CompressionConfig
 
 
 def matrix_shape(shape: torch.Size) -> tuple[int, int]:
@@ -40,13 +48,16 @@ def compressed_rank(shape: torch.Size, rank: int, min_rate: float) -> int:
     return r if (n + m) * r * min_rate < n * m else 0
 
 
-def payload_bytes(shapes: list[torch.Size], rank: int, min_rate: float) -> int:
-    """Counted bytes of one bucket whose gradients have `shapes` (both all-reduces)."""
-    total = 0
-    for s in shapes:
-        r = compressed_rank(s, rank, min_rate)
-        total += sum(matrix_shape(s)) * r if r else s.numel()
-    return 4 * total
+def payload_bytes(shapes: list[torch.Size], rank: int, min_rate: float, ranks: Optional[list[int]] = None,
+                  probed: bool = False) -> int:
+    """Counted bytes of one bucket whose gradients have `shapes` (both all-reduces): the matrices compressed at
+    `rank` at `ranks` (in order; None: `rank`, capped by each shape), the rest exact, and with `probed` (adaptive
+    rank) each compressed matrix's error probe."""
+    mats = [matrix_shape(s) for s in shapes if compressed_rank(s, rank, min_rate)]
+    exact = sum(s.numel() for s in shapes if not compressed_rank(s, rank, min_rate))
+    ranks = [min(rank, *m) for m in mats] if ranks is None else ranks
+    probes = sum(probe_size(m) for m in mats) if probed else 0
+    return 4 * (exact + sum((n + m) * r for (n, m), r in zip(mats, ranks)) + probes)
 
 
 @dataclass
@@ -56,15 +67,49 @@ class PowerSGDState:
     error_feedback: bool = True
     min_compression_rate: float = 2.0
     seed: int = 0
+    control: Optional[RankControl] = None  # adaptive ranks (compression.target_error > 0); None: `rank` fixed
     residual: dict[int, torch.Tensor] = field(default_factory=dict)
     q: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # warm start per bucket
+    calls: dict[int, int] = field(default_factory=dict)  # bucket → steps compressed (the probes' seed)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"residual": dict(self.residual), "q": {k: list(v) for k, v in self.q.items()}}
+        out = {"residual": dict(self.residual), "q": {k: list(v) for k, v in self.q.items()}}
+        if self.control is not None:
+            out |= {"control": self.control.state_dict(), "calls": dict(self.calls)}
+        return out
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.residual = dict(sd["residual"])
         self.q = {k: list(v) for k, v in sd["q"].items()}
+        if self.control is not None and "control" in sd:
+            self.control.load_state_dict(sd["control"])
+            self.calls = dict(sd["calls"])
+
+    def bucket_setting(self, index: int) -> dict[str, float]:
+        """The error budget's figures of bucket `index` (`hybrid.record.error_budget`): its matrices' mean rank and,
+        under an adaptive rank, the last window's estimated error."""
+        fixed = [q.shape[1] for q in self.q.get(index, [])]
+        ranks = self.control.ranks.get(index) if self.control is not None else fixed
+        if not ranks:
+            return {}
+        out = {"rank": sum(ranks) / len(ranks)}
+        if self.control is not None and index in self.control.errors:
+            out["probe_error"] = self.control.figures(index)[1]
+        return out
+
+    def ranks(self, index: int, shapes: list[tuple[int, int]]) -> list[int]:
+        """The ranks of bucket `index`'s compressed matrices: the controller's, or `rank` capped by each shape."""
+        if self.control is not None:
+            return self.control.ranks_of(index, shapes)
+        return [min(self.rank, *s) for s in shapes]
+
+
+def make(cfg: CompressionConfig, group: Group) -> tuple[Any, PowerSGDState]:
+    """The registry's factory (`hooks.REGISTRY`): the hook and its state for the `compression` config `cfg`."""
+    control = RankControl(cfg.rank, cfg.target_error, cfg.rank_window, cfg.min_ratio, cfg.max_rank,
+                          cfg.min_compression_rate) if cfg.target_error > 0 else None
+    return powersgd_hook, PowerSGDState(group, cfg.rank, cfg.error_feedback, cfg.min_compression_rate, cfg.seed,
+                                        control)
 
 
 def _orthonormal(p: torch.Tensor) -> torch.Tensor:
@@ -72,12 +117,40 @@ def _orthonormal(p: torch.Tensor) -> torch.Tensor:
 
 
 def _initial_qs(st: PowerSGDState, index: int, mats: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
-    """Stored Qs re-orthonormalised, or fresh random ones from a seed every DP rank shares."""
+    """Stored Qs re-orthonormalised, or fresh random ones from a seed every DP rank shares. A stored Q whose
+    rank changed (adaptive rank) keeps its first columns, and a grown one gets random columns after them."""
     stored = st.q.get(index)
-    if stored is not None and [q.shape for q in stored] == [(m.shape[1], r) for m, r in mats]:
-        return [_orthonormal(q) for q in stored]
+    if stored is not None and [q.shape[0] for q in stored] == [m.shape[1] for m, _ in mats]:
+        if all(q.shape[1] >= r for q, (_, r) in zip(stored, mats)):
+            return [_orthonormal(q[:, :r]) for q, (_, r) in zip(stored, mats)]
+        fresh = _random_qs(st, index, mats)
+        return [_orthonormal(torch.cat([q[:, :r], f[:, q.shape[1]:]], 1)) for q, f, (_, r) in zip(stored, fresh, mats)]
+    return [_orthonormal(q) for q in _random_qs(st, index, mats)]
+
+
+def _random_qs(st: PowerSGDState, index: int, mats: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(st.seed * 1_000_003 + index)
-    return [_orthonormal(torch.randn(m.shape[1], r, generator=gen).to(m.device)) for m, r in mats]
+    return [torch.randn(m.shape[1], r, generator=gen).to(m.device) for m, r in mats]
+
+
+def _probes(st: PowerSGDState, index: int, mats: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+    """One random probe per matrix on its shorter side (adaptive rank), from a seed every DP rank shares."""
+    if st.control is None:
+        return []
+    st.calls[index] = st.calls.get(index, 0) + 1
+    gen = torch.Generator().manual_seed((st.seed * 1_000_003 + index) * 1_000_033 + st.calls[index])
+    return [torch.randn(max(m.shape), generator=gen).to(m.device) for m, _ in mats]
+
+
+def _sketch(m: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """This rank's probe of matrix `m`: Mᵀω when it has at least as many rows as columns, else Mω."""
+    return m.t() @ w if m.shape[0] >= m.shape[1] else m @ w
+
+
+def _probe_error(y: torch.Tensor, w: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> tuple[float, float]:
+    """(‖ȳ − M̂ᵀω‖², ‖ȳ‖²) (or with M̂ω) for M̂ = P·Qᵀ and ȳ the probe's DP mean."""
+    approx = q @ (p.t() @ w) if p.shape[0] >= q.shape[0] else p @ (q.t() @ w)
+    return float((y - approx).pow(2).sum()), float(y.pow(2).sum())
 
 
 def powersgd_hook(st: PowerSGDState, bucket: Any) -> torch.futures.Future:
@@ -90,17 +163,14 @@ def powersgd_hook(st: PowerSGDState, bucket: Any) -> torch.futures.Future:
         if r is not None and r.shape == buf.shape:
             buf += r
         local = buf.clone()
-    mats: list[tuple[torch.Tensor, int]] = []
-    exact: list[torch.Tensor] = []
-    for g in bucket.gradients():
-        r = compressed_rank(g.shape, st.rank, st.min_compression_rate)
-        if r:
-            mats.append((g.view(matrix_shape(g.shape)), r))
-        else:
-            exact.append(g)
-    qs = _initial_qs(st, idx, mats)
+    grads = bucket.gradients()
+    views = [g.view(matrix_shape(g.shape)) for g in grads if compressed_rank(g.shape, st.rank, st.min_compression_rate)]
+    exact = [g for g in grads if not compressed_rank(g.shape, st.rank, st.min_compression_rate)]
+    mats = list(zip(views, st.ranks(idx, [tuple(v.shape) for v in views])))
+    qs, probes = _initial_qs(st, idx, mats), _probes(st, idx, mats)
     ps = [m @ q for (m, _), q in zip(mats, qs)]
-    parts = [e.reshape(-1) for e in exact] + [p.reshape(-1) for p in ps]
+    sketches = [_sketch(m, w) for (m, _), w in zip(mats, probes)]
+    parts = [e.reshape(-1) for e in exact] + [p.reshape(-1) for p in ps] + sketches
     flat = torch.cat(parts) if parts else buf.new_zeros(0)  # empty: a hierarchical range with no rows
     if flat.numel():  # every rank of the group has the same shapes, so all skip together
         C.all_reduce(flat, st.group)
@@ -115,6 +185,7 @@ def powersgd_hook(st: PowerSGDState, bucket: Any) -> torch.futures.Future:
     for i, p in enumerate(ps):
         ps[i] = _orthonormal(flat[offset: offset + p.numel()].view_as(p))
         offset += p.numel()
+    means = [flat[offset + o: offset + o + y.numel()] / n for o, y in zip(_offsets(sketches), sketches)]
     q_flat = torch.cat([(m.t() @ p).reshape(-1) for (m, _), p in zip(mats, ps)])
     work = C.all_reduce(q_flat, st.group, async_op=True)
 
@@ -129,6 +200,31 @@ def powersgd_hook(st: PowerSGDState, bucket: Any) -> torch.futures.Future:
         st.q[idx] = new_qs
         if st.error_feedback:
             st.residual[idx] = local - buf
+        if st.control is not None:
+            _adapt(st, idx, mats, [_probe_error(y, w, p, q) for y, w, p, q in zip(means, probes, ps, new_qs)],
+                   sum(e.numel() for e in exact))
         return buf
 
     return work.get_future().then(decompress)
+
+
+def _adapt(st: PowerSGDState, idx: int, mats: list[tuple[torch.Tensor, int]], errors: list[tuple[float, float]],
+           exact: int) -> None:
+    """Hand the step's probes and column energies ‖qⱼ‖² to the rank controller, the kept Qs' columns ordered
+    strongest first (the same span: the next P and M̂ do not change; a shrink keeps the strongest)."""
+    energies = []
+    for i, q in enumerate(st.q[idx]):
+        energy, order = q.pow(2).sum(0).sort(descending=True)
+        st.q[idx][i] = q[:, order]
+        energies.append(energy.tolist())
+    assert st.control is not None
+    st.control.observe(idx, errors, energies, [tuple(m.shape) for m, _ in mats], exact)
+
+
+def _offsets(parts: list[torch.Tensor]) -> list[int]:
+    """Where each of `parts` starts in their concatenation."""
+    out, at = [], 0
+    for t in parts:
+        out.append(at)
+        at += t.numel()
+    return out

@@ -68,13 +68,23 @@ class OneBitAdam(ModelOptimizer):
         seen = self._over_dp(norm) if stage else norm  # after the warm-up each replica has its own gradient
         if not finite(seen):
             return seen
-        clip_grads(self.params, self.grad_clip, norm)
+        self._clip(norm, seen if stage else None)
         if stage == 0:
             self.optimizer.step()
         else:
             self._average_momentum()
             self._frozen_step(lr)
         return norm
+
+    def _clip(self, norm: torch.Tensor, summed: Optional[torch.Tensor]) -> None:
+        """Clip by the global norm: the synced gradient's while exact; otherwise (`summed`: the replicas'
+        norms summed over DP) this replica's own, but the buckets kept exact — their gradient the DP mean, the
+        same everywhere — by the replicas' mean norm, the same factor everywhere, so that they stay alike."""
+        if summed is None:
+            return clip_grads(self.params, self.grad_clip, norm)
+        exact = {p for b in self.buckets if self.comp.kept_exact(b) for p in b.parameters()}
+        clip_grads([p for p in self.params if p not in exact], self.grad_clip, norm)
+        clip_grads([p for p in self.params if p in exact], self.grad_clip, summed / C.size(self.ctx.dp_group))
 
     def _over_dp(self, norm: torch.Tensor) -> torch.Tensor:
         """The replicas' norms summed over DP: non-finite on every replica when one replica's is. One 4-byte

@@ -1,7 +1,8 @@
 """What a logged step reports, and the run's traffic map.
 
 `StepReport` turns a step into its metrics.jsonl record: loss, throughput and MFU; the bytes per group
-counted at the collectives; the DP figures of `GradSync` (bytes, compression ratio and error); and, when
+counted at the collectives; the DP figures of `GradSync` (bytes, compression ratio and error) and, for a
+lossy exchange, each bucket's error and rank or density (`hybrid.record.error_budget`); and, when
 the step was timed (`logging.timing`), the `comm/` and `time/` keys of `hybrid.record.comm_report`.
 All of it comes from one float64 all-reduce over the world (metrics only, uncounted), its elements in a
 fixed order (gloo's ring sums each element in an order set by its position).
@@ -30,6 +31,7 @@ from hybrid.parallel.pp.pipeline import PipelineStats, schedule_idle_s
 from hybrid.parallel.pp.schedules import Schedule
 from hybrid.parallel.timing import StepTiming
 from hybrid.record import comm_report, traffic_map
+from hybrid.record.error_budget import ErrorBudget
 from hybrid.record.metrics import model_flops_per_token, peak_flops
 
 
@@ -85,6 +87,8 @@ class StepReport:
         self.peak = peak_flops(device)
         self.timing: Optional[list[float]] = None  # the last timed step's `comm_report.local_vector`
         self.window = StepWindow()  # the step times since the last logged step
+        lossy = cfg.compression.method != "none" and ctx.dp_size > 1 and not grad_sync.report.exact
+        self.budget = ErrorBudget(ctx.pp_rank, ctx.pp_size) if lossy else None  # per-bucket compression figures
 
     def loss(self, t: torch.Tensor, schedule: Schedule) -> torch.Tensor:
         """A step's (or an eval's) mean loss on every rank, on the device (no host read): broadcast over PP from
@@ -121,16 +125,25 @@ class StepReport:
         dp, *dp_rest = self.grad_sync.local_metrics()
         values = [count.group_bytes("tp"), count.group_bytes("pp"), dp, count.group_bytes("embedding"),
                   count.group_bytes("cp"), *dp_rest]
-        n = len(values)
-        t = torch.tensor([float(v) for v in values + (self.timing or [])], dtype=torch.float64, device=self.device)
+        budget = self._budget_vector()
+        n, b = len(values), len(values) + len(budget)
+        t = torch.tensor([float(v) for v in values + budget + (self.timing or [])], dtype=torch.float64,
+                         device=self.device)
         if world > 1:
             dist.all_reduce(t)  # metrics only: uncounted, not training traffic
-        (tp, pp, dp, embedding, cp, *dp_rest), timing = t[:n].tolist(), t[n:].tolist()
+        (tp, pp, dp, embedding, cp, *dp_rest), timing = t[:n].tolist(), t[b:].tolist()
         sync = self.grad_sync.metrics([dp, *dp_rest], world)
+        sync |= self.budget.record(t[n:b].tolist()) if self.budget is not None else {}
         comm = comm_report.record(timing, world, self.ctx.layout.group_sizes()) if timing else {}
         return {"bytes_tp": tp / world, "bytes_pp": pp / world, "bytes_dp": sync.pop("bytes_dp"),
                 "bytes_embedding": embedding / world, **({"bytes_cp": cp / world} if self.ctx.cp_size > 1 else {}),
                 **sync, **comm}
+
+    def _budget_vector(self) -> list[float]:
+        """The error budget's slots of this rank (`hybrid.record.error_budget`); none for an exact exchange."""
+        if self.budget is None:
+            return []
+        return self.budget.vector(self.grad_sync.bucket_figures(), len(self.grad_sync.buckets), self.device)
 
     def record(self, step: int, loss: float, grad_norm: float, lr: float, step_time_s: float) -> dict[str, Any]:
         """The metrics.jsonl record of a step. Collective (see `mean_bytes`). The first non-finite loss

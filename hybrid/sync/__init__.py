@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
+from hybrid.compression.hooks import OPTIMIZER_SIDE
 from hybrid.config import Config, ConfigError
 from hybrid.parallel.dp.data import CommHook
 from hybrid.sync import exchange
@@ -32,6 +33,7 @@ from hybrid.sync.dp import SYNCHRONOUS_DP
 from hybrid.sync.exchange import require
 from hybrid.sync.footprint import Footprint
 from hybrid.sync.gossip import GOSSIP
+from hybrid.sync.outer_policy import inner_steps
 from hybrid.sync.plan import DPPlan, ReplicaSync, SyncMode, get_sync_mode, register_sync_mode, sync_mode_names
 from hybrid.sync.ps import PARAMETER_SERVER
 
@@ -79,7 +81,7 @@ def bytes_cut_by(cfg: Config) -> str:
     return cfg.compression.method if cfg.sync.mode == "dp" else f"sync={cfg.sync.mode}"
 
 
-CP_APART = ("hierarchical", "onebit_adam")  # exchanges over DP's own node split or optimizer: not over CP × DP
+CP_APART = ("hierarchical", *OPTIMIZER_SIDE)  # exchanges over DP's own node split or optimizer: not over CP × DP
 
 
 def check(cfg: Config, layout: Layout) -> None:
@@ -88,9 +90,11 @@ def check(cfg: Config, layout: Layout) -> None:
     s = cfg.sync
     mode = mode_of(cfg)
     require(s.scope in SCOPES, f"sync.scope={s.scope!r} is not one of {', '.join(SCOPES)}")
-    require(s.inner_steps >= 1, f"sync.inner_steps must be >= 1, got {s.inner_steps}")
-    require(1 <= s.fragments <= s.inner_steps,
-             f"sync.fragments must be between 1 and sync.inner_steps={s.inner_steps}, got {s.fragments}")
+    require(s.inner_steps is not None or s.mode == "diloco", f"sync.inner_steps=null (H from train.steps) applies "
+             f"to sync=diloco or sync=local_sgd; sync.mode={s.mode} needs a number")
+    h = inner_steps(s, cfg.train.steps)
+    require(h >= 1, f"sync.inner_steps must be >= 1, got {h}")
+    require(1 <= s.fragments <= h, f"sync.fragments must be between 1 and sync.inner_steps={h}, got {s.fragments}")
     require(s.mode == "ps" or (s.servers == 1 and not s.asynchronous and s.max_staleness == 0 and not
                                 s.staleness_weighting), "sync.servers, sync.asynchronous, sync.max_staleness and "
              "sync.staleness_weighting apply to sync=ps (the parameter server)")

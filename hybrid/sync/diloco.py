@@ -21,11 +21,12 @@ from hybrid.config import Config
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import more_groups
 from hybrid.parallel.dp.data import CommHook
-from hybrid.sync import exchange
+from hybrid.sync import exchange, outer_policy
 from hybrid.sync.dp import dp_hook, kept_exact
 from hybrid.sync.exchange import require
 from hybrid.sync.footprint import F32, Footprint
 from hybrid.sync.outer import OuterSync, largest_share
+from hybrid.sync.outer_policy import OuterPolicy
 from hybrid.sync.plan import DPPlan, register_sync_mode
 from hybrid.sync.replica import check_replica_mode, inner_group, inner_optimizer, inner_sync, trained
 
@@ -46,10 +47,10 @@ class DiLoCo:
     def check(self, cfg: Config, layout: Layout) -> None:
         s = cfg.sync
         check_replica_mode(cfg)
-        require(s.outer_lr > 0, f"sync.outer_lr must be > 0, got {s.outer_lr}")
-        require(0 <= s.outer_momentum < 1, f"sync.outer_momentum must be in [0, 1), got {s.outer_momentum}")
-        require(0 <= s.overlap_steps < s.inner_steps, f"sync.overlap_steps must be in [0, sync.inner_steps="
-                 f"{s.inner_steps}): an exchange lands before its fragment's next one; got {s.overlap_steps}")
+        outer_policy.check(s)
+        h = outer_policy.inner_steps(s, cfg.train.steps)
+        require(0 <= s.overlap_steps < h, f"sync.overlap_steps must be in [0, sync.inner_steps={h}): an exchange "
+                 f"lands before its fragment's next one; got {s.overlap_steps}")
         require(0 <= s.overlap_mix < 1 and (s.overlap_mix == 0 or s.overlap_steps > 0), f"sync.overlap_mix must "
                  f"be in [0, 1), and 0 unless sync.overlap_steps > 0; got {s.overlap_mix}")
         require(not (s.overlap_steps and cfg.compression.method in SERIAL), f"sync.overlap_steps cannot run with "
@@ -67,7 +68,8 @@ class DiLoCo:
         grad_sync = inner_sync(cfg, ctx, model, main)
         optimizer = inner_optimizer(cfg, ctx, model, grad_sync, main)
         apart = kept_exact(cfg, model)
-        return DPPlan(grad_sync, optimizer, replica=self.outer(cfg, ctx, model, optimizer, hook, apart),
+        outer = self.outer(cfg, ctx, model, optimizer, hook, apart)
+        return DPPlan(grad_sync, optimizer, replica=outer, watcher=outer.policy if outer.policy.auto else None,
                       replicas_group=inner_group(cfg, ctx), same_norm=False, in_flight=cfg.sync.overlap_steps > 0)
 
     def outer(self, cfg: Config, ctx: ParallelContext, model: nn.Module, optimizer: Any,
@@ -80,8 +82,9 @@ class DiLoCo:
         run, state = dp_hook(cfg, ctx, hook) if group is ctx.dp_group else make_hook(cfg.compression, group)
         state.exact_params = apart
         share = ctx.dp_intra_group if cfg.sync.scope == "inter" else None
-        return OuterSync(cfg.sync, trained(model), group, run, state, optimizer, cfg.parallel.bucket_mb, apart,
-                         share, ctx.embedding_group)
+        return OuterSync(cfg.sync, OuterPolicy.of(cfg.sync, cfg.train.steps), trained(model), group, run, state,
+                         optimizer, cfg.parallel.bucket_mb, apart, share, ctx.embedding_group,
+                         (ctx.tp_group, ctx.pp_group))
 
     def footprint(self, cfg: Config, params: Sequence[torch.Tensor], sizes: Sequence[int], dp: int, share: int,
                   device: str, host: bool) -> Footprint:
@@ -90,13 +93,14 @@ class DiLoCo:
         s, elements = cfg.sync, [p.numel() for p in params]
         numel, r = sum(elements), share if s.scope == "inter" else 1
         mine = largest_share(elements, r)  # the outer exchange's elements on the rank with the most
-        outer = (1 + (s.outer_momentum > 0)) * F32 * numel
+        outer = (1 + OuterPolicy.of(s, cfg.train.steps).buffers) * F32 * numel
         in_flight = F32 * mine if s.overlap_steps else 0  # overlapped: held across steps (at most all of it)
         landing = (0 if s.overlap_steps else mine) + (numel if r > 1 else 0)  # the share itself: in flight
         return Footprint(outer, False, in_flight, F32 * landing, (mine, dp // r))
 
     def startup(self, cfg: Config, layout: Layout) -> list[str]:
-        return exchange.startup_lines(cfg, layout)
+        """What the outer loop will do (H, the outer step and when it changes), then the exchange's codec."""
+        return [outer_policy.describe(cfg.sync, cfg.train.steps), *exchange.startup_lines(cfg, layout)]
 
 
 DILOCO = register_sync_mode(DiLoCo())

@@ -6,8 +6,9 @@ reduce-scatter (in a 16-bit dtype, or int8/int4-encoded) that the distributed op
 (under `parallel.zero=2` and 3 one per microbatch, into kept gradient shards; under `parallel.zero_group` inside
 groups of DP ranks, the shards all-reduced across them).
 The optimizer is AdamW or SGD over the parameters (over fp32 main weights under bf16 parameters), the
-distributed optimizer under ZeRO-1, 2 and 3, or 1-bit Adam's under `compression=onebit_adam` (its hook state is the
-momentum exchange). The auto compression schedule watches every step's loss (`Compression.observe`); its
+distributed optimizer under ZeRO-1, 2 and 3, or 1-bit or 0/1 Adam's under `compression=onebit_adam` or
+`zeroone_adam` (its hook state is the momentum exchange; 0/1 Adam's schedule is sized from `train.steps`, handed in
+here). The auto compression schedule watches every step's loss (`Compression.observe`); its
 decisions are run state. Nothing runs after the optimizer's step.
 """
 
@@ -19,9 +20,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
-from hybrid.compression.hooks import Compression, make_hook
+from hybrid.compression.hooks import OPTIMIZER_SIDE, Compression, make_hook
 from hybrid.compression.schedule import exact_kinds, exact_param_ids
 from hybrid.compression.zero import REDUCE_SCATTER_DTYPES
+from hybrid.compression.zeroone_adam import local_steps
 from hybrid.config import Config, ConfigError
 from hybrid.optim import build_optimizer
 from hybrid.parallel.dp.data import CommHook, GradSync, SyncReport
@@ -35,9 +37,11 @@ if TYPE_CHECKING:
     from hybrid.parallel.context import Layout, ParallelContext
 
 
-def dp_hook(cfg: Config, ctx: ParallelContext, hook: Optional[tuple[CommHook, Any]]) -> tuple[CommHook, Any]:
-    """The DP compression hook and its state: `hook` when the caller brings one, else `compression=`'s."""
-    return hook or make_hook(cfg.compression, ctx.grad_group, ctx.dp_intra_group, ctx.dp_inter_group)
+def dp_hook(cfg: Config, ctx: ParallelContext, hook: Optional[tuple[CommHook, Any]],
+            steps: Optional[int] = None) -> tuple[CommHook, Any]:
+    """The DP compression hook and its state: `hook` when the caller brings one, else `compression=`'s, its null
+    warm-up sized from a run of `steps` exchanges (None: no warm-up, e.g. DiLoCo's outer exchanges)."""
+    return hook or make_hook(cfg.compression, ctx.grad_group, ctx.dp_intra_group, ctx.dp_inter_group, steps)
 
 
 def kept_exact(cfg: Config, model: nn.Module) -> frozenset[int]:
@@ -60,7 +64,7 @@ class SynchronousDP:
     def build(self, cfg: Config, ctx: ParallelContext, model: nn.ModuleList,
               main: Optional[dict[nn.Parameter, torch.Tensor]], hook: Optional[tuple[CommHook, Any]]) -> DPPlan:
         c = cfg.compression
-        run, state = dp_hook(cfg, ctx, hook)
+        run, state = dp_hook(cfg, ctx, hook, cfg.train.steps)
         apart = kept_exact(cfg, model)
         watcher = state if isinstance(state, Compression) else None
         if watcher is not None:
@@ -73,11 +77,12 @@ class SynchronousDP:
                              units=unit_params(model) if cfg.parallel.zero >= 1 else None, replicas=zg.replicas,
                              encoded_reduce_scatter=encoded_reduce_scatter(cfg, zg),
                              reduce_dtype=REDUCE_SCATTER_DTYPES.get(c.method, torch.float32))
-        onebit = state if c.method == "onebit_adam" else None  # 1-bit Adam's optimizer drives its momentum exchange
+        onebit = state if c.method in OPTIMIZER_SIDE else None  # 1-bit, 0/1 Adam's optimizer drives its exchange
         optimizer = build_optimizer(model, cfg.optim, cfg.train.lr, ctx, grad_sync, main,
                                     cfg.parallel.overlap_param_gather, onebit=onebit, param_codec=param_codec(cfg),
-                                    hpz=hpz_group(cfg, zg))
-        return DPPlan(grad_sync, optimizer, watcher=watcher, replicas_group=ctx.dp_group)
+                                    hpz=hpz_group(cfg, zg), steps=cfg.train.steps)  # 0/1 Adam's schedule: sized
+        replicas = None if local_steps(c) else ctx.dp_group  # 0/1 Adam's local steps: apart until the next sync
+        return DPPlan(grad_sync, optimizer, watcher=watcher, replicas_group=replicas)
 
     def footprint(self, cfg: Config, params: Sequence[torch.Tensor], sizes: Sequence[int], dp: int, share: int,
                   device: str, host: bool) -> Footprint:
@@ -87,7 +92,7 @@ class SynchronousDP:
         return Footprint(state=state, transient=copies)
 
     def startup(self, cfg: Config, layout: Layout) -> list[str]:
-        return exchange.startup_lines(cfg, layout)
+        return exchange.startup_lines(cfg, layout, cfg.train.steps)
 
 
 SYNCHRONOUS_DP = register_sync_mode(SynchronousDP())

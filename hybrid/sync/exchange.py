@@ -9,12 +9,15 @@ once, for every mode.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from hybrid.compression import codecs
 from hybrid.compression.codecs import CODECS
+from hybrid.compression.defaults import warmup_of, warmup_phrase
+from hybrid.compression.hooks import OPTIMIZER_SIDE
 from hybrid.compression.schedule import exact_kinds
 from hybrid.compression.zero import REDUCE_SCATTER_CODECS, ZERO_METHODS
+from hybrid.compression.zeroone_adam import ZeroOneSchedule
 from hybrid.config import CompressionConfig, Config, ConfigError, ParallelConfig
 from hybrid.parallel.layout import LayoutError
 from hybrid.sync.zero import needs_hops, shard_lists, spans_nodes
@@ -37,9 +40,9 @@ def check(cfg: Config, layout: Layout) -> None:
     """The compression options against the optimizer, ZeRO-1, the precision, the buckets and the run's length.
     Raises ConfigError (one line)."""
     p, t, c = cfg.parallel, cfg.train, cfg.compression
-    require(cfg.optim.name == "adamw" or (p.zero == 0 and c.method != "onebit_adam"),
-             f"optim.name={cfg.optim.name} cannot run with parallel.zero={p.zero} or compression=onebit_adam "
-             "(the distributed optimizer and 1-bit Adam are AdamW's)")
+    require(cfg.optim.name == "adamw" or (p.zero == 0 and c.method not in OPTIMIZER_SIDE),
+             f"optim.name={cfg.optim.name} cannot run with parallel.zero={p.zero} or compression="
+             f"{'|'.join(OPTIMIZER_SIDE)} (the distributed optimizer, 1-bit and 0/1 Adam are AdamW's)")
     check_zero(p, c)
     check_zero_group(p, layout)
     require(p.zero_param_codec in PARAM_CODECS, f"parallel.zero_param_codec={p.zero_param_codec} is not one of "
@@ -49,13 +52,14 @@ def check(cfg: Config, layout: Layout) -> None:
     check_zero_hops(cfg, layout)
     require(p.zero != 3 or not t.compile, "parallel.zero=3 gathers and frees each block's parameters from hooks "
              "around it, which a compiled block cannot run: set train.compile=false or parallel.zero=2")
-    require(t.precision != "bf16_params" or c.method != "onebit_adam", "train.precision=bf16_params "
-             "keeps fp32 main weights that compression=onebit_adam's optimizer does not: use train.precision=bf16 "
+    require(t.precision != "bf16_params" or c.method not in OPTIMIZER_SIDE, "train.precision=bf16_params "
+             f"keeps fp32 main weights that compression={c.method}'s optimizer does not: use train.precision=bf16 "
              "(autocast) or fp32 with it")
     check_block_size(c, p.bucket_mb, layout.dp)
-    require(c.method == "none" or c.warmup_steps < t.steps, f"compression.warmup_steps={c.warmup_steps} is not "
-             f"shorter than the run (train.steps={t.steps}): compression={c.method} would never start")
-    first = max(2 * c.settle_window, c.warmup_steps)  # the first step the auto schedule may switch after
+    warm = warmup_of(c, t.steps)
+    require(c.method == "none" or warm < t.steps, f"compression.warmup_steps={warm} is not shorter than the run "
+             f"(train.steps={t.steps}): compression={c.method} would never start")
+    first = max(2 * c.settle_window, c.warmup_steps or 0)  # the first step the auto schedule may switch after
     require(c.schedule != "auto" or first < t.steps, f"compression.settle_window={c.settle_window} leaves no step "
              f"to compress: the auto schedule compares two windows ({first} steps at least) and the run has "
              f"train.steps={t.steps}")
@@ -76,7 +80,7 @@ def check_zero(p: ParallelConfig, c: CompressionConfig) -> None:
     require(c.method in ZERO_METHODS, f"parallel.zero={p.zero} reduce-scatters the gradients, which "
              f"compression={c.method} cannot do (it needs each bucket whole): use compression="
              f"{'|'.join(ZERO_METHODS)}, or parallel.zero=0")
-    require(c.schedule == "fixed" and c.warmup_steps == 0, f"parallel.zero={p.zero} runs one reduce-scatter dtype for "
+    require(c.schedule == "fixed" and not c.warmup_steps, f"parallel.zero={p.zero} runs one reduce-scatter dtype for "
              f"the whole run: compression.schedule={c.schedule} with warmup_steps={c.warmup_steps} needs "
              "schedule=fixed and warmup_steps=0")
 
@@ -151,20 +155,27 @@ def zero2_copies(c: CompressionConfig, largest: Sequence[int], device: str, piec
     return F32 * sum(largest) + cast + (F32 * inp if device != "cuda" else 0)
 
 
-def compression_summary(c: CompressionConfig, layout: Layout) -> str:
-    """One start-up line: the DP hook, and under hierarchical how the DP groups split over nodes."""
+def compression_summary(c: CompressionConfig, layout: Layout, steps: Optional[int] = None) -> str:
+    """One start-up line: the DP hook, its warm-up (sized from a run of `steps` exchanges when null), and under
+    hierarchical how the DP groups split over nodes."""
     line = f"compression: {c.method} over dp={layout.dp}"
     if c.schedule == "auto":
         line += (f", schedule auto: exact, then {' → '.join([*c.stages, c.method])}, each stage once the loss's "
                  f"{c.settle_window}-step mean falls < {c.settle_tol:.1%}" +
                  (f" (after {c.warmup_steps} steps at least)" if c.warmup_steps else ""))
-    elif c.warmup_steps:
-        line += f", exact for the first {c.warmup_steps} steps"
+    else:
+        line += warmup_phrase(c, steps)
     kinds = exact_kinds(c.exact_params, c.schedule)
     if kinds and c.method != "none":
         line += f"; kept exact: {', '.join(kinds)}"
     if c.method == "onebit_adam":
-        line += " (AdamW), then the momentum sent as signs with the variance frozen"
+        line += "; AdamW while exact, then the momentum sent as signs with the variance frozen"
+    if "powersgd" in (c.method, c.inner) and c.target_error > 0:
+        line += (f"; rank {c.rank} to start, each matrix's following its measured error (grows above "
+                 f"compression.target_error={c.target_error:g}, within {c.min_ratio:g}× fewer bytes per bucket; "
+                 "target_error=0 fixes the rank)")
+    if c.method == "zeroone_adam" and steps:
+        line += ": " + ZeroOneSchedule.of(c).sized(steps).describe()
     if c.method == "dgc" and c.sparsity_warmup_steps:
         line += f", density from 1 down to {c.fraction} over {c.sparsity_warmup_steps} steps"
     if c.method != "hierarchical":
@@ -183,9 +194,10 @@ def hierarchical_split(c: CompressionConfig, layout: Layout) -> str:
     return line
 
 
-def startup_lines(cfg: Config, layout: Layout) -> list[str]:
-    """The compression hook's start-up line, when the exchange is compressed."""
-    return [compression_summary(cfg.compression, layout)] if cfg.compression.method != "none" else []
+def startup_lines(cfg: Config, layout: Layout, steps: Optional[int] = None) -> list[str]:
+    """The compression hook's start-up line, when the exchange is compressed (`steps`: the exchanges of the run,
+    which size a null warm-up; None: it has none)."""
+    return [compression_summary(cfg.compression, layout, steps)] if cfg.compression.method != "none" else []
 
 
 def exchange_bytes(cfg: Config, sizes: Sequence[int], dp: int, device: str, node: int = 0) -> tuple[int, int]:
@@ -208,4 +220,5 @@ def exchange_bytes(cfg: Config, sizes: Sequence[int], dp: int, device: str, node
     residuals = int(c.error_feedback and (c.method not in CODECS or CODECS[c.method].error_feedback))
     if c.method in ("powersgd", "torch_powersgd"):
         return 0, F32 * sum(sizes) * residuals
-    return 0, F32 * (sum(sizes) * (1 + residuals) + sum(sizes) // dp * residuals)  # buffer, worker's, own chunk's
+    local = 2 * F32 * sum(sizes) if c.method == "zeroone_adam" else 0  # 0/1 Adam's u and d (`ZeroOneAdam`)
+    return 0, F32 * (sum(sizes) * (1 + residuals) + sum(sizes) // dp * residuals) + local  # buffer, worker's, chunk's

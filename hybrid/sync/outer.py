@@ -31,6 +31,7 @@ one model. The inner optimizer's state stays each replica's own.
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from typing import Any, Union
 
@@ -38,11 +39,13 @@ import torch
 from torch import nn
 
 from hybrid.config import SyncConfig
+from hybrid.optim.adamw import counted_here
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 from hybrid.parallel.dp.buckets import GradBucket, assign_buckets
 from hybrid.parallel.dp.data import CommHook, write_back
 from hybrid.parallel.params import param_info
+from hybrid.sync.outer_policy import OuterPolicy
 from hybrid.sync.replica import Weights, load_replica_state, over_ranks, replica_state
 
 Means = dict[nn.Parameter, torch.Tensor]
@@ -90,13 +93,16 @@ class OuterSync:
     each fragment (about 1/r of its elements, contiguous, r = their count) between nodes, and they combine the
     averages (an all-reduce inside the node: a sum with zeros elsewhere, exact), so a node sends the model once;
     `tied_group`: the stages holding a tied embedding's copies, whose averages are averaged once more (a lossy
-    codec rounds each stage's bucket on its own)."""
+    codec rounds each stage's bucket on its own); `policy`: the outer step (`outer_policy`: pinned, or the auto
+    rule, whose cosine sums over `model_groups`, TP then PP; its H is the run's)."""
 
-    def __init__(self, cfg: SyncConfig, params: list[nn.Parameter], group: Group, hook: CommHook, state: Any,
-                 weights: Weights, bucket_mb: float = 25.0, apart: frozenset[int] = frozenset(),
-                 share: Group = None, tied_group: Group = None) -> None:
+    def __init__(self, cfg: SyncConfig, policy: OuterPolicy, params: list[nn.Parameter], group: Group,
+                 hook: CommHook, state: Any, weights: Weights, bucket_mb: float = 25.0,
+                 apart: frozenset[int] = frozenset(), share: Group = None, tied_group: Group = None,
+                 model_groups: tuple[Group, Group] = (None, None)) -> None:
         self.cfg, self.group, self.hook, self.state, self.weights = cfg, group, hook, state, weights
-        self.share, self.tied_group = share, tied_group
+        self.share, self.tied_group, self.model_groups, self.policy = share, tied_group, model_groups, policy
+        self.h, self.tp_rank = policy.h, C.rank(model_groups[0])
         self.fragments = fragments_of(params, cfg.fragments)
         r, me = C.size(share), C.rank(share)
         mine = [[p for p, i in zip(f, even_parts([q.numel() for q in f], r)) if i == me] for f in self.fragments]
@@ -110,19 +116,20 @@ class OuterSync:
         self.settle()
         self.anchor = {p: self.weights.main_weight(p).detach().float().clone() for f in self.fragments for p in f}
         self.device = next(iter(self.anchor.values())).device if self.anchor else torch.device("cpu")
-        self.momentum = {p: torch.zeros_like(a) for p, a in self.anchor.items()} if self.cfg.outer_momentum else {}
+        self.momentum = {p: torch.zeros_like(a) for p, a in self.anchor.items()} if self.policy.buffers else {}
+        self.sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # the round's Δ̄·m, ‖Δ̄‖², ‖m‖²
         self.synced = [step] * len(self.fragments)  # the step of each fragment's last outer exchange
         self.pending: dict[int, tuple[int, Launched]] = {}  # fragment → (its launch step, the exchange in flight)
 
     def offset(self, f: int) -> int:
         """The step (mod H) of fragment `f`'s outer steps."""
-        return (f + 1) * self.cfg.inner_steps // len(self.fragments) % self.cfg.inner_steps
+        return (f + 1) * self.h // len(self.fragments) % self.h
 
     def due(self, step: int, last: bool) -> list[int]:
         """The fragments whose outer step follows optimizer step `step` (counted from 1); at the run's `last`
         step, every fragment trained since its last one."""
         return [f for f in range(len(self.fragments)) if self.fragments[f]
-                and (step % self.cfg.inner_steps == self.offset(f) or (last and self.synced[f] < step))]
+                and (step % self.h == self.offset(f) or (last and self.synced[f] < step))]
 
     def settle(self) -> None:
         """Wait for every exchange in flight (collective: the same on every rank), keeping its result to land on
@@ -146,6 +153,8 @@ class OuterSync:
             self.synced[f] = self.last_step = step
         for f in [f for f in due if last or not self.cfg.overlap_steps]:
             self._land(f, *self.pending.pop(f), mix=0.0)
+        if self.policy.decides(step, last):
+            self.policy.decide(step, self._cosine())
         if landed or due:
             self.weights.loaded()
         return due
@@ -172,6 +181,8 @@ class OuterSync:
             if _tied(p) and C.size(self.tied_group) > 1:
                 C.all_reduce(means[p], self.tied_group)
                 means[p].div_(C.size(self.tied_group))
+            if self.policy.auto and counted_here(p, self.tp_rank):
+                self._measure(means[p], self.momentum[p])
             self._apply(p, means[p], self.weights.main_weight(p), mix)
         self.events += 1
 
@@ -194,14 +205,31 @@ class OuterSync:
         return dict(zip(node.parameters(), node.gradients()))
 
     @torch.no_grad()
+    def _measure(self, mean: torch.Tensor, last: torch.Tensor) -> None:
+        """Add Δ̄·m, ‖Δ̄‖², ‖m‖² of one parameter to the round's sums (m: the last Δ̄ while averaging)."""
+        a, b = mean.reshape(-1), last.reshape(-1)
+        self.sums += torch.stack([a.dot(b), a.dot(a), b.dot(b)]).double()
+
+    def _cosine(self) -> float:
+        """The round's cos(Δ̄ₖ, Δ̄ₖ₋₁) over the whole model (NaN when either is zero), and the sums cleared.
+        Collective over TP, then PP (3 numbers), where they have more than one rank: every rank gets one value."""
+        for g in self.model_groups:
+            if C.size(g) > 1:
+                C.all_reduce(self.sums, g)
+        dot, a2, b2 = self.sums.tolist()
+        self.sums.zero_()
+        return dot / math.sqrt(a2 * b2) if a2 * b2 > 0 else math.nan
+
+    @torch.no_grad()
     def _apply(self, p: nn.Parameter, mean: torch.Tensor, weight: torch.Tensor, mix: float) -> None:
-        """The outer SGD step of `p` from its anchor, and the replica's weight set to the new anchor (mixed with
-        its own by `mix`)."""
-        cfg, update = self.cfg, mean
-        if cfg.outer_momentum:
-            m = self.momentum[p].mul_(cfg.outer_momentum).add_(mean)
-            update = mean.add(m, alpha=cfg.outer_momentum) if cfg.nesterov else m
-        self.anchor[p].sub_(update, alpha=cfg.outer_lr)
+        """The outer SGD step of `p` from its anchor (the policy's lr and momentum now), and the replica's weight
+        set to the new anchor (mixed with its own by `mix`). Averaging under the auto rule keeps Δ̄ as `m`."""
+        (lr, mu), update = self.policy.step(), mean
+        if p in self.momentum:
+            m = self.momentum[p].mul_(mu).add_(mean) if mu else self.momentum[p].copy_(mean)
+            if mu:
+                update = mean.add(m, alpha=mu) if self.cfg.nesterov else m
+        self.anchor[p].sub_(update, alpha=lr)
         if mix == 0:
             weight.copy_(self.anchor[p])
         elif mix < 1:
@@ -223,7 +251,8 @@ class OuterSync:
         pending = [(f, at, [means[p] for p in self.fragments[f]]) for f, (at, means) in sorted(self.pending.items())]
         return {**replica_state(self.weights, params), "anchor": [self.anchor[p] for p in params],
                 "momentum": [self.momentum[p] for p in params] if self.momentum else [], "pending": pending,
-                "synced": list(self.synced), "events": self.events, "bytes": self.bytes, "last_step": self.last_step}
+                "synced": list(self.synced), "events": self.events, "bytes": self.bytes, "last_step": self.last_step,
+                **({"outer_sums": self.sums.clone()} if self.policy.auto else {})}
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -232,10 +261,12 @@ class OuterSync:
         load_replica_state(self.weights, params, sd)
         for p, a in zip(params, sd["anchor"]):
             self.anchor[p].copy_(a)
-        for p, m in zip(params, sd["momentum"]):
+        for p, m in zip(params, sd["momentum"]) if self.momentum else ():  # none kept now: plain averaging pinned
             self.momentum[p].copy_(m)
         self.synced, self.events, self.bytes = list(sd["synced"]), int(sd["events"]), int(sd["bytes"])
         self.last_step = int(sd["last_step"])
+        if "outer_sums" in sd:
+            self.sums.copy_(sd["outer_sums"])
         self.settle()
         self.pending = {f: (at, {p: m.to(self.device) for p, m in zip(self.fragments[f], means)})
                         for f, at, means in sd.get("pending", [])}

@@ -98,13 +98,14 @@ class DPPlan:
         return self.replica.record(steps) if self.replica is not None else {}
 
     def state_dict(self) -> dict[str, Any]:
-        """Run-level state for the trainer's own (layout-independent) part of a checkpoint: the watcher's."""
+        """Run-level state for the trainer's own (layout-independent) part of a checkpoint: the watcher's, under
+        its `run_key` (the auto compression schedule's: "compression_schedule")."""
         state = self.watcher.run_state() if self.watcher is not None else None
-        return {"compression_schedule": state} if state is not None else {}
+        return {_run_key(self.watcher): state} if state is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "compression_schedule" in state and self.watcher is not None:
-            self.watcher.load_run_state(state["compression_schedule"])
+        if self.watcher is not None and _run_key(self.watcher) in state:
+            self.watcher.load_run_state(state[_run_key(self.watcher)])
 
     def restart(self, step: int) -> None:
         """After `model.init_from` wrote the weights: the replica-level state starts from them."""
@@ -131,6 +132,10 @@ class DPPlan:
         be in flight across steps)."""
         if device.type == "cuda":
             (torch.cuda.current_stream() if self.in_flight else torch.cuda).synchronize()
+
+
+def _run_key(watcher: Watcher) -> str:
+    return getattr(watcher, "run_key", "compression_schedule")
 
 
 class SyncMode(Protocol):

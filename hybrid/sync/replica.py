@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybrid.compression.hooks import make_hook
+from hybrid.compression.hooks import OPTIMIZER_SIDE, make_hook
 from hybrid.config import CompressionConfig, Config, ConfigError
 from hybrid.optim import build_optimizer
 from hybrid.parallel.collectives import Group
@@ -21,10 +21,10 @@ from hybrid.parallel.dp.data import GradSync, SyncReport
 if TYPE_CHECKING:
     from hybrid.parallel.context import ParallelContext
 
-INCOMPATIBLE = {"compression.method": ("hierarchical", "onebit_adam"), "compression.schedule": ("auto",),
+INCOMPATIBLE = {"compression.method": ("hierarchical", *OPTIMIZER_SIDE), "compression.schedule": ("auto",),
                 "parallel.zero": (1, 2, 3)}
-"""Options a replica-level mode refuses: hierarchical compression (use `sync.scope=inter`), 1-bit Adam (an
-optimizer-side gradient compression), the auto compression schedule (it watches every step's gradient
+"""Options a replica-level mode refuses: hierarchical compression (use `sync.scope=inter`), 1-bit and 0/1 Adam
+(optimizer-side gradient compression), the auto compression schedule (it watches every step's gradient
 exchange), the distributed optimizer (its shards assume replicas that agree)."""
 
 

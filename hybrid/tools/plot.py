@@ -1,11 +1,12 @@
 """Draw runs' metrics.jsonl as PNG figures, several runs overlaid.
 
     python -m hybrid.tools.plot runs/<run> [runs/<other> ...] [--out DIR] [--labels a,b]
-                                [--only loss,throughput,bytes,compression,time] [--x step|tokens] [--smooth N]
+                                [--only loss,throughput,bytes,compression,budget,time] [--x step|tokens] [--smooth N]
 
 A run is a run folder (its metrics.jsonl, and .hydra/config.yaml for the tokens axis) or a metrics.jsonl
 path. Figures: loss (training and eval loss), throughput (tokens/s), bytes (per group per step),
-compression (ratio and error of the DP gradient sync), time (the step's breakdown, one bar per run).
+compression (ratio and error of the DP gradient sync), budget (the first run's error and rank or density per DP
+bucket), time (the step's breakdown, one bar per run).
 Without --x the loss is drawn against steps and against tokens seen, the others against steps.
 --out defaults to <run>/plots for one run, plots/ for several; --labels defaults to the run folders' names;
 --smooth N draws an N-point moving average over the faint logged values. A figure whose keys no run has is

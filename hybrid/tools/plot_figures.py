@@ -173,6 +173,31 @@ def compression_figure(runs: Sequence[Run], x: str = "step", smooth: int = 1) ->
     return fig
 
 
+def budget_figure(runs: Sequence[Run], x: str = "step", smooth: int = 1) -> Figure:
+    """The error budget of the first run that has one (`hybrid.record.error_budget`): each DP bucket's compression
+    error on the metered steps, and the rank (PowerSGD) or density (top-k, DGC) it spent, one line per bucket."""
+    run = next((r for r in runs if any(k.startswith("compression/") for k in r.keys())), None)
+    if run is None:
+        raise Skipped("no run has per-bucket compression keys (compression/<bucket>/…: a lossy DP exchange)")
+    panels = [f for f in ("error", "probe_error", "rank", "density") if any(k.endswith(f"/{f}") for k in run.keys())]
+    fig = new_figure(5.5 * len(panels), 4.2)
+    for ax, figure in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+        keys = sorted(k for k in run.keys() if k.startswith("compression/") and k.endswith(f"/{figure}"))
+        for i, key in enumerate(keys):
+            xs, ys = run.series(key)
+            draw(ax, (x_values(run, xs, x), ys), color(i), key.split("/")[1], smooth if "error" in figure else 1,
+                 marker="." if len(xs) < 30 else None)
+        ax.set_title(BUDGET_TITLES[figure])
+        style_x(ax, x)
+        ax.legend(loc="best", fontsize="x-small", ncol=1 + len(keys) // 12)
+    fig.suptitle(f"error budget per DP bucket: {run.label}")
+    return fig
+
+
+BUDGET_TITLES = {"error": "‖ĝ − g‖ / ‖g‖ (metered steps)", "probe_error": "PowerSGD's estimated error (its probes)",
+                 "rank": "PowerSGD rank (mean over the bucket's matrices)", "density": "share of elements sent"}
+
+
 def time_figure(runs: Sequence[Run], x: str = "step", smooth: int = 1) -> Figure:
     """Where a step's time went, one stacked horizontal bar per run: the `time/` parts averaged over the
     timed steps after the first; the bar's end is the mean step time."""
@@ -218,5 +243,5 @@ def _part_color(names: list[str], part: str) -> str:
 
 
 FIGURES = {"loss": loss_figure, "throughput": throughput_figure, "bytes": bytes_figure,
-           "compression": compression_figure, "time": time_figure}
+           "compression": compression_figure, "budget": budget_figure, "time": time_figure}
 """Each figure's name (the --only word and the PNG's stem) and builder."""

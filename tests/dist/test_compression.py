@@ -254,8 +254,8 @@ def expected_bytes(method: str, shapes: list, n: int) -> int:
         return 2 * size
     if method in codecs.CODECS:
         return codecs.payload_bytes(codecs.CODECS[method].build(cfg(method)), size, n)
-    assert method in ("powersgd", "torch_powersgd")
-    return powersgd.payload_bytes([torch.Size(s) for s in shapes], RANK, MIN_RATE)
+    assert method in ("powersgd", "torch_powersgd")  # ours probes its error (adaptive rank, on by default)
+    return powersgd.payload_bytes([torch.Size(s) for s in shapes], RANK, MIN_RATE, probed=method == "powersgd")
 
 
 @pytest.mark.parametrize("method", list(CASES))
@@ -710,7 +710,7 @@ def inner_bytes(inner: str, piece: list, n: int) -> int:
         return 4 * size
     if inner == "int8":
         return codecs.payload_bytes(codecs.Int8Codec(BLOCK), size, n)
-    return powersgd.payload_bytes(piece, RANK, MIN_RATE)
+    return powersgd.payload_bytes(piece, RANK, MIN_RATE, probed=True)
 
 
 @pytest.mark.parametrize("inner", list(HIER_CASES))

@@ -26,6 +26,7 @@ from pp_helpers import VOCAB, Case, make_cfg
 from test_dp import synthetic_corpus
 
 from hybrid.compression import codecs, hierarchical, powersgd
+from hybrid.compression.defaults import warmup_of
 from hybrid.compression.hooks import make_hook
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext
@@ -67,8 +68,9 @@ def _flat(method: str, c: Any, numel: int, shapes: list[torch.Size], n: int) -> 
         return 4 * numel, ALL_REDUCE
     if method in ("fp16", "bf16", "torch_fp16", "torch_bf16"):
         return 2 * numel, ALL_REDUCE
-    if method in ("powersgd", "torch_powersgd"):
-        return powersgd.payload_bytes(shapes, c.rank, c.min_compression_rate), ALL_REDUCE
+    if method in ("powersgd", "torch_powersgd"):  # ours probes its error under an adaptive rank
+        probed = method == "powersgd" and c.target_error > 0
+        return powersgd.payload_bytes(shapes, c.rank, c.min_compression_rate, probed=probed), ALL_REDUCE
     return codecs.payload_bytes(codecs.CODECS[method].build(c), numel, n), TWO_PHASE
 
 
@@ -84,7 +86,7 @@ def expected_step(c: Any, step: int, buckets: list[Any], ctx: ParallelContext) -
     for b in buckets:
         numel, shapes = b.buffer().numel(), [g.shape for g in b.gradients()]
         # warm-up: ours via Compression (exact fp32), PyTorch's PowerSGD via start_powerSGD_iter (the same)
-        method = "none" if step < c.warmup_steps else c.method
+        method = "none" if step < warmup_of(c, None) else c.method  # null: no run length given, the least
         if method != "hierarchical":
             add("dp", _flat(method, c, numel, shapes, ctx.dp_size), ctx.dp_size)
             continue
@@ -263,11 +265,31 @@ def test_mean_bytes_reports_the_counted_compression(label: str) -> None:
         assert results[0]["mean_bytes"]["compression_ratio"] == pytest.approx(2.0, rel=1e-12)
 
 
+@pytest.mark.parametrize("label", ["int8", "sign", "topk", "powersgd"])
+def test_the_error_budget_names_every_bucket_of_every_stage(label: str) -> None:
+    """`compression/pp<s>.b<i>/…`: each stage's buckets, their metered error around the step's overall one (a
+    weighted RMS of theirs), PowerSGD's rank and top-k's density where the method sets one."""
+    results = method_runs()[label]
+    m = results[0]["mean_bytes"]
+    stages = {r["coord"][0]: r["buckets"] for r in results}
+    names = [f"pp{s}.b{i}" for s, n in stages.items() for i in range(n)]
+    errors = [m[f"compression/{name}/error"] for name in names]
+    assert min(errors) <= m["compression_error"] * (1 + 1e-9) and max(errors) >= m["compression_error"] * (1 - 1e-9)
+    assert all(r["mean_bytes"] == m for r in results)  # one all-reduce: every rank reads the same record
+    if label == "topk":
+        assert all(m[f"compression/{name}/density"] == 0.01 for name in names)
+    if label == "powersgd":
+        ranks = [m[f"compression/{name}/rank"] for name in names if f"compression/{name}/rank" in m]
+        assert ranks and all(1 <= r <= 4 for r in ranks)
+    assert not any(k.endswith("/density") for k in m) or label == "topk"
+
+
 # ---- dp=2: warm-up against an uncompressed run; PyTorch's hooks against ours ----------------------
 
 PAIR_RUNS: dict[str, tuple[Case, int, list[str]]] = {
     "none": (Case(), 2, ["compression=none"]),
-    "powersgd-warm2": (Case(), 2, ["compression=powersgd", "compression.warmup_steps=2"]),
+    "powersgd-warm2": (Case(), 2, ["compression=powersgd", "compression.warmup_steps=2",
+                                   "compression.target_error=0"]),  # a fixed rank, as PyTorch's
     "sign-warm3": (Case(), 2, ["compression=sign", "compression.warmup_steps=3"]),
     "fp16": (Case(), 2, ["compression=fp16"]),
     "torch_fp16": (Case(), 2, ["compression=torch_fp16"]),

@@ -248,3 +248,25 @@ def test_the_variance_stays_frozen_and_the_momentum_identical_across_dp(dp2: lis
         assert all(torch.equal(a, b) for a, b in zip(r["end"]["exp_avg_sq"], frozen))
         assert all(torch.equal(a, b) for a, b in zip(r["end"]["exp_avg"], dp2[0]["end"]["exp_avg"]))
     assert not all(torch.equal(s["exp_avg"], m) for s, m in zip(dp2[0]["ckpt"]["optim"], dp2[0]["end"]["exp_avg"]))
+
+
+def exact_worker(rank: int, world: int) -> list[list[torch.Tensor]]:
+    """1-bit Adam with the vectors (biases) kept exact (`compression.exact_params`): their buckets all-reduced at
+    every step, the rest's momentum exchanged as signs."""
+    from hybrid.compression.schedule import exact_param_ids
+
+    model = net()
+    ctx = ParallelContext.build(Layout.create(world, dp=world))
+    hook, state = make_hook(CompressionConfig(method="onebit_adam", block_size=BLOCK, warmup_steps=WARMUP,
+                                              exact_params=["vectors"]), ctx.dp_group)
+    state.exact_params = exact_param_ids(model.named_parameters(), ["vectors"])
+    sync = GradSync(list(model.parameters()), ctx.dp_group, hook, state, BUCKET_MB, apart=state.exact_params)
+    return train(rank, model, sync, build_optimizer(model, OPTIM, LR, ctx, sync, onebit=state), range(STEPS))
+
+
+def test_buckets_kept_exact_stay_alike_on_every_replica() -> None:
+    """A kept-exact bucket's gradient is the DP mean on every replica; clipped by the replicas' mean norm (not each
+    replica's own, which differ after the warm-up) its parameters, like the rest, stay bit-identical."""
+    ranks = run_ranks(exact_worker, 2, timeout=TIMEOUT)
+    for a, b in zip(ranks[0], ranks[1]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -38,13 +38,14 @@ from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.parallel.params import full_state_dict
 from hybrid.sampler import StepSampler
 from hybrid.sync.outer import even_parts, fragments_of, largest_share
+from hybrid.sync.outer_policy import pinned
 from hybrid.tools.export import Options, export
 from hybrid.trainer import Trainer, build_chunks
 
 TIMEOUT = 300
 LINEAR = ("optim=sgd", "optim.grad_clip=0")  # SGD with momentum, no clipping: linear in the gradients
 AVERAGE = ("sync=diloco", "sync.inner_steps=1", "sync.outer_lr=1", "sync.outer_momentum=0", "sync.nesterov=false")
-DILOCO = ("sync=diloco", "sync.inner_steps=3")  # the paper's outer optimizer: Nesterov, lr 0.7, momentum 0.9
+DILOCO = ("sync=diloco", "sync.inner_steps=3", "sync.outer=nesterov")  # the paper's: Nesterov, lr 0.7, momentum 0.9
 SMALL = ("model.n_layers=2",)  # every pipelined model here (a layer per pipeline stage)
 ONE = ("model.n_layers=1",)  # every DP-only model here
 DP_ONLY, TP2PP2 = Case(extra=ONE), Case(tp=2, pp=2, extra=SMALL)
@@ -207,7 +208,7 @@ def replicas_reference(cfg: Any, dp: int, steps: int) -> list[dict[str, torch.Te
     later (at once when τ = 0): m ← μm + Δ; θ_anchor ← θ_anchor − lr(Δ + μm); θ_r ← α·θ_r + (1 − α)·θ_anchor.
     The last step: what is in flight lands on the anchor alone (α = 1), then every fragment's exchange lands at
     once (α = 0)."""
-    s = cfg.sync
+    s, (lr, mu) = cfg.sync, pinned(cfg.sync)
     one = copy.deepcopy(cfg)
     one.sync.mode, one.sync.inner_steps, one.sync.fragments = "dp", 1, 1
     one.sync.overlap_steps, one.sync.overlap_mix = 0, 0.0
@@ -231,9 +232,9 @@ def replicas_reference(cfg: Any, dp: int, steps: int) -> list[dict[str, torch.Te
     @torch.no_grad()
     def land(f: int, deltas: dict[int, torch.Tensor], mix: float) -> None:
         for i in (i for i in range(n) if frag[i] == f):
-            momentum[i] = s.outer_momentum * momentum[i] + deltas[i]
-            update = deltas[i] + s.outer_momentum * momentum[i] if s.nesterov else momentum[i]
-            anchor[i] = anchor[i] - s.outer_lr * update
+            momentum[i] = mu * momentum[i] + deltas[i]
+            update = deltas[i] + mu * momentum[i] if s.nesterov else momentum[i]
+            anchor[i] = anchor[i] - lr * update
             for r in range(dp):
                 params[r][i].copy_(mix * params[r][i] + (1 - mix) * anchor[i])
 

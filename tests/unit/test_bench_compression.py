@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from hybrid.bench import compression_bytes, compression_parity, compression_speed
+from hybrid.bench import compression_bytes, compression_defaults, compression_parity, compression_speed
 from hybrid.bench.common import launch, table
 from hybrid.bench.compression_common import (
     BYTES_METHODS,
@@ -82,7 +82,7 @@ def test_spawned_processes_start_with_the_settings_and_leave_none_here() -> None
 
 
 # one parity row per code path: exact, a two-phase codec, both PowerSGDs, the optimizer side, the auto schedule
-ONLY = "int8,powersgd EF,torch_powersgd EF,onebit_adam,dgc,sign auto,onebit_adam auto"
+ONLY = "int8,powersgd EF,powersgd fixed EF,torch_powersgd EF,onebit_adam,dgc,sign auto,onebit_adam auto"
 
 
 def test_quick_run_every_benchmark(cache: None, capsys: pytest.CaptureFixture[str]) -> None:
@@ -90,18 +90,21 @@ def test_quick_run_every_benchmark(cache: None, capsys: pytest.CaptureFixture[st
     try:
         result = {"bytes": compression_bytes.run(compression_bytes.parse_args(["--quick"])),
                   "parity": compression_parity.run(compression_parity.parse_args(["--quick", "--only", ONLY])),
+                  "defaults": compression_defaults.run(compression_defaults.parse_args(["--quick"])),
                   **compression_speed.run(compression_speed.parse_args(["--quick"]))}
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
-    for needle in ("## bytes", "## parity", "## speed", "## breakeven", "B* = S·(1 − 1/R) / t_c", "PowerSGD pair",
+    for needle in ("## bytes", "## parity", "## defaults", "best at ≥ 20× over the run", "## speed", "## breakeven",
+                   "B* = S·(1 − 1/R) / t_c", "PowerSGD pair",
                    "reproduce: OMP_NUM_THREADS=1"):
         assert needle in out
     rows = {r["method"]: r for r in result["bytes"]}
     assert set(rows) == {label for label, _ in BYTES_METHODS}
     assert all(r["equal"] for r in rows.values()), [r for r in rows.values() if not r["equal"]]
     assert all(r["pass"] for r in rows.values() if r["target"]), "a wire ratio missed its target"
-    assert rows["torch_powersgd"]["payload"] == rows["powersgd"]["payload"]
+    assert rows["torch_powersgd"]["payload"] == rows["powersgd fixed"]["payload"]
+    assert rows["powersgd"]["payload"]["dp"] > rows["powersgd fixed"]["payload"]["dp"]  # + the adaptive rank's probes
     parity = result["parity"]
     assert [r["label"] for r in parity] == [r[0] for r in compression_parity.PARITY_RUNS
                                             if r[0] in ONLY.split(",") or r[0] == "none"]
@@ -109,6 +112,10 @@ def test_quick_run_every_benchmark(cache: None, capsys: pytest.CaptureFixture[st
     assert all(r["ratio"] == pytest.approx(1.0) for r in parity if r["method"] == "none")
     pair = [r for r in parity if "powersgd" in r["method"] and r["warmup"] == 2]
     assert len(pair) == 2 and pair[0]["bytes_dp"] == pair[1]["bytes_dp"]  # ours and torch's: the same bytes
+    defaults = {r["method"]: r for r in result["defaults"]}
+    assert list(defaults) == ["none", "int8", "powersgd"] and defaults["none"]["run_wire_ratio"] == 1.0
+    assert defaults["int8"]["warmup"] == 0 and defaults["powersgd"]["warmup"] == 1  # 2 % of 4 steps, at least 1
+    assert defaults["int8"]["run_wire_ratio"] == pytest.approx(3.94, abs=0.01)  # block 256: 4/(1 + 4/256) at dp=2
     assert {r["method"] for r in result["speed"]} == set(compression_speed.SPEED_METHODS)
     assert all(r["compress"] > 0 and r["decompress"] > 0 for r in result["speed"])
     assert all(row[n]["gbps"] > 0 for row in result["breakeven"] for n in (4, 8))

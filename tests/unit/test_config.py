@@ -189,6 +189,16 @@ def test_cfg_job_prints_the_composed_config() -> None:
     (["compression=hierarchical", "compression.inner=hierarchical"], r"compression.inner .*got 'hierarchical'"),
     (["compression=hierarchical", "compression.inner=torch_fp16"], r"compression.inner .*got 'torch_fp16'"),
     (["compression=torch_powersgd", "compression.warmup_steps=1"], r"compression.warmup_steps >= 2"),
+    (["compression=sign", "compression.warmup_share=1"], r"compression.warmup_share must be in \[0, 1\), got 1"),
+    (["compression=powersgd", "compression.target_error=1.2"], r"compression.target_error must be in \[0, 1\)"),
+    (["compression=powersgd", "compression.rank_window=0"], r"compression.rank_window must be >= 1, got 0"),
+    (["compression=powersgd", "compression.rank=8", "compression.max_rank=4"], r"compression.max_rank must be >= "),
+    (["compression=powersgd", "compression.min_ratio=0.5"], r"compression.min_ratio must be >= 1"),
+    (["compression=zeroone_adam", "compression.var_freeze_step=-1"], r"compression.var_freeze_step must be >= 0"),
+    (["compression=zeroone_adam", "compression.var_update_scaler=-1"], r"compression.var_update_scaler must be >= 0"),
+    (["compression=zeroone_adam", "compression.local_step_scaler=-1"], r"compression.local_step_scaler must be >= 0"),
+    (["compression=zeroone_adam", "compression.local_step_clipper=0"], r"compression.local_step_clipper must be >= 1"),
+    (["compression=zeroone_adam", "compression.schedule=auto"], r"compression=zeroone_adam refreshes .* its own"),
 ])
 def test_validate_rejects_bad_compression(overrides: list[str], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):

@@ -16,7 +16,14 @@ import yaml
 
 from hybrid.testing.cli_runs import run_forked
 from hybrid.tools import plot
-from hybrid.tools.plot_figures import Skipped, bytes_figure, compression_figure, loss_figure, time_figure
+from hybrid.tools.plot_figures import (
+    Skipped,
+    budget_figure,
+    bytes_figure,
+    compression_figure,
+    loss_figure,
+    time_figure,
+)
 from hybrid.tools.plot_series import load_run, moving_average, parse_lines
 
 if TYPE_CHECKING:
@@ -56,7 +63,9 @@ def scaled(real: Path) -> Path:
             if k in rec:
                 rec[k] *= SCALE
         if "loss" in rec:
-            rec |= {"bytes_dp": 1e6 * rec["step"], "compression_ratio": 4.0, "compression_error": 0.1 / rec["step"]}
+            rec |= {"bytes_dp": 1e6 * rec["step"], "compression_ratio": 4.0, "compression_error": 0.1 / rec["step"],
+                    "compression/b0/rank": 4.0 + rec["step"], "compression/b1/rank": 2.0,
+                    "compression/b0/error": 0.2, "compression/b1/error": 0.3 / rec["step"]}
         lines.append(json.dumps(rec))
     (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return folder
@@ -81,7 +90,7 @@ def test_overlay_writes_every_figure_and_the_pngs_load(real: Path, scaled: Path,
     printed = [ln.strip() for ln in capsys.readouterr().out.splitlines()[1:]]
     names = {Path(p).name for p in printed}
     assert names == {"loss_step.png", "loss_tokens.png", "throughput_step.png", "bytes_step.png",
-                     "compression_step.png", "time.png"}
+                     "compression_step.png", "budget_step.png", "time.png"}
     assert sorted(printed) == sorted(str(p) for p in out.iterdir())
     for p in printed:
         img = imread(p)
@@ -121,7 +130,7 @@ def test_smoothing_draws_the_moving_average_over_a_faint_raw_line(scaled: Path) 
 def test_a_figure_without_its_keys_is_skipped_with_a_note(real: Path, tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     run = load_run(str(real))  # one process: no bytes sent, no compression keys
-    for figure in (bytes_figure, compression_figure):
+    for figure in (bytes_figure, compression_figure, budget_figure):
         with pytest.raises(Skipped):
             figure([run])
     bare = tmp_path / "bare"  # no .hydra/config.yaml: no tokens axis
@@ -189,3 +198,17 @@ def test_matplotlib_loads_only_when_a_figure_is_drawn() -> None:
 
     r = run_forked(main, [], ROOT, timeout_s=120, prog="python")
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr[-3000:] + r.stdout
+
+
+def test_the_error_budget_draws_a_line_per_bucket(scaled: Path) -> None:
+    """One panel per figure the buckets carry (error, rank), one line per bucket, named by it."""
+    fig = budget_figure([load_run(str(real_run_of(scaled)), "plain"), load_run(str(scaled), "b")])
+    assert [ax.get_title().split()[0] for ax in fig.axes] == ["‖ĝ", "PowerSGD"]
+    for ax in fig.axes:
+        assert sorted(line.get_label() for line in ax.get_lines()) == ["b0", "b1"]
+    rank = {line.get_label(): list(line.get_ydata()) for line in fig.axes[1].get_lines()}
+    assert rank["b0"] == [4.0 + s for s in range(1, STEPS + 1)] and rank["b1"] == [2.0] * STEPS
+
+
+def real_run_of(scaled: Path) -> Path:
+    return scaled.parent / "x"

@@ -62,4 +62,4 @@ def test_the_exchange_line_names_the_hook_and_its_split_over_nodes() -> None:
     assert line.startswith("compression: hierarchical over dp=4")
     assert "exact inside a node (2 DP ranks), powersgd" in line
     diloco = compose_config(["sync=diloco", "compression=int8"])
-    assert startup_lines(diloco, validate(diloco, 2)) == ["compression: int8 over dp=2"]
+    assert startup_lines(diloco, validate(diloco, 2))[1:] == ["compression: int8 over dp=2"]  # after the outer step's

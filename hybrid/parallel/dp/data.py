@@ -279,6 +279,12 @@ class GradSync:
         return [sum(count.group_bytes(g) for g in DP_GROUPS), count.group_bytes("dp_inter"),
                 sum(count.wire_bytes(g) for g in DP_GROUPS), plain_wire, err_sq, ref_sq, count.group_bytes("meter")]
 
+    def bucket_figures(self) -> dict[int, dict[str, float]]:
+        """The hook state's figures per bucket index, for the error budget (`hybrid.record.error_budget`); none
+        from a state without them."""
+        figures = getattr(self.state, "bucket_figures", None)
+        return figures() if figures is not None and not self.report.exact else {}
+
     def metrics(self, sums: Sequence[float], world: int) -> dict[str, float]:
         """The record's DP keys from `local_metrics()` summed over the `world` ranks: bytes averaged
         per rank, the compression ratio (exact ring bytes / sent ring bytes) and the relative error."""

@@ -1,0 +1,97 @@
+"""Defaults that keep quality: a lossy method starts exact for a warm-up sized from the run, unless told otherwise.
+
+Early in training the gradients change fast, every rank's gradient is large against the noise a codec adds,
+and Adam's second moment is still settling; a method that converges well later can set the run back there
+(measured on gpt-tiny: +3 % to +17 % eval loss for methods picked by name and nothing else). PyTorch's own
+PowerSGD hook runs exact steps first by default for the same reason (`start_powerSGD_iter`).
+
+`compression.warmup_steps: null` (the default) is ⌈share · train.steps⌉ exact steps (fewer than the run), at
+least the method's minimum (where it has one: PyTorch's PowerSGD needs 2), with share =
+`compression.warmup_share` or the method's own (`SAFE`); `warmup_steps=0` compresses from the first step (the
+behaviour before these defaults) and any other number is taken as is. Under `schedule=auto` a null warm-up is
+0: the settling rule decides, `warmup_steps` being each stage's minimum.
+
+The warm-up decided at a run's start is the run's own state (`Compression.run_state`): a resume keeps it, so
+extending a run (`train.steps`, a free change on resume) does not move a warm-up already over.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import TYPE_CHECKING, Optional
+
+from hybrid.compression import CompressionError
+
+if TYPE_CHECKING:
+    from hybrid.config import CompressionConfig
+
+SAFE: dict[str, tuple[float, int]] = {
+    "powersgd": (0.01, 0),  # its rank adapts to its error: a short warm-up (PyTorch's default 10 steps at 1,000)
+    "torch_powersgd": (0.01, 2),  # PyTorch's start_powerSGD_iter >= 2 with error feedback
+    "sign": (0.25, 0),
+    "topk": (0.25, 0),
+    "dgc": (0.25, 0),
+    "onebit_adam": (0.25, 1),  # the variance it freezes: 1-bit Adam's paper warms up for 15–25 % of the run
+}
+"""method → (share of `train.steps` run exact, at least this many steps); methods not named start at once: the
+casts, int8 and int4 stayed within 1 % of exact from the first step (docs/benchmarks/2026-11-24-compression-adam.md,
+2026-11-28-int4.md)."""
+
+
+def safe_warmup(c: CompressionConfig) -> tuple[float, int]:
+    """(share, minimum) of `c`'s method (hierarchical: of its `inner` method); `warmup_share` overrides the share."""
+    share, least = SAFE.get(c.inner if c.method == "hierarchical" else c.method, (0.0, 0))
+    return (share if c.warmup_share is None else c.warmup_share), least
+
+
+def sized(c: CompressionConfig, steps: Optional[int]) -> bool:
+    """Whether `c`'s warm-up is sized from the run: left null, fixed schedule, a run length known, a method
+    that has one."""
+    return c.warmup_steps is None and c.schedule == "fixed" and steps is not None and any(safe_warmup(c))
+
+
+def warmup_of(c: CompressionConfig, steps: Optional[int]) -> int:
+    """The exact steps before `c`'s method, for a run of `steps` steps (None: unknown, a null warm-up is the
+    method's minimum; under the auto schedule 0)."""
+    if c.warmup_steps is not None or c.schedule != "fixed":
+        return c.warmup_steps or 0
+    share, least = safe_warmup(c)
+    if steps is None:
+        return least
+    return max(least, min(math.ceil(share * steps), steps - 1))
+
+
+def resolved(c: CompressionConfig, steps: Optional[int]) -> CompressionConfig:
+    """A copy of `c` whose `warmup_steps` is the number of steps (what the methods' factories read)."""
+    out = copy.copy(c)
+    out.warmup_steps = warmup_of(c, steps)
+    return out
+
+
+def warmup_phrase(c: CompressionConfig, steps: Optional[int]) -> str:
+    """The start-up line's account of the warm-up: how long, why, and the setting that changes it."""
+    n = warmup_of(c, steps)
+    first = "the first step" if n == 1 else f"the first {n} steps"
+    if not sized(c, steps):
+        return f", exact for {first}" if n else ""
+    share = safe_warmup(c)[0]
+    return (f", exact for {first} ({share:.0%} of train.steps={steps}, sized from the run to protect the "
+            "loss; compression.warmup_steps=0 compresses from step 1)")
+
+
+def check_warmup(c: CompressionConfig) -> None:
+    """The warm-up's knobs (one CompressionError line naming the bad one)."""
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise CompressionError(msg)
+
+    n = c.warmup_steps
+    need(n is None or n >= 0, f"compression.warmup_steps must be >= 0 (null: sized from the run), got {n}")
+    need(c.warmup_share is None or 0 <= c.warmup_share < 1, f"compression.warmup_share must be in [0, 1), got "
+         f"{c.warmup_share}")
+    fixed = c.schedule == "fixed" and n is not None
+    need(not fixed or c.method != "onebit_adam" or n >= 1, f"compression=onebit_adam needs compression.warmup_steps "
+         f">= 1 (exact AdamW steps that estimate the variance it then freezes), got {n}")
+    need(not fixed or c.method != "torch_powersgd" or not c.error_feedback or n >= 2, "compression=torch_powersgd "
+         f"with error feedback needs compression.warmup_steps >= 2 (PyTorch's start_powerSGD_iter), got {n}")

@@ -1,0 +1,160 @@
+"""0/1 Adam (Lu, Li, Zhang, De Sa, He 2022), the communication side: which steps send the exact gradient, which
+the momentum as signs, which nothing.
+
+Every step of a run is one of four kinds, decided by `ZeroOneSchedule.kind(t)` from the optimizer's step count t
+alone (the same on every rank, and after a resume):
+
+- **refresh** (t ∈ T_v, t ≤ F = `var_freeze_step`): the gradient hook all-reduces the gradient exactly (fp32) and
+  the optimizer refreshes Adam's variance from that mean. The paper's rule: the first refresh at step 1, the gap
+  after the j-th refresh 2^⌊j/κ⌋ steps (κ = `var_update_scaler`): κ steps in a row, then κ every 2nd step, κ
+  every 4th, … — the variance is never more than about t/κ steps old. `compression.warmup_steps` makes its
+  first steps refreshes too.
+- **onebit** (t ≤ F, not a refresh): the hook sends nothing; the optimizer averages the momentum over DP as signs
+  through 1-bit Adam's two-phase exchange (`onebit_adam.average_momentum`, worker and server residuals).
+- **local** (t > F): nothing is sent; each replica steps on its own momentum and keeps u, the sum of its steps.
+- **sync** (t > F, the end of a sync interval, and the run's last step): after the local step, u goes over DP as
+  signs through the same exchange. The interval at the s-th step after F is min(H, 2^⌊(s − 1)/α⌋) (α =
+  `local_step_scaler`, H = `local_step_clipper`); step s syncs when the interval divides s.
+
+The knobs set to 0 are sized from the run's length (`ZeroOneSchedule.sized`, given `train.steps` by the DP sync
+mode when it builds the optimizer): F = train.steps // 2; κ the largest ≤ 16 (the paper's) whose refreshes up
+to F stay within 10 % of the steps (1-bit Adam's 10 % warm-up, spread over half the run); α such that the
+interval reaches H for the last part of the run. The optimizer is `hybrid.optim.zeroone_adam.ZeroOneAdam`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Optional
+
+from hybrid.compression import CompressionError
+from hybrid.compression.codecs import SignCodec
+from hybrid.compression.onebit_adam import MomentumExchange, local_hook
+
+if TYPE_CHECKING:
+    from hybrid.config import CompressionConfig
+
+PAPER_SCALER = 16  # the paper's κ (and the largest the auto sizing picks)
+REFRESH_SHARE = 0.1  # the auto κ: refreshes up to the freeze within this share of the run
+REFRESH, ONEBIT, LOCAL, SYNC = "refresh", "onebit", "local", "sync"
+AUTO_KNOBS = ("var_freeze_step", "var_update_scaler", "local_step_scaler")
+
+
+def paper_refreshes(t: int, kappa: int) -> int:
+    """Refreshes of the paper's rule among steps 1..t: at step 1, then gaps 2^⌊j/κ⌋ after the j-th (j from 0)."""
+    if t < 1:
+        return 0
+    level = ((t - 1) // kappa + 1).bit_length() - 1  # gaps of 2^level: the largest with κ(2^level − 1) ≤ t − 1
+    return level * kappa + (t - 1 - kappa * ((1 << level) - 1)) // (1 << level) + 1
+
+
+@dataclass(frozen=True)
+class ZeroOneSchedule:
+    """Which kind each step t (counted from 1) is; 0 in a knob: sized from the run (`sized`)."""
+
+    freeze: int  # F, var_freeze_step: the last step that may refresh the variance
+    scaler: int  # κ, var_update_scaler
+    local_scaler: int  # α, local_step_scaler
+    clipper: int  # H, local_step_clipper
+    warmup: int = 0  # compression.warmup_steps: refreshes before the rule's
+    last: int = 0  # the run's last step (always a sync); 0: not known
+
+    @classmethod
+    def of(cls, cfg: CompressionConfig) -> ZeroOneSchedule:
+        return cls(cfg.var_freeze_step, cfg.var_update_scaler, cfg.local_step_scaler, cfg.local_step_clipper,
+                   cfg.warmup_steps or 0)
+
+    def sized(self, steps: int) -> ZeroOneSchedule:
+        """The knobs left at 0 sized from a run of `steps` steps (see the module doc)."""
+        if steps < 1 and 0 in (self.freeze, self.scaler, self.local_scaler):
+            raise ValueError("compression=zeroone_adam sizes its schedule from train.steps: give the run's length")
+        freeze = max(self.freeze or max(1, steps // 2), self.warmup)
+        budget = max(1, int(REFRESH_SHARE * steps))
+        scaler = self.scaler or next((k for k in range(PAPER_SCALER, 0, -1)
+                                      if paper_refreshes(freeze, k) <= budget), 1)
+        local = self.local_scaler or max(1, -(-(steps - freeze) // self.clipper.bit_length()))
+        return replace(self, freeze=freeze, scaler=scaler, local_scaler=local, last=steps)
+
+    def refreshes(self, t: int) -> int:
+        """Refresh steps among 1..t (the variance's bias correction counts these)."""
+        t = min(t, self.freeze)
+        head = max(0, min(t, self.warmup))
+        return head + max(0, paper_refreshes(t, self.scaler) - paper_refreshes(head, self.scaler))
+
+    def refresh(self, t: int) -> bool:
+        return self.refreshes(t) > self.refreshes(t - 1)
+
+    def interval(self, t: int) -> int:
+        """The sync interval at step t > F: min(H, 2^⌊(s − 1)/α⌋), s = t − F."""
+        doublings = (t - self.freeze - 1) // self.local_scaler
+        return self.clipper if doublings >= self.clipper.bit_length() else min(self.clipper, 1 << doublings)
+
+    def kind(self, t: int) -> str:
+        if t <= self.freeze:
+            return REFRESH if self.refresh(t) else ONEBIT
+        return SYNC if t == self.last or (t - self.freeze) % self.interval(t) == 0 else LOCAL
+
+    def describe(self) -> str:
+        """One line: the refreshes, the freeze, the local steps."""
+        local = (f"then local steps, synced every 1, 2, … up to {self.clipper} steps (doubling every "
+                 f"{self.local_scaler})") if self.clipper > 1 else "then the momentum's sum synced every step"
+        return (f"variance refreshed (exact fp32) at {self.refreshes(self.freeze)} steps up to step {self.freeze} "
+                f"(κ={self.scaler}: gaps 2^⌊j/κ⌋), the momentum sent as signs between; {local}")
+
+
+@dataclass
+class ZeroOneExchange(MomentumExchange):
+    """The hook state of `compression=zeroone_adam`: 1-bit Adam's sign codec and residuals (the momentum's up to
+    the freeze, then the local steps' sum's), the schedule as configured, the exact mean's hook of the refresh
+    steps, and `owner`, the optimizer that drives it: it says whether the step under way refreshes, and holds
+    its replica's un-synced state, which the per-rank blob of a checkpoint (`state_dict`) carries."""
+
+    schedule: Optional[ZeroOneSchedule] = None
+    exact: Optional[Callable[[Any, Any], Any]] = None
+    owner: Any = None
+
+    def refresh_due(self) -> bool:
+        if self.owner is None:
+            raise CompressionError("compression=zeroone_adam is driven by its optimizer: build it with "
+                                   "hybrid.optim.build_optimizer(..., onebit=<this state>)")
+        return self.owner.refresh_due()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "local": self.owner.local_state() if self.owner is not None else {}}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        super().load_state_dict(sd)
+        if self.owner is not None:
+            self.owner.load_local_state(sd.get("local", {}))
+
+
+def zeroone_hook(st: ZeroOneExchange, bucket):  # noqa: ANN001, ANN201  (DDP's hook signature: see hooks.run_hook)
+    """The gradient hook: the exact DP mean on a refresh step, else nothing (the optimizer exchanges)."""
+    return st.exact(st.group, bucket) if st.refresh_due() else local_hook(st, bucket)
+
+
+def make(cfg: CompressionConfig, group: Any, exact: Callable[[Any, Any], Any]) -> tuple[Callable, ZeroOneExchange]:
+    """(hook, state) of `compression=zeroone_adam` over `group`; `exact(group, bucket)` is the exact mean's hook."""
+    state = ZeroOneExchange(SignCodec(cfg.block_size), group, cfg.error_feedback, schedule=ZeroOneSchedule.of(cfg),
+                            exact=exact)
+    return zeroone_hook, state
+
+
+def local_steps(cfg: CompressionConfig) -> bool:
+    """Whether `cfg` takes 0/1 Adam's local steps: DP replicas then differ between syncs."""
+    return cfg.method == "zeroone_adam" and cfg.local_step_clipper > 1
+
+
+def check_knobs(cfg: CompressionConfig) -> None:
+    """The 0/1 Adam knobs (one CompressionError line naming the bad one)."""
+    for knob in AUTO_KNOBS:
+        if getattr(cfg, knob) < 0:
+            raise CompressionError(f"compression.{knob} must be >= 0 (0: sized from train.steps), got "
+                                   f"{getattr(cfg, knob)}")
+    if cfg.local_step_clipper < 1:
+        raise CompressionError(f"compression.local_step_clipper must be >= 1 (1: no local steps), got "
+                               f"{cfg.local_step_clipper}")
+    if cfg.method == "zeroone_adam" and cfg.schedule != "fixed":
+        raise CompressionError("compression=zeroone_adam refreshes Adam's variance on its own schedule "
+                               "(compression.var_update_scaler, var_freeze_step): it takes compression.schedule=fixed")

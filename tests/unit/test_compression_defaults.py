@@ -1,0 +1,64 @@
+"""Defaults that keep quality (`compression/defaults.py`): the warm-up sized from the run, the old behaviour one
+setting away, the start-up line that says so, and the decision kept across a resume that extends the run."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid.compression.defaults import SAFE, warmup_of
+from hybrid.compression.hooks import make_hook
+from hybrid.config import CompressionConfig, compose_config
+from hybrid.sync import startup_lines
+from hybrid.validation import validate
+
+BATCH = ("train.global_batch_size=16", "train.micro_batch_size=4")
+
+
+def comp(method: str, **kw: object) -> CompressionConfig:
+    return CompressionConfig(method=method, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("method,steps,expected", [
+    ("sign", 200, 50), ("topk", 200, 50), ("dgc", 1000, 250), ("onebit_adam", 200, 50), ("onebit_adam", 2, 1),
+    ("powersgd", 200, 2), ("powersgd", 30, 1), ("torch_powersgd", 30, 2), ("int8", 200, 0), ("bf16", 200, 0),
+    ("none", 200, 0), ("sign", 3, 1),
+])
+def test_a_null_warmup_is_sized_from_the_run(method: str, steps: int, expected: int) -> None:
+    assert warmup_of(comp(method), steps) == expected
+
+
+def test_the_old_behaviour_is_one_setting_away() -> None:
+    assert warmup_of(comp("sign", warmup_steps=0), 200) == 0
+    assert warmup_of(comp("sign", warmup_steps=7), 200) == 7
+    assert warmup_of(comp("sign", warmup_share=0.1), 200) == 20
+    assert warmup_of(comp("sign", schedule="auto"), 200) == 0  # the settling rule decides
+    assert warmup_of(comp("hierarchical", inner="powersgd"), 500) == 5  # the inner method's
+    assert warmup_of(comp("sign"), None) == 0 and warmup_of(comp("torch_powersgd"), None) == 2
+
+
+def test_every_lossy_method_with_a_long_error_tail_has_a_share() -> None:
+    assert {"powersgd", "sign", "topk", "dgc", "onebit_adam"} <= set(SAFE)
+
+
+def test_the_hook_runs_exact_for_the_sized_warmup_and_keeps_it_on_a_resume() -> None:
+    _, state = make_hook(comp("sign"), None, steps=200)
+    assert state.warmup_steps == 50 and state.sized
+    assert [state.stage_at(s) for s in (0, 49, 50)] == [0, 0, 1]
+    saved = state.run_state()
+    _, longer = make_hook(comp("sign"), None, steps=400)  # the run extended on resume: its start decided 50
+    longer.load_run_state(saved)
+    assert longer.warmup_steps == 50
+    _, pinned = make_hook(comp("sign", warmup_steps=0), None, steps=200)
+    assert pinned.run_state() is None and pinned.stage_at(0) == 1
+
+
+def test_the_startup_line_says_what_and_when() -> None:
+    cfg = compose_config(["compression=sign", "train.steps=200", *BATCH])
+    (line,) = startup_lines(cfg, validate(cfg, 4))
+    assert "exact for the first 50 steps (25% of train.steps=200" in line
+    assert "compression.warmup_steps=0 compresses from step 1" in line
+    cfg = compose_config(["compression=powersgd", "train.steps=100", *BATCH])
+    (line,) = startup_lines(cfg, validate(cfg, 4))
+    assert "exact for the first step (1% of train.steps=100" in line and "compression.target_error=0.3" in line
+    cfg = compose_config(["compression=int8", *BATCH])
+    assert startup_lines(cfg, validate(cfg, 4)) == ["compression: int8 over dp=4"]
