@@ -111,13 +111,13 @@ def row(label: str, cfg: Config, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """One run's figures: rank 0's eval loss (every rank evaluates the one final model), bytes averaged over ranks,
     H and what the outer step did (pinned, or the auto rule's run state at the end)."""
     mean = {k: sum(r[k] for r in ranks) / len(ranks) for k in ("inter", "wire")}
-    return {"label": label, "eval": ranks[0]["eval"], **mean, "outer": outer_words(cfg, ranks[0].get("outer")),
+    return {"label": label, "eval": ranks[0]["eval"], **mean, "outer": outer_taken(cfg, ranks[0].get("outer")),
             "cosines": (ranks[0].get("outer") or {}).get("cosines", []),
             "h": inner_steps(cfg.sync, cfg.train.steps) if cfg.sync.mode == "diloco" else 1,
             "s_per_step": max(r["s_per_step"] for r in ranks)}
 
 
-def outer_words(cfg: Config, state: Optional[dict[str, Any]]) -> str:
+def outer_taken(cfg: Config, state: Optional[dict[str, Any]]) -> str:
     """The outer step a run took: pinned (lr, momentum), or auto's mode at the end and the step it switched after."""
     if cfg.sync.mode != "diloco":
         return "—"

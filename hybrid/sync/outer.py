@@ -142,7 +142,8 @@ class OuterSync:
         """The outer exchanges due after optimizer step `step`; the fragments synced. Collective over the outer group
         when one is due (the same steps on every rank). With `sync.overlap_steps=τ` an exchange launched here lands
         τ steps later. The last step lands every one in flight on the anchor only (the replica keeps its local
-        steps since), then every fragment's final exchange blocks: the run ends with one model."""
+        steps since), then every fragment's final exchange blocks: the run ends with one model. Under the auto outer
+        step a round's end (its last fragment landed) also decides it: 3 numbers all-reduced over TP and PP."""
         landed = [f for f, (at, _) in self.pending.items() if last or step == at + self.cfg.overlap_steps]
         for f in landed:
             self._land(f, *self.pending.pop(f), mix=1.0 if last else self.cfg.overlap_mix)

@@ -198,7 +198,7 @@ def test_zero2_is_zero1_bit_for_bit_with_one_microbatch_and_near_with_more(run: 
     ZeRO-2 sums the microbatches' reduce-scatters where ZeRO-1 reduce-scatters their sum (another rounding)."""
     for a, b in zip(launched()[str(run)], launched()[str(replace(run, zero=1))]):
         same = (a["losses"], a["norms"]) == (b["losses"], b["norms"])
-        assert same == (a["microbatches"] == 1), (a["microbatches"], a["losses"], b["losses"])
+        assert same or a["microbatches"] > 1, (a["microbatches"], a["losses"], b["losses"])  # more: rounding may agree
         torch.testing.assert_close(torch.tensor(a["norms"]), torch.tensor(b["norms"]), rtol=1e-6, atol=0)
         if a["state"] is not None and a["microbatches"] == 1:
             assert all(torch.equal(a["state"][k], v) for k, v in b["state"].items())
