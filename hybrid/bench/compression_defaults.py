@@ -90,7 +90,7 @@ def section(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[s
              f"{r['run_wire_ratio']:.2f}×", f"{r['ratio']:.2f}×", "-" if r["error"] is None else f"{r['error']:.3f}"]
             for r in rows]
     for line in table(["method", "exact steps", "final eval loss", "vs none", "≤ 2%", "run ratio (wire)",
-                       "mean ratio after warm-up", "mean error"], body):
+                       "ratio after warm-up (bytes)", "mean error"], body):
         out(line)
     best = summary["best"]
     out(f"best at ≥ {BEST_RATIO:.0f}× over the run: " + (f"{best['label']} {100 * best['rel']:+.2f}% at "

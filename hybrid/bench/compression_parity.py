@@ -13,6 +13,7 @@ warm-up.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -155,7 +156,7 @@ def parity_rank(rank: int, world: int, cfg: Config, corpus: Corpus, error_every:
         result = trainer.train_step()
         trainer.dp.observe(trainer.step, lambda r=result: r.loss)  # the auto schedule, as `Trainer.fit` does
         m = trainer.report.mean_bytes()
-        steps.append({"loss": result.loss, "bytes_dp": m["bytes_dp"], "ratio": m.get("compression_ratio", 1.0),
+        steps.append({"loss": result.loss, "bytes_dp": m["bytes_dp"], "ratio": m.get("compression_ratio"),
                       "error": m.get("compression_error") if metered else None,
                       "wire": sum(C.COUNTER.wire_bytes(g) for g in DP_GROUPS)})  # this rank's, for the run's ratio
     wall = time.perf_counter() - start
@@ -191,10 +192,17 @@ def parity_row(label: str, overrides: Sequence[str], goal: bool, cfg: Config, re
     after = res["steps"][warm:] or res["steps"]
     errors = [s["error"] for s in after if s["error"] is not None]
     return {"label": label, "method": cfg.compression.method, "warmup": warm, "goal": goal, "eval": res["eval"],
-            "ratio": statistics.mean(s["ratio"] for s in after), "error": statistics.mean(errors) if errors else None,
-            "run_ratio": len(res["steps"]) / sum(1 / s["ratio"] for s in res["steps"]),
+            "ratio": byte_ratio(after), "error": statistics.mean(errors) if errors else None,
+            "run_ratio": byte_ratio(res["steps"]),
             "bytes_dp": statistics.mean(s["bytes_dp"] for s in after), "last_loss": res["steps"][-1]["loss"],
             "s_per_step": res["s_per_step"], "overrides": list(overrides)}
+
+
+def byte_ratio(steps: Sequence[dict[str, Any]]) -> float:
+    """Exact ring bytes over sent bytes across `steps` (each step's exact bytes alike): the harmonic mean of the
+    steps' `compression_ratio`, a step that sent nothing (no ratio) counting as nothing sent."""
+    sent = sum(1 / s["ratio"] for s in steps if s["ratio"])
+    return len(steps) / sent if sent else math.inf
 
 
 def parity_verdicts(rows: list[dict[str, Any]]) -> None:
@@ -220,8 +228,9 @@ def print_parity(args: argparse.Namespace, rows: list[dict[str, Any]], corpus: C
     for line in table(["run", "warm-up steps", "final eval loss", "vs none", "within 3%", "mean ratio",
                        "run ratio", "mean error", "bytes_dp/step", "last train loss", "s/step"], body):
         out(line)
-    out(f"mean ratio (`compression_ratio`: uncompressed ring wire / DP wire) after the warm-up, run ratio over all "
-        f"steps (warm-up included), mean error (`compression_error` = "
+    out(f"mean ratio (`compression_ratio`: uncompressed ring wire / DP wire, in bytes summed over the steps; a step "
+        f"that sends nothing counts as nothing sent) after the warm-up, run ratio over all steps (warm-up included), "
+        f"mean error (`compression_error` = "
         f"‖ĝ − g‖/‖g‖ against the exact DP mean of this step's gradients, metered every {args.error_every} steps; "
         "with error feedback ĝ also carries earlier steps' residuals, so it can exceed 1) and bytes_dp (COUNTER "
         "payload of the DP groups per rank per step) over the steps after the warm-up. 3% goal: fp16, bf16, int8, int4 "

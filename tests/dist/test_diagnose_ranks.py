@@ -1,5 +1,5 @@
-"""hybrid-diagnose on forked gloo ranks (an already initialised process group), and once under the real
-torchrun for its one-line errors. Transfers are tiny and no test reads this machine's timings: the slow
+"""hybrid-diagnose on forked gloo ranks (an already initialised process group), and its one-line errors as the
+forked ranks of a torchrun run. Transfers are tiny and no test reads this machine's timings: the slow
 rank is made of made-up ping-pong times (the exchanges still run, their seconds are replaced), so the
 verdict is the same on an idle and on a loaded machine. That a delay in an exchange reaches its time, and
 where the slow-rank threshold lies, is unit-tested (tests/unit/test_diagnose.py).
@@ -12,10 +12,7 @@ from __future__ import annotations
 import functools
 import io
 import json
-import os
 import statistics
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +23,7 @@ from harness import run_ranks
 
 from hybrid.diagnostics import pairwise
 from hybrid.diagnostics.pairwise import bandwidth_gbs
+from hybrid.testing.cli_runs import run_forked_ranks
 from hybrid.tools import diagnose
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -159,12 +157,11 @@ def test_a_layout_that_does_not_fit_is_bad_input_on_every_rank(
     assert [r["code"] for r in results] == [2, 2] and all(r["text"] == "" for r in results)
 
 
-def test_torchrun_bad_flag_is_one_line_per_rank() -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "hybrid.tools.diagnose", "--bogus"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
-    assert r.returncode != 0
-    ours = [ln for ln in r.stderr.splitlines() if "hybrid: error:" in ln]
+def test_a_bad_flag_is_one_line_per_rank() -> None:
+    """The real entry point as the 2 ranks of a torchrun run (forked with torchrun's environment: the `[rankN]`
+    prefix and the linger for the peers' lines use it; tests/e2e/test_torchrun.py runs the real torchrun)."""
+    runs = run_forked_ranks(diagnose.main, ["--bogus"], ROOT, 2, {"OMP_NUM_THREADS": "1"})
+    assert [r.code for r in runs] == [2, 2]
+    ours = [ln for r in runs for ln in r.error_lines()]
     assert sorted(ln.split()[0] for ln in ours) == ["[rank0]", "[rank1]"]
     assert all("unknown option '--bogus'" in ln for ln in ours)

@@ -11,6 +11,7 @@ from torch import nn
 
 from hybrid.config import OptimConfig
 from hybrid.optim import ModelOptimizer, adamw, build_optimizer, clip_grads, global_grad_norm
+from hybrid.parallel.dp import data
 from hybrid.parallel.dp.data import GradSync, MeteredState, SyncReport, finalize_grads
 from hybrid.parallel.params import ParamInfo
 
@@ -68,6 +69,15 @@ def test_metrics_keys_follow_the_report_and_the_dp_size() -> None:
     assert sync.metrics([8.0, 4.0, 2.0, 6.0, 1.0, 4.0, 0.0], 2) == {"bytes_dp": 4.0}  # dp=1: no compression figures
     hier = GradSync(list(model().parameters()), None, lambda s, b: None, None, report=SyncReport(inter_node=True))
     assert hier.metrics([8.0, 4.0, 2.0, 6.0, 1.0, 4.0, 0.0], 2) == {"bytes_dp": 4.0, "bytes_dp_inter": 2.0}
+
+
+def test_a_step_that_sends_nothing_has_no_ratio(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dp > 1: the ratio is the exact ring bytes over those sent; a step (or logging window) that sent nothing, as
+    0/1 Adam's local steps, reports no ratio rather than a made-up one."""
+    monkeypatch.setattr(data.C, "size", lambda group: 2)
+    sync = GradSync(list(model().parameters()), None, lambda s, b: None, None, report=SyncReport())
+    assert sync.metrics([8.0, 0.0, 2.0, 6.0, 0.0, 0.0, 0.0], 2)["compression_ratio"] == 3.0
+    assert sync.metrics([0.0, 0.0, 0.0, 6.0, 0.0, 0.0, 0.0], 2) == {"bytes_dp": 0.0}
 
 
 def test_optimizer_step_is_norm_clip_adamw_in_bucket_order() -> None:

@@ -287,13 +287,15 @@ class GradSync:
 
     def metrics(self, sums: Sequence[float], world: int) -> dict[str, float]:
         """The record's DP keys from `local_metrics()` summed over the `world` ranks: bytes averaged
-        per rank, the compression ratio (exact ring bytes / sent ring bytes) and the relative error."""
+        per rank, the compression ratio (exact ring bytes / sent ring bytes; absent where nothing was sent) and the
+        relative error."""
         dp, inter, wire, plain_wire, err_sq, ref_sq, meter = sums
         out = {"bytes_dp": dp / world}
         if self.report.inter_node:
             out["bytes_dp_inter"] = inter / world  # the compressed, between-node part
         if C.size(self.group) > 1:
-            out["compression_ratio"] = plain_wire / wire if wire else 1.0
+            if wire:  # a step that sends nothing (0/1 Adam's local steps) has no ratio to report
+                out["compression_ratio"] = plain_wire / wire
             if self._metered:
                 out["compression_error"] = (err_sq / ref_sq) ** 0.5 if ref_sq else 0.0
                 out["bytes_meter"] = meter / world  # the meter's exact all-reduce: not training traffic
