@@ -34,7 +34,7 @@ class CompressionConfig:
     target_error: float = 0.3  # grow a matrix's rank while ‖M̄ − M̂‖/‖M̄‖ is above this, shrink below half of it
     rank_window: int = 10  # steps whose error estimates make one decision
     max_rank: int = 32  # no matrix's rank above this
-    min_ratio: float = 20.0  # the byte budget: a bucket's payload stays ≤ its fp32 bytes / min_ratio when ranks grow
+    min_ratio: float = 20.0  # the byte budget over the run, warm-up included: ranks grow only within it
     inner: str = ""  # hierarchical: the method between nodes (exact inside a node)
     dgc_momentum: float = 0.9  # dgc: momentum of the accumulated velocity (momentum correction)
     dgc_clip: float = 1.0  # dgc: local clipping of each bucket's gradient to dgc_clip / sqrt(dp); 0: off

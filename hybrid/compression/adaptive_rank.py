@@ -21,7 +21,8 @@ shrinks (by a quarter, at least 1) only when the error it would have had with fe
 weakest columns adds their energy to the error; the window sums each step's column energies, weakest last.
 So a matrix of true rank k settles at k instead of swinging between k and k − 1. Growth goes to the
 matrices with the largest error first and stops at the byte budget: a bucket's payload — exact elements +
-Σ (n + m)·rᵢ + the probes — stays within its fp32 elements / `compression.min_ratio`, and no rank exceeds
+Σ (n + m)·rᵢ + the probes — stays within its fp32 elements / `min_ratio` (the per-bucket figure that keeps
+the run, its exact warm-up included, at `compression.min_ratio`: `defaults.bucket_ratio`), and no rank exceeds
 `compression.max_rank`, min(n, m) or the rank at which the factors would stop being `min_compression_rate`
 times smaller than the matrix. Which matrices are compressed at all is decided once, at
 `compression.rank` (PyTorch's rule, as with a fixed rank), so a bucket's layout never changes; a Q kept

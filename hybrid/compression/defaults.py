@@ -11,6 +11,9 @@ least the method's minimum (where it has one: PyTorch's PowerSGD needs 2), with 
 behaviour before these defaults) and any other number is taken as is. Under `schedule=auto` a null warm-up is
 0: the settling rule decides, `warmup_steps` being each stage's minimum.
 
+PowerSGD's byte budget, `compression.min_ratio`, is a ratio over the run, warm-up included: its exact steps send
+fp32, so the compressed steps must do better than the target for the run to reach it (`bucket_ratio`).
+
 The warm-up decided at a run's start is the run's own state (`Compression.run_state`): a resume keeps it, so
 extending a run (`train.steps`, a free change on resume) does not move a warm-up already over.
 """
@@ -63,10 +66,35 @@ def warmup_of(c: CompressionConfig, steps: Optional[int]) -> int:
 
 
 def resolved(c: CompressionConfig, steps: Optional[int]) -> CompressionConfig:
-    """A copy of `c` whose `warmup_steps` is the number of steps (what the methods' factories read)."""
+    """A copy of `c` whose `warmup_steps` is the number of steps and whose `min_ratio` is the per-bucket budget
+    (`bucket_ratio`): what the methods' factories read."""
     out = copy.copy(c)
     out.warmup_steps = warmup_of(c, steps)
+    out.min_ratio = bucket_ratio(c, steps)
     return out
+
+
+def bucket_ratio(c: CompressionConfig, steps: Optional[int]) -> float:
+    """The ratio each compressed step must keep for the run, its exact warm-up share w included, to send
+    `min_ratio` (T) × fewer bytes: 1 / (w + (1 − w)/r) ≥ T ⇔ r ≥ (1 − w) / (1/T − w). T itself where the warm-up
+    is unknown (no run length, the auto schedule) or none, and where w ≥ 1/T: the warm-up alone keeps the run
+    under T× (`budget_phrase` says so)."""
+    w = warmup_of(c, steps) / steps if steps and c.schedule == "fixed" else 0.0
+    if w == 0 or w >= 1 / c.min_ratio:
+        return c.min_ratio
+    return (1 - w) / (1 / c.min_ratio - w)
+
+
+def budget_phrase(c: CompressionConfig, steps: Optional[int]) -> str:
+    """The start-up line's account of PowerSGD's byte budget: per bucket, and what it means over the run."""
+    per_bucket, w = bucket_ratio(c, steps), (warmup_of(c, steps) / steps if steps else 0.0)
+    if per_bucket != c.min_ratio:
+        return (f"within {per_bucket:.3g}× fewer bytes per bucket, so that the run sends compression.min_ratio="
+                f"{c.min_ratio:g}× fewer with its warm-up")
+    if c.schedule == "fixed" and w >= 1 / c.min_ratio:
+        return (f"within {c.min_ratio:g}× fewer bytes per bucket; the warm-up alone ({w:.0%} of the run exact) keeps "
+                f"the run under {c.min_ratio:g}×")
+    return f"within {c.min_ratio:g}× fewer bytes per bucket"
 
 
 def warmup_phrase(c: CompressionConfig, steps: Optional[int]) -> str:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional
 
 from hybrid.compression import codecs
 from hybrid.compression.codecs import CODECS
-from hybrid.compression.defaults import warmup_of, warmup_phrase
+from hybrid.compression.defaults import budget_phrase, warmup_of, warmup_phrase
 from hybrid.compression.hooks import OPTIMIZER_SIDE
 from hybrid.compression.schedule import exact_kinds
 from hybrid.compression.zero import REDUCE_SCATTER_CODECS, ZERO_METHODS
@@ -172,8 +172,8 @@ def compression_summary(c: CompressionConfig, layout: Layout, steps: Optional[in
         line += "; AdamW while exact, then the momentum sent as signs with the variance frozen"
     if "powersgd" in (c.method, c.inner) and c.target_error > 0:
         line += (f"; rank {c.rank} to start, each matrix's following its measured error (grows above "
-                 f"compression.target_error={c.target_error:g}, within {c.min_ratio:g}× fewer bytes per bucket; "
-                 "target_error=0 fixes the rank)")
+                 f"compression.target_error={c.target_error:g}, {budget_phrase(c, steps)}; target_error=0 fixes "
+                 "the rank)")
     if c.method == "zeroone_adam" and steps:
         line += ": " + ZeroOneSchedule.of(c).sized(steps).describe()
     if c.method == "dgc" and c.sparsity_warmup_steps:

@@ -6,7 +6,10 @@
   `powersgd.payload_bytes` at that step's ranks;
 - the probe's error estimate against the exact error of the same steps (without error feedback the
   approximated matrix is the plain mean, so the test computes it);
-- a resume mid-window from `state_dict` continues bit for bit as the uninterrupted run.
+- a resume mid-window from `state_dict` continues bit for bit as the uninterrupted run;
+- a run of RUN steps with its warm-up sized from the run (one exact step): the budget is over the run, so the
+  compressed steps keep `defaults.bucket_ratio` and the run, its fp32 warm-up step included, sends
+  `compression.min_ratio` × fewer bytes than exact.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from harness import run_ranks
 from torch import nn
 
 from hybrid.compression import powersgd
+from hybrid.compression.defaults import bucket_ratio
 from hybrid.compression.hooks import make_hook
 from hybrid.config import CompressionConfig
 from hybrid.parallel import collectives as C
@@ -30,6 +34,7 @@ from hybrid.parallel.dp.buckets import GradBucket
 SHAPES = [(64, 48), (48,), (32, 96), (100, 3)]  # tall, a bias, wide (the probe's other side), sent exactly
 MATS = [(64, 48), (32, 96)]  # the ones compressed at rank 4
 RANK, MIN_RATE, TIMEOUT = 4, 2.0, 120
+RUN = 40  # the run-level budget's run: 1 exact step (1 % of 40, at least one), then 39 compressed
 
 
 def cfg(**kw: object) -> CompressionConfig:
@@ -78,6 +83,8 @@ def worker(rank: int, world: int) -> dict:
     hook, state = make_hook(cfg(error_feedback=False, target_error=0.99, rank_window=20), group)
     res["estimate"] = (run(state, hook, rank, range(20), low=0), state.state.control.errors[0])
     res["resume"] = resume(rank, group)
+    hook, state = make_hook(cfg(), group, steps=RUN)
+    res["run"] = (run(state, hook, rank, range(RUN), low=0), state.state.control.min_ratio)
     return res
 
 
@@ -135,3 +142,13 @@ def test_a_resume_mid_window_continues_bit_for_bit() -> None:
         for a, b in zip(straight, resumed):
             assert a["ranks"] == b["ranks"] and a["bytes"] == b["bytes"]
             torch.testing.assert_close(a["out"], b["out"], rtol=0, atol=0)
+
+
+def test_a_run_with_its_warm_up_sends_min_ratio_times_fewer_bytes() -> None:
+    steps, per_bucket = results()[0]["run"]
+    assert per_bucket == bucket_ratio(cfg(), RUN) == pytest.approx((1 - 1 / RUN) / (1 / 4.0 - 1 / RUN))
+    exact = sum(math.prod(s) for s in SHAPES) * 4  # the fp32 all-reduce's counted bytes
+    assert steps[0]["bytes"] == exact and all(s["bytes"] < exact for s in steps[1:])
+    assert all(s["bytes"] <= exact / per_bucket for s in steps[1:])  # every compressed step within its budget
+    ratio = RUN * exact / sum(s["bytes"] for s in steps)
+    assert ratio >= 4.0

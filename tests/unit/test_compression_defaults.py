@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid.compression.defaults import SAFE, warmup_of
+from hybrid.compression.defaults import SAFE, bucket_ratio, warmup_of
 from hybrid.compression.hooks import make_hook
 from hybrid.config import CompressionConfig, compose_config
 from hybrid.sync import startup_lines
@@ -62,3 +62,28 @@ def test_the_startup_line_says_what_and_when() -> None:
     assert "exact for the first step (1% of train.steps=100" in line and "compression.target_error=0.3" in line
     cfg = compose_config(["compression=int8", *BATCH])
     assert startup_lines(cfg, validate(cfg, 4)) == ["compression: int8 over dp=4"]
+
+
+@pytest.mark.parametrize("kw,steps,expected", [
+    ({}, 200, 0.99 / (1 / 20 - 0.01)),  # 2 exact steps: 24.75× per bucket keeps the run at 20×
+    ({"min_ratio": 10.0}, 1000, 0.99 / (1 / 10 - 0.01)),
+    ({"warmup_steps": 0}, 200, 20.0),  # no warm-up: the run's ratio is the buckets'
+    ({}, None, 20.0),  # no run length: the warm-up is unknown
+    ({"schedule": "auto"}, 200, 20.0),  # the settling rule decides when: unknown at the start
+    ({}, 20, 20.0),  # 1 exact step of 20 = 1/20: no compressed ratio reaches 20× over the run
+])
+def test_powersgds_budget_is_over_the_run_warm_up_included(kw: dict, steps: int, expected: float) -> None:
+    c = comp("powersgd", **kw)
+    assert bucket_ratio(c, steps) == pytest.approx(expected)
+    w = warmup_of(c, steps) / steps if steps and c.schedule == "fixed" else 0.0
+    if 0 < w < 1 / c.min_ratio:
+        assert 1 / (w + (1 - w) / bucket_ratio(c, steps)) == pytest.approx(c.min_ratio)  # the run's ratio
+
+
+def test_the_startup_line_says_the_budget_per_bucket_and_over_the_run() -> None:
+    cfg = compose_config(["compression=powersgd", "train.steps=200", *BATCH])
+    (line,) = startup_lines(cfg, validate(cfg, 4))
+    assert "within 24.8× fewer bytes per bucket, so that the run sends compression.min_ratio=20× fewer" in line
+    cfg = compose_config(["compression=powersgd", "train.steps=20", *BATCH])
+    (line,) = startup_lines(cfg, validate(cfg, 4))
+    assert "the warm-up alone (5% of the run exact) keeps the run under 20×" in line
