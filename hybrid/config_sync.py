@@ -16,7 +16,8 @@ class CompressionConfig:
     # | torch_bf16 | torch_powersgd
     method: str = "none"
     rank: int = 4  # powersgd, torch_powersgd: rank of the low-rank factors
-    fraction: float = 0.01  # topk: fraction of each chunk's elements sent, in (0, 1]
+    # topk, dgc: fraction of each chunk's elements sent, in (0, 1]; null: sized from the run (compression/defaults.py)
+    fraction: Optional[float] = None
     block_size: int = 256  # int8, sign: elements sharing one fp32 scale
     error_feedback: bool = True  # sign, topk, powersgd, torch_powersgd: add last step's compression error back
     # steps of exact all-reduce before compressing (schedule=auto: at least, per stage); null: sized from the run,

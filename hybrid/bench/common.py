@@ -82,6 +82,9 @@ def reproduce_command(module: str, p: argparse.ArgumentParser, args: argparse.Na
         if isinstance(action, argparse._StoreTrueAction):  # a switch: named when on
             words += [action.option_strings[0]] if value else []
             continue
+        if isinstance(action, argparse._AppendAction):  # repeated: once per value
+            words += [f"{action.option_strings[0]} {shlex.quote(str(v))}" for v in value]
+            continue
         if action.dest == "sections":
             value = shlex.quote(",".join(value))
         elif isinstance(value, (list, tuple)):

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=200, help="train.steps")
     p.add_argument("--error-every", type=int, default=10, help="meter compression_error every k steps")
     p.add_argument("--only", default=",".join(METHODS), help="comma-separated methods (the exact run always runs)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more override of every method's run (not the exact one's), e.g. "
+                        "compression.exact_params=[vectors]; repeatable")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run before the ranks are killed")
     return p
 
@@ -53,6 +56,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if unknown or args.dp < 2 or args.global_batch % (args.micro_batch * args.dp):
         p.error(f"--only takes {', '.join(METHODS)} (got {unknown}); --dp >= 2; --global-batch a multiple of "
                 "--micro-batch · --dp")
+    if any("=" not in s for s in args.set):
+        p.error(f"--set takes KEY=VALUE, got {args.set}")
     args.settle_window = None  # parity_cfg's knob: the config's
     return args
 
@@ -60,7 +65,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def runs(args: argparse.Namespace) -> list[tuple[str, tuple[str, ...], bool]]:
     """(label, overrides, held to the goal): the exact run, then each method by name alone."""
     seed = () if args.seed is None else (f"train.seed={args.seed}",)
-    return [(m, (f"compression={m}", *seed), m != "none") for m in ("none", *args.only.split(","))]
+    return [(m, (f"compression={m}", *seed, *(args.set if m != "none" else ())), m != "none")
+            for m in ("none", *args.only.split(","))]
 
 
 def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -85,7 +91,8 @@ def section(args: argparse.Namespace, out: Callable[[str], None]) -> list[dict[s
     summary = verdicts(rows)
     out(f"\n## defaults: {args.model}, dp={args.dp} × tp={args.tp}, seq {args.seq}, micro batch {args.micro_batch}, "
         f"global batch {args.global_batch}, lr {args.lr or 'default'}, seed {args.seed or 'default'}, {args.steps} "
-        f"steps; final eval loss over {args.eval_batches} held-out global batches")
+        f"steps; final eval loss over {args.eval_batches} held-out global batches"
+        + (f"; every method with {' '.join(args.set)}" if args.set else ""))
     body = [[r["label"], r["warmup"], f"{r['eval']:.4f}", f"{100 * r['rel']:+.2f}%", verdict(r["pass"]),
              f"{r['run_wire_ratio']:.2f}×", f"{r['ratio']:.2f}×", "-" if r["error"] is None else f"{r['error']:.3f}"]
             for r in rows]

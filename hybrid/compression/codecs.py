@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from hybrid.compression.defaults import density_of
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 
@@ -203,9 +204,10 @@ CODECS: dict[str, CodecSpec] = {
     "int8": CodecSpec(lambda cfg: Int8Codec(cfg.block_size), error_feedback=False),
     "int4": CodecSpec(lambda cfg: Int4Codec(cfg.block_size), error_feedback=False),
     "sign": CodecSpec(lambda cfg: SignCodec(cfg.block_size), error_feedback=True),
-    "topk": CodecSpec(lambda cfg: TopKCodec(cfg.fraction), error_feedback=True),
+    "topk": CodecSpec(lambda cfg: TopKCodec(density_of(cfg, None)), error_feedback=True),
 }
-"""`compression=<method>` → the codec its two-phase hook runs (see `hooks.REGISTRY`)."""
+"""`compression=<method>` → the codec its two-phase hook runs (see `hooks.REGISTRY`). A config `make_hook` has
+resolved carries top-k's density as a number; an unresolved one (no run length) gets the floor (`density_of`)."""
 
 PARAM_CODECS: dict[str, Callable[[int], Codec]] = {"int8": Int8Codec, "fp8": Fp8Codec}
 """`parallel.zero_param_codec=<name>` → the codec of ZeRO-3's parameter all-gather (qwZ), by block size."""

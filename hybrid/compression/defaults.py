@@ -11,6 +11,10 @@ least the method's minimum (where it has one: PyTorch's PowerSGD needs 2), with 
 behaviour before these defaults) and any other number is taken as is. Under `schedule=auto` a null warm-up is
 0: the settling rule decides, `warmup_steps` being each stage's minimum.
 
+Top-k and DGC's density, `compression.fraction: null` (the default), is sized from the run too (`density_of`):
+error feedback sends a coordinate about once in 1/density compressed steps, so a short compressed phase needs a
+denser selection for every coordinate to be sent a few times.
+
 PowerSGD's byte budget, `compression.min_ratio`, is a ratio over the run, warm-up included: its exact steps send
 fp32, so the compressed steps must do better than the target for the run to reach it (`bucket_ratio`).
 
@@ -40,6 +44,10 @@ SAFE: dict[str, tuple[float, int]] = {
 """method → (share of `train.steps` run exact, at least this many steps); methods not named start at once: the
 casts, int8 and int4 stayed within 1 % of exact from the first step (docs/benchmarks/2026-11-24-compression-adam.md,
 2026-11-28-int4.md)."""
+DENSITY_FLOOR, SENDS = 0.01, 10
+"""A null `compression.fraction`: max(DENSITY_FLOOR, SENDS / the compressed steps) — each coordinate sent about
+SENDS times over the compressed phase; 1 % from 1,000 compressed steps on. On gpt-tiny at 150 compressed steps 1 %
+lost 5.6 % of eval loss where 5 % lost 1.8 % and 10 % 0.9 % (docs/benchmarks/2026-11-29-compression-defaults.md)."""
 
 
 def safe_warmup(c: CompressionConfig) -> tuple[float, int]:
@@ -71,7 +79,28 @@ def resolved(c: CompressionConfig, steps: Optional[int]) -> CompressionConfig:
     out = copy.copy(c)
     out.warmup_steps = warmup_of(c, steps)
     out.min_ratio = bucket_ratio(c, steps)
+    out.fraction = density_of(c, steps)
     return out
+
+
+def density_of(c: CompressionConfig, steps: Optional[int]) -> float:
+    """Top-k's and DGC's share of each chunk sent: `compression.fraction`, or where null, sized from the compressed
+    steps (the run less its warm-up; under the auto schedule the whole run): max(DENSITY_FLOOR, SENDS / steps)."""
+    if c.fraction is not None:
+        return c.fraction
+    if not steps:
+        return DENSITY_FLOOR
+    compressed = steps - (warmup_of(c, steps) if c.schedule == "fixed" else 0)
+    return min(1.0, max(DENSITY_FLOOR, SENDS / max(1, compressed)))
+
+
+def density_phrase(c: CompressionConfig, steps: Optional[int]) -> str:
+    """The start-up line's account of top-k's or DGC's density: the share sent and, sized, why."""
+    d = density_of(c, steps)
+    if c.fraction is not None or not steps:
+        return f"; {d:.2%} of each chunk sent"
+    return (f"; {d:.2%} of each chunk sent (sized from the run: each coordinate about {SENDS} times over its "
+            f"compressed steps, at least {DENSITY_FLOOR:.0%}; compression.fraction=0.01 pins it)")
 
 
 def bucket_ratio(c: CompressionConfig, steps: Optional[int]) -> float:

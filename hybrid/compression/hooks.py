@@ -40,7 +40,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
 from hybrid.compression import CompressionError, adaptive_rank, codecs, powersgd, zeroone_adam
-from hybrid.compression.defaults import check_warmup, resolved, sized
+from hybrid.compression.defaults import check_warmup, density_of, resolved, sized
 from hybrid.compression.dgc import DGCState, dgc_hook
 from hybrid.compression.hierarchical import HierarchicalState, hierarchical_hook
 from hybrid.compression.onebit_adam import MomentumExchange, local_hook
@@ -242,7 +242,8 @@ def _two_phase(spec: codecs.CodecSpec) -> Callable[[CompressionConfig, Group], t
 
 
 def _dgc(cfg: CompressionConfig, group: Group) -> tuple[Hook, Any]:
-    return dgc_hook, DGCState(codecs.TopKCodec(cfg.fraction), group, True, fraction=cfg.fraction,
+    fraction = density_of(cfg, None)  # `make_hook`'s resolved config: sized from the run
+    return dgc_hook, DGCState(codecs.TopKCodec(fraction), group, True, fraction=fraction,
                               momentum=cfg.dgc_momentum, clip=cfg.dgc_clip, warmup_steps=cfg.sparsity_warmup_steps)
 
 
@@ -275,7 +276,8 @@ def check(cfg: CompressionConfig) -> None:
 
     need(cfg.method in METHODS, f"compression.method={cfg.method!r} is not one of {', '.join(METHODS)}")
     need(cfg.rank > 0, f"compression.rank must be > 0, got {cfg.rank}")
-    need(0 < cfg.fraction <= 1, f"compression.fraction must be in (0, 1], got {cfg.fraction}")
+    need(cfg.fraction is None or 0 < cfg.fraction <= 1, f"compression.fraction must be in (0, 1] (null: sized from "
+         f"the run), got {cfg.fraction}")
     need(cfg.block_size > 0, f"compression.block_size must be > 0, got {cfg.block_size}")
     check_warmup(cfg)
     need(0 <= cfg.dgc_momentum < 1, f"compression.dgc_momentum must be in [0, 1), got {cfg.dgc_momentum}")

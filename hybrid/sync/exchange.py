@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional
 
 from hybrid.compression import codecs
 from hybrid.compression.codecs import CODECS
-from hybrid.compression.defaults import budget_phrase, warmup_of, warmup_phrase
+from hybrid.compression.defaults import budget_phrase, density_phrase, warmup_of, warmup_phrase
 from hybrid.compression.hooks import OPTIMIZER_SIDE
 from hybrid.compression.schedule import exact_kinds
 from hybrid.compression.zero import REDUCE_SCATTER_CODECS, ZERO_METHODS
@@ -176,8 +176,10 @@ def compression_summary(c: CompressionConfig, layout: Layout, steps: Optional[in
                  "the rank)")
     if c.method == "zeroone_adam" and steps:
         line += ": " + ZeroOneSchedule.of(c).sized(steps).describe()
+    if {c.method, c.inner} & {"topk", "dgc"}:
+        line += density_phrase(c, steps)
     if c.method == "dgc" and c.sparsity_warmup_steps:
-        line += f", density from 1 down to {c.fraction} over {c.sparsity_warmup_steps} steps"
+        line += f", reached from 1 over {c.sparsity_warmup_steps} steps of density warm-up"
     if c.method != "hierarchical":
         return line + ("" if layout.dp > 1 else " (dp=1: nothing to exchange)")
     return line + hierarchical_split(c, layout)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hybrid.bench import compression_bytes, compression_defaults, compression_parity, compression_speed
-from hybrid.bench.common import launch, table
+from hybrid.bench.common import launch, reproduce_command, table
 from hybrid.bench.compression_common import (
     BYTES_METHODS,
     bucket_shapes,
@@ -119,3 +119,16 @@ def test_quick_run_every_benchmark(cache: None, capsys: pytest.CaptureFixture[st
     assert {r["method"] for r in result["speed"]} == set(compression_speed.SPEED_METHODS)
     assert all(r["compress"] > 0 and r["decompress"] > 0 for r in result["speed"])
     assert all(row[n]["gbps"] > 0 for row in result["breakeven"] for n in (4, 8))
+
+
+def test_defaults_set_adds_its_overrides_to_every_method_and_reproduces(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--only", "sign", "--set", "compression.exact_params=[vectors]", "--set", "train.lr=1e-3"]
+    args = compression_defaults.parse_args(argv)
+    assert compression_defaults.runs(args) == [  # the exact run stays the reference
+        ("none", ("compression=none",), False),
+        ("sign", ("compression=sign", "compression.exact_params=[vectors]", "train.lr=1e-3"), True)]
+    command = reproduce_command(compression_defaults.MODULE, compression_defaults.build_parser(), args)
+    assert "--set 'compression.exact_params=[vectors]' --set train.lr=1e-3" in command
+    with pytest.raises(SystemExit):
+        compression_defaults.parse_args(["--set", "train.lr"])
+    assert "--set takes KEY=VALUE" in capsys.readouterr().err

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid.compression.defaults import SAFE, bucket_ratio, warmup_of
+from hybrid.compression.defaults import SAFE, bucket_ratio, density_of, warmup_of
 from hybrid.compression.hooks import make_hook
 from hybrid.config import CompressionConfig, compose_config
 from hybrid.sync import startup_lines
@@ -87,3 +87,24 @@ def test_the_startup_line_says_the_budget_per_bucket_and_over_the_run() -> None:
     cfg = compose_config(["compression=powersgd", "train.steps=20", *BATCH])
     (line,) = startup_lines(cfg, validate(cfg, 4))
     assert "the warm-up alone (5% of the run exact) keeps the run under 20×" in line
+
+
+@pytest.mark.parametrize("kw,steps,expected", [
+    ({}, 200, 10 / 150),  # 50 exact steps, 150 compressed: each coordinate about 10 times
+    ({}, 5000, 0.01),  # 3,750 compressed steps: the floor
+    ({"method": "dgc", "warmup_steps": 0}, 400, 10 / 400),
+    ({"schedule": "auto"}, 500, 10 / 500),  # the switch is unknown at the start: the whole run
+    ({}, None, 0.01),
+    ({"fraction": 0.01}, 200, 0.01),  # pinned: the old behaviour
+    ({"warmup_steps": 0}, 5, 1.0),  # a run shorter than SENDS steps sends everything
+])
+def test_topk_density_is_sized_from_the_compressed_steps(kw: dict, steps: int, expected: float) -> None:
+    assert density_of(comp(str(kw.pop("method", "topk")), **kw), steps) == pytest.approx(expected)
+
+
+def test_the_hook_sends_the_sized_density_and_the_startup_line_says_it() -> None:
+    _, state = make_hook(comp("topk"), None, steps=200)
+    assert state.state.codec.fraction == pytest.approx(10 / 150)
+    cfg = compose_config(["compression=dgc", "train.steps=200", *BATCH])
+    (line,) = startup_lines(cfg, validate(cfg, 4))
+    assert "6.67% of each chunk sent (sized from the run" in line and "compression.fraction=0.01 pins it" in line
