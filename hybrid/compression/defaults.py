@@ -46,8 +46,9 @@ casts, int8 and int4 stayed within 1 % of exact from the first step (docs/benchm
 2026-11-28-int4.md)."""
 DENSITY_FLOOR, SENDS = 0.01, 10
 """A null `compression.fraction`: max(DENSITY_FLOOR, SENDS / the compressed steps) — each coordinate sent about
-SENDS times over the compressed phase; 1 % from 1,000 compressed steps on. On gpt-tiny at 150 compressed steps 1 %
-lost 5.6 % of eval loss where 5 % lost 1.8 % and 10 % 0.9 % (docs/benchmarks/2026-11-29-compression-defaults.md)."""
+SENDS times over the compressed phase; 1 % from 1,000 compressed steps on. On gpt-tiny at 150 compressed steps
+top-k at 1 % lost 5.6 % of eval loss, at this rule's 6.7 % 1.4 % (and 0.1–0.6 % on two other configurations:
+docs/benchmarks/2026-11-30-compression-defaults.md)."""
 
 
 def safe_warmup(c: CompressionConfig) -> tuple[float, int]:
