@@ -162,11 +162,21 @@ def config_changes(saved: dict[str, Any], cfg: Config, limit: int = 12) -> list[
     return _lines({k: v for k, v in changed_values(saved, cfg).items() if not k.startswith(skip)}, limit)
 
 
+SPARSIFIERS = frozenset({"topk", "dgc"})  # the methods that read compression.fraction
+
+
 def training_changes(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
     """The changed training settings: keys outside FREE_PREFIXES and FREE_KEYS. Only keys both configs
-    have: one that the saved config lacks comes from an older hybrid, which behaved as its default."""
-    return {k: v for k, v in changed_values(saved, cfg, both=True).items()
-            if not k.startswith(FREE_PREFIXES) and k not in FREE_KEYS}
+    have: one that the saved config lacks comes from an older hybrid, which behaved as its default. Top-k's
+    density (`compression.fraction`, 0.01 by default in older hybrids, now sized from the run) counts only
+    where either run's method reads it."""
+    changes = {k: v for k, v in changed_values(saved, cfg, both=True).items()
+               if not k.startswith(FREE_PREFIXES) and k not in FREE_KEYS}
+    methods = {saved.get("compression", {}).get(k) for k in ("method", "inner")} | {cfg.compression.method,
+                                                                                       cfg.compression.inner}
+    if not methods & SPARSIFIERS:
+        changes.pop("compression.fraction", None)
+    return changes
 
 
 def refuse_changes(manifest: dict[str, Any], cfg: Config, path: Path) -> None:

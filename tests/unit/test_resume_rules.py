@@ -72,6 +72,21 @@ def test_layout_files_logging_length_and_evals_may_change(overrides: list[str]) 
     refuse_changes(saved, cfg, PATH)
 
 
+@pytest.mark.parametrize("method,refused", [("none", False), ("powersgd", False), ("topk", True), ("dgc", True)])
+def test_an_older_checkpoints_topk_density_counts_only_where_a_method_reads_it(method: str, refused: bool) -> None:
+    """Older hybrids saved compression.fraction=0.01 in every config; it is now null (sized from the run)."""
+    saved = {"step": 10, "config": OmegaConf.to_container(compose_config([*BASE, f"compression={method}"]),
+                                                           resolve=True)}
+    saved["config"]["compression"]["fraction"] = 0.01
+    cfg = compose_config([*BASE, f"compression={method}"])
+    if refused:
+        with pytest.raises(CheckpointError, match=r"compression.fraction: 0.01 → None"):
+            refuse_changes(saved, cfg, PATH)
+    else:
+        refuse_changes(saved, cfg, PATH)
+    refuse_changes(saved, compose_config([*BASE, f"compression={method}", "compression.fraction=0.01"]), PATH)
+
+
 def test_a_key_the_saved_config_lacks_is_no_change() -> None:
     """A checkpoint of an older hybrid has no value for a newer key: it ran as that key's default."""
     saved = manifest()
