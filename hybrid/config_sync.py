@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+SPARSIFIERS = frozenset({"topk", "dgc"})
+"""The methods that read `compression.fraction` (directly, or as `hierarchical`'s inner method)."""
+
 
 @dataclass
 class CompressionConfig:

@@ -27,7 +27,7 @@ from hybrid.checkpoint.files import (
     read_manifest,
     run_root,
 )
-from hybrid.config import ConfigError
+from hybrid.config import SPARSIFIERS, ConfigError
 from hybrid.model.family import ModelConfigError, family_of
 
 if TYPE_CHECKING:
@@ -160,9 +160,6 @@ def config_changes(saved: dict[str, Any], cfg: Config, limit: int = 12) -> list[
     checkpoint, logging and profile keys (a resumed run is expected to change those)."""
     skip = ("parallel.", "checkpoint.", "logging.", "profile.", "run_name")
     return _lines({k: v for k, v in changed_values(saved, cfg).items() if not k.startswith(skip)}, limit)
-
-
-SPARSIFIERS = frozenset({"topk", "dgc"})  # the methods that read compression.fraction
 
 
 def training_changes(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:

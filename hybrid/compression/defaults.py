@@ -104,12 +104,18 @@ def density_phrase(c: CompressionConfig, steps: Optional[int]) -> str:
             f"compressed steps, at least {DENSITY_FLOOR:.0%}; compression.fraction=0.01 pins it)")
 
 
+def exact_share(c: CompressionConfig, steps: Optional[int]) -> float:
+    """The share w of a run of `steps` known at its start to run exact: the fixed schedule's warm-up; 0 where
+    unknown (no run length, the auto schedule)."""
+    return warmup_of(c, steps) / steps if steps and c.schedule == "fixed" else 0.0
+
+
 def bucket_ratio(c: CompressionConfig, steps: Optional[int]) -> float:
     """The ratio each compressed step must keep for the run, its exact warm-up share w included, to send
     `min_ratio` (T) × fewer bytes: 1 / (w + (1 − w)/r) ≥ T ⇔ r ≥ (1 − w) / (1/T − w). T itself where the warm-up
     is unknown (no run length, the auto schedule) or none, and where w ≥ 1/T: the warm-up alone keeps the run
     under T× (`budget_phrase` says so)."""
-    w = warmup_of(c, steps) / steps if steps and c.schedule == "fixed" else 0.0
+    w = exact_share(c, steps)
     if w == 0 or w >= 1 / c.min_ratio:
         return c.min_ratio
     return (1 - w) / (1 / c.min_ratio - w)
@@ -117,11 +123,11 @@ def bucket_ratio(c: CompressionConfig, steps: Optional[int]) -> float:
 
 def budget_phrase(c: CompressionConfig, steps: Optional[int]) -> str:
     """The start-up line's account of PowerSGD's byte budget: per bucket, and what it means over the run."""
-    per_bucket, w = bucket_ratio(c, steps), (warmup_of(c, steps) / steps if steps else 0.0)
+    per_bucket, w = bucket_ratio(c, steps), exact_share(c, steps)
     if per_bucket != c.min_ratio:
         return (f"within {per_bucket:.3g}× fewer bytes per bucket, so that the run sends compression.min_ratio="
                 f"{c.min_ratio:g}× fewer with its warm-up")
-    if c.schedule == "fixed" and w >= 1 / c.min_ratio:
+    if w >= 1 / c.min_ratio:
         return (f"within {c.min_ratio:g}× fewer bytes per bucket; the warm-up alone ({w:.0%} of the run exact) keeps "
                 f"the run under {c.min_ratio:g}×")
     return f"within {c.min_ratio:g}× fewer bytes per bucket"

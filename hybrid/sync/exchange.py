@@ -18,7 +18,7 @@ from hybrid.compression.hooks import OPTIMIZER_SIDE
 from hybrid.compression.schedule import exact_kinds
 from hybrid.compression.zero import REDUCE_SCATTER_CODECS, ZERO_METHODS
 from hybrid.compression.zeroone_adam import ZeroOneSchedule
-from hybrid.config import CompressionConfig, Config, ConfigError, ParallelConfig
+from hybrid.config import SPARSIFIERS, CompressionConfig, Config, ConfigError, ParallelConfig
 from hybrid.parallel.layout import LayoutError
 from hybrid.sync.zero import needs_hops, shard_lists, spans_nodes
 
@@ -176,7 +176,7 @@ def compression_summary(c: CompressionConfig, layout: Layout, steps: Optional[in
                  "the rank)")
     if c.method == "zeroone_adam" and steps:
         line += ": " + ZeroOneSchedule.of(c).sized(steps).describe()
-    if {c.method, c.inner} & {"topk", "dgc"}:
+    if {c.method, c.inner} & SPARSIFIERS:
         line += density_phrase(c, steps)
     if c.method == "dgc" and c.sparsity_warmup_steps:
         line += f", reached from 1 over {c.sparsity_warmup_steps} steps of density warm-up"
