@@ -73,9 +73,11 @@ class Case:
                 f"{f'-zero{self.zero}' if self.zero else ''}" + (f"-{','.join(self.extra)}" if self.extra else ""))
 
 
-def make_cfg(case: Case, world: int, bucket_mb: float = 0.05, extra: Sequence[str] = ()) -> Any:
+def make_cfg(case: Case, world: int, bucket_mb: float = 0.15, extra: Sequence[str] = ()) -> Any:
     """The composed (and validated) config of `case` on `world` ranks: fp32, no dropout, and clipping
-    at 0.05, below every step's gradient norm (~2-3), so each update is scaled by the global norm.
+    at 0.05, below every step's gradient norm (~2-3), so each update is scaled by the global norm. Gradient
+    buckets of 0.15 MB: two or more per stage of the tiny models; each is one exchange, which costs this machine's
+    gloo ~2 ms of CPU per rank.
 
     Each call gets its own copy; Hydra composes each set of config groups once per process (`composed`) and
     the validation runs once per (overrides, world), so a config made in the test process before the ranks fork

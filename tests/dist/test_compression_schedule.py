@@ -63,8 +63,9 @@ def tolerance_for(losses: list[float]) -> float:
 
 
 def fit_cfg(case: Case, world: int, root: Path, run: str, extra: list[str], every: int = 0) -> Any:
-    """The config of run `run`: a 1-layer model, a record per step, a checkpoint every `every` steps."""
-    return make_cfg(case, world, extra=[f"train.steps={STEPS}", "train.lr=1e-2", "model.n_layers=1",
+    """The config of run `run`: a 1-layer model, a record per step, a checkpoint every `every` steps (buckets of
+    0.05 MB: the exact run's and the auto run's warm-up, whose buckets differ, sum alike there)."""
+    return make_cfg(case, world, bucket_mb=0.05, extra=[f"train.steps={STEPS}", "train.lr=1e-2", "model.n_layers=1",
                                         f"logging.dir={root / run}", "logging.log_every=1", "logging.progress=false",
                                         "logging.wandb.mode=disabled", "logging.traffic_map=false",
                                         f"checkpoint.dir={root}", f"run_name={run}", f"checkpoint.every={every}",

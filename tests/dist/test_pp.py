@@ -208,7 +208,7 @@ def test_dp_buckets_launch_inside_the_backward_under_every_schedule(name: str) -
     for case, results in launched(name):
         schedules.add(case.schedule)
         for r in results:
-            assert r["buckets"] > 2, (str(case), r["coord"], r["buckets"])  # small bucket_mb: several buckets
+            assert r["buckets"] >= 2, (str(case), r["coord"], r["buckets"])  # small bucket_mb: several buckets
             for step, log in enumerate(r["launch_logs"]):
                 # every parameter of a stage gets a gradient, so every bucket must launch from the
                 # gradient-ready hook while autograd runs (not from finish()), in index order; under ZeRO-2, 3 once
