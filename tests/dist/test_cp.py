@@ -69,7 +69,7 @@ def config(family: str, extra: tuple[str, ...], world: int) -> Any:
         f"model={family}-tiny", "model.n_layers=2", "model.hidden=64", "model.n_heads=4", "model.max_seq_len=32",
         "model.ffn_hidden=128", "model.dropout=0", f"data.seq_len={SEQ}", "train.global_batch_size=8",
         "train.micro_batch_size=2", f"train.steps={STEPS}", "train.eval_every=0", "train.lr=3e-3",
-        "optim.warmup_steps=1", "parallel.bucket_mb=0.02", *extra])
+        "optim.warmup_steps=1", "parallel.bucket_mb=0.1", *extra])
     validate(cfg, world)
     return cfg
 
