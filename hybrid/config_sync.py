@@ -11,6 +11,10 @@ from typing import Optional
 
 SPARSIFIERS = frozenset({"topk", "dgc"})
 """The methods that read `compression.fraction` (directly, or as `hierarchical`'s inner method)."""
+METHOD_KNOBS: dict[str, frozenset[str]] = {"fraction": SPARSIFIERS, "dgc_momentum": frozenset({"dgc"})}
+"""`compression` knobs that only some methods read, and which: a change to one is a training change only where a
+run's method reads it (the resume check), so an older checkpoint's value of a since-changed default does not stop
+the runs of other methods."""
 
 
 @dataclass
@@ -40,7 +44,9 @@ class CompressionConfig:
     max_rank: int = 32  # no matrix's rank above this
     min_ratio: float = 20.0  # the byte budget over the run, warm-up included: ranks grow only within it
     inner: str = ""  # hierarchical: the method between nodes (exact inside a node)
-    dgc_momentum: float = 0.9  # dgc: momentum of the accumulated velocity (momentum correction)
+    # dgc: momentum of the accumulated velocity (the paper's momentum correction, for an optimizer without momentum
+    # of its own: optim=sgd optim.momentum=0 dgc_momentum=0.9); 0: AdamW's β₁ (or SGD's momentum) is the only one
+    dgc_momentum: float = 0.0
     dgc_clip: float = 1.0  # dgc: local clipping of each bucket's gradient to dgc_clip / sqrt(dp); 0: off
     sparsity_warmup_steps: int = 0  # dgc: density decays exponentially from 1 to `fraction` over these steps
     # zeroone_adam (0/1 Adam): the variance refreshed at steps 2^⌊j/κ⌋ apart (j-th refresh) up to a freeze step,

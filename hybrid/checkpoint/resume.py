@@ -27,7 +27,7 @@ from hybrid.checkpoint.files import (
     read_manifest,
     run_root,
 )
-from hybrid.config import SPARSIFIERS, ConfigError
+from hybrid.config import METHOD_KNOBS, ConfigError
 from hybrid.model.family import ModelConfigError, family_of
 
 if TYPE_CHECKING:
@@ -164,15 +164,16 @@ def config_changes(saved: dict[str, Any], cfg: Config, limit: int = 12) -> list[
 
 def training_changes(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
     """The changed training settings: keys outside FREE_PREFIXES and FREE_KEYS. Only keys both configs
-    have: one that the saved config lacks comes from an older hybrid, which behaved as its default. Top-k's
-    density (`compression.fraction`, 0.01 by default in older hybrids, now sized from the run) counts only
-    where either run's method reads it."""
+    have: one that the saved config lacks comes from an older hybrid, which behaved as its default. A knob only
+    some methods read (`METHOD_KNOBS`: top-k's density, 0.01 by default in older hybrids and now sized from the
+    run; DGC's momentum, 0.9 then and 0 now) counts only where either run's method reads it."""
     changes = {k: v for k, v in changed_values(saved, cfg, both=True).items()
                if not k.startswith(FREE_PREFIXES) and k not in FREE_KEYS}
     methods = {saved.get("compression", {}).get(k) for k in ("method", "inner")} | {cfg.compression.method,
                                                                                        cfg.compression.inner}
-    if not methods & SPARSIFIERS:
-        changes.pop("compression.fraction", None)
+    for knob, readers in METHOD_KNOBS.items():
+        if not methods & readers:
+            changes.pop(f"compression.{knob}", None)
     return changes
 
 

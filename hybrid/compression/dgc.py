@@ -7,15 +7,18 @@ per gradient bucket on each rank, before the two-phase top-k exchange of `codecs
    `compression.dgc_clip / √dp` (the threshold of a global clip shared by dp summed gradients; per bucket,
    because the hook sees one bucket at a time, inside the backward; 0 turns it off);
 2. **momentum correction**: the velocity u ← μ·u + g (μ = `compression.dgc_momentum`) is what accumulates, so
-   an element sent late carries the momentum it would have had;
+   an element sent late carries the momentum it would have had — the paper's, for momentum SGD whose momentum
+   lives here (`optim=sgd optim.momentum=0 compression.dgc_momentum=0.9`); μ = 0 (the default) skips it and
+   the masking below;
 3. the two-phase top-k exchange with its worker residual (DGC's accumulation v ← v + u) and server residual;
 4. **momentum factor masking**: u ← 0 where the accumulation was sent (its residual is exactly zero: top-k
    sends exact values), so a sent element's stale momentum does not push it again;
 5. **sparsity warm-up**: the density sent grows sparser exponentially, from 1 (dense) at the first step to
    `compression.fraction` after `compression.sparsity_warmup_steps` steps: fraction^(t / steps).
 
-The exchanged value is a velocity, so it already holds DGC's momentum; AdamW's own β₁ then averages it again
-(set `optim.beta1=0` to let DGC's momentum stand alone, as in the paper's momentum SGD).
+With μ > 0 the exchanged value is a velocity that already holds DGC's momentum, and AdamW's β₁ averages it
+again: two momenta in series, which cost 0.4–1.1 points of eval loss on three gpt-tiny configurations
+(docs/benchmarks/2026-11-30-compression-defaults.md) — hence μ = 0 by default.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ class DGCState(TwoPhaseState):
     """Top-k's two-phase state plus DGC's: the velocity per bucket, the step, and the knobs."""
 
     fraction: float = 0.01
-    momentum: float = 0.9
+    momentum: float = 0.0
     clip: float = 0.0
     warmup_steps: int = 0
     step: int = 0

@@ -13,8 +13,8 @@ Methods (`compression=<method>`, knobs under `compression.*`):
   sign        1 bit per element + a scale per block, two-phase, error feedback
   topk        the largest `fraction` of each chunk, values + indices, two-phase, error feedback
   powersgd    low-rank factors, each matrix's rank following its error, error feedback, warm start, `powersgd.py`
-  dgc         top-k with Deep Gradient Compression's corrections (local clipping, momentum correction and
-              masking, sparsity warm-up), `dgc.py`
+  dgc         top-k with Deep Gradient Compression's corrections (local clipping, sparsity warm-up; momentum
+              correction and masking with `dgc_momentum` > 0), `dgc.py`
   onebit_adam  1-bit Adam: exact AdamW for `warmup_steps`, then the momentum, not the gradient, sent as
               sign bits (two-phase, error feedback) with Adam's variance frozen, `onebit_adam.py`
   zeroone_adam  0/1 Adam: variance refreshed on a growing schedule, momentum as signs, local steps, `zeroone_adam.py`

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 from omegaconf import OmegaConf
@@ -72,19 +72,26 @@ def test_layout_files_logging_length_and_evals_may_change(overrides: list[str]) 
     refuse_changes(saved, cfg, PATH)
 
 
-@pytest.mark.parametrize("method,refused", [("none", False), ("powersgd", False), ("topk", True), ("dgc", True)])
-def test_an_older_checkpoints_topk_density_counts_only_where_a_method_reads_it(method: str, refused: bool) -> None:
-    """Older hybrids saved compression.fraction=0.01 in every config; it is now null (sized from the run)."""
+OLDER_DEFAULTS = [("fraction", 0.01, None, {"topk", "dgc"}), ("dgc_momentum", 0.9, 0.0, {"dgc"})]
+"""(compression knob, its value in older hybrids' configs, today's default, the methods that read it)."""
+
+
+@pytest.mark.parametrize("knob,old,new,readers", OLDER_DEFAULTS, ids=[k[0] for k in OLDER_DEFAULTS])
+@pytest.mark.parametrize("method", ["none", "powersgd", "topk", "dgc"])
+def test_an_older_checkpoints_method_knob_counts_only_where_a_method_reads_it(
+        knob: str, old: float, new: Optional[float], readers: set[str], method: str) -> None:
+    """Older hybrids saved compression.fraction=0.01 and dgc_momentum=0.9 in every config; today's defaults are
+    null (sized from the run) and 0: the old value stops a resume only where the method reads the knob."""
     saved = {"step": 10, "config": OmegaConf.to_container(compose_config([*BASE, f"compression={method}"]),
                                                            resolve=True)}
-    saved["config"]["compression"]["fraction"] = 0.01
+    saved["config"]["compression"][knob] = old
     cfg = compose_config([*BASE, f"compression={method}"])
-    if refused:
-        with pytest.raises(CheckpointError, match=r"compression.fraction: 0.01 → None"):
+    if method in readers:
+        with pytest.raises(CheckpointError, match=rf"compression.{knob}: {old} → {new}"):
             refuse_changes(saved, cfg, PATH)
     else:
         refuse_changes(saved, cfg, PATH)
-    refuse_changes(saved, compose_config([*BASE, f"compression={method}", "compression.fraction=0.01"]), PATH)
+    refuse_changes(saved, compose_config([*BASE, f"compression={method}", f"compression.{knob}={old}"]), PATH)
 
 
 def test_a_key_the_saved_config_lacks_is_no_change() -> None:
