@@ -202,7 +202,7 @@ class CodecSpec:
 
 CODECS: dict[str, CodecSpec] = {
     "int8": CodecSpec(lambda cfg: Int8Codec(cfg.block_size), error_feedback=False),
-    "int4": CodecSpec(lambda cfg: Int4Codec(cfg.block_size), error_feedback=False),
+    "int4": CodecSpec(lambda cfg: Int4Codec(cfg.block_size), error_feedback=True),  # 15 levels: int8's error × 17
     "sign": CodecSpec(lambda cfg: SignCodec(cfg.block_size), error_feedback=True),
     "topk": CodecSpec(lambda cfg: TopKCodec(density_of(cfg, None)), error_feedback=True),
 }

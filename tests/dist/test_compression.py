@@ -45,7 +45,7 @@ CASES: dict[str, dict] = {
     "torch_powersgd": {"rank": RANK, "warmup_steps": 2},
 }
 CAST = {"fp16": torch.float16, "bf16": torch.bfloat16, "torch_fp16": torch.float16, "torch_bf16": torch.bfloat16}
-EF_METHODS = ("sign", "topk", "powersgd")
+EF_METHODS = ("sign", "topk", "int4", "powersgd")
 EF_STEPS = 50
 EF_SHAPES = [[s for b in SHAPES for s in b]]
 TIMEOUT = 120
