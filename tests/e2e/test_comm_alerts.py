@@ -3,7 +3,7 @@ an emulated node (`parallel.ranks_per_node=1`) joined by the benchmarks' emulate
 every DP exchange crosses it and takes at least its time, a deterministic wait far above what the loopback
 exchange and this machine's load add.
 
-The link carries ~20 MB/s with a 10 ms hop for the first 200 steps — a steady run checked every 5 steps (40 checks),
+The link carries ~20 MB/s with a 5 ms hop for the first 200 steps — a steady run checked every 5 steps (40 checks),
 which must raise nothing — then from step 201 a twentieth of that (its latency 20× too): the DP exchange ~20×
 longer, five times beyond the alert's threshold (`health.comm_slowdown=4` here). The steady exchange waits ~30 ms
 on the emulated link, under which the loopback exchange runs: a loaded machine (the suite's other worker, 8-rank
