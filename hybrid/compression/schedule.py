@@ -24,13 +24,15 @@ checkpoint keeps them layout-independent, so a resumed run, under any layout, de
 uninterrupted one would.
 
 **Kept exact.** `compression.exact_params` names kinds of parameters synced by the exact all-reduce at every
-stage, in DP buckets of their own: `vectors` (1-D: norm weights and biases) and `embeddings`. Unset, it is
-`[vectors]` under `schedule=auto` and nothing under `schedule=fixed`.
+stage, in DP buckets of their own: `vectors` (1-D: norm weights and biases), `embeddings`, or a pattern of
+parameter names (`fnmatch`, e.g. `head.*`, `*.mlp.*`). Unset, it is `[vectors]` under `schedule=auto` and
+nothing under `schedule=fixed`.
 """
 
 from __future__ import annotations
 
 import bisect
+import fnmatch
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -127,12 +129,22 @@ def exact_kinds(exact_params: Optional[Sequence[str]], schedule: str) -> list[st
     return ["vectors"] if schedule == "auto" else []
 
 
+def is_name_pattern(entry: str) -> bool:
+    """Whether an `exact_params` entry is a pattern of parameter names rather than a kind: it holds a glob
+    character or a dot (`head.weight`, `*.mlp.*`); a bare word must be one of EXACT_KINDS."""
+    return any(c in entry for c in "*?[.")
+
+
 def exact_param_ids(named: Iterable[tuple[str, nn.Parameter]], kinds: Sequence[str]) -> frozenset[int]:
     """ids of the parameters kept exact: `vectors` the 1-D ones (norm weights, biases: under 1% of the
     bytes, and a norm's scale multiplies everything after it), `embeddings` those named `*embed*` (token and
-    position embeddings, and with them a tied output head: rows of rare tokens get rare, sparse gradients)."""
+    position embeddings, and with them a tied output head: rows of rare tokens get rare, sparse gradients),
+    and those whose name (the model's, as `named_parameters` gives it) matches a pattern entry."""
+    patterns = [k for k in kinds if is_name_pattern(k)]
+
     def kept(name: str, p: nn.Parameter) -> bool:
-        return ("vectors" in kinds and p.ndim < 2) or ("embeddings" in kinds and "embed" in name)
+        return (("vectors" in kinds and p.ndim < 2) or ("embeddings" in kinds and "embed" in name)
+                or any(fnmatch.fnmatchcase(name, pat) for pat in patterns))
     return frozenset(id(p) for name, p in named if kept(name, p))
 
 
@@ -145,8 +157,8 @@ def check_schedule(cfg: CompressionConfig, flat: Sequence[str], momentum: Sequen
 
     need(cfg.schedule in SCHEDULES, f"compression.schedule={cfg.schedule!r} is not one of {', '.join(SCHEDULES)}")
     kinds = cfg.exact_params or []
-    need(all(k in EXACT_KINDS for k in kinds), f"compression.exact_params={list(kinds)} may hold only "
-         f"{', '.join(EXACT_KINDS)}")
+    need(all(k in EXACT_KINDS or is_name_pattern(k) for k in kinds), f"compression.exact_params={list(kinds)} "
+         f"may hold only {', '.join(EXACT_KINDS)} or patterns of parameter names (with * or ., e.g. head.*)")
     if cfg.schedule != "auto":
         need(not cfg.stages, "compression.stages needs compression.schedule=auto (the stages it steps through)")
         return

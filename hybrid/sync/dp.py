@@ -44,10 +44,12 @@ def dp_hook(cfg: Config, ctx: ParallelContext, hook: Optional[tuple[CommHook, An
     return hook or make_hook(cfg.compression, ctx.grad_group, ctx.dp_intra_group, ctx.dp_inter_group, steps)
 
 
-def kept_exact(cfg: Config, model: nn.Module) -> frozenset[int]:
-    """The ids of the parameters the hook keeps exact (`compression.exact_params`)."""
+def kept_exact(cfg: Config, model: nn.ModuleList) -> frozenset[int]:
+    """The ids of the parameters the hook keeps exact (`compression.exact_params`), matched on each chunk's own
+    names (the model's, global layer indices: `layers.3.mlp.up.weight` on any stage)."""
     c = cfg.compression
-    return exact_param_ids(model.named_parameters(), exact_kinds(c.exact_params, c.schedule))
+    named = ((name, p) for chunk in model for name, p in chunk.named_parameters())
+    return exact_param_ids(named, exact_kinds(c.exact_params, c.schedule))
 
 
 class SynchronousDP:

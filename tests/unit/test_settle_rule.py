@@ -100,3 +100,18 @@ def test_kept_exact_kinds() -> None:
     assert both == vectors | {"tok_embed.weight"}
     assert exact_kinds(None, "auto") == ["vectors"] and exact_kinds(None, "fixed") == []
     assert exact_kinds(["embeddings"], "auto") == ["embeddings"]
+
+
+def test_kept_exact_name_patterns_on_every_chunk() -> None:
+    """Patterns match the model's own names, chunk by chunk (`kept_exact`): `layers.3...` on the stage holding it."""
+    from hybrid.config import compose_config
+    from hybrid.sync.dp import kept_exact
+
+    stage = nn.ModuleDict({"layers": nn.ModuleDict({"3": nn.ModuleDict({"mlp": nn.Linear(4, 4)})}),
+                           "head": nn.Linear(4, 8, bias=False)})
+    chunks = nn.ModuleList([stage])
+    cfg = compose_config(["compression=sign", "compression.exact_params=[head.*,'*.mlp.weight']"])
+    ids = kept_exact(cfg, chunks)
+    assert ids == {id(stage["head"].weight), id(stage["layers"]["3"]["mlp"].weight)}
+    named = list(stage.named_parameters())
+    assert exact_param_ids(named, ["vectors", "layers.?.mlp.*"]) == {id(p) for n, p in named if "mlp" in n}
