@@ -26,6 +26,9 @@ class CompressionConfig:
     # topk, dgc: fraction of each chunk's elements sent, in (0, 1]; null: sized from the run (compression/defaults.py)
     fraction: Optional[float] = None
     block_size: int = 256  # int8, sign: elements sharing one fp32 scale
+    # int8, int4, sign, 1-bit/0-1 Adam: auto lays row-parallel weights' gradients out column by column for the
+    # codec (a block is one input channel: compression/layout.py); rows: every gradient as laid out
+    block_layout: str = "auto"
     error_feedback: bool = True  # sign, topk, int4, powersgd, torch_powersgd: add last step's compression error back
     # steps of exact all-reduce before compressing (schedule=auto: at least, per stage); null: sized from the run,
     # warmup_share of train.steps (null: the method's own, compression/defaults.py); 0: compress from step 1

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
-from hybrid.compression import CompressionError, adaptive_rank, codecs, powersgd, zeroone_adam
+from hybrid.compression import CompressionError, adaptive_rank, codecs, layout, powersgd, zeroone_adam
 from hybrid.compression.defaults import check_warmup, density_of, resolved, sized
 from hybrid.compression.dgc import DGCState, dgc_hook
 from hybrid.compression.hierarchical import HierarchicalState, hierarchical_hook
@@ -237,7 +237,8 @@ def _cast(dtype: torch.dtype) -> Callable[[CompressionConfig, Group], tuple[Hook
 def _two_phase(spec: codecs.CodecSpec) -> Callable[[CompressionConfig, Group], tuple[Hook, Any]]:
     def make(cfg: CompressionConfig, group: Group) -> tuple[Hook, Any]:
         feedback = spec.error_feedback and cfg.error_feedback
-        return codecs.two_phase_hook, codecs.TwoPhaseState(spec.build(cfg), group, feedback)
+        codec = spec.build(cfg)
+        return layout.two_phase_for(cfg, codec), codecs.TwoPhaseState(codec, group, feedback)
     return make
 
 
@@ -248,7 +249,8 @@ def _dgc(cfg: CompressionConfig, group: Group) -> tuple[Hook, Any]:
 
 
 def _onebit_adam(cfg: CompressionConfig, group: Group) -> tuple[Hook, Any]:
-    return local_hook, MomentumExchange(codecs.SignCodec(cfg.block_size), group, cfg.error_feedback)
+    codec = codecs.SignCodec(cfg.block_size)
+    return local_hook, MomentumExchange(codec, group, cfg.error_feedback, columns=layout.by_columns(cfg, codec))
 
 
 REGISTRY: dict[str, Callable[[CompressionConfig, Group], tuple[Hook, Any]]] = {
@@ -279,6 +281,8 @@ def check(cfg: CompressionConfig) -> None:
     need(cfg.fraction is None or 0 < cfg.fraction <= 1, f"compression.fraction must be in (0, 1] (null: sized from "
          f"the run), got {cfg.fraction}")
     need(cfg.block_size > 0, f"compression.block_size must be > 0, got {cfg.block_size}")
+    need(cfg.block_layout in layout.LAYOUTS, f"compression.block_layout must be one of {', '.join(layout.LAYOUTS)}, "
+         f"got {cfg.block_layout!r}")
     check_warmup(cfg)
     need(0 <= cfg.dgc_momentum < 1, f"compression.dgc_momentum must be in [0, 1), got {cfg.dgc_momentum}")
     need(cfg.dgc_clip >= 0, f"compression.dgc_clip must be >= 0 (0: no local clipping), got {cfg.dgc_clip}")

@@ -22,11 +22,12 @@ hook of the compression stage and the momentum's exchange.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hybrid.compression.codecs import TwoPhaseState, done, exact_mean, two_phase_mean
+from hybrid.compression.layout import column_spans, transpose_spans
 from hybrid.parallel import collectives as C
 
 if TYPE_CHECKING:
@@ -36,7 +37,10 @@ if TYPE_CHECKING:
 @dataclass
 class MomentumExchange(TwoPhaseState):
     """The hook state of `compression=onebit_adam`: the sign codec and its worker/server residuals, kept
-    per momentum buffer (one per gradient bucket, by bucket index)."""
+    per momentum buffer (one per gradient bucket, by bucket index); `columns`: row-parallel weights' momentum
+    laid out column by column for the codec (`compression.block_layout`, `layout.py`)."""
+
+    columns: bool = False
 
 
 def local_hook(st: MomentumExchange, bucket):  # noqa: ANN001, ANN201  (DDP's hook signature: see hooks.run_hook)
@@ -45,16 +49,22 @@ def local_hook(st: MomentumExchange, bucket):  # noqa: ANN001, ANN201  (DDP's ho
     return done(bucket.buffer())
 
 
-def average_momentum(comp: Compression, buffers: list[tuple[torch.Tensor, int]]) -> None:
-    """Replace each (momentum buffer, bucket index) by its DP mean through the two-phase sign exchange, all
-    buffers in flight together; when `comp.measure`, first take each exact mean (one uncounted-as-DP fp32
-    all-reduce per buffer, counted as `bytes_meter`) and add the compression error to `comp`'s meter."""
+def average_momentum(comp: Compression, buffers: list[tuple[torch.Tensor, Any]]) -> None:
+    """Replace each momentum buffer of (buffer, its gradient bucket) by its DP mean through the two-phase sign
+    exchange, all buffers in flight together (laid out as `layout.py` says while they are); when `comp.measure`,
+    first take each exact mean (one uncounted-as-DP fp32 all-reduce per buffer, counted as `bytes_meter`) and add
+    the compression error to `comp`'s meter."""
     st: MomentumExchange = comp.state
     metered = comp.measure and C.size(st.group) > 1
     exact = [exact_mean(m, st.group) for m, _ in buffers] if metered else []
-    futures = [two_phase_mean(st, m, index) for m, index in buffers]
+    spans = [column_spans(bucket.parameters()) if st.columns else [] for _, bucket in buffers]
+    for (m, _), s in zip(buffers, spans):
+        transpose_spans(m, s)
+    futures = [two_phase_mean(st, m, bucket.index()) for m, bucket in buffers]
     with C.TIMER.waiting(C.group_name(st.group)):
         for fut in futures:
             fut.wait()  # on CUDA: the optimizer's stream waits for the codec's
-    for (m, index), reference in zip(buffers, exact):
-        comp.add_error(reference, m, index)
+    for (m, bucket), s, reference in zip(buffers, spans, exact or [None] * len(buffers)):
+        transpose_spans(m, s, back=True)
+        if reference is not None:
+            comp.add_error(reference, m, bucket.index())

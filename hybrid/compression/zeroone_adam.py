@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from hybrid.compression import CompressionError
 from hybrid.compression.codecs import SignCodec
+from hybrid.compression.layout import by_columns
 from hybrid.compression.onebit_adam import MomentumExchange, local_hook
 
 if TYPE_CHECKING:
@@ -136,8 +137,9 @@ def zeroone_hook(st: ZeroOneExchange, bucket):  # noqa: ANN001, ANN201  (DDP's h
 
 def make(cfg: CompressionConfig, group: Any, exact: Callable[[Any, Any], Any]) -> tuple[Callable, ZeroOneExchange]:
     """(hook, state) of `compression=zeroone_adam` over `group`; `exact(group, bucket)` is the exact mean's hook."""
-    state = ZeroOneExchange(SignCodec(cfg.block_size), group, cfg.error_feedback, schedule=ZeroOneSchedule.of(cfg),
-                            exact=exact)
+    codec = SignCodec(cfg.block_size)
+    state = ZeroOneExchange(codec, group, cfg.error_feedback, columns=by_columns(cfg, codec),
+                            schedule=ZeroOneSchedule.of(cfg), exact=exact)
     return zeroone_hook, state
 
 

@@ -106,7 +106,7 @@ class OneBitAdam(ModelOptimizer):
             m, _ = self.flat_state(bucket)
             m.lerp_(bucket.buffer(), 1 - beta1)
             if not self.comp.kept_exact(bucket):
-                buffers.append((m, bucket.index()))
+                buffers.append((m, bucket))
         average_momentum(self.comp, buffers)
 
     @torch.no_grad()

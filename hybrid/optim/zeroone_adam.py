@@ -161,7 +161,7 @@ class ZeroOneAdam(OneBitAdam):
         self._local_step(lr, t)
         moved = [b for b in self.buckets if not self.comp.kept_exact(b)]
         self._steps_sum(moved, t)
-        average_momentum(self.comp, [(self.flat_state(b)[0], b.index()) for b in moved])
+        average_momentum(self.comp, [(self.flat_state(b)[0], b) for b in moved])
         self._land(moved, t)
         self._restart_interval()
 

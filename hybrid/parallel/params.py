@@ -11,7 +11,9 @@ gradient is summed and where it is counted once:
   once per step by `grads.sync_sequence_parallel_grads`);
 - `pp_tied` / `pp_duplicate`: a tied embedding split between the first and last pipeline stage
   (gradients summed over the embedding group); the last stage's copy is the duplicate, counted once
-  in norms and sizes and never saved.
+  in norms and sizes and never saved;
+- `column_blocks`: a row-parallel weight, whose gradient's scale follows its input channels: block codecs
+  take it column by column (`hybrid.compression.layout`).
 
 `param_info(p)` reads the record; a plain torch parameter is a replicated one. Layout-independent
 initialisation: `init_parameters` generates each full global tensor from a generator seeded by
@@ -69,6 +71,7 @@ class ParamInfo:
     sequence_parallel: bool = False
     pp_tied: bool = False
     pp_duplicate: bool = False
+    column_blocks: bool = False
 
     @property
     def tp_duplicate(self) -> bool:

@@ -30,8 +30,9 @@ def codec_id(c: codecs.Codec) -> str:
 
 def test_every_registered_codec_is_a_two_phase_method() -> None:
     """CODECS is the one list: each entry builds a Codec from the compression config and becomes a method of
-    the hook registry, with error feedback where its spec says so."""
-    from hybrid.compression import hooks
+    the hook registry, with error feedback where its spec says so; the block codecs lay row-parallel weights
+    out column by column unless `compression.block_layout=rows`."""
+    from hybrid.compression import hooks, layout
     from hybrid.config import CompressionConfig
 
     cfg = CompressionConfig(block_size=32, fraction=0.1)
@@ -41,7 +42,9 @@ def test_every_registered_codec_is_a_two_phase_method() -> None:
     for name, codec in built.items():
         assert isinstance(codec, codecs.Codec) and name in hooks.METHODS
         hook, state = hooks.REGISTRY[name](cfg, None)
-        assert hook is codecs.two_phase_hook and codec_id(state.codec) == codec_id(codec)
+        assert hook is (codecs.two_phase_hook if name == "topk" else layout.column_hook)
+        assert codec_id(state.codec) == codec_id(codec)
+        assert hooks.REGISTRY[name](CompressionConfig(block_layout="rows"), None)[0] is codecs.two_phase_hook
         assert state.error_feedback == codecs.CODECS[name].error_feedback
         assert not hooks.REGISTRY[name](CompressionConfig(error_feedback=False), None)[1].error_feedback
 

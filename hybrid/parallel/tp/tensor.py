@@ -41,7 +41,7 @@ from torch import nn
 
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
-from hybrid.parallel.params import Init, Shard, annotate
+from hybrid.parallel.params import Init, Shard, annotate, param_info
 from hybrid.parallel.recompute import act_linear
 from hybrid.parallel.tp.comm import TPOverlap
 from hybrid.parallel.tp.overlap import copy_linear, row_sequence_linear, sequence_embedding, sequence_linear
@@ -140,6 +140,7 @@ class RowParallelLinear(nn.Module):
         local_in = _split_parts([in_features], tp, "RowParallelLinear")
         shard = Shard(1, (in_features,), r, tp)
         self.weight = annotate(nn.Parameter(torch.empty(out_features, local_in)), Init("normal", std), shard)
+        param_info(self.weight).column_blocks = True  # its input channels set its gradient's scale
         self.bias = None
         if bias:
             self.bias = annotate(nn.Parameter(torch.empty(out_features)), Init("zeros"),
