@@ -11,7 +11,10 @@ from typing import Optional
 
 SPARSIFIERS = frozenset({"topk", "dgc"})
 """The methods that read `compression.fraction` (directly, or as `hierarchical`'s inner method)."""
-METHOD_KNOBS: dict[str, frozenset[str]] = {"fraction": SPARSIFIERS, "dgc_momentum": frozenset({"dgc"})}
+BLOCK_CODECS = frozenset({"int8", "int4", "sign", "onebit_adam", "zeroone_adam"})
+"""The methods whose codec scales blocks of elements (and reads `compression.block_layout`)."""
+METHOD_KNOBS: dict[str, frozenset[str]] = {"fraction": SPARSIFIERS, "dgc_momentum": frozenset({"dgc"}),
+                                           "block_layout": BLOCK_CODECS}
 """`compression` knobs that only some methods read, and which: a change to one is a training change only where a
 run's method reads it (the resume check), so an older checkpoint's value of a since-changed default does not stop
 the runs of other methods."""

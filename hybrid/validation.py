@@ -234,7 +234,7 @@ def _validate_warmup(o: OptimConfig, steps: int) -> None:
 def _validate_compression(c: CompressionConfig) -> None:
     """The compression package's own check, its CompressionError reported as bad input."""
     from hybrid.compression import CompressionError
-    from hybrid.compression.hooks import check
+    from hybrid.compression.registry import check
 
     try:
         check(c)

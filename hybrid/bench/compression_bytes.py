@@ -39,7 +39,8 @@ from hybrid.bench.compression_common import (
 )
 from hybrid.bench.memory import proc_status_kb
 from hybrid.compression.defaults import warmup_of
-from hybrid.compression.hooks import Hook, make_hook
+from hybrid.compression.hooks import make_hook
+from hybrid.compression.registry import Hook
 from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.parallel.dp.buckets import GradBucket

@@ -10,7 +10,7 @@ import torch
 from hybrid.bench.inputs import resolve_vocab
 from hybrid.compression import codecs, powersgd
 from hybrid.compression.hierarchical import piece_shapes, row_ranges
-from hybrid.compression.hooks import REGISTRY
+from hybrid.compression.registry import REGISTRY
 from hybrid.config import CompressionConfig, compose_config
 from hybrid.model import build_model
 from hybrid.parallel.dp.buckets import assign_buckets

@@ -39,7 +39,7 @@ from hybrid.bench.compression_common import (
     formula_ratio,
 )
 from hybrid.compression import powersgd
-from hybrid.compression.hooks import REGISTRY
+from hybrid.compression.registry import REGISTRY
 
 MODULE = "hybrid.bench.compression_speed"
 SECTIONS = ("speed", "breakeven")

@@ -206,7 +206,7 @@ CODECS: dict[str, CodecSpec] = {
     "sign": CodecSpec(lambda cfg: SignCodec(cfg.block_size), error_feedback=True),
     "topk": CodecSpec(lambda cfg: TopKCodec(density_of(cfg, None)), error_feedback=True),
 }
-"""`compression=<method>` → the codec its two-phase hook runs (see `hooks.REGISTRY`). A config `make_hook` has
+"""`compression=<method>` → the codec its two-phase hook runs (see `registry.REGISTRY`). A config `make_hook` has
 resolved carries top-k's density as a number; an unresolved one (no run length) gets the floor (`density_of`)."""
 
 PARAM_CODECS: dict[str, Callable[[int], Codec]] = {"int8": Int8Codec, "fp8": Fp8Codec}

@@ -1,4 +1,4 @@
-"""DP comm hooks: PyTorch DDP's protocol `hook(state, bucket) -> Future[Tensor]`, and a registry.
+"""DP comm hooks: PyTorch DDP's protocol `hook(state, bucket) -> Future[Tensor]` (the methods: `registry.py`).
 
 A hook receives a bucket (`buffer()`, `index()`, `is_last()`, `parameters()`, `gradients()`,
 `set_buffer()`) holding this rank's summed gradients, and returns a future whose value is the
@@ -39,21 +39,17 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
-from hybrid.compression import CompressionError, adaptive_rank, codecs, layout, powersgd, zeroone_adam
-from hybrid.compression.defaults import check_warmup, density_of, resolved, sized
-from hybrid.compression.dgc import DGCState, dgc_hook
+from hybrid.compression import CompressionError, codecs
+from hybrid.compression.defaults import resolved, sized
 from hybrid.compression.hierarchical import HierarchicalState, hierarchical_hook
-from hybrid.compression.onebit_adam import MomentumExchange, local_hook
-from hybrid.compression.plain import CastState, allreduce_hook, cast_hook
-from hybrid.compression.schedule import Plateau, StageSchedule, check_schedule
+from hybrid.compression.plain import allreduce_hook
+from hybrid.compression.registry import OPTIMIZER_SIDE, REGISTRY, Hook, check
+from hybrid.compression.schedule import Plateau, StageSchedule
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 
 if TYPE_CHECKING:
     from hybrid.config import CompressionConfig
-
-Hook = Callable[[Any, Any], torch.futures.Future]
-
 
 @dataclass
 class Compression:
@@ -222,82 +218,6 @@ def _load_state_dict(state: Any, sd: Any) -> None:
         group = state.process_group
         state.__setstate__(sd)
         state.process_group = group
-
-
-# ---- the registry: method → factory(cfg, dp group) → (hook, state) --------------------------
-
-def _allreduce(cfg: CompressionConfig, group: Group) -> tuple[Hook, Any]:
-    return allreduce_hook, group
-
-
-def _cast(dtype: torch.dtype) -> Callable[[CompressionConfig, Group], tuple[Hook, Any]]:
-    return lambda cfg, group: (cast_hook, CastState(group, dtype))
-
-
-def _two_phase(spec: codecs.CodecSpec) -> Callable[[CompressionConfig, Group], tuple[Hook, Any]]:
-    def make(cfg: CompressionConfig, group: Group) -> tuple[Hook, Any]:
-        feedback = spec.error_feedback and cfg.error_feedback
-        codec = spec.build(cfg)
-        return layout.two_phase_for(cfg, codec), codecs.TwoPhaseState(codec, group, feedback)
-    return make
-
-
-def _dgc(cfg: CompressionConfig, group: Group) -> tuple[Hook, Any]:
-    fraction = density_of(cfg, None)  # `make_hook`'s resolved config: sized from the run
-    return dgc_hook, DGCState(codecs.TopKCodec(fraction), group, True, fraction=fraction,
-                              momentum=cfg.dgc_momentum, clip=cfg.dgc_clip, warmup_steps=cfg.sparsity_warmup_steps)
-
-
-def _onebit_adam(cfg: CompressionConfig, group: Group) -> tuple[Hook, Any]:
-    codec = codecs.SignCodec(cfg.block_size)
-    return local_hook, MomentumExchange(codec, group, cfg.error_feedback, columns=layout.by_columns(cfg, codec))
-
-
-REGISTRY: dict[str, Callable[[CompressionConfig, Group], tuple[Hook, Any]]] = {
-    "none": _allreduce,
-    "fp16": _cast(torch.float16),
-    "bf16": _cast(torch.bfloat16),
-    **{name: _two_phase(spec) for name, spec in codecs.CODECS.items()},  # int8, sign, topk
-    "powersgd": powersgd.make,
-    "dgc": _dgc,
-}
-"""Flat gradient methods: name → factory(compression cfg, group) → (hook, state); `make_hook` builds the others."""
-
-OPTIMIZER_SIDE: dict[str, Callable[[CompressionConfig, Group], tuple[Hook, Any]]] = {
-    "onebit_adam": _onebit_adam, "zeroone_adam": lambda cfg, group: zeroone_adam.make(cfg, group, allreduce_hook)}
-"""Methods that compress inside the optimizer step (`optim.build_optimizer` picks the optimizer by the state)."""
-
-METHODS = (*REGISTRY, "hierarchical", "torch_fp16", "torch_bf16", "torch_powersgd", *OPTIMIZER_SIDE)
-
-
-def check(cfg: CompressionConfig) -> None:
-    """Validate the `compression` config; one CompressionError line naming the bad knob."""
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            raise CompressionError(msg)
-
-    need(cfg.method in METHODS, f"compression.method={cfg.method!r} is not one of {', '.join(METHODS)}")
-    need(cfg.rank > 0, f"compression.rank must be > 0, got {cfg.rank}")
-    need(cfg.fraction is None or 0 < cfg.fraction <= 1, f"compression.fraction must be in (0, 1] (null: sized from "
-         f"the run), got {cfg.fraction}")
-    need(cfg.block_size > 0, f"compression.block_size must be > 0, got {cfg.block_size}")
-    need(cfg.block_layout in layout.LAYOUTS, f"compression.block_layout must be one of {', '.join(layout.LAYOUTS)}, "
-         f"got {cfg.block_layout!r}")
-    check_warmup(cfg)
-    need(0 <= cfg.dgc_momentum < 1, f"compression.dgc_momentum must be in [0, 1), got {cfg.dgc_momentum}")
-    need(cfg.dgc_clip >= 0, f"compression.dgc_clip must be >= 0 (0: no local clipping), got {cfg.dgc_clip}")
-    need(cfg.sparsity_warmup_steps >= 0, f"compression.sparsity_warmup_steps must be >= 0, got "
-         f"{cfg.sparsity_warmup_steps}")
-    need(cfg.method != "dgc" or cfg.error_feedback, "compression=dgc accumulates what it did not send: it needs "
-         "compression.error_feedback=true")
-    check_schedule(cfg, [m for m in REGISTRY if m != "none"], list(OPTIMIZER_SIDE))
-    zeroone_adam.check_knobs(cfg)
-    need(cfg.measure_every >= 1, f"compression.measure_every must be >= 1, got {cfg.measure_every}")
-    need(cfg.min_compression_rate > 0, f"compression.min_compression_rate must be > 0, got {cfg.min_compression_rate}")
-    adaptive_rank.check_knobs(cfg)
-    if cfg.method == "hierarchical":
-        need(cfg.inner in REGISTRY, f"compression=hierarchical needs compression.inner set to one of "
-             f"{', '.join(REGISTRY)} (the method between nodes), got {cfg.inner!r}")
 
 
 def _scheduled(comp: Compression, cfg: CompressionConfig, group: Group) -> Compression:

@@ -105,7 +105,7 @@ class PowerSGDState:
 
 
 def make(cfg: CompressionConfig, group: Group) -> tuple[Any, PowerSGDState]:
-    """The registry's factory (`hooks.REGISTRY`): the hook and its state for the `compression` config `cfg`."""
+    """The registry's factory (`registry.REGISTRY`): the hook and its state for the `compression` config `cfg`."""
     control = RankControl(cfg.rank, cfg.target_error, cfg.rank_window, cfg.min_ratio, cfg.max_rank,
                           cfg.min_compression_rate) if cfg.target_error > 0 else None
     return powersgd_hook, PowerSGDState(group, cfg.rank, cfg.error_feedback, cfg.min_compression_rate, cfg.seed,

@@ -32,7 +32,7 @@ def test_every_registered_codec_is_a_two_phase_method() -> None:
     """CODECS is the one list: each entry builds a Codec from the compression config and becomes a method of
     the hook registry, with error feedback where its spec says so; the block codecs lay row-parallel weights
     out column by column unless `compression.block_layout=rows`."""
-    from hybrid.compression import hooks, layout
+    from hybrid.compression import layout, registry
     from hybrid.config import CompressionConfig
 
     cfg = CompressionConfig(block_size=32, fraction=0.1)
@@ -40,13 +40,13 @@ def test_every_registered_codec_is_a_two_phase_method() -> None:
     assert {n: codec_id(c) for n, c in built.items()} == {"int8": "Int8Codec-32", "int4": "Int4Codec-32",
                                                           "sign": "SignCodec-32", "topk": "TopKCodec-0.1"}
     for name, codec in built.items():
-        assert isinstance(codec, codecs.Codec) and name in hooks.METHODS
-        hook, state = hooks.REGISTRY[name](cfg, None)
+        assert isinstance(codec, codecs.Codec) and name in registry.METHODS
+        hook, state = registry.REGISTRY[name](cfg, None)
         assert hook is (codecs.two_phase_hook if name == "topk" else layout.column_hook)
         assert codec_id(state.codec) == codec_id(codec)
-        assert hooks.REGISTRY[name](CompressionConfig(block_layout="rows"), None)[0] is codecs.two_phase_hook
+        assert registry.REGISTRY[name](CompressionConfig(block_layout="rows"), None)[0] is codecs.two_phase_hook
         assert state.error_feedback == codecs.CODECS[name].error_feedback
-        assert not hooks.REGISTRY[name](CompressionConfig(error_feedback=False), None)[1].error_feedback
+        assert not registry.REGISTRY[name](CompressionConfig(error_feedback=False), None)[1].error_feedback
 
 
 def blocky(length: int, block: int, seed: int = 0) -> torch.Tensor:
@@ -254,3 +254,26 @@ def test_piece_shapes_are_the_row_blocks_inside_a_range() -> None:
                     expected.append(torch.Size([(b - a) // w, w]))
                 offset += s.numel()
             assert pieces == expected
+
+
+def test_row_parallel_weights_are_laid_out_column_by_column() -> None:
+    """`RowParallelLinear`'s weight is flagged (`column_blocks`), nothing else is; its span in a bucket is
+    transposed in place and back, bit for bit; `compression.block_layout` takes auto or rows (one line)."""
+    from hybrid.compression import CompressionError, registry
+    from hybrid.compression.layout import column_spans, transpose_spans
+    from hybrid.config import CompressionConfig
+    from hybrid.parallel.tp.tensor import ColumnParallelLinear, RowParallelLinear
+
+    col, row = ColumnParallelLinear(4, (6,), None), RowParallelLinear(6, 4, None)
+    params = [*col.parameters(), *row.parameters()]
+    at = sum(p.numel() for p in col.parameters())
+    assert column_spans(params) == [(at, 4, 6)]
+    flat = torch.randn(sum(p.numel() for p in params))
+    moved = flat.clone()
+    transpose_spans(moved, column_spans(params))
+    assert torch.equal(moved[at: at + 24], flat[at: at + 24].view(4, 6).t().reshape(-1))
+    assert torch.equal(moved[:at], flat[:at]) and torch.equal(moved[at + 24:], flat[at + 24:])
+    transpose_spans(moved, column_spans(params), back=True)
+    assert torch.equal(moved, flat)
+    with pytest.raises(CompressionError, match="compression.block_layout must be one of auto, rows, got 'cols'"):
+        registry.check(CompressionConfig(method="sign", block_layout="cols"))

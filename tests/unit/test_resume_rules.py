@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 from omegaconf import OmegaConf
@@ -72,14 +72,15 @@ def test_layout_files_logging_length_and_evals_may_change(overrides: list[str]) 
     refuse_changes(saved, cfg, PATH)
 
 
-OLDER_DEFAULTS = [("fraction", 0.01, None, {"topk", "dgc"}), ("dgc_momentum", 0.9, 0.0, {"dgc"})]
-"""(compression knob, its value in older hybrids' configs, today's default, the methods that read it)."""
+OLDER_DEFAULTS = [("fraction", 0.01, None, {"topk", "dgc"}), ("dgc_momentum", 0.9, 0.0, {"dgc"}),
+                  ("block_layout", "rows", "auto", {"int8", "int4", "sign", "onebit_adam", "zeroone_adam"})]
+"""(compression knob, another value in a run's saved config, today's default, the methods that read it)."""
 
 
 @pytest.mark.parametrize("knob,old,new,readers", OLDER_DEFAULTS, ids=[k[0] for k in OLDER_DEFAULTS])
-@pytest.mark.parametrize("method", ["none", "powersgd", "topk", "dgc"])
+@pytest.mark.parametrize("method", ["none", "powersgd", "topk", "dgc", "sign"])
 def test_an_older_checkpoints_method_knob_counts_only_where_a_method_reads_it(
-        knob: str, old: float, new: Optional[float], readers: set[str], method: str) -> None:
+        knob: str, old: object, new: object, readers: set[str], method: str) -> None:
     """Older hybrids saved compression.fraction=0.01 and dgc_momentum=0.9 in every config; today's defaults are
     null (sized from the run) and 0: the old value stops a resume only where the method reads the knob."""
     saved = {"step": 10, "config": OmegaConf.to_container(compose_config([*BASE, f"compression={method}"]),
