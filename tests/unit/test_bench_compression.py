@@ -132,3 +132,21 @@ def test_defaults_set_adds_its_overrides_to_every_method_and_reproduces(capsys: 
     with pytest.raises(SystemExit):
         compression_defaults.parse_args(["--set", "train.lr"])
     assert "--set takes KEY=VALUE" in capsys.readouterr().err
+
+
+def test_gradient_fit_reads_both_layouts_of_every_weight(cache: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """`gradient_fit --quick` at one step: a row per kind of weight, auto's layout columns for the row-parallel
+    ones; on a matrix whose columns' scales are 10^±3 apart the columns layout fits each column far better."""
+    from hybrid.bench import gradient_fit
+
+    body = gradient_fit.run(gradient_fit.parse_args(["--quick", "--steps", "1", "--at", "1"]))
+    auto = {row[0]: row[1] for row in body}
+    assert auto["mlp.down.weight"] == auto["attn.proj.weight"] == "columns" and auto["mlp.up.weight"] == "rows"
+    assert all(0 < float(x) for row in body for x in row[2:])
+    assert "reproduce: OMP_NUM_THREADS=1" in capsys.readouterr().out
+    g = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * 10.0 ** torch.linspace(-3, 3, 96)
+    fit = gradient_fit.fits(g, 32)
+    assert fit["sign columns"][1] < 0.5 * fit["sign rows"][1] and fit["int4 columns"][1] < 0.5 * fit["int4 rows"][1]
+    assert gradient_fit.kind("layers.3.mlp.down.weight") == "mlp.down.weight"
+    with pytest.raises(SystemExit):
+        gradient_fit.parse_args(["--steps", "5", "--at", "6"])
