@@ -51,6 +51,7 @@ from hybrid.parallel.collectives import Group
 if TYPE_CHECKING:
     from hybrid.config import CompressionConfig
 
+
 @dataclass
 class Compression:
     """The state `make_hook`'s hook runs with: a method's (hook, state) plus warm-up or schedule, and metering.

@@ -15,7 +15,8 @@ matrix. Laid out column by column a block is one input channel over a run of out
 place, and back once the mean is decoded. It is a fixed permutation of the bucket, the same at every step, so the
 residuals of error feedback stay in it from step to step (and in checkpoints); no byte changes (the same elements
 in the same blocks). `rows` keeps every gradient as laid out. The exact stages, the buckets kept exact, top-k, DGC,
-PowerSGD and ZeRO's encoded reduce-scatter (which hands each rank its shard of the flat bucket) are unaffected.
+PowerSGD, ZeRO's encoded reduce-scatter (which hands each rank its shard of the flat bucket) and hierarchical's
+inner method (which sees a range of rows of the bucket) are unaffected.
 """
 
 from __future__ import annotations
@@ -55,8 +56,11 @@ def transpose_spans(flat: torch.Tensor, spans: Sequence[Span], back: bool = Fals
 
 def column_hook(st: TwoPhaseState, bucket: Any) -> torch.futures.Future:
     """The two-phase exchange (`codecs.two_phase_hook`) with the bucket's row-parallel weights laid out column
-    by column while it runs: transposed in place, exchanged, and transposed back in the future's callback."""
-    buf, spans = bucket.buffer(), column_spans(bucket.parameters())
+    by column while it runs: transposed in place, exchanged, and transposed back in the future's callback. A bucket
+    whose gradients are not its parameters' (hierarchical's row range of one) stays as laid out."""
+    buf, params = bucket.buffer(), bucket.parameters()
+    whole = [tuple(p.shape) for p in params] == [tuple(g.shape) for g in bucket.gradients()]
+    spans = column_spans(params) if whole else []
     if not spans:
         return two_phase_mean(st, buf, bucket.index())
     transpose_spans(buf, spans)
