@@ -33,6 +33,7 @@ from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout
 from hybrid.parallel.dp.buckets import GradBucket
 from hybrid.parallel.dp.data import GradSync
+from hybrid.parallel.params import ParamInfo
 
 SHAPES = [[(64, 48), (48,)], [(100, 3), (20, 30), (7,)], [(16, 8, 4), (32,)]]
 """Three buckets: a matrix and its bias; a tall thin matrix PowerSGD sends exactly, a small matrix it
@@ -716,7 +717,7 @@ def column_step(kind: str, hook: object, state: object, flat: torch.Tensor) -> t
     from hybrid.compression.onebit_adam import average_momentum
 
     weight = nn.Parameter(torch.empty(COL_SHAPE[::-1] if kind == "reference" else COL_SHAPE))
-    weight.hybrid = type("Info", (), {"column_blocks": kind != "reference"})()
+    weight.hybrid = ParamInfo(column_blocks=kind != "reference")  # what `RowParallelLinear` sets
     buf = flat.clone()
     if kind == "reference":
         buf[: weight.numel()] = buf[: weight.numel()].view(COL_SHAPE).t().reshape(-1)
