@@ -1,6 +1,6 @@
 """Block codecs' layout of a bucket: row-parallel weights compressed column by column.
 
-A block codec (int8, int4, fp8, sign; 1-bit and 0/1 Adam's momentum exchange) gives each run of
+A block codec (int8, int4, sign; 1-bit and 0/1 Adam's momentum exchange) gives each run of
 `compression.block_size` consecutive elements of the flat bucket one scale. A weight's gradient is laid out row
 by row, so a block is a piece of one row: one output unit over a run of input channels. dW[i, j] = Σₜ δᵢ(t)·xⱼ(t)
 follows the input channel's activation xⱼ; the input of a row-parallel weight (an MLP's down projection,
