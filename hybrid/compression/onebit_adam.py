@@ -64,7 +64,7 @@ def average_momentum(comp: Compression, buffers: list[tuple[torch.Tensor, Any]])
     with C.TIMER.waiting(C.group_name(st.group)):
         for fut in futures:
             fut.wait()  # on CUDA: the optimizer's stream waits for the codec's
-    for (m, bucket), s, reference in zip(buffers, spans, exact or [None] * len(buffers)):
+    for (m, _), s in zip(buffers, spans):
         transpose_spans(m, s, back=True)
-        if reference is not None:
-            comp.add_error(reference, m, bucket.index())
+    for (m, bucket), reference in zip(buffers, exact):
+        comp.add_error(reference, m, bucket.index())

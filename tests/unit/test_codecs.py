@@ -275,5 +275,9 @@ def test_row_parallel_weights_are_laid_out_column_by_column() -> None:
     assert torch.equal(moved[:at], flat[:at]) and torch.equal(moved[at + 24:], flat[at + 24:])
     transpose_spans(moved, column_spans(params), back=True)
     assert torch.equal(moved, flat)
+    from hybrid.config_sync import BLOCK_CODECS
+
+    blocked = {m for m, spec in codecs.CODECS.items() if hasattr(spec.build(CompressionConfig()), "block")}
+    assert BLOCK_CODECS == blocked | {"onebit_adam", "zeroone_adam"}  # the resume check's readers of the knob
     with pytest.raises(CompressionError, match="compression.block_layout must be one of auto, rows, got 'cols'"):
         registry.check(CompressionConfig(method="sign", block_layout="cols"))
