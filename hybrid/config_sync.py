@@ -11,10 +11,12 @@ from typing import Optional
 
 SPARSIFIERS = frozenset({"topk", "dgc"})
 """The methods that read `compression.fraction` (directly, or as `hierarchical`'s inner method)."""
-BLOCK_CODECS = frozenset({"int8", "int4", "sign", "onebit_adam", "zeroone_adam"})
+SCALED_CODECS = frozenset({"int8", "int4", "sign"})
+"""The gradient exchanges whose codec may run on scaled values (and read `compression.scale`)."""
+BLOCK_CODECS = SCALED_CODECS | {"onebit_adam", "zeroone_adam"}
 """The methods whose codec scales blocks of elements (and reads `compression.block_layout`)."""
 METHOD_KNOBS: dict[str, frozenset[str]] = {"fraction": SPARSIFIERS, "dgc_momentum": frozenset({"dgc"}),
-                                           "block_layout": BLOCK_CODECS}
+                                           "block_layout": BLOCK_CODECS, "scale": SCALED_CODECS}
 """`compression` knobs that only some methods read, and which: a change to one is a training change only where a
 run's method reads it (the resume check), so an older checkpoint's value of a since-changed default does not stop
 the runs of other methods."""
@@ -32,6 +34,10 @@ class CompressionConfig:
     # int8, int4, sign, 1-bit/0-1 Adam: auto lays row-parallel weights' gradients out column by column for the
     # codec (a block is one input channel: compression/layout.py); rows: every gradient as laid out
     block_layout: str = "auto"
+    # int8, int4, sign: factored divides each gradient matrix by its rows' and columns' magnitude for the codec
+    # (one more all-reduce of rows + cols floats per matrix); auto: factored for sign; none: every codec on the
+    # values as they are (compression/scaling.py)
+    scale: str = "auto"
     error_feedback: bool = True  # sign, topk, int4, powersgd, torch_powersgd: add last step's compression error back
     # steps of exact all-reduce before compressing (schedule=auto: at least, per stage); null: sized from the run,
     # warmup_share of train.steps (null: the method's own, compression/defaults.py); 0: compress from step 1

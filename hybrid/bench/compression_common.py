@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from hybrid.bench.inputs import resolve_vocab
-from hybrid.compression import codecs, powersgd
+from hybrid.compression import codecs, powersgd, scaling
 from hybrid.compression.hierarchical import piece_shapes, row_ranges
 from hybrid.compression.registry import REGISTRY
 from hybrid.config import CompressionConfig, compose_config
@@ -69,7 +69,12 @@ def flat_payload(method: str, ccfg: CompressionConfig, shapes: list[torch.Size],
         probed = method == "powersgd" and ccfg.target_error > 0
         return powersgd.payload_bytes(shapes, ccfg.rank, ccfg.min_compression_rate, probed=probed)
     codec = REGISTRY[method](ccfg, None)[1].codec  # the codec the method's factory builds
-    return codecs.payload_bytes(codec, numel, n)
+    return codecs.payload_bytes(codec, numel, n) + stats_payload(method, ccfg, shapes)
+
+
+def stats_payload(method: str, ccfg: CompressionConfig, shapes: list[torch.Size]) -> int:
+    """The factored scale's statistics all-reduce of one bucket (`scaling.stats_bytes`), where `method` runs it."""
+    return scaling.stats_bytes(shapes) if scaling.scaled(ccfg, method) else 0
 
 
 def formula_payload(ccfg: CompressionConfig, buckets: list[list[torch.Size]], n: int, per_node: int,
@@ -94,5 +99,6 @@ def formula_ratio(method: str, buckets: list[list[torch.Size]], n: int) -> float
     ccfg = compression_cfg(dict(BYTES_METHODS)[method])
     numel = sum(x.numel() for s in buckets for x in s)
     payload = formula_payload(ccfg, buckets, n, n, 0)["dp"]
-    wire = payload * (n - 1) / n * (1 if method in TWO_PHASE else 2)
+    stats = sum(stats_payload(ccfg.method, ccfg, s) for s in buckets)  # an all-reduce beside the two-phase exchange
+    wire = ((payload - stats) * (1 if method in TWO_PHASE else 2) + 2 * stats) * (n - 1) / n
     return 4 * numel * 2 * (n - 1) / n / wire

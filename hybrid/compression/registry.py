@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hybrid.compression import CompressionError, adaptive_rank, codecs, layout, powersgd, zeroone_adam
+from hybrid.compression import CompressionError, adaptive_rank, codecs, layout, powersgd, scaling, zeroone_adam
 from hybrid.compression.defaults import check_warmup, density_of
 from hybrid.compression.dgc import DGCState, dgc_hook
 from hybrid.compression.onebit_adam import MomentumExchange, local_hook
@@ -30,10 +30,13 @@ def _cast(dtype: torch.dtype) -> Callable[[CompressionConfig, Group], tuple[Hook
     return lambda cfg, group: (cast_hook, CastState(group, dtype))
 
 
-def _two_phase(spec: codecs.CodecSpec) -> Callable[[CompressionConfig, Group], tuple[Hook, Any]]:
+def _two_phase(name: str, spec: codecs.CodecSpec) -> Callable[[CompressionConfig, Group], tuple[Hook, Any]]:
     def make(cfg: CompressionConfig, group: Group) -> tuple[Hook, Any]:
         feedback = spec.error_feedback and cfg.error_feedback
         codec = spec.build(cfg)
+        if scaling.scaled(cfg, name):
+            return scaling.factored_hook, scaling.FactoredState(codec, group, feedback,
+                                                                 columns=layout.by_columns(cfg, codec))
         return layout.two_phase_for(cfg, codec), codecs.TwoPhaseState(codec, group, feedback)
     return make
 
@@ -53,7 +56,7 @@ REGISTRY: dict[str, Callable[[CompressionConfig, Group], tuple[Hook, Any]]] = {
     "none": _allreduce,
     "fp16": _cast(torch.float16),
     "bf16": _cast(torch.bfloat16),
-    **{name: _two_phase(spec) for name, spec in codecs.CODECS.items()},  # int8, sign, topk
+    **{name: _two_phase(name, spec) for name, spec in codecs.CODECS.items()},  # int8, sign, topk
     "powersgd": powersgd.make,
     "dgc": _dgc,
 }
@@ -79,6 +82,11 @@ def check(cfg: CompressionConfig) -> None:
     need(cfg.block_size > 0, f"compression.block_size must be > 0, got {cfg.block_size}")
     need(cfg.block_layout in layout.LAYOUTS, f"compression.block_layout must be one of {', '.join(layout.LAYOUTS)}, "
          f"got {cfg.block_layout!r}")
+    need(cfg.scale in scaling.SCALES, f"compression.scale must be one of {', '.join(scaling.SCALES)}, got "
+         f"{cfg.scale!r}")
+    need(cfg.scale != "factored" or bool({cfg.method, cfg.inner} & set(scaling.FACTORED)), "compression.scale="
+         f"factored applies to the gradient's block codecs {', '.join(scaling.FACTORED)} (or hierarchical's inner "
+         f"one of them), not compression={cfg.method}; auto or none")
     check_warmup(cfg)
     need(0 <= cfg.dgc_momentum < 1, f"compression.dgc_momentum must be in [0, 1), got {cfg.dgc_momentum}")
     need(cfg.dgc_clip >= 0, f"compression.dgc_clip must be >= 0 (0: no local clipping), got {cfg.dgc_clip}")

@@ -15,6 +15,7 @@ from hybrid.compression import codecs
 from hybrid.compression.codecs import CODECS
 from hybrid.compression.defaults import budget_phrase, density_phrase, warmup_of, warmup_phrase
 from hybrid.compression.hooks import OPTIMIZER_SIDE
+from hybrid.compression.scaling import phrase, scaled
 from hybrid.compression.schedule import exact_kinds
 from hybrid.compression.zero import REDUCE_SCATTER_CODECS, ZERO_METHODS
 from hybrid.compression.zeroone_adam import ZeroOneSchedule
@@ -170,6 +171,7 @@ def compression_summary(c: CompressionConfig, layout: Layout, steps: Optional[in
         line += f"; kept exact: {', '.join(kinds)}"
     if c.method == "onebit_adam":
         line += "; AdamW while exact, then the momentum sent as signs with the variance frozen"
+    line += phrase(c)
     if "powersgd" in (c.method, c.inner) and c.target_error > 0:
         line += (f"; rank {c.rank} to start, each matrix's following its measured error (grows above "
                  f"compression.target_error={c.target_error:g}, {budget_phrase(c, steps)}; target_error=0 fixes "
@@ -205,7 +207,8 @@ def startup_lines(cfg: Config, layout: Layout, steps: Optional[int] = None) -> l
 def exchange_bytes(cfg: Config, sizes: Sequence[int], dp: int, device: str, node: int = 0) -> tuple[int, int]:
     """(copies, state) of the DP exchange for buckets of `sizes` elements: the copies its collectives hold
     while the buckets are in flight (a 16-bit copy of each for fp16/bf16; under ZeRO-1 on CPU, gloo's copy
-    of each reduce-scatter's input, or int8's encoded shards sent and received), and the compression state
+    of each reduce-scatter's input, or int8's encoded shards sent and received; the block codecs' scales, one per
+    bucket, `compression.scale`), and the compression state
     kept across steps (docs/memory.md); `node`: the shard group's ranks per node where it spans nodes (qgZ's
     two hops), else 0."""
     c = cfg.compression
@@ -223,4 +226,5 @@ def exchange_bytes(cfg: Config, sizes: Sequence[int], dp: int, device: str, node
     if c.method in ("powersgd", "torch_powersgd"):
         return 0, F32 * sum(sizes) * residuals
     local = 2 * F32 * sum(sizes) if c.method == "zeroone_adam" else 0  # 0/1 Adam's u and d (`ZeroOneAdam`)
-    return 0, F32 * (sum(sizes) * (1 + residuals) + sum(sizes) // dp * residuals) + local  # buffer, worker's, chunk's
+    scales = F32 * sum(sizes) if scaled(c, c.method) else 0  # each bucket's scale while it is in flight
+    return scales, F32 * (sum(sizes) * (1 + residuals) + sum(sizes) // dp * residuals) + local  # buffer, residuals

@@ -24,7 +24,7 @@ from harness import run_ranks
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from hybrid.compression import codecs, powersgd
+from hybrid.compression import codecs, powersgd, scaling
 from hybrid.compression.hierarchical import piece_shapes, row_ranges
 from hybrid.compression.hooks import make_hook
 from hybrid.compression.zero import TwoHop
@@ -253,8 +253,9 @@ def expected_bytes(method: str, shapes: list, n: int) -> int:
         return 4 * size
     if method in CAST:
         return 2 * size
-    if method in codecs.CODECS:
-        return codecs.payload_bytes(codecs.CODECS[method].build(cfg(method)), size, n)
+    if method in codecs.CODECS:  # and the factored scale's statistics, where the method is scaled
+        stats = scaling.stats_bytes(shapes) if scaling.scaled(cfg(method), method) else 0
+        return codecs.payload_bytes(codecs.CODECS[method].build(cfg(method)), size, n) + stats
     assert method in ("powersgd", "torch_powersgd")  # ours probes its error (adaptive rank, on by default)
     return powersgd.payload_bytes([torch.Size(s) for s in shapes], RANK, MIN_RATE, probed=method == "powersgd")
 
@@ -702,7 +703,7 @@ def columns_worker(rank: int, world: int) -> dict:
         runs: dict = {"exact": [], "auto": [], "rows": [], "reference": []}
         warm = int(method == "onebit_adam")  # its momentum exchange runs whatever the stage: the optimizer's call
         hooks = {k: make_hook(cfg(method, block_layout="rows" if k == "rows" else "auto", warmup_steps=warm,
-                                  block_size=BLOCK), group) for k in ("auto", "rows", "reference")}
+                                  block_size=BLOCK, scale="none"), group) for k in ("auto", "rows", "reference")}
         for t in range(COL_STEPS):
             flat = column_grads(rank, t)
             runs["exact"].append(exact_mean([flat], group)[0])

@@ -103,7 +103,7 @@ def fit(ctx: ParallelContext, root: Path, run: str, found_in_run: dict[str, Any]
     expected = []
     c = cfg.compression
     if c.method == "onebit_adam":
-        c.method = "sign"  # the momentum's exchange: the sign codec's two-phase bytes per bucket
+        c.method, c.scale = "sign", "none"  # the momentum's exchange: the sign codec's bytes, no statistics sent
     for step in range(start, STEPS):
         warm = bounds[0] if bounds else cfg.compression.warmup_steps
         payload = 0

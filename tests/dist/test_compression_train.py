@@ -25,7 +25,7 @@ from harness import run_ranks
 from pp_helpers import VOCAB, Case, make_cfg
 from test_dp import synthetic_corpus
 
-from hybrid.compression import codecs, hierarchical, powersgd
+from hybrid.compression import codecs, hierarchical, powersgd, scaling
 from hybrid.compression.defaults import warmup_of
 from hybrid.compression.hooks import make_hook
 from hybrid.parallel import collectives as C
@@ -50,6 +50,7 @@ RUNS["hierarchical"] = (Case(pp=2), 2, ["compression=hierarchical", "compression
 # pp2dp2 on nodes of 2 keeps each DP pair inside a node (the inter-node part is one rank): there
 # hierarchical is exact. At dp4 each DP group is 2 ranks on each of 2 nodes, so both hops are real.
 RUNS["hierarchical-dp4"] = (Case(), 2, ["compression=hierarchical", "compression.inner=powersgd"])
+RUNS["hierarchical-sign"] = (Case(), 2, ["compression=hierarchical", "compression.inner=sign"])  # scaled pieces
 WORLD = 4
 
 ALL_REDUCE, TWO_PHASE = "all_reduce", "two_phase"
@@ -74,6 +75,12 @@ def _flat(method: str, c: Any, numel: int, shapes: list[torch.Size], n: int) -> 
     return codecs.payload_bytes(codecs.CODECS[method].build(c), numel, n), TWO_PHASE
 
 
+def _stats(method: str, c: Any, shapes: list[torch.Size], n: int) -> tuple[int, str]:
+    """The factored scale's statistics all-reduce of one bucket, where the method runs on scaled values."""
+    return (scaling.stats_bytes(shapes) if n > 1 and method in codecs.CODECS and scaling.scaled(c, method) else 0,
+            ALL_REDUCE)
+
+
 def expected_step(c: Any, step: int, buckets: list[Any], ctx: ParallelContext) -> tuple[dict[str, int], float]:
     """(counted payload per DP group, wire bytes this rank sends) of one step, from the library's formulas."""
     payload, wire = dict.fromkeys(DP_GROUPS, 0), 0.0
@@ -89,6 +96,7 @@ def expected_step(c: Any, step: int, buckets: list[Any], ctx: ParallelContext) -
         method = "none" if step < warmup_of(c, None) else c.method  # null: no run length given, the least
         if method != "hierarchical":
             add("dp", _flat(method, c, numel, shapes, ctx.dp_size), ctx.dp_size)
+            add("dp", _stats(method, c, shapes, ctx.dp_size), ctx.dp_size)
             continue
         r, j, n_inter = C.size(ctx.dp_intra_group), C.rank(ctx.dp_intra_group), C.size(ctx.dp_inter_group)
         ranges = hierarchical.row_ranges(shapes, r)
@@ -96,6 +104,7 @@ def expected_step(c: Any, step: int, buckets: list[Any], ctx: ParallelContext) -
         add("dp_intra", (2 * 4 * r * longest if r > 1 else 0, TWO_PHASE), r)  # reduce-scatter in + all-gather out
         piece = hierarchical.piece_shapes(shapes, ranges[j])
         add("dp_inter", _flat(c.inner, c, ranges[j][1] - ranges[j][0], piece, n_inter), n_inter)
+        add("dp_inter", _stats(c.inner, c, piece, n_inter), n_inter)
     return payload, wire
 
 
@@ -211,8 +220,8 @@ def test_counted_dp_bytes_equal_the_method_formula(label: str) -> None:
     first, last = results[0]["bytes"][0], results[0]["bytes"][-1]
     if label.startswith("hierarchical"):
         assert first["dp"] == 0 and first["dp_intra"] > 0  # exact inside the node, by reduce-scatter/all-gather
-        if label == "hierarchical-dp4":
-            assert 0 < first["dp_inter"] < first["dp_intra"] / 4  # the slow hop carries rank-4 factors of 1/2
+        if label != "hierarchical":  # at dp4: the slow hop carries rank-4 factors (signs) of 1/2
+            assert 0 < first["dp_inter"] < first["dp_intra"] / 4
         else:
             assert first["dp_inter"] == 0  # the DP pair lives inside one node: nothing crosses nodes
     elif label == "torch_powersgd":

@@ -94,6 +94,8 @@ CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece o
      "compression.exact_params=['norms'] may hold only vectors, embeddings"),
     ("block-layout", ["compression=sign", "compression.block_layout=columns"],
      "compression.block_layout must be one of auto, rows, got 'columns'"),
+    ("scale-not-a-block-codec", ["compression=topk", "compression.scale=factored"],
+     "compression.scale=factored applies to the gradient's block codecs int8, int4, sign"),
     ("llama-seq-len", ["model=llama-tiny", "data.seq_len=4096"], "exceeds model.max_seq_len"),
     ("run-name-escapes", ["run_name=../../x"], "run_name='../../x' must be one folder name"),
     ("tokenizer-empty", ["data.tokenizer={empty}"], "holds no tokenizer"),

@@ -31,11 +31,12 @@ def codec_id(c: codecs.Codec) -> str:
 def test_every_registered_codec_is_a_two_phase_method() -> None:
     """CODECS is the one list: each entry builds a Codec from the compression config and becomes a method of
     the hook registry, with error feedback where its spec says so; the block codecs lay row-parallel weights
-    out column by column unless `compression.block_layout=rows`."""
-    from hybrid.compression import layout, registry
+    out column by column unless `compression.block_layout=rows`; sign runs on factored-scaled values unless
+    `compression.scale=none` (`scaling.py`)."""
+    from hybrid.compression import layout, registry, scaling
     from hybrid.config import CompressionConfig
 
-    cfg = CompressionConfig(block_size=32, fraction=0.1)
+    cfg = CompressionConfig(block_size=32, fraction=0.1, scale="none")
     built = {name: spec.build(cfg) for name, spec in codecs.CODECS.items()}
     assert {n: codec_id(c) for n, c in built.items()} == {"int8": "Int8Codec-32", "int4": "Int4Codec-32",
                                                           "sign": "SignCodec-32", "topk": "TopKCodec-0.1"}
@@ -44,7 +45,11 @@ def test_every_registered_codec_is_a_two_phase_method() -> None:
         hook, state = registry.REGISTRY[name](cfg, None)
         assert hook is (codecs.two_phase_hook if name == "topk" else layout.column_hook)
         assert codec_id(state.codec) == codec_id(codec)
-        assert registry.REGISTRY[name](CompressionConfig(block_layout="rows"), None)[0] is codecs.two_phase_hook
+        assert registry.REGISTRY[name](CompressionConfig(block_layout="rows", scale="none"), None)[0] is \
+            codecs.two_phase_hook
+        auto = registry.REGISTRY[name](CompressionConfig(), None)
+        assert (auto[0] is scaling.factored_hook) == (name == "sign")
+        assert auto[1].columns if name == "sign" else True
         assert state.error_feedback == codecs.CODECS[name].error_feedback
         assert not registry.REGISTRY[name](CompressionConfig(error_feedback=False), None)[1].error_feedback
 

@@ -57,6 +57,7 @@ def test_the_startup_line_says_what_and_when() -> None:
     (line,) = startup_lines(cfg, validate(cfg, 4))
     assert "exact for the first 50 steps (25% of train.steps=200" in line
     assert "compression.warmup_steps=0 compresses from step 1" in line
+    assert "each gradient matrix coded divided by its factored scale" in line  # `compression.scale=auto`: sign
     cfg = compose_config(["compression=powersgd", "train.steps=100", *BATCH])
     (line,) = startup_lines(cfg, validate(cfg, 4))
     assert "exact for the first step (1% of train.steps=100" in line and "compression.target_error=0.3" in line

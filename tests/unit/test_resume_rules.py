@@ -73,7 +73,8 @@ def test_layout_files_logging_length_and_evals_may_change(overrides: list[str]) 
 
 
 OLDER_DEFAULTS = [("fraction", 0.01, None, {"topk", "dgc"}), ("dgc_momentum", 0.9, 0.0, {"dgc"}),
-                  ("block_layout", "rows", "auto", {"int8", "int4", "sign", "onebit_adam", "zeroone_adam"})]
+                  ("block_layout", "rows", "auto", {"int8", "int4", "sign", "onebit_adam", "zeroone_adam"}),
+                  ("scale", "none", "auto", {"int8", "int4", "sign"})]
 """(compression knob, another value in a run's saved config, today's default, the methods that read it)."""
 
 
