@@ -54,13 +54,19 @@ def transpose_spans(flat: torch.Tensor, spans: Sequence[Span], back: bool = Fals
         part.copy_(part.view(shape).t().reshape(-1))
 
 
+def bucket_spans(bucket: Any) -> list[Span]:
+    """`column_spans` of a bucket's parameters; none for a bucket whose gradients are not its parameters'
+    (hierarchical's row range of one)."""
+    params = bucket.parameters()
+    whole = [tuple(p.shape) for p in params] == [tuple(g.shape) for g in bucket.gradients()]
+    return column_spans(params) if whole else []
+
+
 def column_hook(st: TwoPhaseState, bucket: Any) -> torch.futures.Future:
     """The two-phase exchange (`codecs.two_phase_hook`) with the bucket's row-parallel weights laid out column
-    by column while it runs: transposed in place, exchanged, and transposed back in the future's callback. A bucket
-    whose gradients are not its parameters' (hierarchical's row range of one) stays as laid out."""
-    buf, params = bucket.buffer(), bucket.parameters()
-    whole = [tuple(p.shape) for p in params] == [tuple(g.shape) for g in bucket.gradients()]
-    spans = column_spans(params) if whole else []
+    by column while it runs (`bucket_spans`): transposed in place, exchanged, and transposed back in the future's
+    callback."""
+    buf, spans = bucket.buffer(), bucket_spans(bucket)
     if not spans:
         return two_phase_mean(st, buf, bucket.index())
     transpose_spans(buf, spans)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from hybrid.compression.codecs import TwoPhaseState, chunk_len, two_phase_mean
-from hybrid.compression.layout import column_spans, transpose_spans
+from hybrid.compression.layout import bucket_spans, transpose_spans
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 
@@ -145,10 +145,8 @@ def factored_hook(st: FactoredState, bucket: Any) -> torch.futures.Future:
     buf, idx = bucket.buffer(), bucket.index()
     if C.size(st.group) == 1:
         return two_phase_mean(st, buf, idx)
-    params, shapes = bucket.parameters(), [tuple(g.shape) for g in bucket.gradients()]
-    whole = [tuple(p.shape) for p in params] == shapes
-    spans = column_spans(params) if st.columns and whole else []
-    scale = factored_scale(buf, shapes, st.group)
+    spans = bucket_spans(bucket) if st.columns else []
+    scale = factored_scale(buf, [tuple(g.shape) for g in bucket.gradients()], st.group)
     transpose_spans(buf, spans)
     if scale is None:
         fut = two_phase_mean(st, buf, idx)
