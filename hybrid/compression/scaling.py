@@ -52,9 +52,14 @@ def scaled(cfg: CompressionConfig, method: str) -> bool:
     return method in FACTORED and (cfg.scale == "factored" or (cfg.scale == "auto" and method in AUTO))
 
 
+def run_scaled(cfg: CompressionConfig) -> bool:
+    """Whether the run's DP exchange codes scaled values: its method's, or hierarchical's inner method's."""
+    return scaled(cfg, cfg.inner if cfg.method == "hierarchical" else cfg.method)
+
+
 def phrase(cfg: CompressionConfig) -> str:
-    """The start-up line's words for the scale, where the method (or hierarchical's inner one) runs on it."""
-    if not (scaled(cfg, cfg.method) or (cfg.method == "hierarchical" and scaled(cfg, cfg.inner))):
+    """The start-up line's words for the scale, where the run codes scaled values (`run_scaled`)."""
+    if not run_scaled(cfg):
         return ""
     return ("; each gradient matrix coded divided by its factored scale (its rows' and columns' magnitudes, "
             "rows + cols floats more per matrix; compression.scale=none codes it as it is)")

@@ -15,7 +15,7 @@ from hybrid.compression import codecs
 from hybrid.compression.codecs import CODECS
 from hybrid.compression.defaults import budget_phrase, density_phrase, warmup_of, warmup_phrase
 from hybrid.compression.hooks import OPTIMIZER_SIDE
-from hybrid.compression.scaling import phrase, scaled
+from hybrid.compression.scaling import phrase, run_scaled
 from hybrid.compression.schedule import exact_kinds
 from hybrid.compression.zero import REDUCE_SCATTER_CODECS, ZERO_METHODS
 from hybrid.compression.zeroone_adam import ZeroOneSchedule
@@ -226,5 +226,5 @@ def exchange_bytes(cfg: Config, sizes: Sequence[int], dp: int, device: str, node
     if c.method in ("powersgd", "torch_powersgd"):
         return 0, F32 * sum(sizes) * residuals
     local = 2 * F32 * sum(sizes) if c.method == "zeroone_adam" else 0  # 0/1 Adam's u and d (`ZeroOneAdam`)
-    scales = F32 * sum(sizes) if scaled(c, c.method) else 0  # each bucket's scale while it is in flight
+    scales = F32 * sum(sizes) if run_scaled(c) else 0  # each bucket's scale while it is in flight
     return scales, F32 * (sum(sizes) * (1 + residuals) + sum(sizes) // dp * residuals) + local  # buffer, residuals

@@ -49,6 +49,7 @@ def test_which_methods_each_setting_scales(scale: str, scaled: set[str]) -> None
     cfg = CompressionConfig(scale=scale)
     assert {m for m in registry.METHODS if scaling.scaled(cfg, m)} == scaled
     assert set(scaling.FACTORED) == SCALED_CODECS == METHOD_KNOBS["scale"]
+    assert scaling.run_scaled(CompressionConfig(method="hierarchical", inner="sign", scale=scale)) == ("sign" in scaled)
 
 
 @pytest.mark.parametrize("overrides,message", [
