@@ -44,7 +44,7 @@ SCALES = ("auto", "factored", "none")
 FACTORED = ("int8", "int4", "sign")  # the gradient exchanges `factored` applies to (`config_sync.SCALED_CODECS`)
 AUTO = frozenset({"sign"})  # the methods `auto` scales: measured to gain
 FLOOR = 1e-3  # a scale's floor, as a fraction of its matrix's mean scale
-Matrix = tuple[int, int, int]  # (offset in the flat bucket, rows, cols) of a gradient of two or more dimensions
+Matrix = tuple[int, int, int]  # (offset in the flat bucket, rows, cols) of a gradient `matrices` scales
 
 
 def scaled(cfg: CompressionConfig, method: str) -> bool:
@@ -90,7 +90,7 @@ def factored_scale(buf: torch.Tensor, shapes: Sequence[Sequence[int]], group: Gr
     mats = matrices(shapes)
     if not mats:
         return None
-    squares = [buf[at: at + rows * cols].view(rows, cols).pow(2) for at, rows, cols in mats]
+    squares = (buf[at: at + rows * cols].view(rows, cols).pow(2) for at, rows, cols in mats)  # one at a time
     stats = torch.cat([torch.cat([sq.mean(1), sq.mean(0)]) for sq in squares])
     C.all_reduce(stats, group)
     stats /= C.size(group)
