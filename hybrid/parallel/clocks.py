@@ -42,6 +42,7 @@ class HostClock:
         try:
             future = work.get_future()
         except RuntimeError:  # "Work::getFuture not implemented"
+            span.ended = threading.Event()  # before the watcher can note the end: the owner blocks on it
             self._watcher().put((work, span))
             return True
         future.add_done_callback(lambda _: span.set_end(time.perf_counter()))
@@ -120,9 +121,12 @@ class Span:
     error: Optional[Exception] = None  # a watched work's failed wait
     exposed: bool = False  # the training thread waited on it (the outermost blocking or wait span)
     claimed: bool = False  # a watched work's one wait is taken (by the watcher thread or by its owner)
+    ended: Optional[threading.Event] = None  # a watched work's: set with `end`, what its owner blocks on
 
     def set_end(self, mark: Mark) -> None:
         self.end = mark
+        if self.ended is not None:
+            self.ended.set()
 
     def claim(self) -> bool:
         """Take the one wait a watched work allows (gloo's p2p works count their completions: a second
@@ -131,16 +135,16 @@ class Span:
             taken, self.claimed = self.claimed, True
         return not taken
 
-    def wait(self, work: dist.Work, watched: bool, poll_s: float = 5e-5) -> None:
+    def wait(self, work: dist.Work, watched: bool) -> None:
         """Wait for `work`, this span's collective: directly (a watched work the watcher has not reached
-        yet is claimed, its end noted here), or, when the watcher thread already waits on it, until the
-        watcher noted its end (raising the error its wait raised)."""
+        yet is claimed, its end noted here), or, when the watcher thread already waits on it, blocked on
+        `ended` until the watcher noted its end (raising the error its wait raised)."""
         if not watched or self.claim():
             work.wait()
             if watched:
                 self.set_end(time.perf_counter())
             return
-        while self.end is None:
-            time.sleep(poll_s)
+        assert self.ended is not None, "a watched span gets its event from HostClock.when_done"
+        self.ended.wait()
         if self.error is not None:
             raise self.error

@@ -15,6 +15,9 @@ own (CP with chunked TP: tests/dist/test_cp.py's cp2tp2 case):
 - the ring primitives: `gather_each` hands every piece to its user (the all-gather's result, bit for bit),
   `reduce_scatter_each` sums like the reduce-scatter (fp64: to rounding), both with one and two pieces per rank,
   and the bytes their hops put on the wire are the collective's bus bytes, (n − 1)/n of its counted payload.
+
+The configs are composed in the test process before the ranks fork (`pp_helpers.composed`'s memo), whose heap is
+frozen while they run (`run_frozen`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from unittest import mock
 
 import pytest
 import torch
-from harness import run_ranks
 from pp_helpers import (
     LOSS_TOL,
     NORM_TOL,
@@ -35,9 +37,11 @@ from pp_helpers import (
     Case,
     assert_matches_reference,
     layout_context,
+    make_cfg,
     reference,
     train_case,
 )
+from tp_helpers import run_frozen
 
 from hybrid.parallel import collectives as C
 from hybrid.parallel.hops import Ring
@@ -127,7 +131,9 @@ def launch_rank(rank: int, world: int, cases: list[Case]) -> dict[str, Any]:
 @functools.cache
 def launched() -> list[dict[str, Any]]:
     torch.set_num_threads(1)
-    return run_ranks(launch_rank, WORLD, CASES, timeout=TIMEOUT)
+    for c in CASES:  # composed here once, inherited by the forked ranks
+        make_cfg(c, WORLD)
+    return run_frozen(launch_rank, WORLD, CASES, timeout=TIMEOUT)
 
 
 def runs(c: Case, mode: str) -> list[dict[str, Any]]:
