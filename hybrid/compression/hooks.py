@@ -16,7 +16,7 @@ Methods (`compression=<method>`, knobs under `compression.*`):
   dgc         top-k with Deep Gradient Compression's corrections (local clipping, sparsity warm-up; momentum
               correction and masking with `dgc_momentum` > 0), `dgc.py`
   onebit_adam  1-bit Adam: exact AdamW for `warmup_steps`, then the momentum, not the gradient, sent as
-              sign bits (two-phase, error feedback) with Adam's variance frozen, `onebit_adam.py`
+              sign bits (two-phase, error feedback), Adam's variance refreshed every k steps, `onebit_adam.py`
   zeroone_adam  0/1 Adam: variance refreshed on a growing schedule, momentum as signs, local steps, `zeroone_adam.py`
   hierarchical  exact inside a node, `inner` method between nodes, `hierarchical.py`
 

@@ -6,7 +6,13 @@ smaller steps. 1-bit Adam moves the compression past that normaliser:
 
 1. **Warm-up** (`compression.warmup_steps` steps): exact AdamW on the DP mean of the gradients (one fp32
    all-reduce per bucket, in the backward as for `compression=none`). The second moment v settles.
-2. **Compression stage**: v is frozen (its bias correction stays at the warm-up's last step). The comm hook
+2. **Compression stage**: v is frozen at the warm-up's end (the paper's: `compression.var_refresh_every=0`), or
+   refreshed every k-th step (`refresh_every`: by default half the variance's horizon 1/(1 − β₂)) from the exact
+   DP mean ḡ of the clipped gradients — one fp32 all-reduce per bucket, counted as DP traffic — as the k steps
+   since the last refresh would have moved it: v ← β₂ᵏ·v + (1 − β₂ᵏ)·ḡ², its bias correction at that step. A
+   variance frozen for the rest of the run is stale wherever the gradients' scale drifts faster than the run
+   ends (β₂ = 0.95 forgets in ~20 steps): on llama-tiny, 200 steps, refreshed every 10 steps, the gap to exact
+   AdamW fell from 3.3–4.4 % to 0.6–2.2 % (docs/benchmarks/2026-11-30-onebit-refresh.md). The comm hook
    sends nothing (`local_hook`): each DP rank keeps its own gradient, clips it by its model replica's norm,
    and folds it into the momentum, m ← β₁·m + (1 − β₁)·g. The momentum is then averaged over DP by the
    two-phase sign exchange of `codecs.py` (all-to-all of 1-bit chunks, average, re-encode, all-gather),
@@ -22,7 +28,7 @@ hook of the compression stage and the momentum's exchange.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -41,6 +47,22 @@ class MomentumExchange(TwoPhaseState):
     laid out column by column for the codec (`compression.block_layout`, `layout.py`)."""
 
     columns: bool = False
+    refresh: Optional[int] = None  # compression.var_refresh_every as configured (null: `refresh_every` sizes it)
+
+
+def refresh_every(configured: Optional[int], beta2: float) -> int:
+    """Steps between the variance's refreshes (0: never): as configured, or half the horizon 1/(1 − β₂) of Adam's
+    variance, at least 1 (10 at β₂ = 0.95, 500 at 0.999)."""
+    if configured is not None:
+        return configured
+    return max(1, round(0.5 / (1 - beta2))) if beta2 < 1 else 0
+
+
+def refresh_phrase(configured: Optional[int], beta2: float) -> str:
+    """How the variance of the compression stage is kept, for the start-up line."""
+    k = refresh_every(configured, beta2)
+    return (f"refreshed from an exact fp32 all-reduce every {k} steps (compression.var_refresh_every=0: frozen)"
+            if k else "frozen")
 
 
 def local_hook(st: MomentumExchange, bucket):  # noqa: ANN001, ANN201  (DDP's hook signature: see hooks.run_hook)

@@ -49,7 +49,8 @@ def _dgc(cfg: CompressionConfig, group: Group) -> tuple[Hook, Any]:
 
 def _onebit_adam(cfg: CompressionConfig, group: Group) -> tuple[Hook, Any]:
     codec = codecs.SignCodec(cfg.block_size)
-    return local_hook, MomentumExchange(codec, group, cfg.error_feedback, columns=layout.by_columns(cfg, codec))
+    return local_hook, MomentumExchange(codec, group, cfg.error_feedback, columns=layout.by_columns(cfg, codec),
+                                        refresh=cfg.var_refresh_every)
 
 
 REGISTRY: dict[str, Callable[[CompressionConfig, Group], tuple[Hook, Any]]] = {
@@ -96,6 +97,8 @@ def check(cfg: CompressionConfig) -> None:
          "compression.error_feedback=true")
     check_schedule(cfg, [m for m in REGISTRY if m != "none"], list(OPTIMIZER_SIDE))
     zeroone_adam.check_knobs(cfg)
+    need(cfg.var_refresh_every is None or cfg.var_refresh_every >= 0, "compression.var_refresh_every must be >= 0 "
+         f"(0: 1-bit Adam's variance frozen; null: sized from optim.beta2), got {cfg.var_refresh_every}")
     need(cfg.measure_every >= 1, f"compression.measure_every must be >= 1, got {cfg.measure_every}")
     need(cfg.min_compression_rate > 0, f"compression.min_compression_rate must be > 0, got {cfg.min_compression_rate}")
     adaptive_rank.check_knobs(cfg)

@@ -3,7 +3,8 @@
 `adamw.py` holds AdamW with clip-by-global-norm (and the LR schedule); `mixed.py` the same over fp32 main
 weights of bf16 parameters (`train.precision=bf16_params`); `distributed.py` the distributed optimizer
 (ZeRO-1: the same AdamW over this DP rank's shard, with or without bf16 parameters); `onebit_adam.py` 1-bit
-Adam's frozen-variance optimizer, whose momentum `compression=onebit_adam` exchanges; `zeroone_adam.py` 0/1 Adam's
+Adam's optimizer (its variance refreshed every k steps, or frozen), whose momentum `compression=onebit_adam`
+exchanges; `zeroone_adam.py` 0/1 Adam's
 (`compression=zeroone_adam`: the variance refreshed on a schedule, then local steps). `build_optimizer` picks one.
 """
 

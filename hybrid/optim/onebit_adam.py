@@ -1,6 +1,7 @@
 """1-bit Adam's optimizer (Tang et al. 2021): AdamW for a warm-up, then steps on the DP-averaged momentum with
-Adam's variance frozen. The momentum's exchange and the algorithm are described in
-`hybrid.compression.onebit_adam`; this is the optimizer side.
+Adam's variance frozen, or refreshed every k-th step from the exact DP mean of the gradients. The momentum's
+exchange, the refresh and the algorithm are described in `hybrid.compression.onebit_adam`; this is the optimizer
+side.
 
 The floor is ours, not the paper's: a second moment is never below the squared first (E[g²] ≥ E[g]²), but a
 variance frozen early can be, for elements whose gradients grew after the warm-up (on gpt-tiny, attention
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from hybrid.compression.onebit_adam import MomentumExchange, average_momentum
+from hybrid.compression.onebit_adam import MomentumExchange, average_momentum, refresh_every
 from hybrid.optim.adamw import ModelOptimizer, clip_grads, finite, global_grad_norm
 from hybrid.parallel import collectives as C
 
@@ -45,6 +46,7 @@ class OneBitAdam(ModelOptimizer):
         super().__init__(optimizer, [p for b in buckets for p in b.parameters()], ctx, grad_clip)
         self.buckets, self.comp = buckets, comp
         self.exchange: MomentumExchange = comp.state
+        self.refresh = refresh_every(self.exchange.refresh, optimizer.param_groups[0]["betas"][1])
         self._flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
@@ -73,8 +75,15 @@ class OneBitAdam(ModelOptimizer):
             self.optimizer.step()
         else:
             self._average_momentum()
+            self._refresh_variance()
             self._frozen_step(lr)
         return norm
+
+    def refreshed_at(self, t: int) -> int:
+        """The step whose variance the compressed step `t` uses: the last refresh at or before `t` (every
+        `refresh`-th step after the exact stage's end), or the exact stage's last step."""
+        warm = self.comp.exact_steps()
+        return warm + (t - warm) // self.refresh * self.refresh if self.refresh else warm
 
     def _clip(self, norm: torch.Tensor, summed: Optional[torch.Tensor]) -> None:
         """Clip by the global norm: the synced gradient's while exact; otherwise (`summed`: the replicas'
@@ -109,10 +118,30 @@ class OneBitAdam(ModelOptimizer):
                 buffers.append((m, bucket))
         average_momentum(self.comp, buffers)
 
+    def _refresh_variance(self) -> None:
+        """On a refresh step (`refreshed_at`), v ← β₂ᵏ·v + (1 − β₂ᵏ)·ḡ² per bucket (k = `refresh`), ḡ the exact DP
+        mean of the clipped gradients: the compressed buckets' gradients all-reduced in fp32 in place (each rank's
+        is in its momentum already; counted as DP traffic), the kept-exact buckets' already the mean. Every rank
+        gets the same v."""
+        t = self.steps_taken() + 1
+        if self.refreshed_at(t) != t:
+            return
+        compressed = [b for b in self.buckets if not self.comp.kept_exact(b)]
+        works = [C.all_reduce(b.buffer(), self.ctx.dp_group, async_op=True) for b in compressed]
+        with C.TIMER.waiting(C.group_name(self.ctx.dp_group)):
+            for work in works:
+                if work is not None:
+                    work.wait()
+        decay, n = self.optimizer.param_groups[0]["betas"][1] ** self.refresh, C.size(self.ctx.dp_group)
+        reduced = {id(b) for b in compressed}
+        for bucket in self.buckets:
+            g = bucket.buffer().div_(n) if id(bucket) in reduced else bucket.buffer()
+            self.flat_state(bucket)[1].mul_(decay).addcmul_(g, g, value=1 - decay)
+
     @torch.no_grad()
     def _frozen_step(self, lr: float) -> None:
-        """AdamW's update with the averaged momentum and the variance frozen at the warm-up's last step, floored
-        at the squared momentum (bias-corrected both)."""
+        """AdamW's update with the averaged momentum and the variance of its last refresh (or of the warm-up's last
+        step), floored at the squared momentum (bias-corrected both)."""
         t = self.steps_taken() + 1
         for group in self.optimizer.param_groups:
             params = [p for p in group["params"] if p in self.optimizer.state]
@@ -122,7 +151,7 @@ class OneBitAdam(ModelOptimizer):
             states = [self.optimizer.state[p] for p in params]
             if group["weight_decay"]:
                 torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-            v_hat = torch._foreach_div([s["exp_avg_sq"] for s in states], 1 - beta2 ** self.comp.exact_steps())
+            v_hat = torch._foreach_div([s["exp_avg_sq"] for s in states], 1 - beta2 ** self.refreshed_at(t))
             m_hat = torch._foreach_div([s["exp_avg"] for s in states], 1 - beta1 ** t)
             torch._foreach_maximum_(v_hat, torch._foreach_mul(m_hat, m_hat))  # the floor: v̂ ≥ m̂²
             denom = torch._foreach_sqrt(v_hat)

@@ -15,6 +15,7 @@ from hybrid.compression import codecs
 from hybrid.compression.codecs import CODECS
 from hybrid.compression.defaults import budget_phrase, density_phrase, warmup_of, warmup_phrase
 from hybrid.compression.hooks import OPTIMIZER_SIDE
+from hybrid.compression.onebit_adam import refresh_phrase
 from hybrid.compression.scaling import phrase, run_scaled
 from hybrid.compression.schedule import exact_kinds
 from hybrid.compression.zero import REDUCE_SCATTER_CODECS, ZERO_METHODS
@@ -156,9 +157,9 @@ def zero2_copies(c: CompressionConfig, largest: Sequence[int], device: str, piec
     return F32 * sum(largest) + cast + (F32 * inp if device != "cuda" else 0)
 
 
-def compression_summary(c: CompressionConfig, layout: Layout, steps: Optional[int] = None) -> str:
-    """One start-up line: the DP hook, its warm-up (sized from a run of `steps` exchanges when null), and under
-    hierarchical how the DP groups split over nodes."""
+def compression_summary(c: CompressionConfig, layout: Layout, steps: Optional[int] = None, beta2: float = 0.95) -> str:
+    """One start-up line: the DP hook, its warm-up (sized from a run of `steps` exchanges when null), 1-bit Adam's
+    variance (its refreshes sized from AdamW's `beta2`), and under hierarchical how the DP groups split over nodes."""
     line = f"compression: {c.method} over dp={layout.dp}"
     if c.schedule == "auto":
         line += (f", schedule auto: exact, then {' → '.join([*c.stages, c.method])}, each stage once the loss's "
@@ -170,7 +171,8 @@ def compression_summary(c: CompressionConfig, layout: Layout, steps: Optional[in
     if kinds and c.method != "none":
         line += f"; kept exact: {', '.join(kinds)}"
     if c.method == "onebit_adam":
-        line += "; AdamW while exact, then the momentum sent as signs with the variance frozen"
+        line += ("; AdamW while exact, then the momentum sent as signs with the variance "
+                 + refresh_phrase(c.var_refresh_every, beta2))
     line += phrase(c)
     if "powersgd" in (c.method, c.inner) and c.target_error > 0:
         line += (f"; rank {c.rank} to start, each matrix's following its measured error (grows above "
@@ -201,7 +203,9 @@ def hierarchical_split(c: CompressionConfig, layout: Layout) -> str:
 def startup_lines(cfg: Config, layout: Layout, steps: Optional[int] = None) -> list[str]:
     """The compression hook's start-up line, when the exchange is compressed (`steps`: the exchanges of the run,
     which size a null warm-up; None: it has none)."""
-    return [compression_summary(cfg.compression, layout, steps)] if cfg.compression.method != "none" else []
+    if cfg.compression.method == "none":
+        return []
+    return [compression_summary(cfg.compression, layout, steps, cfg.optim.beta2)]
 
 
 def exchange_bytes(cfg: Config, sizes: Sequence[int], dp: int, device: str, node: int = 0) -> tuple[int, int]:

@@ -3,8 +3,9 @@
 The reference runs every DP worker in this process: per-worker gradients from the same seeded batches,
 AdamW on their mean for the warm-up, then each worker's momentum m ← β₁m + (1 − β₁)gᵢ compressed with
 worker error feedback (sign · mean|x| per block of each chunk), averaged per chunk by its owner, compressed
-again with server error feedback, and the step taken with the variance frozen at the warm-up's last value
-(floored at the squared momentum).
+again with server error feedback, and the step taken with the variance of the last refresh — every REFRESH-th
+step after the warm-up, v ← β₂ᵏ·v + (1 − β₂ᵏ)·ḡ² from the workers' mean clipped gradient — or, with refreshes off
+(`compression.var_refresh_every=0`), frozen at the warm-up's last value (floored at the squared momentum either way).
 hybrid's ranks run `GradSync` + `build_optimizer` over the same model; the parameters must agree after
 every step, at dp=2 and dp=4, after a resume from the saved state (in place, as the checkpoint loads it),
 and after a resume at another DP size (momentum and frozen variance kept, residuals restarted at zero).
@@ -27,11 +28,13 @@ from hybrid.checkpoint.state import init_optimizer_state
 from hybrid.compression.hooks import make_hook
 from hybrid.config import CompressionConfig, OptimConfig
 from hybrid.optim import OneBitAdam, build_optimizer
+from hybrid.parallel import collectives as C
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.parallel.dp.buckets import assign_buckets
 from hybrid.parallel.dp.data import GradSync
 
 BLOCK, WARMUP, STEPS, LR, BUCKET_MB = 16, 3, 8, 3e-3, 0.003
+REFRESH = 2  # the variance refreshed at steps 5 and 7 (the checkpoint's step, SPLIT, is a refresh)
 OPTIM = OptimConfig(weight_decay=0.1, grad_clip=0.5)
 TIMEOUT = 120
 
@@ -46,28 +49,33 @@ def batch(rank: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(6, 12, generator=gen), torch.randn(6, 5, generator=gen)
 
 
-def compression() -> CompressionConfig:
-    return CompressionConfig(method="onebit_adam", block_size=BLOCK, warmup_steps=WARMUP)
+def compression(refresh: int = REFRESH) -> CompressionConfig:
+    return CompressionConfig(method="onebit_adam", block_size=BLOCK, warmup_steps=WARMUP, var_refresh_every=refresh)
 
 
 # ---- hybrid's ranks --------------------------------------------------------------------------------
 
-def build(world: int, model: nn.Module) -> tuple[GradSync, OneBitAdam]:
+def build(world: int, model: nn.Module, refresh: int = REFRESH) -> tuple[GradSync, OneBitAdam]:
     ctx = ParallelContext.build(Layout.create(world, dp=world))
-    hook, state = make_hook(compression(), ctx.dp_group)
+    hook, state = make_hook(compression(refresh), ctx.dp_group)
     sync = GradSync(list(model.parameters()), ctx.dp_group, hook, state, BUCKET_MB)
     return sync, build_optimizer(model, OPTIM, LR, ctx, sync, onebit=state)
 
 
-def train(rank: int, model: nn.Module, sync: GradSync, opt: OneBitAdam, steps: range) -> list[list[torch.Tensor]]:
+def train(rank: int, model: nn.Module, sync: GradSync, opt: OneBitAdam, steps: range,
+          reduced: list | None = None) -> list[list[torch.Tensor]]:
+    """Train `steps`; `reduced` gets each step's all-reduced DP bytes (the counter's payload)."""
     out = []
     for t in steps:
+        C.COUNTER.reset()
         x, y = batch(rank, t)
         F.mse_loss(model(x), y).backward()
         sync.finish()
         opt.step(LR)
         sync.zero_grad()
         out.append([p.detach().clone() for p in model.parameters()])
+        if reduced is not None:
+            reduced.append(C.COUNTER.bytes.get(("dp", "all_reduce"), 0))
     return out
 
 
@@ -79,10 +87,10 @@ def saved(model: nn.Module, opt: OneBitAdam) -> dict:
     return {"params": [p.detach().clone() for p in model.parameters()], "optim": state, "hook": buf.getvalue()}
 
 
-def resume(world: int, ckpt: dict, same_layout: bool) -> tuple[nn.Module, GradSync, OneBitAdam]:
+def resume(world: int, ckpt: dict, same_layout: bool, refresh: int) -> tuple[nn.Module, GradSync, OneBitAdam]:
     """A fresh model, sync and optimizer filled from `ckpt` in place (as the checkpoint loader fills them)."""
     model = net()
-    sync, opt = build(world, model)
+    sync, opt = build(world, model, refresh)
     init_optimizer_state(opt)
     with torch.no_grad():
         for p, value, state in zip(model.parameters(), ckpt["params"], ckpt["optim"]):
@@ -96,20 +104,21 @@ def resume(world: int, ckpt: dict, same_layout: bool) -> tuple[nn.Module, GradSy
     return model, sync, opt
 
 
-def worker(rank: int, world: int, split: int) -> dict:
+def worker(rank: int, world: int, split: int, refresh: int = REFRESH) -> dict:
     model = net()
-    sync, opt = build(world, model)
-    first = train(rank, model, sync, opt, range(split))
+    sync, opt = build(world, model, refresh)
+    reduced: list[int] = []
+    first = train(rank, model, sync, opt, range(split), reduced)
     ckpt = saved(model, opt)
-    rest = train(rank, model, sync, opt, range(split, STEPS))
+    rest = train(rank, model, sync, opt, range(split, STEPS), reduced)
     end = {k: [opt.state[p][k].clone() for p in model.parameters()] for k in ("exp_avg", "exp_avg_sq")}
-    model2, sync2, opt2 = resume(world, ckpt, same_layout=True)
+    model2, sync2, opt2 = resume(world, ckpt, True, refresh)
     resumed = train(rank, model2, sync2, opt2, range(split, STEPS))
-    return {"steps": first + rest, "resumed": resumed, "ckpt": ckpt, "end": end}
+    return {"steps": first + rest, "resumed": resumed, "ckpt": ckpt, "end": end, "reduced": reduced}
 
 
-def resumed_worker(rank: int, world: int, ckpt: dict, split: int) -> list:
-    model, sync, opt = resume(world, ckpt, same_layout=False)
+def resumed_worker(rank: int, world: int, ckpt: dict, split: int, refresh: int = REFRESH) -> list:
+    model, sync, opt = resume(world, ckpt, False, refresh)
     return train(rank, model, sync, opt, range(split, STEPS))
 
 
@@ -129,8 +138,9 @@ def clipped(g: dict) -> dict:
 class Reference:
     """1-bit Adam over `n` workers, the momentum exchanged per buffer (the gradient buckets' layout)."""
 
-    def __init__(self, n: int, model: nn.Module) -> None:
-        self.n, self.model = n, model
+    def __init__(self, n: int, model: nn.Module, refresh: int = REFRESH) -> None:
+        self.n, self.model, self.every = n, model, refresh
+        self.refreshed = WARMUP  # the step of the variance in use
         self.params = {k: v.detach().clone() for k, v in model.named_parameters()}
         self.m = {k: torch.zeros_like(v) for k, v in self.params.items()}
         self.v = {k: torch.zeros_like(v) for k, v in self.params.items()}
@@ -142,10 +152,11 @@ class Reference:
         self.server_err: dict = {}
 
     def load(self, ckpt: dict) -> None:
-        """Continue from a checkpoint: parameters, momentum, frozen variance, step; residuals restart at 0."""
+        """Continue from a checkpoint: parameters, momentum, variance, step; residuals restart at 0."""
         for k, p, s in zip(self.params, ckpt["params"], ckpt["optim"]):
             self.params[k], self.m[k], self.v[k] = p.clone(), s["exp_avg"].clone(), s["exp_avg_sq"].clone()
         self.t = int(ckpt["optim"][0]["step"])
+        self.refreshed = WARMUP + (self.t - WARMUP) // self.every * self.every if self.every else WARMUP
 
     def grads(self, rank: int, t: int) -> dict:
         x, y = batch(rank, t)
@@ -171,11 +182,17 @@ class Reference:
                 for k in names:
                     self.m[k] = avg[offset: offset + self.m[k].numel()].view_as(self.m[k])
                     offset += self.m[k].numel()
-            bc2 = 1 - b2 ** WARMUP
+            if self.every and (self.t - WARMUP) % self.every == 0:  # the exact mean of the clipped gradients
+                decay = b2 ** self.every
+                for k in self.params:
+                    mean = sum(g[k] for g in local) / self.n
+                    self.v[k] = decay * self.v[k] + (1 - decay) * mean ** 2
+                self.refreshed = self.t
+            bc2 = 1 - b2 ** self.refreshed
         for k, p in self.params.items():
             decay = OPTIM.weight_decay if p.ndim >= 2 else 0.0
             m_hat, v_hat = self.m[k] / (1 - b1 ** self.t), self.v[k] / bc2
-            if self.t > WARMUP:  # frozen: floored at the squared momentum
+            if self.t > WARMUP:  # refreshed or frozen: floored at the squared momentum
                 v_hat = torch.maximum(v_hat, m_hat ** 2)
             self.params[k] = p * (1 - LR * decay) - LR * m_hat / (v_hat.sqrt() + OPTIM.eps)
         return list(self.params.values())
@@ -221,11 +238,11 @@ def dp2() -> list:
     return run_ranks(worker, 2, SPLIT, timeout=TIMEOUT)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_onebit_adam_matches_the_reference_step_by_step_and_across_resumes(world: int, dp2: list) -> None:
+@pytest.mark.parametrize("world,refresh", [(2, REFRESH), (4, REFRESH), (2, 0)], ids=["dp2", "dp4", "dp2-frozen"])
+def test_onebit_adam_matches_the_reference_step_by_step_and_across_resumes(world: int, refresh: int, dp2: list) -> None:
     split = SPLIT
-    runs = dp2 if world == 2 else run_ranks(worker, world, split, timeout=TIMEOUT)
-    ref = Reference(world, net())
+    runs = dp2 if (world, refresh) == (2, REFRESH) else run_ranks(worker, world, split, refresh, timeout=TIMEOUT)
+    ref = Reference(world, net(), refresh)
     expected = [ref.step(t) for t in range(STEPS)]
     for rank, r in enumerate(runs):
         assert_tracks(r["steps"], expected, f"dp={world} rank {rank}")
@@ -233,7 +250,7 @@ def test_onebit_adam_matches_the_reference_step_by_step_and_across_resumes(world
             assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert len(expected) == STEPS and not torch.equal(expected[WARMUP][0], expected[WARMUP - 1][0])
 
-    for other in {2: (4, 1), 4: (2,)}[world]:  # the checkpoint of this run, resumed at other DP sizes
+    for other in {2: (4, 1), 4: (2,)}[world] if refresh else ():  # the checkpoint, resumed at other DP sizes
         after = run_ranks(resumed_worker, other, runs[0]["ckpt"], split, timeout=TIMEOUT)
         ref2 = Reference(other, net())
         ref2.load(runs[0]["ckpt"])
@@ -242,23 +259,37 @@ def test_onebit_adam_matches_the_reference_step_by_step_and_across_resumes(world
             assert_tracks(r, expected2, f"dp={world} → dp={other} rank {rank}")
 
 
-def test_the_variance_stays_frozen_and_the_momentum_identical_across_dp(dp2: list) -> None:
-    frozen = [s["exp_avg_sq"] for s in dp2[0]["ckpt"]["optim"]]  # saved after the warm-up
+def test_the_variance_moves_at_refreshes_only_and_both_moments_are_identical_across_dp(dp2: list) -> None:
+    saved = [s["exp_avg_sq"] for s in dp2[0]["ckpt"]["optim"]]  # at step 5, a refresh; the next is step 7
     for r in dp2:
-        assert all(torch.equal(a, b) for a, b in zip(r["end"]["exp_avg_sq"], frozen))
+        assert all(torch.equal(a, b) for a, b in zip(r["end"]["exp_avg_sq"], dp2[0]["end"]["exp_avg_sq"]))
         assert all(torch.equal(a, b) for a, b in zip(r["end"]["exp_avg"], dp2[0]["end"]["exp_avg"]))
+    assert not any(torch.equal(a, b) for a, b in zip(dp2[0]["end"]["exp_avg_sq"], saved))
     assert not all(torch.equal(s["exp_avg"], m) for s, m in zip(dp2[0]["ckpt"]["optim"], dp2[0]["end"]["exp_avg"]))
+
+
+def test_each_refresh_all_reduces_the_gradient_once_in_fp32_and_its_interval_follows_beta2(dp2: list) -> None:
+    """The exact stage and every REFRESH-th step after it all-reduce each bucket's fp32 gradient (counted as DP
+    traffic), the steps between none (their momentum goes as signs); unset, k is half of 1/(1 − β₂)."""
+    from hybrid.compression.onebit_adam import refresh_every
+
+    numel = sum(p.numel() for p in net().parameters())
+    refreshes = [t <= WARMUP or (t - WARMUP) % REFRESH == 0 for t in range(1, STEPS + 1)]
+    assert dp2[0]["reduced"] == [4 * numel if r else 0 for r in refreshes]
+    assert [refresh_every(None, b) for b in (0.95, 0.99, 0.999)] == [10, 50, 500]
+    assert refresh_every(0, 0.95) == 0 and refresh_every(3, 0.95) == 3
 
 
 def exact_worker(rank: int, world: int) -> list[list[torch.Tensor]]:
     """1-bit Adam with the vectors (biases) kept exact (`compression.exact_params`): their buckets all-reduced at
-    every step, the rest's momentum exchanged as signs."""
+    every step, the rest's momentum exchanged as signs; the variance refreshed (the kept-exact buckets' from their
+    gradient as it is, the mean already)."""
     from hybrid.compression.schedule import exact_param_ids
 
     model = net()
     ctx = ParallelContext.build(Layout.create(world, dp=world))
     hook, state = make_hook(CompressionConfig(method="onebit_adam", block_size=BLOCK, warmup_steps=WARMUP,
-                                              exact_params=["vectors"]), ctx.dp_group)
+                                              exact_params=["vectors"], var_refresh_every=REFRESH), ctx.dp_group)
     state.exact_params = exact_param_ids(model.named_parameters(), ["vectors"])
     sync = GradSync(list(model.parameters()), ctx.dp_group, hook, state, BUCKET_MB, apart=state.exact_params)
     return train(rank, model, sync, build_optimizer(model, OPTIM, LR, ctx, sync, onebit=state), range(STEPS))

@@ -74,6 +74,8 @@ CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece o
      "compression.warmup_steps=5 is not shorter than the run (train.steps=5)"),
     ("onebit-no-warmup", ["compression=onebit_adam", "compression.warmup_steps=0"],
      "compression=onebit_adam needs compression.warmup_steps >= 1"),
+    ("onebit-refresh-negative", ["compression=onebit_adam", "compression.var_refresh_every=-1"],
+     "compression.var_refresh_every must be >= 0"),
     ("topk-fraction", ["compression=topk", "compression.fraction=1.5"], "compression.fraction must be in (0, 1]"),
     ("powersgd-target-error", ["compression=powersgd", "compression.target_error=2"],
      "compression.target_error must be in [0, 1) (0: a fixed rank), got 2"),

@@ -63,6 +63,12 @@ def test_the_startup_line_says_what_and_when() -> None:
     assert "exact for the first step (1% of train.steps=100" in line and "compression.target_error=0.3" in line
     cfg = compose_config(["compression=int8", *BATCH])
     assert startup_lines(cfg, validate(cfg, 4)) == ["compression: int8 over dp=4"]
+    for extra, said in (([], "variance refreshed from an exact fp32 all-reduce every 10 steps"),  # β₂ = 0.95
+                        (["optim.beta2=0.99"], "every 50 steps"),
+                        (["compression.var_refresh_every=0"], "momentum sent as signs with the variance frozen")):
+        cfg = compose_config(["compression=onebit_adam", *BATCH, *extra])
+        (line,) = startup_lines(cfg, validate(cfg, 4))
+        assert said in line, line
 
 
 @pytest.mark.parametrize("kw,steps,expected", [

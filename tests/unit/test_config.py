@@ -195,6 +195,7 @@ def test_cfg_job_prints_the_composed_config() -> None:
     (["compression=powersgd", "compression.rank=8", "compression.max_rank=4"], r"compression.max_rank must be >= "),
     (["compression=powersgd", "compression.min_ratio=0.5"], r"compression.min_ratio must be >= 1"),
     (["compression=zeroone_adam", "compression.var_freeze_step=-1"], r"compression.var_freeze_step must be >= 0"),
+    (["compression=onebit_adam", "compression.var_refresh_every=-2"], r"compression.var_refresh_every must be >= 0 "),
     (["compression=zeroone_adam", "compression.var_update_scaler=-1"], r"compression.var_update_scaler must be >= 0"),
     (["compression=zeroone_adam", "compression.local_step_scaler=-1"], r"compression.local_step_scaler must be >= 0"),
     (["compression=zeroone_adam", "compression.local_step_clipper=0"], r"compression.local_step_clipper must be >= 1"),
