@@ -157,7 +157,7 @@ def zero2_copies(c: CompressionConfig, largest: Sequence[int], device: str, piec
     return F32 * sum(largest) + cast + (F32 * inp if device != "cuda" else 0)
 
 
-def compression_summary(c: CompressionConfig, layout: Layout, steps: Optional[int] = None, beta2: float = 0.95) -> str:
+def compression_summary(c: CompressionConfig, layout: Layout, steps: Optional[int], beta2: float) -> str:
     """One start-up line: the DP hook, its warm-up (sized from a run of `steps` exchanges when null), 1-bit Adam's
     variance (its refreshes sized from AdamW's `beta2`), and under hierarchical how the DP groups split over nodes."""
     line = f"compression: {c.method} over dp={layout.dp}"
