@@ -83,6 +83,7 @@ class ZeroOneAdam(OneBitAdam):
         super().__init__(optimizer, buckets, ctx, grad_clip, comp)
         self.exchange: ZeroOneExchange = comp.state
         self.plan = self.exchange.schedule.sized(steps)
+        self.refresh = 0  # 1-bit Adam's every-k refresh is not 0/1 Adam's: `plan` says when it refreshes
         self.exchange.owner = self
         self._local: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket index → flat (anchor, d)
         self._views: dict[nn.Parameter, tuple[torch.Tensor, torch.Tensor]] = {}  # parameter → its (anchor, d)
