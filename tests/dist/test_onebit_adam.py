@@ -8,7 +8,7 @@ step after the warm-up, v ← β₂ᵏ·v + (1 − β₂ᵏ)·ḡ² from the wor
 (`compression.var_refresh_every=0`), frozen at the warm-up's last value (floored at the squared momentum either way).
 hybrid's ranks run `GradSync` + `build_optimizer` over the same model; the parameters must agree after
 every step, at dp=2 and dp=4, after a resume from the saved state (in place, as the checkpoint loads it),
-and after a resume at another DP size (momentum and frozen variance kept, residuals restarted at zero).
+and after a resume at another DP size (momentum and variance kept, residuals restarted at zero).
 """
 
 from __future__ import annotations
