@@ -56,6 +56,9 @@ class CompressionConfig:
     rank_window: int = 10  # steps whose error estimates make one decision
     max_rank: int = 32  # no matrix's rank above this
     min_ratio: float = 20.0  # the byte budget over the run, warm-up included: ranks grow only within it
+    # powersgd: an untied token embedding sends the rows a step touched, exactly, when they cost no more than its
+    # factors (compression/rows.py); false: factors, as every matrix
+    lookup_rows: bool = True
     inner: str = ""  # hierarchical: the method between nodes (exact inside a node)
     # dgc: momentum of the accumulated velocity (the paper's momentum correction, for an optimizer without momentum
     # of its own: optim=sgd optim.momentum=0 dgc_momentum=0.9); 0: AdamW's β₁ (or SGD's momentum) is the only one

@@ -130,12 +130,17 @@ class RankControl:
             fewer = max(1, ranks[i] - max(1, ranks[i] // 4))
             if fewer < ranks[i] and den > 0 and (num + sum(energy[fewer:])) / den < (SHRINK_MARGIN * self.target) ** 2:
                 ranks[i] = fewer
-        budget = (exact + sum(n * m for n, m in shapes)) / self.min_ratio
         for i in sorted(range(len(ranks)), key=lambda i: -errors[i]):
             if errors[i] > self.target:
-                ranks[i] = self._grown(shapes, ranks, i, budget - payload_elements(shapes, ranks, exact))
+                ranks[i] = self._grown(shapes, ranks, i, self.room(index, shapes, exact))
         self.errors[index] = errors
         self._restart(index)
+
+    def room(self, index: int, shapes: list[Shape], exact: int) -> float:
+        """Elements bucket `index` may still add to its payload at its current ranks within its byte budget,
+        (exact + Σ n·m) / `min_ratio`."""
+        budget = (exact + sum(n * m for n, m in shapes)) / self.min_ratio
+        return budget - payload_elements(shapes, self.ranks[index], exact)
 
     def _grown(self, shapes: list[Shape], ranks: list[int], i: int, room: float) -> int:
         """Matrix `i`'s rank doubled, as far as its cap and `room` (the budget's elements left) allow."""

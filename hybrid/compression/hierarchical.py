@@ -53,23 +53,31 @@ def row_ranges(shapes: list[torch.Size], parts: int) -> list[Range]:
 
 def piece_shapes(shapes: list[torch.Size], rng: Range) -> list[torch.Size]:
     """The (rows, width) shapes of the gradients' row blocks that fall inside `rng`."""
+    return [piece for _, piece in pieces(shapes, rng)]
+
+
+def pieces(shapes: list[torch.Size], rng: Range) -> list[tuple[int, torch.Size]]:
+    """(index of the gradient, the (rows, width) shape of its row block) for each block inside `rng`."""
     out, offset = [], 0
-    for s in shapes:
+    for i, s in enumerate(shapes):
         _, w = matrix_shape(s)
         lo, hi = max(rng[0], offset), min(rng[1], offset + s.numel())
         if hi > lo:
-            out.append(torch.Size([(hi - lo) // w, w]))
+            out.append((i, torch.Size([(hi - lo) // w, w])))
         offset += s.numel()
     return out
 
 
 class SubBucket:
-    """One range of a bucket as a bucket of its own (the protocol the inner hook sees)."""
+    """One range of a bucket as a bucket of its own (the protocol the inner hook sees): its gradients are the
+    row blocks in the range, its parameters those blocks' parameters, in the same order."""
 
-    def __init__(self, parent: Any, buffer: torch.Tensor, shapes: list[torch.Size]) -> None:
+    def __init__(self, parent: Any, buffer: torch.Tensor, blocks: list[tuple[int, torch.Size]]) -> None:
         self._parent, self._buffer = parent, buffer
+        params = parent.parameters()
+        self._params = [params[i] for i, _ in blocks]
         self._views, offset = [], 0
-        for s in shapes:
+        for _, s in blocks:
             self._views.append(buffer[offset: offset + s.numel()].view(s))
             offset += s.numel()
 
@@ -83,7 +91,7 @@ class SubBucket:
         return self._buffer
 
     def parameters(self) -> list[torch.Tensor]:
-        return self._parent.parameters()
+        return list(self._params)
 
     def gradients(self) -> list[torch.Tensor]:
         return list(self._views)
@@ -137,7 +145,7 @@ def hierarchical_hook(st: HierarchicalState, bucket: Any) -> torch.futures.Futur
     mine = torch.empty(longest, dtype=buf.dtype, device=buf.device)
     C.reduce_scatter_flat(mine, padded.view(-1), st.intra)
     a, b = ranges[j]
-    sub = SubBucket(bucket, mine[: b - a], piece_shapes(shapes, ranges[j]))
+    sub = SubBucket(bucket, mine[: b - a], pieces(shapes, ranges[j]))
     result = _value(st.inner_hook(st.inner_state, sub), C.group_name(st.inter))  # waited: the next one is ordered
     if result.data_ptr() != sub.buffer().data_ptr():
         sub.buffer().copy_(result)

@@ -12,7 +12,8 @@ Methods (`compression=<method>`, knobs under `compression.*`):
   int8        block-wise int8, two-phase (all-to-all → average → all-gather), `codecs.py`
   sign        1 bit per element + a scale per block, two-phase, error feedback
   topk        the largest `fraction` of each chunk, values + indices, two-phase, error feedback
-  powersgd    low-rank factors, each matrix's rank following its error, error feedback, warm start, `powersgd.py`
+  powersgd    low-rank factors, each matrix's rank following its error, error feedback, warm start, `powersgd.py`;
+              an untied token embedding as the rows a step touched, exactly, where cheaper (`rows.py`)
   dgc         top-k with Deep Gradient Compression's corrections (local clipping, sparsity warm-up; momentum
               correction and masking with `dgc_momentum` > 0), `dgc.py`
   onebit_adam  1-bit Adam: exact AdamW for `warmup_steps`, then the momentum, not the gradient, sent as
@@ -146,6 +147,14 @@ class Compression:
             self._exact_buckets[i] = bool(self.exact_params) and all(id(p) in self.exact_params
                                                                      for p in bucket.parameters())
         return self._exact_buckets[i]
+
+    def set_lookups(self, ids: frozenset[int]) -> None:
+        """Name the lookup tables' parameters (`rows.py`) to every state that sends them as rows: the method's,
+        the ladder's, a hierarchical method's inner one."""
+        for state in (self.state, *(s for _, s in self.ladder)):
+            state = getattr(state, "inner_state", state)
+            if hasattr(state, "lookups"):
+                state.lookups = ids
 
     def state_dict(self) -> dict[str, Any]:
         return {"method": self.method, "iteration": self.iteration, "hook": _state_dict(self.state),

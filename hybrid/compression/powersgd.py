@@ -11,7 +11,9 @@ sent as two thin factors; the rest (biases, norms, small matrices) are sent exac
   5. M̂ = P·Qᵀ is the mean's rank-r approximation, written into the bucket.
 
 The residual M − M̂ (this rank's gradient minus the approximated mean) is added to the next
-step's gradient. Counted payload per bucket (`payload_bytes`): 4·(exact elements + Σ (n + m)·r).
+step's gradient. A lookup table (an untied token embedding: `lookups`) may instead send the rows the step
+touched, exactly, in step 2's all-reduce, when they cost no more than its factors (`rows.py`). Counted
+payload per bucket (`payload_bytes`): 4·(exact elements + Σ (n + m)·r).
 The first Q is random from a seed shared by the DP ranks, so every replica starts equal.
 
 With `compression.target_error > 0` (`control`, `adaptive_rank.py`) each matrix's rank follows its measured
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from hybrid.compression import rows as R
 from hybrid.compression.adaptive_rank import RankControl, probe_size
 from hybrid.compression.codecs import done
 from hybrid.parallel import collectives as C
@@ -49,15 +52,20 @@ def compressed_rank(shape: torch.Size, rank: int, min_rate: float) -> int:
 
 
 def payload_bytes(shapes: list[torch.Size], rank: int, min_rate: float, ranks: Optional[list[int]] = None,
-                  probed: bool = False) -> int:
-    """Counted bytes of one bucket whose gradients have `shapes` (both all-reduces): the matrices compressed at
+                  probed: bool = False, tables: Optional[dict[int, Optional[int]]] = None) -> int:
+    """Counted bytes of one bucket whose gradients have `shapes` (all its all-reduces): the matrices compressed at
     `rank` at `ranks` (in order; None: `rank`, capped by each shape), the rest exact, and with `probed` (adaptive
-    rank) each compressed matrix's error probe."""
+    rank) each compressed matrix's error probe. `tables`: compressed matrix i (in that order) → the rows it sent
+    instead of factors, or None (`rows_sent`): each pays its mask, n bytes."""
     mats = [matrix_shape(s) for s in shapes if compressed_rank(s, rank, min_rate)]
     exact = sum(s.numel() for s in shapes if not compressed_rank(s, rank, min_rate))
     ranks = [min(rank, *m) for m in mats] if ranks is None else ranks
-    probes = sum(probe_size(m) for m in mats) if probed else 0
-    return 4 * (exact + sum((n + m) * r for (n, m), r in zip(mats, ranks)) + probes)
+    tables = tables or {}
+    factored = [i for i in range(len(mats)) if tables.get(i) is None]
+    probes = sum(probe_size(mats[i]) for i in factored) if probed else 0
+    rows = sum(k * mats[i][1] for i, k in tables.items() if k is not None)
+    masks = sum(mats[i][0] for i in tables)
+    return 4 * (exact + sum((mats[i][0] + mats[i][1]) * ranks[i] for i in factored) + probes + rows) + masks
 
 
 @dataclass
@@ -71,6 +79,10 @@ class PowerSGDState:
     residual: dict[int, torch.Tensor] = field(default_factory=dict)
     q: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # warm start per bucket
     calls: dict[int, int] = field(default_factory=dict)  # bucket → steps compressed (the probes' seed)
+    lookup_rows: bool = True  # compression.lookup_rows: a lookup table's touched rows instead of factors (`rows.py`)
+    lookups: frozenset[int] = frozenset()  # ids of the lookup tables' parameters (set by the trainer)
+    rows_sent: dict[int, dict[int, Optional[int]]] = field(default_factory=dict)  # bucket → its tables (by compressed
+    # matrix position) → the rows each sent on the last step, None: factors (`payload_bytes`'s `tables`)
 
     def state_dict(self) -> dict[str, Any]:
         out = {"residual": dict(self.residual), "q": {k: list(v) for k, v in self.q.items()}}
@@ -97,6 +109,24 @@ class PowerSGDState:
             out["probe_error"] = self.control.figures(index)[1]
         return out
 
+    def row_plan(self, bucket: Any, views: list[torch.Tensor], ranks: list[int],
+                 exact: int) -> list[Optional[torch.Tensor]]:
+        """Per compressed view: the rows it sends instead of factors this step (`rows.plan`), or None. A table
+        may cost its factors at its rank (and its error probe) and, under the adaptive rank, its share of what the
+        bucket's byte budget has left."""
+        ids = [id(p) for p, g in zip(bucket.parameters(), bucket.gradients())
+               if compressed_rank(g.shape, self.rank, self.min_compression_rate)]
+        lookup = [self.lookup_rows and i in self.lookups for i in ids]
+        shapes = [tuple(v.shape) for v in views]
+        room = 0.0
+        if self.control is not None and any(lookup):
+            room = max(0.0, self.control.room(bucket.index(), shapes, exact)) / sum(lookup)
+        allowances = [(n + m) * r + (probe_size((n, m)) + room if self.control is not None else 0)
+                      for (n, m), r in zip(shapes, ranks)]
+        out = R.plan(views, lookup, allowances, self.group)
+        self.rows_sent[bucket.index()] = {i: None if u is None else u.numel() for i, u in enumerate(out) if lookup[i]}
+        return out
+
     def ranks(self, index: int, shapes: list[tuple[int, int]]) -> list[int]:
         """The ranks of bucket `index`'s compressed matrices: the controller's, or `rank` capped by each shape."""
         if self.control is not None:
@@ -109,7 +139,7 @@ def make(cfg: CompressionConfig, group: Group) -> tuple[Any, PowerSGDState]:
     control = RankControl(cfg.rank, cfg.target_error, cfg.rank_window, cfg.min_ratio, cfg.max_rank,
                           cfg.min_compression_rate) if cfg.target_error > 0 else None
     return powersgd_hook, PowerSGDState(group, cfg.rank, cfg.error_feedback, cfg.min_compression_rate, cfg.seed,
-                                        control)
+                                        control, lookup_rows=cfg.lookup_rows)
 
 
 def _orthonormal(p: torch.Tensor) -> torch.Tensor:
@@ -158,19 +188,26 @@ def powersgd_hook(st: PowerSGDState, bucket: Any) -> torch.futures.Future:
     buf, n, idx = bucket.buffer(), C.size(st.group), bucket.index()
     if n == 1:
         return done(buf)
+    grads = bucket.gradients()
+    views = [g.view(matrix_shape(g.shape)) for g in grads if compressed_rank(g.shape, st.rank, st.min_compression_rate)]
+    exact = [g for g in grads if not compressed_rank(g.shape, st.rank, st.min_compression_rate)]
+    ranks = st.ranks(idx, [tuple(v.shape) for v in views])
+    rows = st.row_plan(bucket, views, ranks, sum(e.numel() for e in exact))  # before error feedback is added
     if st.error_feedback:
         r = st.residual.get(idx)
         if r is not None and r.shape == buf.shape:
             buf += r
         local = buf.clone()
-    grads = bucket.gradients()
-    views = [g.view(matrix_shape(g.shape)) for g in grads if compressed_rank(g.shape, st.rank, st.min_compression_rate)]
-    exact = [g for g in grads if not compressed_rank(g.shape, st.rank, st.min_compression_rate)]
-    mats = list(zip(views, st.ranks(idx, [tuple(v.shape) for v in views])))
-    qs, probes = _initial_qs(st, idx, mats), _probes(st, idx, mats)
+    every = list(zip(views, ranks))
+    qs_all, probes_all = _initial_qs(st, idx, every), _probes(st, idx, every)
+    factored = [i for i, u in enumerate(rows) if u is None]
+    mats, qs = [every[i] for i in factored], [qs_all[i] for i in factored]
+    probes = [probes_all[i] for i in factored] if probes_all else []
+    sent = [(views[i], u) for i, u in enumerate(rows) if u is not None]
     ps = [m @ q for (m, _), q in zip(mats, qs)]
     sketches = [_sketch(m, w) for (m, _), w in zip(mats, probes)]
-    parts = [e.reshape(-1) for e in exact] + [p.reshape(-1) for p in ps] + sketches
+    parts = ([e.reshape(-1) for e in exact] + [v[u].reshape(-1) for v, u in sent] + [p.reshape(-1) for p in ps]
+             + sketches)
     flat = torch.cat(parts) if parts else buf.new_zeros(0)  # empty: a hierarchical range with no rows
     if flat.numel():  # every rank of the group has the same shapes, so all skip together
         C.all_reduce(flat, st.group)
@@ -178,9 +215,10 @@ def powersgd_hook(st: PowerSGDState, bucket: Any) -> torch.futures.Future:
     for e in exact:
         e.copy_(flat[offset: offset + e.numel()].view_as(e) / n)
         offset += e.numel()
-    if not mats:  # nothing worth compressing in this bucket: it went exactly
+    offset = _place_rows(sent, flat, offset, n)
+    if not mats:  # nothing to factor in this bucket: it went exactly
         if st.error_feedback:
-            st.residual[idx] = local - buf
+            st.residual[idx] = _residual(local, buf, sent)
         return done(buf)
     for i, p in enumerate(ps):
         ps[i] = _orthonormal(flat[offset: offset + p.numel()].view_as(p))
@@ -191,32 +229,62 @@ def powersgd_hook(st: PowerSGDState, bucket: Any) -> torch.futures.Future:
 
     def decompress(_: Any) -> torch.Tensor:
         q_flat.div_(n)
-        new_qs, offset = [], 0
-        for (m, r), p in zip(mats, ps):
+        new_qs, offset = list(qs_all), 0
+        for i, (m, r), p in zip(factored, mats, ps):
             q = q_flat[offset: offset + m.shape[1] * r].view(m.shape[1], r)
             m.copy_(p @ q.t())
-            new_qs.append(q)
+            new_qs[i] = q
             offset += q.numel()
         st.q[idx] = new_qs
         if st.error_feedback:
-            st.residual[idx] = local - buf
+            st.residual[idx] = _residual(local, buf, sent)
         if st.control is not None:
-            _adapt(st, idx, mats, [_probe_error(y, w, p, q) for y, w, p, q in zip(means, probes, ps, new_qs)],
-                   sum(e.numel() for e in exact))
+            errors = [(0.0, 0.0)] * len(every)  # a table sent as rows: exact, no estimate this step
+            for i, y, w, p, q in zip(factored, means, probes, ps, (new_qs[i] for i in factored)):
+                errors[i] = _probe_error(y, w, p, q)
+            _adapt(st, idx, every, errors, factored, sum(e.numel() for e in exact))
         return buf
 
     return work.get_future().then(decompress)
 
 
+def _place_rows(sent: list[tuple[torch.Tensor, torch.Tensor]], flat: torch.Tensor, offset: int, n: int) -> int:
+    """Each table sent as rows: its union rows from `flat` (from `offset`, summed over n ranks) as the mean,
+    zeros elsewhere; returns the offset after them."""
+    for v, u in sent:
+        k = u.numel() * v.shape[1]
+        v.zero_()
+        v[u] = flat[offset: offset + k].view(u.numel(), v.shape[1]) / n
+        offset += k
+    return offset
+
+
+def _residual(local: torch.Tensor, buf: torch.Tensor, sent: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """This rank's error feedback: what it had minus what was applied; none on a table's sent rows (the ranks'
+    deviations from their exact mean sum to zero)."""
+    residual = local - buf
+    for v, u in sent:
+        view = residual[_span(buf, v)].view_as(v)
+        view[u] = 0
+    return residual
+
+
+def _span(buf: torch.Tensor, v: torch.Tensor) -> slice:
+    """The slice of `buf` that `v`, a view of it, covers."""
+    start = v.storage_offset() - buf.storage_offset()
+    return slice(start, start + v.numel())
+
+
 def _adapt(st: PowerSGDState, idx: int, mats: list[tuple[torch.Tensor, int]], errors: list[tuple[float, float]],
-           exact: int) -> None:
+           factored: list[int], exact: int) -> None:
     """Hand the step's probes and column energies ‖qⱼ‖² to the rank controller, the kept Qs' columns ordered
-    strongest first (the same span: the next P and M̂ do not change; a shrink keeps the strongest)."""
-    energies = []
-    for i, q in enumerate(st.q[idx]):
-        energy, order = q.pow(2).sum(0).sort(descending=True)
-        st.q[idx][i] = q[:, order]
-        energies.append(energy.tolist())
+    strongest first (the same span: the next P and M̂ do not change; a shrink keeps the strongest); a matrix
+    not factored this step (a table sent as rows) adds nothing."""
+    energies = [[0.0] * r for _, r in mats]
+    for i in factored:
+        energy, order = st.q[idx][i].pow(2).sum(0).sort(descending=True)
+        st.q[idx][i] = st.q[idx][i][:, order]
+        energies[i] = energy.tolist()
     assert st.control is not None
     st.control.observe(idx, errors, energies, [tuple(m.shape) for m, _ in mats], exact)
 

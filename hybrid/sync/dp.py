@@ -52,6 +52,15 @@ def kept_exact(cfg: Config, model: nn.ModuleList) -> frozenset[int]:
     return exact_param_ids(named, exact_kinds(c.exact_params, c.schedule))
 
 
+def lookup_tables(cfg: Config, model: nn.ModuleList) -> frozenset[int]:
+    """The ids of the parameters read only by a lookup, whose gradient has a row per id a step saw
+    (`compression/rows.py`): the token embedding, unless tied to the head (whose gradient is dense). (A learned
+    position table is not one: every step touches the same first rows, at full length all of them.)"""
+    if cfg.model.tie_embeddings:
+        return frozenset()
+    return frozenset(id(chunk.tok_embed.weight) for chunk in model if hasattr(chunk, "tok_embed"))
+
+
 class SynchronousDP:
     """Every step's gradients averaged over DP through the compression hook (see the module doc)."""
 
@@ -71,6 +80,7 @@ class SynchronousDP:
         watcher = state if isinstance(state, Compression) else None
         if watcher is not None:
             watcher.exact_params = apart
+            watcher.set_lookups(lookup_tables(cfg, model))
         zg = zero_groups(cfg, ctx)  # HSDP: the replicas' all-reduce is the between-node part; qgZ's hops
         report = SyncReport(error=c.measure_error, exact=c.method == "none",
                             inter_node=c.method == "hierarchical" or zg.replicas is not None or zg.across is not None)
@@ -94,7 +104,7 @@ class SynchronousDP:
         return Footprint(state=state, transient=copies)
 
     def startup(self, cfg: Config, layout: Layout) -> list[str]:
-        return exchange.startup_lines(cfg, layout, cfg.train.steps)
+        return exchange.startup_lines(cfg, layout, cfg.train.steps, gradients=True)
 
 
 SYNCHRONOUS_DP = register_sync_mode(SynchronousDP())

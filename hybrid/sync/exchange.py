@@ -157,9 +157,11 @@ def zero2_copies(c: CompressionConfig, largest: Sequence[int], device: str, piec
     return F32 * sum(largest) + cast + (F32 * inp if device != "cuda" else 0)
 
 
-def compression_summary(c: CompressionConfig, layout: Layout, steps: Optional[int], beta2: float) -> str:
+def compression_summary(c: CompressionConfig, layout: Layout, steps: Optional[int], beta2: float,
+                        tables: bool = False) -> str:
     """One start-up line: the DP hook, its warm-up (sized from a run of `steps` exchanges when null), 1-bit Adam's
-    variance (its refreshes sized from AdamW's `beta2`), and under hierarchical how the DP groups split over nodes."""
+    variance (its refreshes sized from AdamW's `beta2`), PowerSGD's lookup rows where the model has an untied token
+    embedding (`tables`), and under hierarchical how the DP groups split over nodes."""
     line = f"compression: {c.method} over dp={layout.dp}"
     if c.schedule == "auto":
         line += (f", schedule auto: exact, then {' → '.join([*c.stages, c.method])}, each stage once the loss's "
@@ -178,6 +180,9 @@ def compression_summary(c: CompressionConfig, layout: Layout, steps: Optional[in
         line += (f"; rank {c.rank} to start, each matrix's following its measured error (grows above "
                  f"compression.target_error={c.target_error:g}, {budget_phrase(c, steps)}; target_error=0 fixes "
                  "the rank)")
+    if "powersgd" in (c.method, c.inner) and tables:
+        line += ("; the token embedding sends the rows each step touched, exactly, where they cost no more than its "
+                 "factors (compression.lookup_rows" + ("" if c.lookup_rows else "=false: factors instead") + ")")
     if c.method == "zeroone_adam" and steps:
         line += ": " + ZeroOneSchedule.of(c).sized(steps).describe()
     if {c.method, c.inner} & SPARSIFIERS:
@@ -200,12 +205,14 @@ def hierarchical_split(c: CompressionConfig, layout: Layout) -> str:
     return line
 
 
-def startup_lines(cfg: Config, layout: Layout, steps: Optional[int] = None) -> list[str]:
+def startup_lines(cfg: Config, layout: Layout, steps: Optional[int] = None, gradients: bool = False) -> list[str]:
     """The compression hook's start-up line, when the exchange is compressed (`steps`: the exchanges of the run,
-    which size a null warm-up; None: it has none)."""
+    which size a null warm-up; None: it has none; `gradients`: it exchanges each step's gradients, whose lookup
+    tables PowerSGD may send as rows)."""
     if cfg.compression.method == "none":
         return []
-    return [compression_summary(cfg.compression, layout, steps, cfg.optim.beta2)]
+    tables = gradients and not cfg.model.tie_embeddings
+    return [compression_summary(cfg.compression, layout, steps, cfg.optim.beta2, tables)]
 
 
 def exchange_bytes(cfg: Config, sizes: Sequence[int], dp: int, device: str, node: int = 0) -> tuple[int, int]:

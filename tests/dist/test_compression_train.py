@@ -15,9 +15,10 @@ PyTorch's own DDP hooks against ours: `torch_fp16` vs `fp16`, `torch_powersgd` v
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -51,6 +52,7 @@ RUNS["hierarchical"] = (Case(pp=2), 2, ["compression=hierarchical", "compression
 # hierarchical is exact. At dp4 each DP group is 2 ranks on each of 2 nodes, so both hops are real.
 RUNS["hierarchical-dp4"] = (Case(), 2, ["compression=hierarchical", "compression.inner=powersgd"])
 RUNS["hierarchical-sign"] = (Case(), 2, ["compression=hierarchical", "compression.inner=sign"])  # scaled pieces
+RUNS["powersgd-llama"] = (Case("llama", pp=2), 2, ["compression=powersgd"])  # an untied token embedding: rows
 WORLD = 4
 
 ALL_REDUCE, TWO_PHASE = "all_reduce", "two_phase"
@@ -61,8 +63,10 @@ def _wire(kind: str, payload: int, n: int) -> float:
     return payload * (2 if kind == ALL_REDUCE else 1) * (n - 1) / n
 
 
-def _flat(method: str, c: Any, numel: int, shapes: list[torch.Size], n: int) -> tuple[int, str]:
-    """Counted payload of one bucket (numel elements, gradient `shapes`) under a flat method over n ranks."""
+def _flat(method: str, c: Any, numel: int, shapes: list[torch.Size], n: int,
+          tables: Optional[dict[int, Optional[int]]] = None) -> tuple[int, str]:
+    """Counted payload of one bucket (numel elements, gradient `shapes`) under a flat method over n ranks;
+    `tables`: PowerSGD's lookup tables of the bucket and the rows each sent (`rows_sent`)."""
     if n == 1:
         return 0, ALL_REDUCE  # size-1 group: no collective runs
     if method == "none":
@@ -71,7 +75,7 @@ def _flat(method: str, c: Any, numel: int, shapes: list[torch.Size], n: int) -> 
         return 2 * numel, ALL_REDUCE
     if method in ("powersgd", "torch_powersgd"):  # ours probes its error under an adaptive rank
         probed = method == "powersgd" and c.target_error > 0
-        return powersgd.payload_bytes(shapes, c.rank, c.min_compression_rate, probed=probed), ALL_REDUCE
+        return powersgd.payload_bytes(shapes, c.rank, c.min_compression_rate, probed=probed, tables=tables), ALL_REDUCE
     return codecs.payload_bytes(codecs.CODECS[method].build(c), numel, n), TWO_PHASE
 
 
@@ -81,8 +85,10 @@ def _stats(method: str, c: Any, shapes: list[torch.Size], n: int) -> tuple[int, 
             ALL_REDUCE)
 
 
-def expected_step(c: Any, step: int, buckets: list[Any], ctx: ParallelContext) -> tuple[dict[str, int], float]:
-    """(counted payload per DP group, wire bytes this rank sends) of one step, from the library's formulas."""
+def expected_step(c: Any, step: int, buckets: list[Any], ctx: ParallelContext,
+                  rows_sent: Optional[dict[int, dict[int, Optional[int]]]] = None) -> tuple[dict[str, int], float]:
+    """(counted payload per DP group, wire bytes this rank sends) of one step, from the library's formulas
+    (`rows_sent`: PowerSGD's lookup tables per bucket, what each sent this step)."""
     payload, wire = dict.fromkeys(DP_GROUPS, 0), 0.0
 
     def add(group: str, amount: tuple[int, str], n: int) -> None:
@@ -95,7 +101,8 @@ def expected_step(c: Any, step: int, buckets: list[Any], ctx: ParallelContext) -
         # warm-up: ours via Compression (exact fp32), PyTorch's PowerSGD via start_powerSGD_iter (the same)
         method = "none" if step < warmup_of(c, None) else c.method  # null: no run length given, the least
         if method != "hierarchical":
-            add("dp", _flat(method, c, numel, shapes, ctx.dp_size), ctx.dp_size)
+            tables = (rows_sent or {}).get(b.index()) if method != "none" else None
+            add("dp", _flat(method, c, numel, shapes, ctx.dp_size, tables), ctx.dp_size)
             add("dp", _stats(method, c, shapes, ctx.dp_size), ctx.dp_size)
             continue
         r, j, n_inter = C.size(ctx.dp_intra_group), C.rank(ctx.dp_intra_group), C.size(ctx.dp_inter_group)
@@ -136,7 +143,8 @@ def train_method(ctx: ParallelContext, case: Case, world: int, overrides: list[s
     trainer = Trainer(cfg, ctx, model, synthetic_corpus(vocab=VOCAB, n=SAMPLES), torch.device("cpu"), counted, state)
     buckets = trainer.grad_sync.buckets
     out: dict[str, Any] = {"coord": (ctx.coord.pp, ctx.coord.dp, ctx.coord.tp), "buckets": len(buckets), "losses": [],
-                           "norms": [], "calls": [], "bytes": [], "expected": [], "wire": [], "expected_wire": []}
+                           "norms": [], "calls": [], "bytes": [], "expected": [], "wire": [], "expected_wire": [],
+                           "rows_sent": []}
     for step in range(steps):
         C.COUNTER.reset()
         calls.clear()
@@ -147,7 +155,9 @@ def train_method(ctx: ParallelContext, case: Case, world: int, overrides: list[s
         out["calls"].append(list(calls))
         out["bytes"].append({g: C.COUNTER.group_bytes(g) for g in DP_GROUPS})
         out["wire"].append(sum(C.COUNTER.wire_bytes(g) for g in DP_GROUPS))
-        payload, wire = expected_step(cfg.compression, step, buckets, ctx)
+        rows_sent = copy.deepcopy(getattr(state.state, "rows_sent", {}))
+        payload, wire = expected_step(cfg.compression, step, buckets, ctx, rows_sent)
+        out["rows_sent"].append(rows_sent)
         out["expected"].append(payload)
         out["expected_wire"].append(wire)
     n = ctx.dp_size
@@ -229,6 +239,14 @@ def test_counted_dp_bytes_equal_the_method_formula(label: str) -> None:
     elif label != "none":
         sent, exact = results[0]["wire"][-1], method_runs()["none"][0]["wire"][-1]
         assert 0 < sent <= exact / 2, (label, sent, exact)  # every method sends at most half of fp32's bytes
+
+
+def test_powersgd_treats_the_untied_token_embedding_as_a_table() -> None:
+    """Llama's token embedding (untied, on the first stage) is PowerSGD's one lookup table: its mask is exchanged
+    (the bytes above count it); this corpus touches every row, so it goes as factors (rows: test_lookup_rows.py)."""
+    for r in method_runs()["powersgd-llama"]:
+        tables = [rows for bucket in r["rows_sent"][-1].values() for rows in bucket.values()]
+        assert tables == ([None] if r["coord"][0] == 0 else []), r["coord"]
 
 
 @pytest.mark.parametrize("label", list(RUNS))

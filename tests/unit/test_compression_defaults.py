@@ -96,6 +96,18 @@ def test_the_startup_line_says_the_budget_per_bucket_and_over_the_run() -> None:
     assert "the warm-up alone (5% of the run exact) keeps the run under 20×" in line
 
 
+@pytest.mark.parametrize("overrides,says", [
+    (["model=llama-tiny"], "exactly, where they cost no more than its factors (compression.lookup_rows)"),
+    (["model=llama-tiny", "compression.lookup_rows=false"], "(compression.lookup_rows=false: factors instead)"),
+    (["model=gpt-tiny"], None),  # the token embedding is the head's: its gradient is dense
+    (["model=llama-tiny", "sync=diloco"], None),  # pseudo-gradients: every row moves
+])
+def test_the_startup_line_says_where_the_token_embedding_goes_as_rows(overrides: list[str], says: str) -> None:
+    cfg = compose_config(["compression=powersgd", "train.steps=200", *BATCH, *overrides])
+    (line,) = [s for s in startup_lines(cfg, validate(cfg, 4)) if s.startswith("compression:")]
+    assert (says in line) if says else ("lookup_rows" not in line), line
+
+
 @pytest.mark.parametrize("kw,steps,expected", [
     ({}, 200, 10 / 150),  # 50 exact steps, 150 compressed: each coordinate about 10 times
     ({}, 5000, 0.01),  # 3,750 compressed steps: the floor
