@@ -201,8 +201,7 @@ def powersgd_hook(st: PowerSGDState, bucket: Any) -> torch.futures.Future:
     every = list(zip(views, ranks))
     qs_all, probes_all = _initial_qs(st, idx, every), _probes(st, idx, every)
     factored = [i for i, u in enumerate(rows) if u is None]
-    mats, qs = [every[i] for i in factored], [qs_all[i] for i in factored]
-    probes = [probes_all[i] for i in factored] if probes_all else []
+    mats, qs, probes = _pick(factored, every), _pick(factored, qs_all), _pick(factored, probes_all)
     sent = [(views[i], u) for i, u in enumerate(rows) if u is not None]
     ps = [m @ q for (m, _), q in zip(mats, qs)]
     sketches = [_sketch(m, w) for (m, _), w in zip(mats, probes)]
@@ -246,6 +245,11 @@ def powersgd_hook(st: PowerSGDState, bucket: Any) -> torch.futures.Future:
         return buf
 
     return work.get_future().then(decompress)
+
+
+def _pick(at: list[int], items: list[Any]) -> list[Any]:
+    """`items` at the positions `at` (none when `items` is empty: no probes at a fixed rank)."""
+    return [items[i] for i in at] if items else []
 
 
 def _place_rows(sent: list[tuple[torch.Tensor, torch.Tensor]], flat: torch.Tensor, offset: int, n: int) -> int:

@@ -134,6 +134,24 @@ def test_defaults_set_adds_its_overrides_to_every_method_and_reproduces(capsys: 
     assert "--set takes KEY=VALUE" in capsys.readouterr().err
 
 
+def test_defaults_over_seeds_judge_the_mean_gap(capsys: pytest.CaptureFixture[str]) -> None:
+    """--seeds: each method's gap averaged over the seeds' own exact runs, the goals judged on the means (made-up
+    per-seed rows: powersgd +3 % and −0.6 % at 24× and 20× → +1.2 % at 22×, within 2 % and the best at ≥ 20× but
+    not within 1 %)."""
+    def row(label: str, rel: float, ratio: float) -> dict:
+        return {"label": label, "goal": label != "none", "rel": rel, "run_wire_ratio": ratio}
+    per_seed = [[row("none", 0.0, 1.0), row("powersgd", 0.03, 24.0), row("int8", 0.001, 3.9)],
+                [row("none", 0.0, 1.0), row("powersgd", -0.006, 20.0), row("int8", 0.003, 3.9)]]
+    rows = {r["label"]: r for r in compression_defaults.seed_means(per_seed, [1, 2], print)}
+    assert rows["powersgd"]["rel"] == pytest.approx(0.012) and rows["powersgd"]["run_wire_ratio"] == 22.0
+    assert (rows["powersgd"]["low"], rows["powersgd"]["high"]) == (-0.006, 0.03) and rows["powersgd"]["pass"]
+    out = capsys.readouterr().out
+    assert "## mean over seeds 1, 2" in out and "best at ≥ 20× over the run: powersgd +1.20% at 22.0× — FAIL" in out
+    with pytest.raises(SystemExit):
+        compression_defaults.parse_args(["--seeds", "1,x"])
+    assert "--seeds takes comma-separated integers" in capsys.readouterr().err
+
+
 def test_gradient_fit_reads_both_layouts_of_every_weight(cache: None, capsys: pytest.CaptureFixture[str]) -> None:
     """`gradient_fit --quick` at one step: a row per kind of weight, auto's layout columns for the row-parallel
     ones; on a matrix whose columns' scales are 10^±3 apart the columns layout fits each column far better."""
