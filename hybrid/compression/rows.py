@@ -1,10 +1,9 @@
 """Lookup rows (`compression.lookup_rows`): PowerSGD sends a lookup table's touched rows, exactly, when cheaper.
 
-An untied token embedding is read only by its lookup: a step's gradient holds a row
-for each id the step saw and zeros elsewhere (llama-tiny, 8,192 rows, 512 tokens a step: ~240 rows). Its rows are
-independent directions, so PowerSGD's factors approximate it badly — on llama-tiny its error stayed at 0.5-0.9
-for the whole run while every other matrix settled at 0.1-0.4 — yet the touched rows themselves cost about what
-the factors do.
+An untied token embedding is read only by its lookup: a step's gradient holds a row for each id the step saw and
+zeros elsewhere (llama-tiny, 8,192 rows, 512 tokens a step: ~240 rows). Its rows are independent directions, so
+PowerSGD's factors approximate it badly — on llama-tiny its error stayed at 0.5-0.9 for the whole run while every
+other matrix settled at 0.1-0.4 — yet the touched rows themselves cost about what the factors do.
 
 Per step and PowerSGD bucket holding such a table (`PowerSGDState.lookups`, parameter ids the trainer sets):
   1. each rank's mask of the table's nonzero gradient rows (before error feedback is added), and one
@@ -15,8 +14,9 @@ Per step and PowerSGD bucket holding such a table (`PowerSGDState.lookups`, para
      feedback, ride in PowerSGD's first all-reduce and arrive as the exact DP mean; the other rows get nothing
      this step and keep their residual, U's rows keep none (the ranks' deviations from the mean sum to zero).
      Otherwise the table goes as factors, as any matrix.
-A bucket never sends more than its factors or its byte budget allow; the mask's n bytes are paid on every step.
-Every DP rank decides alike (U is all-reduced), so the replicas stay equal.
+Apart from the mask (n bytes, paid on every step), a bucket never sends more than its factors or its byte budget
+allow. Every DP rank decides alike (U is all-reduced), so the replicas stay equal. On llama-tiny it halves
+PowerSGD's error; the eval loss after 200 steps did not move beyond its noise (docs/compression.md).
 """
 
 from __future__ import annotations
