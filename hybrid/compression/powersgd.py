@@ -109,13 +109,12 @@ class PowerSGDState:
             out["probe_error"] = self.control.figures(index)[1]
         return out
 
-    def row_plan(self, bucket: Any, views: list[torch.Tensor], ranks: list[int],
+    def row_plan(self, bucket: Any, compressed: list[bool], views: list[torch.Tensor], ranks: list[int],
                  exact: int) -> list[Optional[torch.Tensor]]:
-        """Per compressed view: the rows it sends instead of factors this step (`rows.plan`), or None. A table
-        may cost its factors at its rank (and its error probe) and, under the adaptive rank, its share of what the
-        bucket's byte budget has left."""
-        ids = [id(p) for p, g in zip(bucket.parameters(), bucket.gradients())
-               if compressed_rank(g.shape, self.rank, self.min_compression_rate)]
+        """Per compressed view (`compressed`: which of the bucket's gradients are): the rows it sends instead of
+        factors this step (`rows.plan`), or None. A table may cost its factors at its rank (and its error probe)
+        and, under the adaptive rank, its share of what the bucket's byte budget has left."""
+        ids = [id(p) for p, c in zip(bucket.parameters(), compressed) if c]
         lookup = [self.lookup_rows and i in self.lookups for i in ids]
         shapes = [tuple(v.shape) for v in views]
         room = 0.0
@@ -189,10 +188,11 @@ def powersgd_hook(st: PowerSGDState, bucket: Any) -> torch.futures.Future:
     if n == 1:
         return done(buf)
     grads = bucket.gradients()
-    views = [g.view(matrix_shape(g.shape)) for g in grads if compressed_rank(g.shape, st.rank, st.min_compression_rate)]
-    exact = [g for g in grads if not compressed_rank(g.shape, st.rank, st.min_compression_rate)]
+    compressed = [compressed_rank(g.shape, st.rank, st.min_compression_rate) > 0 for g in grads]
+    views = [g.view(matrix_shape(g.shape)) for g, c in zip(grads, compressed) if c]
+    exact = [g for g, c in zip(grads, compressed) if not c]
     ranks = st.ranks(idx, [tuple(v.shape) for v in views])
-    rows = st.row_plan(bucket, views, ranks, sum(e.numel() for e in exact))  # before error feedback is added
+    rows = st.row_plan(bucket, compressed, views, ranks, sum(e.numel() for e in exact))  # before error feedback
     if st.error_feedback:
         r = st.residual.get(idx)
         if r is not None and r.shape == buf.shape:
