@@ -59,6 +59,8 @@ class CompressionConfig:
     # powersgd: an untied token embedding sends the rows a step touched, exactly, when they cost no more than its
     # factors (compression/rows.py); false: factors, as every matrix
     lookup_rows: bool = True
+    # powersgd: the dtype the factors P, Q travel in: bf16 (half the bytes: twice the rank in the same budget) | fp32
+    factor_dtype: str = "bf16"
     inner: str = ""  # hierarchical: the method between nodes (exact inside a node)
     # dgc: momentum of the accumulated velocity (the paper's momentum correction, for an optimizer without momentum
     # of its own: optim=sgd optim.momentum=0 dgc_momentum=0.9); 0: AdamW's β₁ (or SGD's momentum) is the only one

@@ -26,7 +26,8 @@ BYTES_METHODS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sign", ("compression=sign",)),
     ("topk", ("compression=topk", "compression.fraction=0.01")),
     ("powersgd", ("compression=powersgd", "compression.rank=4")),
-    ("powersgd fixed", ("compression=powersgd", "compression.rank=4", "compression.target_error=0")),  # PyTorch's
+    ("powersgd fixed", ("compression=powersgd", "compression.rank=4", "compression.target_error=0",
+                        "compression.factor_dtype=fp32")),  # PyTorch's
     ("torch_fp16", ("compression=torch_fp16",)),
     ("torch_powersgd", ("compression=torch_powersgd", "compression.rank=4")),  # its config: warmup_steps=2
     ("hier+int8", ("compression=hierarchical", "compression.inner=int8")),
@@ -66,8 +67,9 @@ def flat_payload(method: str, ccfg: CompressionConfig, shapes: list[torch.Size],
     if method in ("fp16", "bf16", "torch_fp16", "torch_bf16"):
         return 2 * numel
     if method in ("powersgd", "torch_powersgd"):  # ours probes its error under an adaptive rank
-        probed = method == "powersgd" and ccfg.target_error > 0
-        return powersgd.payload_bytes(shapes, ccfg.rank, ccfg.min_compression_rate, probed=probed)
+        ours = method == "powersgd"
+        return powersgd.payload_bytes(shapes, ccfg.rank, ccfg.min_compression_rate, probed=ours and ccfg.target_error
+                                      > 0, factor_bytes=powersgd.factor_bytes(ccfg) if ours else 4)
     codec = REGISTRY[method](ccfg, None)[1].codec  # the codec the method's factory builds
     return codecs.payload_bytes(codec, numel, n) + stats_payload(method, ccfg, shapes)
 

@@ -51,7 +51,7 @@ PARITY_RUNS: tuple[tuple[str, tuple[str, ...], bool], ...] = (  # (label, overri
     ("powersgd EF", ("compression=powersgd", "compression.rank=4"), True),
     ("powersgd no-EF", ("compression=powersgd", "compression.rank=4", "compression.error_feedback=false"), False),
     ("powersgd fixed EF", ("compression=powersgd", "compression.rank=4", "compression.warmup_steps=2",
-                           "compression.target_error=0"), True),  # a fixed rank: beside PyTorch's
+                           "compression.target_error=0", "compression.factor_dtype=fp32"), True),  # as PyTorch's
     ("powersgd r8 EF", ("compression=powersgd", "compression.rank=8", "compression.target_error=0"), True),
     ("torch_powersgd EF", ("compression=torch_powersgd", "compression.rank=4", "compression.warmup_steps=2"), False),
     ("onebit_adam", ("compression=onebit_adam",), True),  # its warm-up: --warmup-share of the steps

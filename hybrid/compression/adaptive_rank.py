@@ -21,8 +21,9 @@ shrinks (by a quarter, at least 1) only when the error it would have had with fe
 weakest columns adds their energy to the error; the window sums each step's column energies, weakest last.
 So a matrix of true rank k settles at k instead of swinging between k and k − 1. Growth goes to the
 matrices with the largest error first and stops at the byte budget: a bucket's payload — exact elements +
-Σ (n + m)·rᵢ + the probes — stays within its fp32 elements / `min_ratio` (the per-bucket figure that keeps
-the run, its exact warm-up included, at `compression.min_ratio`: `defaults.bucket_ratio`), and no rank exceeds
+Σ (n + m)·rᵢ (each factor element half an fp32 one under `compression.factor_dtype=bf16`) + the probes —
+stays within its fp32 elements / `min_ratio` (the per-bucket figure that keeps the run, its exact warm-up
+included, at `compression.min_ratio`: `defaults.bucket_ratio`), and no rank exceeds
 `compression.max_rank`, min(n, m) or the rank at which the factors would stop being `min_compression_rate`
 times smaller than the matrix. Which matrices are compressed at all is decided once, at
 `compression.rank` (PyTorch's rule, as with a fixed rank), so a bucket's layout never changes; a Q kept
@@ -75,9 +76,10 @@ def probe_size(shape: Shape) -> int:
     return min(shape)
 
 
-def payload_elements(shapes: list[Shape], ranks: list[int], exact: int) -> int:
-    """Elements one bucket sends per step: `exact` elements, Σ (n + m)·r of the factors, and the probes."""
-    return exact + sum((n + m) * r + probe_size((n, m)) for (n, m), r in zip(shapes, ranks))
+def payload_elements(shapes: list[Shape], ranks: list[int], exact: int, share: float = 1.0) -> float:
+    """fp32 elements one bucket sends per step: `exact` elements, Σ (n + m)·r of the factors (each factor element
+    `share` of an fp32 one: ½ in bf16), and the probes."""
+    return exact + sum((n + m) * r * share + probe_size((n, m)) for (n, m), r in zip(shapes, ranks))
 
 
 @dataclass
@@ -90,6 +92,7 @@ class RankControl:
     min_ratio: float  # compression.min_ratio: the byte budget
     max_rank: int  # compression.max_rank
     min_rate: float  # compression.min_compression_rate
+    share: float = 1.0  # a factor element's bytes over an fp32 element's (compression.factor_dtype: bf16 ½)
     ranks: dict[int, list[int]] = field(default_factory=dict)  # bucket → rank per compressed matrix
     sums: dict[int, list[list[float]]] = field(default_factory=dict)  # bucket → [Σ‖ȳ − M̂ᵀω‖², Σ‖ȳ‖²] per matrix
     energy: dict[int, list[list[float]]] = field(default_factory=dict)  # bucket → Σ‖qⱼ‖², strongest first, per matrix
@@ -140,12 +143,12 @@ class RankControl:
         """Elements bucket `index` may still add to its payload at its current ranks within its byte budget,
         (exact + Σ n·m) / `min_ratio`."""
         budget = (exact + sum(n * m for n, m in shapes)) / self.min_ratio
-        return budget - payload_elements(shapes, self.ranks[index], exact)
+        return budget - payload_elements(shapes, self.ranks[index], exact, self.share)
 
     def _grown(self, shapes: list[Shape], ranks: list[int], i: int, room: float) -> int:
         """Matrix `i`'s rank doubled, as far as its cap and `room` (the budget's elements left) allow."""
         n, m = shapes[i]
-        affordable = ranks[i] + max(0, int(room // (n + m)))
+        affordable = ranks[i] + max(0, int(room // ((n + m) * self.share)))
         return max(ranks[i], min(2 * ranks[i], rank_cap(shapes[i], self.max_rank, self.min_rate), affordable))
 
     def figures(self, index: int) -> tuple[float, float]:

@@ -10,15 +10,20 @@ sent as two thin factors; the rest (biases, norms, small matrices) are sent exac
   4. Q = Mᵀ·P, **all-reduce** [all Q] (sum), divide by n;
   5. M̂ = P·Qᵀ is the mean's rank-r approximation, written into the bucket.
 
+With `compression.factor_dtype=bf16` (the default) P and Q travel in bfloat16 — P in an all-reduce of its own
+beside step 2's fp32 one, Q divided by n before the cast — at half the bytes, so the same byte budget affords
+twice the rank. bf16's rounding (~0.4 % of each element) is small beside a low-rank approximation's error (10-60 %)
+and goes to the error feedback like it; every rank sums the same bf16 values, so every rank gets the same P and Q.
+
 The residual M − M̂ (this rank's gradient minus the approximated mean) is added to the next
 step's gradient. A lookup table (an untied token embedding: `lookups`) may instead send the rows the step
 touched, exactly, in step 2's all-reduce, when they cost no more than its factors (`rows.py`). Counted
-payload per bucket (`payload_bytes`): 4·(exact elements + Σ (n + m)·r).
+payload per bucket (`payload_bytes`): 4·exact elements + b·Σ (n + m)·r, b = 4 (fp32 factors) or 2 (bf16).
 The first Q is random from a seed shared by the DP ranks, so every replica starts equal.
 
 With `compression.target_error > 0` (`control`, `adaptive_rank.py`) each matrix's rank follows its measured
 error: a probe of min(n, m) floats per matrix rides in step 2's all-reduce, and the payload is
-4·(exact + Σ (n + m)·rᵢ + Σ min(n, m)) with the ranks of that step.
+4·(exact + Σ min(n, m)) + b·Σ (n + m)·rᵢ with the ranks of that step.
 """
 
 from __future__ import annotations
@@ -37,6 +42,14 @@ from hybrid.parallel.collectives import Group
 if TYPE_CHECKING:
     from hybrid.config import CompressionConfig
 
+FACTOR_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""`compression.factor_dtype` → the dtype P and Q travel in."""
+
+
+def factor_bytes(cfg: CompressionConfig) -> int:
+    """Bytes per factor element on the wire under `cfg` (`payload_bytes`'s `factor_bytes`)."""
+    return FACTOR_DTYPES[cfg.factor_dtype].itemsize
+
 
 def matrix_shape(shape: torch.Size) -> tuple[int, int]:
     """The (rows, cols) a gradient of `shape` is compressed as; a 0-d tensor is (1, 1)."""
@@ -52,11 +65,12 @@ def compressed_rank(shape: torch.Size, rank: int, min_rate: float) -> int:
 
 
 def payload_bytes(shapes: list[torch.Size], rank: int, min_rate: float, ranks: Optional[list[int]] = None,
-                  probed: bool = False, tables: Optional[dict[int, Optional[int]]] = None) -> int:
+                  probed: bool = False, tables: Optional[dict[int, Optional[int]]] = None,
+                  factor_bytes: int = 4) -> int:
     """Counted bytes of one bucket whose gradients have `shapes` (all its all-reduces): the matrices compressed at
-    `rank` at `ranks` (in order; None: `rank`, capped by each shape), the rest exact, and with `probed` (adaptive
-    rank) each compressed matrix's error probe. `tables`: compressed matrix i (in that order) → the rows it sent
-    instead of factors, or None (`rows_sent`): each pays its mask, n bytes."""
+    `rank` at `ranks` (in order; None: `rank`, capped by each shape), their factors `factor_bytes` an element, the
+    rest exact, and with `probed` (adaptive rank) each compressed matrix's error probe. `tables`: compressed matrix
+    i (in that order) → the rows it sent instead of factors, or None (`rows_sent`): each pays its mask, n bytes."""
     mats = [matrix_shape(s) for s in shapes if compressed_rank(s, rank, min_rate)]
     exact = sum(s.numel() for s in shapes if not compressed_rank(s, rank, min_rate))
     ranks = [min(rank, *m) for m in mats] if ranks is None else ranks
@@ -65,7 +79,8 @@ def payload_bytes(shapes: list[torch.Size], rank: int, min_rate: float, ranks: O
     probes = sum(probe_size(mats[i]) for i in factored) if probed else 0
     rows = sum(k * mats[i][1] for i, k in tables.items() if k is not None)
     masks = sum(mats[i][0] for i in tables)
-    return 4 * (exact + sum((mats[i][0] + mats[i][1]) * ranks[i] for i in factored) + probes + rows) + masks
+    factors = sum((mats[i][0] + mats[i][1]) * ranks[i] for i in factored)
+    return 4 * (exact + probes + rows) + factor_bytes * factors + masks
 
 
 @dataclass
@@ -76,6 +91,7 @@ class PowerSGDState:
     min_compression_rate: float = 2.0
     seed: int = 0
     control: Optional[RankControl] = None  # adaptive ranks (compression.target_error > 0); None: `rank` fixed
+    factor_dtype: torch.dtype = torch.float32  # compression.factor_dtype: what P and Q travel in
     residual: dict[int, torch.Tensor] = field(default_factory=dict)
     q: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # warm start per bucket
     calls: dict[int, int] = field(default_factory=dict)  # bucket → steps compressed (the probes' seed)
@@ -120,7 +136,8 @@ class PowerSGDState:
         room = 0.0
         if self.control is not None and any(lookup):
             room = max(0.0, self.control.room(bucket.index(), shapes, exact)) / sum(lookup)
-        allowances = [(n + m) * r + (probe_size((n, m)) + room if self.control is not None else 0)
+        share = self.factor_dtype.itemsize / 4
+        allowances = [(n + m) * r * share + (probe_size((n, m)) + room if self.control is not None else 0)
                       for (n, m), r in zip(shapes, ranks)]
         out = R.plan(views, lookup, allowances, self.group)
         self.rows_sent[bucket.index()] = {i: None if u is None else u.numel() for i, u in enumerate(out) if lookup[i]}
@@ -135,10 +152,11 @@ class PowerSGDState:
 
 def make(cfg: CompressionConfig, group: Group) -> tuple[Any, PowerSGDState]:
     """The registry's factory (`registry.REGISTRY`): the hook and its state for the `compression` config `cfg`."""
+    dtype = FACTOR_DTYPES[cfg.factor_dtype]
     control = RankControl(cfg.rank, cfg.target_error, cfg.rank_window, cfg.min_ratio, cfg.max_rank,
-                          cfg.min_compression_rate) if cfg.target_error > 0 else None
+                          cfg.min_compression_rate, dtype.itemsize / 4) if cfg.target_error > 0 else None
     return powersgd_hook, PowerSGDState(group, cfg.rank, cfg.error_feedback, cfg.min_compression_rate, cfg.seed,
-                                        control, lookup_rows=cfg.lookup_rows)
+                                        control, dtype, lookup_rows=cfg.lookup_rows)
 
 
 def _orthonormal(p: torch.Tensor) -> torch.Tensor:
@@ -205,11 +223,8 @@ def powersgd_hook(st: PowerSGDState, bucket: Any) -> torch.futures.Future:
     sent = [(views[i], u) for i, u in enumerate(rows) if u is not None]
     ps = [m @ q for (m, _), q in zip(mats, qs)]
     sketches = [_sketch(m, w) for (m, _), w in zip(mats, probes)]
-    parts = ([e.reshape(-1) for e in exact] + [v[u].reshape(-1) for v, u in sent] + [p.reshape(-1) for p in ps]
-             + sketches)
-    flat = torch.cat(parts) if parts else buf.new_zeros(0)  # empty: a hierarchical range with no rows
-    if flat.numel():  # every rank of the group has the same shapes, so all skip together
-        C.all_reduce(flat, st.group)
+    head = [e.reshape(-1) for e in exact] + [v[u].reshape(-1) for v, u in sent]
+    flat, p_sums, y_sums = _first_reduce(st, head, [p.reshape(-1) for p in ps], sketches, buf)
     offset = 0
     for e in exact:
         e.copy_(flat[offset: offset + e.numel()].view_as(e) / n)
@@ -219,15 +234,13 @@ def powersgd_hook(st: PowerSGDState, bucket: Any) -> torch.futures.Future:
         if st.error_feedback:
             st.residual[idx] = _residual(local, buf, sent)
         return done(buf)
-    for i, p in enumerate(ps):
-        ps[i] = _orthonormal(flat[offset: offset + p.numel()].view_as(p))
-        offset += p.numel()
-    means = [flat[offset + o: offset + o + y.numel()] / n for o, y in zip(_offsets(sketches), sketches)]
-    q_flat = torch.cat([(m.t() @ p).reshape(-1) for (m, _), p in zip(mats, ps)])
-    work = C.all_reduce(q_flat, st.group, async_op=True)
+    ps = [_orthonormal(p_sums[o: o + p.numel()].view_as(p)) for p, o in zip(ps, _offsets(ps))]
+    means = [y_sums[o: o + y.numel()] / n for o, y in zip(_offsets(sketches), sketches)]
+    q_low = _factor_sum(torch.cat([(m.t() @ p).reshape(-1) for (m, _), p in zip(mats, ps)]), st.factor_dtype, n)
+    work = C.all_reduce(q_low, st.group, async_op=True)
 
     def decompress(_: Any) -> torch.Tensor:
-        q_flat.div_(n)
+        q_flat = q_low.div(n) if q_low.dtype == torch.float32 else q_low.float()
         new_qs, offset = list(qs_all), 0
         for i, (m, r), p in zip(factored, mats, ps):
             q = q_flat[offset: offset + m.shape[1] * r].view(m.shape[1], r)
@@ -245,6 +258,30 @@ def powersgd_hook(st: PowerSGDState, bucket: Any) -> torch.futures.Future:
         return buf
 
     return work.get_future().then(decompress)
+
+
+def _first_reduce(st: PowerSGDState, head: list[torch.Tensor], ps: list[torch.Tensor], sketches: list[torch.Tensor],
+                  buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 2: **all-reduce** (sum) [exact tensors and rows ‖ P ‖ probes] in one fp32 call; under a 16-bit
+    `factor_dtype` P goes in a second call of its own, in that dtype. Returns the sums (in fp32) of the head (exact
+    tensors and rows), of the Ps and of the probes, each flat."""
+    low = st.factor_dtype != torch.float32
+    parts = head + ([] if low else ps) + sketches
+    flat = torch.cat(parts) if parts else buf.new_zeros(0)  # empty: a hierarchical range with no rows
+    if flat.numel():  # every rank of the group has the same shapes, so all skip together
+        C.all_reduce(flat, st.group)
+    p_sums = torch.cat(ps).to(st.factor_dtype) if low and ps else buf.new_zeros(0)
+    if p_sums.numel():
+        C.all_reduce(p_sums, st.group)
+    sizes = [sum(t.numel() for t in ts) for ts in (head, [] if low else ps, sketches)]
+    head_sums, fp32_ps, y_sums = flat.split(sizes)
+    return head_sums, (p_sums.float() if low else fp32_ps), y_sums
+
+
+def _factor_sum(q: torch.Tensor, dtype: torch.dtype, n: int) -> torch.Tensor:
+    """What step 4 all-reduces of this rank's Q: itself (fp32, divided by n after the sum), or Q / n cast to a 16-bit
+    `dtype` (divided first, so the n-term sum stays in range wherever each term is)."""
+    return q if dtype == torch.float32 else (q / n).to(dtype)
 
 
 def _pick(at: list[int], items: list[Any]) -> list[Any]:

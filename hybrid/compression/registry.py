@@ -102,6 +102,8 @@ def check(cfg: CompressionConfig) -> None:
     need(cfg.measure_every >= 1, f"compression.measure_every must be >= 1, got {cfg.measure_every}")
     need(cfg.min_compression_rate > 0, f"compression.min_compression_rate must be > 0, got {cfg.min_compression_rate}")
     adaptive_rank.check_knobs(cfg)
+    need(cfg.factor_dtype in powersgd.FACTOR_DTYPES, "compression.factor_dtype must be one of "
+         f"{', '.join(powersgd.FACTOR_DTYPES)} (what PowerSGD's factors travel in), got {cfg.factor_dtype!r}")
     if cfg.method == "hierarchical":
         need(cfg.inner in REGISTRY, f"compression=hierarchical needs compression.inner set to one of "
              f"{', '.join(REGISTRY)} (the method between nodes), got {cfg.inner!r}")

@@ -180,6 +180,9 @@ def compression_summary(c: CompressionConfig, layout: Layout, steps: Optional[in
         line += (f"; rank {c.rank} to start, each matrix's following its measured error (grows above "
                  f"compression.target_error={c.target_error:g}, {budget_phrase(c, steps)}; target_error=0 fixes "
                  "the rank)")
+    if "powersgd" in (c.method, c.inner):
+        line += (f"; factors sent in {c.factor_dtype}" + (" (half the bytes: twice the rank in the same budget; "
+                 "compression.factor_dtype=fp32 sends them in full)" if c.factor_dtype == "bf16" else ""))
     if "powersgd" in (c.method, c.inner) and tables:
         line += ("; the token embedding sends the rows each step touched, exactly, where they cost no more than its "
                  "factors (compression.lookup_rows" + ("" if c.lookup_rows else "=false: factors instead") + ")")

@@ -3,7 +3,8 @@
 - gradients whose DP mean has rank 2 (a basis every rank shares): from rank 4 the ranks settle at 2, every
   output is the exact mean, and both ranks decide alike;
 - full-rank noise: the ranks grow, never past the byte budget, and every step's counted bytes equal
-  `powersgd.payload_bytes` at that step's ranks;
+  `powersgd.payload_bytes` at that step's ranks; with bf16 factors (2 bytes an element) the same budget
+  affords higher ranks;
 - the probe's error estimate against the exact error of the same steps (without error feedback the
   approximated matrix is the plain mean, so the test computes it);
 - a resume mid-window from `state_dict` continues bit for bit as the uninterrupted run;
@@ -38,7 +39,8 @@ RUN = 40  # the run-level budget's run: 1 exact step (1 % of 40, at least one), 
 
 
 def cfg(**kw: object) -> CompressionConfig:
-    base = {"method": "powersgd", "rank": RANK, "rank_window": 3, "target_error": 0.3, "min_ratio": 4.0}
+    base = {"method": "powersgd", "rank": RANK, "rank_window": 3, "target_error": 0.3, "min_ratio": 4.0,
+            "factor_dtype": "fp32"}
     return CompressionConfig(**{**base, **kw})  # type: ignore[arg-type]
 
 
@@ -80,6 +82,8 @@ def worker(rank: int, world: int) -> dict:
     res["low"] = (run(state, hook, rank, range(24), low=2), state.state.control.ranks[0])
     hook, state = make_hook(cfg(), group)
     res["noise"] = (run(state, hook, rank, range(12), low=0), state.state.control.ranks[0])
+    hook, state = make_hook(cfg(factor_dtype="bf16"), group)
+    res["noise_bf16"] = (run(state, hook, rank, range(12), low=0), state.state.control.ranks[0])
     hook, state = make_hook(cfg(error_feedback=False, target_error=0.99, rank_window=20), group)
     res["estimate"] = (run(state, hook, rank, range(20), low=0), state.state.control.errors[0])
     res["resume"] = resume(rank, group)
@@ -126,6 +130,18 @@ def test_noise_grows_the_ranks_within_the_budget_and_bytes_follow_the_formula() 
         assert s["bytes"] == powersgd.payload_bytes(sizes, RANK, MIN_RATE, ranks=s["ranks"], probed=True)
         assert s["bytes"] <= 4 * budget or s["ranks"] == [RANK, RANK]
     assert [s["ranks"] for s in steps] == [s["ranks"] for s in results()[1]["noise"][0]]
+
+
+def test_bf16_factors_grow_higher_ranks_within_the_same_byte_budget() -> None:
+    steps, final = results()[0]["noise_bf16"]
+    budget_bytes = 4 * sum(math.prod(s) for s in SHAPES) / 4.0
+    sizes = [torch.Size(s) for s in SHAPES]
+    for s in steps:
+        assert s["bytes"] == powersgd.payload_bytes(sizes, RANK, MIN_RATE, ranks=s["ranks"], probed=True,
+                                                    factor_bytes=2)
+        assert s["bytes"] <= budget_bytes or s["ranks"] == [RANK, RANK]
+    assert sum(final) > sum(results()[0]["noise"][1])
+    assert [s["ranks"] for s in steps] == [s["ranks"] for s in results()[1]["noise_bf16"][0]]
 
 
 def test_the_probe_estimates_the_exact_error_of_each_matrix() -> None:

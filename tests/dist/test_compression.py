@@ -42,7 +42,8 @@ RANK, BLOCK, FRACTION, MIN_RATE = 4, 32, 0.1, 2.0
 CASES: dict[str, dict] = {
     "none": {}, "fp16": {}, "bf16": {}, "int8": {"block_size": BLOCK}, "int4": {"block_size": BLOCK},
     "sign": {"block_size": BLOCK},
-    "topk": {"fraction": FRACTION}, "powersgd": {"rank": RANK}, "torch_fp16": {}, "torch_bf16": {},
+    "topk": {"fraction": FRACTION}, "powersgd": {"rank": RANK, "factor_dtype": "fp32"}, "torch_fp16": {},
+    "torch_bf16": {},
     "torch_powersgd": {"rank": RANK, "warmup_steps": 2},
 }
 CAST = {"fp16": torch.float16, "bf16": torch.bfloat16, "torch_fp16": torch.float16, "torch_bf16": torch.bfloat16}
@@ -199,6 +200,10 @@ def one_step_worker(rank: int, world: int) -> dict:
     out["low_exact"] = exact_mean(low, group)
     hook, state = make_hook(cfg("powersgd"), group)
     out["low_powersgd"] = step(hook, state, low)
+    hook, state = make_hook(cfg("powersgd", factor_dtype="bf16", error_feedback=False), group)
+    out["low_powersgd_bf16"] = [step(hook, state, low) for _ in range(2)]  # a random Q, then a warm one
+    hook, state = make_hook(cfg("powersgd", factor_dtype="bf16"), group)
+    out["bytes"]["powersgd_bf16"] = counted_step(hook, state, mine, SHAPES, ("dp",))[1]
     for rank_ in (RANK, 2):  # PyTorch orthogonalises with QR above rank 2, Gram-Schmidt at <= 2
         if rank_ // world == 0:
             continue
@@ -292,6 +297,28 @@ def test_powersgd_is_exact_when_the_mean_has_rank_at_most_r(one_step: tuple[int,
     for r in results:
         for out, exact in zip(r["low_powersgd"], r["low_exact"]):
             torch.testing.assert_close(out, exact, rtol=0, atol=1e-5 * float(exact.abs().max()))
+
+
+def test_bf16_factors_give_the_mean_within_bf16_rounding_at_half_the_factor_bytes(one_step: tuple[int, list]) -> None:
+    """`factor_dtype=bf16`: P and Q summed in bfloat16 (P in an all-reduce of its own) — with a warm Q, the same
+    rank-≤-r mean up to a few of bf16's roundings (ε = 2⁻⁷ of the largest element); identical on every rank; the
+    factors counted at 2 bytes an element (the exact tensors and probes at 4). The first step's Q is random: P = M̄·Q
+    can be ill-conditioned there, and rounding P moves its span by ε·κ(P) (up to ~7 % here), which error feedback
+    carries to the next step."""
+    world, results = one_step
+    eps = torch.finfo(torch.bfloat16).eps
+    for r in results:
+        for out, exact in zip(r["low_powersgd_bf16"][1], r["low_exact"]):
+            torch.testing.assert_close(out, exact, rtol=0, atol=4 * eps * float(exact.abs().max()))
+        for b, shapes in enumerate(SHAPES):
+            sizes = [torch.Size(s) for s in shapes]
+            assert r["bytes"]["powersgd_bf16"][b]["dp"] == powersgd.payload_bytes(sizes, RANK, MIN_RATE, probed=True,
+                                                                                 factor_bytes=2)
+    assert sum(b["dp"] for b in results[0]["bytes"]["powersgd_bf16"]) < sum(
+        b["dp"] for b in results[0]["bytes"]["powersgd"])
+    for r in results[1:]:
+        for mine, first in zip(r["low_powersgd_bf16"], results[0]["low_powersgd_bf16"]):
+            assert all(torch.equal(a, b) for a, b in zip(mine, first))
 
 
 @pytest.mark.parametrize("rank_", [RANK, 2], ids=["qr", "gram_schmidt"])
@@ -758,7 +785,7 @@ def column_error(value: torch.Tensor, exact: torch.Tensor) -> float:
 
 HIER_SHAPES = [[(64, 48), (48,)], [(48, 32), (32,), (16, 8, 4)]]
 """Every one of the 4 row ranges of each bucket holds a block of rows PowerSGD compresses at rank 4."""
-HIER_CASES = {"none": {}, "int8": {"block_size": BLOCK}, "powersgd": {"rank": RANK}}
+HIER_CASES = {"none": {}, "int8": {"block_size": BLOCK}, "powersgd": {"rank": RANK, "factor_dtype": "fp32"}}
 NODE = 4
 
 

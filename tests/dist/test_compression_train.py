@@ -74,8 +74,9 @@ def _flat(method: str, c: Any, numel: int, shapes: list[torch.Size], n: int,
     if method in ("fp16", "bf16", "torch_fp16", "torch_bf16"):
         return 2 * numel, ALL_REDUCE
     if method in ("powersgd", "torch_powersgd"):  # ours probes its error under an adaptive rank
-        probed = method == "powersgd" and c.target_error > 0
-        return powersgd.payload_bytes(shapes, c.rank, c.min_compression_rate, probed=probed, tables=tables), ALL_REDUCE
+        ours = method == "powersgd"
+        return powersgd.payload_bytes(shapes, c.rank, c.min_compression_rate, probed=ours and c.target_error > 0,
+                                      tables=tables, factor_bytes=powersgd.factor_bytes(c) if ours else 4), ALL_REDUCE
     return codecs.payload_bytes(codecs.CODECS[method].build(c), numel, n), TWO_PHASE
 
 
@@ -316,7 +317,7 @@ def test_the_error_budget_names_every_bucket_of_every_stage(label: str) -> None:
 PAIR_RUNS: dict[str, tuple[Case, int, list[str]]] = {
     "none": (Case(), 2, ["compression=none"]),
     "powersgd-warm2": (Case(), 2, ["compression=powersgd", "compression.warmup_steps=2",
-                                   "compression.target_error=0"]),  # a fixed rank, as PyTorch's
+                                   "compression.target_error=0", "compression.factor_dtype=fp32"]),  # as PyTorch's
     "sign-warm3": (Case(), 2, ["compression=sign", "compression.warmup_steps=3"]),
     "fp16": (Case(), 2, ["compression=fp16"]),
     "torch_fp16": (Case(), 2, ["compression=torch_fp16"]),

@@ -64,7 +64,7 @@ def mean(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 def run_steps(rank: int, group: dist.ProcessGroup, name: str, lookup_rows: bool) -> list[dict]:
     """The four steps' figures on this rank of `group` (see the module doc)."""
     params = [nn.Parameter(torch.empty(s)) for s in SHAPES]
-    hook, state = make_hook(CompressionConfig(method="powersgd", rank=RANK, warmup_steps=0,
+    hook, state = make_hook(CompressionConfig(method="powersgd", rank=RANK, warmup_steps=0, factor_dtype="fp32",
                                               lookup_rows=lookup_rows), group)
     state.set_lookups(frozenset({id(params[0])}))
     inner, out = state.state, []

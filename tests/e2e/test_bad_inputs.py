@@ -79,6 +79,8 @@ CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece o
     ("topk-fraction", ["compression=topk", "compression.fraction=1.5"], "compression.fraction must be in (0, 1]"),
     ("powersgd-lookup-rows", ["compression=powersgd", "compression.lookup_rows=maybe"],
      "compression.lookup_rows=maybe Value 'maybe' is not a valid bool"),
+    ("powersgd-factor-dtype", ["compression=powersgd", "compression.factor_dtype=fp8"],
+     "compression.factor_dtype must be one of fp32, bf16 (what PowerSGD's factors travel in), got 'fp8'"),
     ("powersgd-target-error", ["compression=powersgd", "compression.target_error=2"],
      "compression.target_error must be in [0, 1) (0: a fixed rank), got 2"),
     ("dgc-momentum", ["compression=dgc", "compression.dgc_momentum=1"], "compression.dgc_momentum must be in [0, 1)"),

@@ -97,6 +97,16 @@ def test_the_startup_line_says_the_budget_per_bucket_and_over_the_run() -> None:
 
 
 @pytest.mark.parametrize("overrides,says", [
+    ([], "factors sent in bf16 (half the bytes: twice the rank in the same budget; compression.factor_dtype=fp32"),
+    (["compression.factor_dtype=fp32"], "factors sent in fp32"),
+])
+def test_the_startup_line_says_what_the_factors_travel_in(overrides: list[str], says: str) -> None:
+    cfg = compose_config(["compression=powersgd", "train.steps=200", *BATCH, *overrides])
+    (line,) = startup_lines(cfg, validate(cfg, 4))
+    assert says in line, line
+
+
+@pytest.mark.parametrize("overrides,says", [
     (["model=llama-tiny"], "exactly, where they cost no more than its factors (compression.lookup_rows)"),
     (["model=llama-tiny", "compression.lookup_rows=false"], "(compression.lookup_rows=false: factors instead)"),
     (["model=gpt-tiny"], None),  # the token embedding is the head's: its gradient is dense
