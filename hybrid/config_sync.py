@@ -17,10 +17,14 @@ BLOCK_CODECS = SCALED_CODECS | {"onebit_adam", "zeroone_adam"}
 """The methods whose codec scales blocks of elements (and reads `compression.block_layout`)."""
 METHOD_KNOBS: dict[str, frozenset[str]] = {"fraction": SPARSIFIERS, "dgc_momentum": frozenset({"dgc"}),
                                            "block_layout": BLOCK_CODECS, "scale": SCALED_CODECS,
-                                           "var_refresh_every": frozenset({"onebit_adam"})}
+                                           "var_refresh_every": frozenset({"onebit_adam"}),
+                                           "factor_dtype": frozenset({"powersgd"})}
 """`compression` knobs that only some methods read, and which: a change to one is a training change only where a
 run's method reads it (the resume check), so an older checkpoint's value of a since-changed default does not stop
 the runs of other methods."""
+FORMERLY: dict[str, str] = {"factor_dtype": "fp32"}
+"""`compression` knobs whose default is not what hybrid did before the knob existed: the value a checkpoint whose
+config lacks the knob ran with (PowerSGD sent its factors in fp32), so the resume check sees the change."""
 
 
 @dataclass

@@ -28,6 +28,7 @@ from hybrid.checkpoint.files import (
     run_root,
 )
 from hybrid.config import METHOD_KNOBS, ConfigError
+from hybrid.config_sync import FORMERLY
 from hybrid.model.family import ModelConfigError, family_of
 
 if TYPE_CHECKING:
@@ -164,10 +165,11 @@ def config_changes(saved: dict[str, Any], cfg: Config, limit: int = 12) -> list[
 
 def training_changes(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
     """The changed training settings: keys outside FREE_PREFIXES and FREE_KEYS. Only keys both configs
-    have: one that the saved config lacks comes from an older hybrid, which behaved as its default. A knob only
+    have: one that the saved config lacks comes from an older hybrid, which behaved as its default (or as
+    `FORMERLY` says, where the default is new: PowerSGD's fp32 factors). A knob only
     some methods read (`METHOD_KNOBS`: top-k's density, 0.01 by default in older hybrids and now sized from the
     run; DGC's momentum, 0.9 then and 0 now) counts only where either run's method reads it."""
-    changes = {k: v for k, v in changed_values(saved, cfg, both=True).items()
+    changes = {k: v for k, v in changed_values(_as_it_ran(saved), cfg, both=True).items()
                if not k.startswith(FREE_PREFIXES) and k not in FREE_KEYS}
     methods = {saved.get("compression", {}).get(k) for k in ("method", "inner")} | {cfg.compression.method,
                                                                                        cfg.compression.inner}
@@ -175,6 +177,13 @@ def training_changes(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any,
         if not methods & readers:
             changes.pop(f"compression.{knob}", None)
     return changes
+
+
+def _as_it_ran(saved: dict[str, Any]) -> dict[str, Any]:
+    """The saved config with the `compression` knobs it lacks but ran otherwise than today's default (`FORMERLY`)."""
+    if "compression" not in saved:
+        return saved
+    return {**saved, "compression": {**FORMERLY, **saved["compression"]}}
 
 
 def refuse_changes(manifest: dict[str, Any], cfg: Config, path: Path) -> None:

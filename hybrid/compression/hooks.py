@@ -12,8 +12,8 @@ Methods (`compression=<method>`, knobs under `compression.*`):
   int8        block-wise int8, two-phase (all-to-all → average → all-gather), `codecs.py`
   sign        1 bit per element + a scale per block, two-phase, error feedback
   topk        the largest `fraction` of each chunk, values + indices, two-phase, error feedback
-  powersgd    low-rank factors, each matrix's rank following its error, error feedback, warm start, `powersgd.py`;
-              an untied token embedding as the rows a step touched, exactly, where cheaper (`rows.py`)
+  powersgd    low-rank factors (in bf16), each matrix's rank following its error, error feedback, warm start,
+              `powersgd.py`; an untied token embedding as the rows a step touched, exactly, where cheaper (`rows.py`)
   dgc         top-k with Deep Gradient Compression's corrections (local clipping, sparsity warm-up; momentum
               correction and masking with `dgc_momentum` > 0), `dgc.py`
   onebit_adam  1-bit Adam: exact AdamW for `warmup_steps`, then the momentum, not the gradient, sent as

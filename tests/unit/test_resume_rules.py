@@ -103,6 +103,20 @@ def test_a_key_the_saved_config_lacks_is_no_change() -> None:
     refuse_changes(saved, compose_config([*BASE, "optim.grad_clip=0.5"]), PATH)
 
 
+def test_powersgd_from_before_the_factor_dtype_ran_fp32_factors() -> None:
+    """A checkpoint whose config lacks `compression.factor_dtype` sent PowerSGD's factors in fp32: resuming it under
+    today's default (bf16) is a training change; fp32 is none, nor is any default for a method that does not read
+    it."""
+    saved = manifest()
+    saved["config"]["compression"]["method"] = "powersgd"
+    del saved["config"]["compression"]["factor_dtype"]
+    with pytest.raises(CheckpointError, match=r"compression.factor_dtype: fp32 → bf16"):
+        refuse_changes(saved, compose_config([*BASE, "compression=powersgd"]), PATH)
+    refuse_changes(saved, compose_config([*BASE, "compression=powersgd", "compression.factor_dtype=fp32"]), PATH)
+    saved["config"]["compression"]["method"] = "sign"
+    refuse_changes(saved, compose_config([*BASE, "compression=sign"]), PATH)
+
+
 @pytest.mark.parametrize("saved_step, steps", [(10, 10), (12, 10), (9, 10), (10, 11)])
 def test_a_checkpoint_at_train_steps_has_nothing_to_do(saved_step: int, steps: int) -> None:
     line = finished_line(PATH, manifest(saved_step), compose_config([f"train.steps={steps}"]))
