@@ -22,6 +22,7 @@ from omegaconf import MISSING, OmegaConf
 
 from hybrid.config_run import HealthConfig, LoggingConfig, ProfileConfig
 from hybrid.config_run import WandbConfig as WandbConfig  # re-exported: the schema's groups are named from here
+from hybrid.config_sync import FORMERLY as FORMERLY  # re-exported: what older hybrids ran where a default is new
 from hybrid.config_sync import METHOD_KNOBS as METHOD_KNOBS  # re-exported: the knobs only some methods read
 from hybrid.config_sync import SPARSIFIERS as SPARSIFIERS  # re-exported: the methods that read compression.fraction
 from hybrid.config_sync import CompressionConfig, SyncConfig

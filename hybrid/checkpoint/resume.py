@@ -27,8 +27,7 @@ from hybrid.checkpoint.files import (
     read_manifest,
     run_root,
 )
-from hybrid.config import METHOD_KNOBS, ConfigError
-from hybrid.config_sync import FORMERLY
+from hybrid.config import FORMERLY, METHOD_KNOBS, ConfigError
 from hybrid.model.family import ModelConfigError, family_of
 
 if TYPE_CHECKING:
