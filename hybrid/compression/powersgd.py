@@ -12,8 +12,9 @@ sent as two thin factors; the rest (biases, norms, small matrices) are sent exac
 
 With `compression.factor_dtype=bf16` (the default) P and Q travel in bfloat16 — P in an all-reduce of its own
 beside step 2's fp32 one, Q divided by n before the cast — at half the bytes, so the same byte budget affords
-twice the rank. bf16's rounding (~0.4 % of each element) is small beside a low-rank approximation's error (10-60 %)
-and goes to the error feedback like it; every rank sums the same bf16 values, so every rank gets the same P and Q.
+twice the rank. bf16's rounding (at most 0.4 % of each element) is small beside a low-rank approximation's error
+(10-60 %) and goes to the error feedback like it; every rank sums the same bf16 values, so every rank gets the same
+P and Q.
 
 The residual M − M̂ (this rank's gradient minus the approximated mean) is added to the next
 step's gradient. A lookup table (an untied token embedding: `lookups`) may instead send the rows the step
