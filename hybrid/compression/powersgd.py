@@ -267,15 +267,15 @@ def _first_reduce(st: PowerSGDState, head: list[torch.Tensor], ps: list[torch.Te
     `factor_dtype` P goes in a second call of its own, in that dtype. Returns the sums (in fp32) of the head (exact
     tensors and rows), of the Ps and of the probes, each flat."""
     low = st.factor_dtype != torch.float32
-    parts = head + ([] if low else ps) + sketches
+    with_head = [] if low else ps  # the Ps that ride in the fp32 call
+    parts = head + with_head + sketches
     flat = torch.cat(parts) if parts else buf.new_zeros(0)  # empty: a hierarchical range with no rows
     if flat.numel():  # every rank of the group has the same shapes, so all skip together
         C.all_reduce(flat, st.group)
     p_sums = torch.cat(ps).to(st.factor_dtype) if low and ps else buf.new_zeros(0)
     if p_sums.numel():
         C.all_reduce(p_sums, st.group)
-    sizes = [sum(t.numel() for t in ts) for ts in (head, [] if low else ps, sketches)]
-    head_sums, fp32_ps, y_sums = flat.split(sizes)
+    head_sums, fp32_ps, y_sums = flat.split([sum(t.numel() for t in ts) for ts in (head, with_head, sketches)])
     return head_sums, (p_sums.float() if low else fp32_ps), y_sums
 
 

@@ -176,16 +176,8 @@ def compression_summary(c: CompressionConfig, layout: Layout, steps: Optional[in
         line += ("; AdamW while exact, then the momentum sent as signs with the variance "
                  + refresh_phrase(c.var_refresh_every, beta2))
     line += phrase(c)
-    if "powersgd" in (c.method, c.inner) and c.target_error > 0:
-        line += (f"; rank {c.rank} to start, each matrix's following its measured error (grows above "
-                 f"compression.target_error={c.target_error:g}, {budget_phrase(c, steps)}; target_error=0 fixes "
-                 "the rank)")
     if "powersgd" in (c.method, c.inner):
-        line += (f"; factors sent in {c.factor_dtype}" + (" (half the bytes: twice the rank in the same budget; "
-                 "compression.factor_dtype=fp32 sends them in full)" if c.factor_dtype == "bf16" else ""))
-    if "powersgd" in (c.method, c.inner) and tables:
-        line += ("; the token embedding sends the rows each step touched, exactly, where they cost no more than its "
-                 "factors (compression.lookup_rows" + ("" if c.lookup_rows else "=false: factors instead") + ")")
+        line += powersgd_phrase(c, steps, tables)
     if c.method == "zeroone_adam" and steps:
         line += ": " + ZeroOneSchedule.of(c).sized(steps).describe()
     if {c.method, c.inner} & SPARSIFIERS:
@@ -195,6 +187,22 @@ def compression_summary(c: CompressionConfig, layout: Layout, steps: Optional[in
     if c.method != "hierarchical":
         return line + ("" if layout.dp > 1 else " (dp=1: nothing to exchange)")
     return line + hierarchical_split(c, layout)
+
+
+def powersgd_phrase(c: CompressionConfig, steps: Optional[int], tables: bool) -> str:
+    """The start-up line's account of PowerSGD (ours, flat or hierarchical's inner): its adaptive rank and budget,
+    the dtype its factors travel in, and the token embedding's lookup rows where the model has an untied one."""
+    line = ""
+    if c.target_error > 0:
+        line += (f"; rank {c.rank} to start, each matrix's following its measured error (grows above "
+                 f"compression.target_error={c.target_error:g}, {budget_phrase(c, steps)}; target_error=0 fixes "
+                 "the rank)")
+    line += (f"; factors sent in {c.factor_dtype}" + (" (half the bytes: twice the rank in the same budget; "
+             "compression.factor_dtype=fp32 sends them in full)" if c.factor_dtype == "bf16" else ""))
+    if tables:
+        line += ("; the token embedding sends the rows each step touched, exactly, where they cost no more than its "
+                 "factors (compression.lookup_rows" + ("" if c.lookup_rows else "=false: factors instead") + ")")
+    return line
 
 
 def hierarchical_split(c: CompressionConfig, layout: Layout) -> str:
