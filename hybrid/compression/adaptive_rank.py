@@ -82,6 +82,14 @@ def payload_elements(shapes: list[Shape], ranks: list[int], exact: int, share: f
     return exact + sum((n + m) * r * share + probe_size((n, m)) for (n, m), r in zip(shapes, ranks))
 
 
+def _needed(squares: list[float], target: float, cap: int) -> int:
+    """The least rank k ≤ `cap` (at least 1) whose dropped energy Σ_{j≥k} σⱼ² is within target² of the total."""
+    total, k = sum(squares), 1
+    while k < cap and sum(squares[k:]) > target * target * total:
+        k += 1
+    return k
+
+
 @dataclass
 class RankControl:
     """The adaptive ranks of every bucket's compressed matrices (see the module doc)."""
@@ -105,6 +113,18 @@ class RankControl:
             self.ranks[index] = [min(self.start, rank_cap(s, self.max_rank, self.min_rate)) for s in shapes]
             self._restart(index)
         return self.ranks[index]
+
+    def start_from(self, index: int, spectra: list[list[float]], shapes: list[Shape], exact: int) -> list[int]:
+        """Bucket `index`'s ranks from its matrices' squared singular values (`spectra`, largest first, of an exact
+        DP mean): each the least whose error √(Σ dropped σ² / Σ σ²) meets the target, within its cap; then, while
+        over the byte budget, one column less where the last kept holds the least energy per byte. A new window."""
+        ranks = [_needed(sq, self.target, rank_cap(s, self.max_rank, self.min_rate)) for sq, s in zip(spectra, shapes)]
+        self.ranks[index] = ranks
+        while self.room(index, shapes, exact) < 0 and max(ranks, default=1) > 1:
+            i = min((i for i, r in enumerate(ranks) if r > 1), key=lambda i: spectra[i][ranks[i] - 1] / sum(shapes[i]))
+            ranks[i] -= 1
+        self._restart(index)
+        return ranks
 
     def _restart(self, index: int) -> None:
         """A new window for bucket `index`: its sums at zero."""

@@ -13,7 +13,8 @@ Methods (`compression=<method>`, knobs under `compression.*`):
   sign        1 bit per element + a scale per block, two-phase, error feedback
   topk        the largest `fraction` of each chunk, values + indices, two-phase, error feedback
   powersgd    low-rank factors (in bf16), each matrix's rank following its error, error feedback, warm start,
-              `powersgd.py`; an untied token embedding as the rows a step touched, exactly, where cheaper (`rows.py`)
+              `powersgd.py`; ranks and first Qs from the exact warm-up's last mean (`start.py`); an untied token
+              embedding as the rows a step touched, exactly, where cheaper (`rows.py`)
   dgc         top-k with Deep Gradient Compression's corrections (local clipping, sparsity warm-up; momentum
               correction and masking with `dgc_momentum` > 0), `dgc.py`
   onebit_adam  1-bit Adam: exact AdamW for `warmup_steps`, then the momentum, not the gradient, sent as
@@ -22,7 +23,8 @@ Methods (`compression=<method>`, knobs under `compression.*`):
   hierarchical  exact inside a node, `inner` method between nodes, `hierarchical.py`
 
 `make_hook` wraps every method in `Compression`, the hook state that adds what is common to all:
-exact all-reduce for the first `warmup_steps` steps (null: sized from the run, `defaults.py`), or,
+exact all-reduce for the first `warmup_steps` steps (null: sized from the run, `defaults.py`; the last one's
+mean handed to the method's start, `start.py`), or,
 under `compression.schedule=auto`, the stages `schedule.py` steps through (exact, `compression.stages`,
 the method) as the loss settles; buckets of parameters kept exact (`compression.exact_params`); the
 optional measurement of the relative compression error ‖ĝ − g‖/‖g‖, overall and per bucket (with each
@@ -46,6 +48,7 @@ from hybrid.compression.hierarchical import HierarchicalState, hierarchical_hook
 from hybrid.compression.plain import allreduce_hook
 from hybrid.compression.registry import OPTIMIZER_SIDE, REGISTRY, Hook, check
 from hybrid.compression.schedule import Plateau, StageSchedule
+from hybrid.compression.start import warm_start
 from hybrid.parallel import collectives as C
 from hybrid.parallel.collectives import Group
 
@@ -134,6 +137,10 @@ class Compression:
         elif self.sized and "warmup_steps" in state:
             self.warmup_steps = int(state["warmup_steps"])
 
+    def starts_next(self) -> bool:
+        """Whether the step under way is the fixed warm-up's last: the method takes over with the next."""
+        return self.schedule is None and self.stage_at(self.iteration) == 0 and self.stage_at(self.iteration + 1) > 0
+
     def exact_steps(self) -> int:
         """Steps of the exact stage (1-bit Adam's warm-up, whose variance it freezes): decided or configured."""
         if self.schedule is not None and self.schedule.bounds:
@@ -199,6 +206,8 @@ def run_hook(st: Compression, bucket):  # noqa: ANN001, ANN201
     stage, index = st.stage_at(st.iteration), bucket.index()
     if stage == 0 or st.kept_exact(bucket):
         fut = allreduce_hook(st.group, bucket)
+        if stage == 0 and st.starts_next() and not st.kept_exact(bucket):
+            fut = fut.then(lambda f: _started(st.state, bucket, f))
     elif stage <= len(st.ladder):
         hook, state = st.ladder[stage - 1]
         fut = hook(state, bucket)
@@ -211,6 +220,12 @@ def run_hook(st: Compression, bucket):  # noqa: ANN001, ANN201
         fut = fut.then(lambda f: st._meter(exact, f, index))
     st._pending = fut
     return fut
+
+
+def _started(state: Any, bucket: Any, fut: torch.futures.Future) -> torch.Tensor:
+    """The last exact step's mean arrived in `bucket`: let the method start from it (`start.py`)."""
+    warm_start(state, bucket)
+    return fut.value()
 
 
 def _state_dict(state: Any) -> Any:

@@ -206,10 +206,7 @@ def powersgd_hook(st: PowerSGDState, bucket: Any) -> torch.futures.Future:
     buf, n, idx = bucket.buffer(), C.size(st.group), bucket.index()
     if n == 1:
         return done(buf)
-    grads = bucket.gradients()
-    compressed = [compressed_rank(g.shape, st.rank, st.min_compression_rate) > 0 for g in grads]
-    views = [g.view(matrix_shape(g.shape)) for g, c in zip(grads, compressed) if c]
-    exact = [g for g, c in zip(grads, compressed) if not c]
+    compressed, views, exact = split(st, bucket)
     ranks = st.ranks(idx, [tuple(v.shape) for v in views])
     rows = st.row_plan(bucket, compressed, views, ranks, sum(e.numel() for e in exact))  # before error feedback
     if st.error_feedback:
@@ -259,6 +256,15 @@ def powersgd_hook(st: PowerSGDState, bucket: Any) -> torch.futures.Future:
         return buf
 
     return work.get_future().then(decompress)
+
+
+def split(st: PowerSGDState, bucket: Any) -> tuple[list[bool], list[torch.Tensor], list[torch.Tensor]]:
+    """Bucket's gradients sorted: which are compressed (PyTorch's rule at `st.rank`), their matrix views (of
+    the bucket's buffer), and those sent exactly."""
+    grads = bucket.gradients()
+    compressed = [compressed_rank(g.shape, st.rank, st.min_compression_rate) > 0 for g in grads]
+    views = [g.view(matrix_shape(g.shape)) for g, c in zip(grads, compressed) if c]
+    return compressed, views, [g for g, c in zip(grads, compressed) if not c]
 
 
 def _first_reduce(st: PowerSGDState, head: list[torch.Tensor], ps: list[torch.Tensor], sketches: list[torch.Tensor],

@@ -194,7 +194,7 @@ def powersgd_phrase(c: CompressionConfig, steps: Optional[int], tables: bool) ->
     the dtype its factors travel in, and the token embedding's lookup rows where the model has an untied one."""
     line = ""
     if c.target_error > 0:
-        line += (f"; rank {c.rank} to start, each matrix's following its measured error (grows above "
+        line += (f"; {_start(c, steps)}, each matrix's following its measured error (grows above "
                  f"compression.target_error={c.target_error:g}, {budget_phrase(c, steps)}; target_error=0 fixes "
                  "the rank)")
     line += (f"; factors sent in {c.factor_dtype}" + (" (half the bytes: twice the rank in the same budget; "
@@ -203,6 +203,14 @@ def powersgd_phrase(c: CompressionConfig, steps: Optional[int], tables: bool) ->
         line += ("; the token embedding sends the rows each step touched, exactly, where they cost no more than its "
                  "factors (compression.lookup_rows" + ("" if c.lookup_rows else "=false: factors instead") + ")")
     return line
+
+
+def _start(c: CompressionConfig, steps: Optional[int]) -> str:
+    """Where PowerSGD's ranks start: from the exact warm-up's last mean (`compression/start.py`) or at `rank`."""
+    if c.method == "powersgd" and c.schedule == "fixed" and warmup_of(c, steps):
+        return ("ranks to start from the exact warm-up's last gradients (each matrix the least meeting the target, "
+                "within the budget)")
+    return f"rank {c.rank} to start"
 
 
 def hierarchical_split(c: CompressionConfig, layout: Layout) -> str:

@@ -8,6 +8,9 @@
 - the probe's error estimate against the exact error of the same steps (without error feedback the
   approximated matrix is the plain mean, so the test computes it);
 - a resume mid-window from `state_dict` continues bit for bit as the uninterrupted run;
+- started from the exact warm-up's last mean (`start.py`): a rank-3 mean starts compressed at rank 3, exactly,
+  where a cold start runs its first window at rank 2; a fixed rank's first compressed step is the best rank-r
+  approximation (Eckart–Young), a cold start's random Q falls short of it;
 - a run of RUN steps with its warm-up sized from the run (one exact step): the budget is over the run, so the
   compressed steps keep `defaults.bucket_ratio` and the run, its fp32 warm-up step included, sends
   `compression.min_ratio` × fewer bytes than exact.
@@ -65,7 +68,7 @@ def run(state: object, hook: object, rank: int, steps: range, low: int) -> list[
         buf = gradient(rank, t, low)
         mean = buf.clone()
         dist.all_reduce(mean)
-        used = list(state.state.control.ranks_of(0, MATS))
+        used = list(state.state.ranks(0, MATS))
         C.COUNTER.reset()
         bucket = GradBucket(0, buf.clone(), [nn.Parameter(torch.empty(s)) for s in SHAPES], True)
         value = hook(state, bucket).wait()
@@ -87,6 +90,11 @@ def worker(rank: int, world: int) -> dict:
     hook, state = make_hook(cfg(error_feedback=False, target_error=0.99, rank_window=20), group)
     res["estimate"] = (run(state, hook, rank, range(20), low=0), state.state.control.errors[0])
     res["resume"] = resume(rank, group)
+    for name, warm in (("started", 1), ("cold", 0)):  # the ranks from the warm-up's exact mean, or from 2
+        hook, state = make_hook(cfg(rank=2, target_error=0.05, warmup_steps=warm), group)
+        res[name] = run(state, hook, rank, range(4), low=3)[warm:]  # the compressed steps
+        hook, state = make_hook(cfg(rank=2, target_error=0.0, warmup_steps=warm), group)
+        res[f"{name}_fixed"] = run(state, hook, rank, [5] * (warm + 1), low=0)[-1]  # one gradient twice
     hook, state = make_hook(cfg(), group, steps=RUN)
     res["run"] = (run(state, hook, rank, range(RUN), low=0), state.state.control.min_ratio)
     return res
@@ -168,3 +176,24 @@ def test_a_run_with_its_warm_up_sends_min_ratio_times_fewer_bytes() -> None:
     assert all(s["bytes"] <= exact / per_bucket for s in steps[1:])  # every compressed step within its budget
     ratio = RUN * exact / sum(s["bytes"] for s in steps)
     assert ratio >= 4.0
+
+
+def test_the_exact_warm_up_starts_the_ranks_where_the_mean_needs_them() -> None:
+    started, cold = results()[0]["started"], results()[0]["cold"]
+    assert started[0]["ranks"] == [3, 3] and cold[0]["ranks"] == [2, 2]
+    for s in started:
+        torch.testing.assert_close(s["out"], s["mean"], rtol=1e-3, atol=1e-3)
+    assert not torch.allclose(cold[0]["out"], cold[0]["mean"], rtol=1e-3, atol=1e-3)
+    assert [s["ranks"] for s in started] == [s["ranks"] for s in results()[1]["started"]]
+
+
+def test_a_fixed_rank_starts_from_the_mean_s_leading_singular_vectors() -> None:
+    for r in results():
+        warm, cold = r["started_fixed"], r["cold_fixed"]
+        for m in MATS:
+            a, b = offsets()[SHAPES.index(m)]
+            mean = warm["mean"][a:b].view(m)
+            u, sv, vh = torch.linalg.svd(mean, full_matrices=False)
+            best = (u[:, :2] * sv[:2]) @ vh[:2]
+            torch.testing.assert_close(warm["out"][a:b].view(m), best, rtol=1e-4, atol=1e-4)
+            assert float((cold["out"][a:b].view(m) - mean).norm()) > 1.01 * float((best - mean).norm())

@@ -79,3 +79,24 @@ def test_state_round_trips_mid_window() -> None:
         for _ in range(2):
             x.observe(0, [(0.81, 1.0), (0.01, 1.0)], [[0.1] * 8, [0.1] * 4], SHAPES, 0)
     assert d.ranks == c.ranks and d.errors == c.errors
+
+
+def test_the_start_from_a_spectrum_is_the_least_rank_meeting_the_target() -> None:
+    c = control(min_ratio=1.0)
+    flat = [1.0] * 64  # error at rank k: √((64 − k)/64) ≤ 0.3 from k = 59, capped at 15
+    decaying = [0.5, 0.3, 0.15, 0.04, 0.01] + [0.0] * 59  # rank 3 leaves 0.05 of 1: error 0.22 ≤ 0.3
+    assert c.start_from(0, [decaying, flat], SHAPES, 0) == [3, 15]
+    assert c.ranks_of(0, SHAPES) == [3, 15]  # kept: no window has run
+    assert c.steps[0] == 0 and c.sums[0] == [[0.0, 0.0], [0.0, 0.0]]
+
+
+def test_the_start_is_trimmed_to_the_budget_where_a_column_holds_least_per_byte() -> None:
+    c = control(min_ratio=8.0)  # budget 2560 elements: (256 + 64)·r₁ + (64 + 64)·r₂ with probes 64 + 64
+    strong = [0.1] * 10 + [0.0] * 54  # needs 10 columns, each 0.1 of the energy
+    weak = [0.02] * 50 + [0.0] * 14  # needs 15 (its cap), each column 0.02
+    ranks = c.start_from(0, [strong, weak], SHAPES, 0)
+    assert payload_elements(SHAPES, ranks, 0) <= (256 * 64 + 64 * 64) / 8
+    assert ranks == [7, 1]  # a weak column holds 0.02/128 an element, a strong one 0.1/320: the weak went first
+    assert c.room(0, SHAPES, 0) >= 0
+    for more in ([8, 1], [7, 2]):  # one more column of either would not fit
+        assert payload_elements(SHAPES, more, 0) > (256 * 64 + 64 * 64) / 8

@@ -138,3 +138,14 @@ def test_the_hook_sends_the_sized_density_and_the_startup_line_says_it() -> None
     cfg = compose_config(["compression=dgc", "train.steps=200", *BATCH])
     (line,) = startup_lines(cfg, validate(cfg, 4))
     assert "6.67% of each chunk sent (sized from the run" in line and "compression.fraction=0.01 pins it" in line
+
+
+@pytest.mark.parametrize("overrides,says", [
+    ([], "ranks to start from the exact warm-up's last gradients (each matrix the least meeting the target"),
+    (["compression.warmup_steps=0"], "rank 4 to start"),  # no exact step to start from
+    (["compression.schedule=auto"], "rank 4 to start"),  # the last exact step is not known in advance
+])
+def test_the_startup_line_says_where_powersgds_ranks_start(overrides: list[str], says: str) -> None:
+    cfg = compose_config(["compression=powersgd", "train.steps=200", *BATCH, *overrides])
+    (line,) = startup_lines(cfg, validate(cfg, 4))
+    assert says in line, line
