@@ -116,13 +116,17 @@ class RankControl:
 
     def start_from(self, index: int, spectra: list[list[float]], shapes: list[Shape], exact: int) -> list[int]:
         """Bucket `index`'s ranks from its matrices' squared singular values (`spectra`, largest first, of an exact
-        DP mean): each the least whose error √(Σ dropped σ² / Σ σ²) meets the target, within its cap; then, while
-        over the byte budget, one column less where the last kept holds the least energy per byte. A new window."""
-        ranks = [_needed(sq, self.target, rank_cap(s, self.max_rank, self.min_rate)) for sq, s in zip(spectra, shapes)]
+        DP mean): each the least whose error √(Σ dropped σ² / Σ σ²) meets the target, within its cap, and never
+        below `start` (a gradient that needs few directions early may need more soon: the tied embedding's first
+        gradients are nearly rank one); then, while over the byte budget, one column less where the last kept holds
+        the least energy per byte, down to `start`. A new window."""
+        floors = [min(self.start, rank_cap(s, self.max_rank, self.min_rate)) for s in shapes]
+        ranks = [max(f, _needed(sq, self.target, rank_cap(s, self.max_rank, self.min_rate)))
+                 for f, sq, s in zip(floors, spectra, shapes)]
         self.ranks[index] = ranks
-        while self.room(index, shapes, exact) < 0 and max(ranks, default=1) > 1:
-            i = min((i for i, r in enumerate(ranks) if r > 1), key=lambda i: spectra[i][ranks[i] - 1] / sum(shapes[i]))
-            ranks[i] -= 1
+        while self.room(index, shapes, exact) < 0 and ranks != floors:
+            above = [i for i, (r, f) in enumerate(zip(ranks, floors)) if r > f]
+            ranks[min(above, key=lambda i: spectra[i][ranks[i] - 1] / sum(shapes[i]))] -= 1
         self._restart(index)
         return ranks
 

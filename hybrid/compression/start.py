@@ -7,9 +7,12 @@ each step moves the weights most: a matrix that needs rank 16 spends 20 steps ge
 
 The exact warm-up already holds what is needed, on every DP rank alike: its last step's all-reduced mean M̄ of
 each compressed matrix. Its singular values give the error each rank would have (√(Σ dropped σ²/Σ σ²)), so the
-controller starts each matrix at the least rank meeting `compression.target_error`, trimmed to the byte budget
-where the columns hold the least energy per byte (`RankControl.start_from`); its leading right singular vectors
-are the first Q (a fixed rank keeps `compression.rank` and gets the Q). No collective: every rank holds the same
+controller starts each matrix at the least rank meeting `compression.target_error` but not below
+`compression.rank`, trimmed to the byte budget where the columns hold the least energy per byte, down to
+`compression.rank` (`RankControl.start_from`); its leading right singular vectors are the first Q (a fixed rank
+keeps `compression.rank` and gets the Q). The floor matters: early gradients need fewer directions than the next
+steps' (gpt-tiny's tied embedding: rank 1 at its second step, 0.42 error at rank 1-2 ten steps on), and a rank
+started below the cold start's grows back only by doubling, a window at a time. No collective: every rank holds the same
 M̄, bit for bit, and decomposes it alike. The cost is one SVD per compressed matrix, once per run (the last
 exact step; under `schedule=auto`, where that step is not known in advance, the rank starts at
 `compression.rank` as before, and a resumed run keeps the ranks and Qs its checkpoint holds).

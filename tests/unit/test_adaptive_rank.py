@@ -82,11 +82,13 @@ def test_state_round_trips_mid_window() -> None:
 
 
 def test_the_start_from_a_spectrum_is_the_least_rank_meeting_the_target() -> None:
-    c = control(min_ratio=1.0)
+    c = control(min_ratio=1.0, start=1)
     flat = [1.0] * 64  # error at rank k: √((64 − k)/64) ≤ 0.3 from k = 59, capped at 15
     decaying = [0.5, 0.3, 0.15, 0.04, 0.01] + [0.0] * 59  # rank 3 leaves 0.05 of 1: error 0.22 ≤ 0.3
     assert c.start_from(0, [decaying, flat], SHAPES, 0) == [3, 15]
     assert c.ranks_of(0, SHAPES) == [3, 15]  # kept: no window has run
+    c = control(min_ratio=1.0)
+    assert c.start_from(0, [decaying, flat], SHAPES, 0) == [4, 15]  # never below `start`
     assert c.steps[0] == 0 and c.sums[0] == [[0.0, 0.0], [0.0, 0.0]]
 
 
@@ -96,7 +98,9 @@ def test_the_start_is_trimmed_to_the_budget_where_a_column_holds_least_per_byte(
     weak = [0.02] * 50 + [0.0] * 14  # needs 15 (its cap), each column 0.02
     ranks = c.start_from(0, [strong, weak], SHAPES, 0)
     assert payload_elements(SHAPES, ranks, 0) <= (256 * 64 + 64 * 64) / 8
-    assert ranks == [7, 1]  # a weak column holds 0.02/128 an element, a strong one 0.1/320: the weak went first
-    assert c.room(0, SHAPES, 0) >= 0
-    for more in ([8, 1], [7, 2]):  # one more column of either would not fit
+    assert ranks == [6, 4]  # a weak column holds 0.02/128 an element, a strong one 0.1/320: the weak went first,
+    assert c.room(0, SHAPES, 0) >= 0  # down to `start`
+    for more in ([7, 4], [6, 5]):  # one more column of either would not fit
         assert payload_elements(SHAPES, more, 0) > (256 * 64 + 64 * 64) / 8
+    c = control(min_ratio=100.0)  # not even `start` fits: the start is `start`, as a cold one
+    assert c.start_from(0, [strong, weak], SHAPES, 0) == [4, 4]
