@@ -9,8 +9,8 @@
   approximated matrix is the plain mean, so the test computes it);
 - a resume mid-window from `state_dict` continues bit for bit as the uninterrupted run;
 - started from the exact warm-up's last mean (`start.py`): a rank-3 mean starts compressed at rank 3, exactly,
-  where a cold start runs its first window at rank 2; a fixed rank's first compressed step is the best rank-r
-  approximation (Eckart–Young), a cold start's random Q falls short of it;
+  where a cold start runs its first window at rank 2; a fixed rank's first compressed step is the best rank-2
+  approximation of a rank-3 mean (Eckart–Young), a cold start's random Q falls short of it;
 - a run of RUN steps with its warm-up sized from the run (one exact step): the budget is over the run, so the
   compressed steps keep `defaults.bucket_ratio` and the run, its fp32 warm-up step included, sends
   `compression.min_ratio` × fewer bytes than exact.
@@ -94,7 +94,7 @@ def worker(rank: int, world: int) -> dict:
         hook, state = make_hook(cfg(rank=2, target_error=0.05, warmup_steps=warm), group)
         res[name] = run(state, hook, rank, range(4), low=3)[warm:]  # the compressed steps
         hook, state = make_hook(cfg(rank=2, target_error=0.0, warmup_steps=warm), group)
-        res[f"{name}_fixed"] = run(state, hook, rank, [5] * (warm + 1), low=0)[-1]  # one gradient twice
+        res[f"{name}_fixed"] = run(state, hook, rank, [5] * (warm + 1), low=3)[-1]  # one gradient twice
     hook, state = make_hook(cfg(), group, steps=RUN)
     res["run"] = (run(state, hook, rank, range(RUN), low=0), state.state.control.min_ratio)
     return res
