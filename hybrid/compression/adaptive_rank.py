@@ -29,6 +29,9 @@ times smaller than the matrix. Which matrices are compressed at all is decided o
 `compression.rank` (PyTorch's rule, as with a fixed rank), so a bucket's layout never changes; a Q kept
 across steps has its columns ordered strongest first, so a shrink keeps the strongest directions.
 
+Where the run has an exact warm-up, its last step's mean sets the first ranks instead of `compression.rank`
+(`start_from`, from the mean's singular values: `start.py`).
+
 The ranks, the window's sums and the last window's errors are per-rank hook state (`state_dict`): the
 same on every DP rank, restored with the checkpoint under the same layout, and back at `compression.rank`
 after a layout change.
@@ -116,10 +119,11 @@ class RankControl:
 
     def start_from(self, index: int, spectra: list[list[float]], shapes: list[Shape], exact: int) -> list[int]:
         """Bucket `index`'s ranks from its matrices' squared singular values (`spectra`, largest first, of an exact
-        DP mean): each the least whose error √(Σ dropped σ² / Σ σ²) meets the target, within its cap, and never
-        below `start` (a gradient that needs few directions early may need more soon: the tied embedding's first
-        gradients are nearly rank one); then, while over the byte budget, one column less where the last kept holds
-        the least energy per byte, down to `start`. A new window."""
+        DP mean; a last entry may hold the energy beyond those found, `start.leading`): each the least whose error
+        √(Σ dropped σ² / Σ σ²) meets the target, within its cap, and never below `start` (a gradient that needs few
+        directions early may need more soon: the tied embedding's first gradients are nearly rank one); then,
+        while over the byte budget, one column less where the last kept holds the least energy per byte, down to
+        `start`. A new window."""
         floors = [min(self.start, rank_cap(s, self.max_rank, self.min_rate)) for s in shapes]
         ranks = [max(f, _needed(sq, self.target, rank_cap(s, self.max_rank, self.min_rate)))
                  for f, sq, s in zip(floors, spectra, shapes)]
