@@ -124,9 +124,9 @@ class RankControl:
         directions early may need more soon: the tied embedding's first gradients are nearly rank one); then,
         while over the byte budget, one column less where the last kept holds the least energy per byte, down to
         `start`. A new window."""
-        floors = [min(self.start, rank_cap(s, self.max_rank, self.min_rate)) for s in shapes]
-        ranks = [max(f, _needed(sq, self.target, rank_cap(s, self.max_rank, self.min_rate)))
-                 for f, sq, s in zip(floors, spectra, shapes)]
+        caps = [rank_cap(s, self.max_rank, self.min_rate) for s in shapes]
+        floors = [min(self.start, cap) for cap in caps]
+        ranks = [max(f, _needed(sq, self.target, cap)) for f, sq, cap in zip(floors, spectra, caps)]
         self.ranks[index] = ranks
         while self.room(index, shapes, exact) < 0 and ranks != floors:
             above = [i for i, (r, f) in enumerate(zip(ranks, floors)) if r > f]

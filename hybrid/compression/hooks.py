@@ -206,7 +206,7 @@ def run_hook(st: Compression, bucket):  # noqa: ANN001, ANN201
     stage, index = st.stage_at(st.iteration), bucket.index()
     if stage == 0 or st.kept_exact(bucket):
         fut = allreduce_hook(st.group, bucket)
-        if stage == 0 and st.starts_next() and not st.kept_exact(bucket):
+        if st.starts_next() and not st.kept_exact(bucket):  # the warm-up's last step (stage 0)
             fut = fut.then(lambda f: _started(st.state, bucket, f))
     elif stage <= len(st.ladder):
         hook, state = st.ladder[stage - 1]

@@ -160,7 +160,8 @@ def make(cfg: CompressionConfig, group: Group) -> tuple[Any, PowerSGDState]:
                                         control, dtype, lookup_rows=cfg.lookup_rows)
 
 
-def _orthonormal(p: torch.Tensor) -> torch.Tensor:
+def orthonormal(p: torch.Tensor) -> torch.Tensor:
+    """An orthonormal basis of `p`'s columns (reduced QR), the same on every rank for the same `p`."""
     return torch.linalg.qr(p, mode="reduced").Q
 
 
@@ -170,10 +171,10 @@ def _initial_qs(st: PowerSGDState, index: int, mats: list[tuple[torch.Tensor, in
     stored = st.q.get(index)
     if stored is not None and [q.shape[0] for q in stored] == [m.shape[1] for m, _ in mats]:
         if all(q.shape[1] >= r for q, (_, r) in zip(stored, mats)):
-            return [_orthonormal(q[:, :r]) for q, (_, r) in zip(stored, mats)]
+            return [orthonormal(q[:, :r]) for q, (_, r) in zip(stored, mats)]
         fresh = _random_qs(st, index, mats)
-        return [_orthonormal(torch.cat([q[:, :r], f[:, q.shape[1]:]], 1)) for q, f, (_, r) in zip(stored, fresh, mats)]
-    return [_orthonormal(q) for q in _random_qs(st, index, mats)]
+        return [orthonormal(torch.cat([q[:, :r], f[:, q.shape[1]:]], 1)) for q, f, (_, r) in zip(stored, fresh, mats)]
+    return [orthonormal(q) for q in _random_qs(st, index, mats)]
 
 
 def _random_qs(st: PowerSGDState, index: int, mats: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
@@ -232,7 +233,7 @@ def powersgd_hook(st: PowerSGDState, bucket: Any) -> torch.futures.Future:
         if st.error_feedback:
             st.residual[idx] = _residual(local, buf, sent)
         return done(buf)
-    ps = [_orthonormal(p_sums[o: o + p.numel()].view_as(p)) for p, o in zip(ps, _offsets(ps))]
+    ps = [orthonormal(p_sums[o: o + p.numel()].view_as(p)) for p, o in zip(ps, _offsets(ps))]
     means = [y_sums[o: o + y.numel()] / n for o, y in zip(_offsets(sketches), sketches)]
     q_low = _factor_sum(torch.cat([(m.t() @ p).reshape(-1) for (m, _), p in zip(mats, ps)]), st.factor_dtype, n)
     work = C.all_reduce(q_low, st.group, async_op=True)

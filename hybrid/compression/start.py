@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from hybrid.compression.adaptive_rank import rank_cap
-from hybrid.compression.powersgd import PowerSGDState, split
+from hybrid.compression.powersgd import PowerSGDState, orthonormal, split
 from hybrid.parallel import collectives as C
 
 OVERSAMPLE, ITERATIONS = 8, 2
@@ -46,8 +46,10 @@ def warm_start(state: Any, bucket: Any) -> None:
 def start_from_mean(st: PowerSGDState, bucket: Any) -> None:
     """`bucket`'s compressed matrices' ranks (adaptive: `RankControl.start_from`; fixed: `st.rank`) and first Qs,
     their leading right singular vectors, from the exact mean the bucket holds."""
+    if C.size(st.group) == 1:
+        return
     _, views, exact = split(st, bucket)
-    if not views or C.size(st.group) == 1:
+    if not views:
         return
     idx, shapes = bucket.index(), [tuple(v.shape) for v in views]
     ctl = st.control
@@ -68,12 +70,9 @@ def leading(m: torch.Tensor, k: int, gen: torch.Generator) -> tuple[list[float],
     width = min(k + OVERSAMPLE, *m.shape)
     q = torch.randn(m.shape[1], width, generator=gen).to(m.device)
     for _ in range(ITERATIONS):
-        q = _orthonormal(m.t() @ _orthonormal(m @ q))
+        q = orthonormal(m.t() @ orthonormal(m @ q))
     _, s, wh = torch.linalg.svd(m @ q, full_matrices=False)
     squares = s.pow(2)
     rest = max(0.0, float(m.pow(2).sum() - squares.sum()))
     return [*squares.tolist(), rest], q @ wh.t()
 
-
-def _orthonormal(p: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.qr(p, mode="reduced").Q
