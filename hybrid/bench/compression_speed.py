@@ -148,7 +148,7 @@ def powersgd_speed(shapes: list[torch.Size], repeats: int, rank: int = 4, min_ra
     def compress() -> None:
         buf.add_(residual)
         state["local"] = buf.clone()
-        ps = [powersgd._orthonormal(m @ powersgd._orthonormal(q)) for (m, _), q in zip(mats, qs)]
+        ps = [powersgd.orthonormal(m @ powersgd.orthonormal(q)) for (m, _), q in zip(mats, qs)]
         state["pq"] = [(p, m.t() @ p) for (m, _), p in zip(mats, ps)]
 
     def decompress() -> None:
