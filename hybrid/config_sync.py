@@ -17,7 +17,7 @@ BLOCK_CODECS = SCALED_CODECS | {"onebit_adam", "zeroone_adam"}
 """The methods whose codec scales blocks of elements (and reads `compression.block_layout`)."""
 METHOD_KNOBS: dict[str, frozenset[str]] = {"fraction": SPARSIFIERS, "dgc_momentum": frozenset({"dgc"}),
                                            "block_layout": BLOCK_CODECS, "scale": SCALED_CODECS,
-                                           "var_refresh_every": frozenset({"onebit_adam"}),
+                                           "var_refresh_every": frozenset({"onebit_adam", "zeroone_adam"}),
                                            "factor_dtype": frozenset({"powersgd"})}
 """`compression` knobs that only some methods read, and which: a change to one is a training change only where a
 run's method reads it (the resume check), so an older checkpoint's value of a since-changed default does not stop
@@ -73,7 +73,8 @@ class CompressionConfig:
     sparsity_warmup_steps: int = 0  # dgc: density decays exponentially from 1 to `fraction` over these steps
     # onebit_adam: after the warm-up, every k-th step all-reduces the gradient exactly (fp32) and refreshes Adam's
     # variance with it, v ← β₂ᵏ·v + (1 − β₂ᵏ)·ḡ²; null: k = half the variance's horizon, round(0.5 / (1 − β₂)) (10
-    # at optim.beta2=0.95); 0: frozen at the warm-up's end (the paper's)
+    # at optim.beta2=0.95); 0: frozen at the warm-up's end (the paper's). zeroone_adam: the most steps between its
+    # refreshes, each weighted by the steps it stands for (null: the same half horizon; 0: the paper's rule)
     var_refresh_every: Optional[int] = None
     # zeroone_adam (0/1 Adam): the variance refreshed at steps 2^⌊j/κ⌋ apart (j-th refresh) up to a freeze step,
     # the momentum sent as signs between; after the freeze, local steps between syncs 1, 2, 4, … apart

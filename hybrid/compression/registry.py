@@ -98,7 +98,8 @@ def check(cfg: CompressionConfig) -> None:
     check_schedule(cfg, [m for m in REGISTRY if m != "none"], list(OPTIMIZER_SIDE))
     zeroone_adam.check_knobs(cfg)
     need(cfg.var_refresh_every is None or cfg.var_refresh_every >= 0, "compression.var_refresh_every must be >= 0 "
-         f"(0: 1-bit Adam's variance frozen; null: sized from optim.beta2), got {cfg.var_refresh_every}")
+         f"(0: 1-bit Adam's variance frozen, 0/1 Adam's refreshes the paper's; null: sized from optim.beta2), got "
+         f"{cfg.var_refresh_every}")
     need(cfg.measure_every >= 1, f"compression.measure_every must be >= 1, got {cfg.measure_every}")
     need(cfg.min_compression_rate > 0, f"compression.min_compression_rate must be > 0, got {cfg.min_compression_rate}")
     adaptive_rank.check_knobs(cfg)

@@ -7,8 +7,13 @@ alone (the same on every rank, and after a resume):
 - **refresh** (t ∈ T_v, t ≤ F = `var_freeze_step`): the gradient hook all-reduces the gradient exactly (fp32) and
   the optimizer refreshes Adam's variance from that mean. The paper's rule: the first refresh at step 1, the gap
   after the j-th refresh 2^⌊j/κ⌋ steps (κ = `var_update_scaler`): κ steps in a row, then κ every 2nd step, κ
-  every 4th, … — the variance is never more than about t/κ steps old. `compression.warmup_steps` makes its
-  first steps refreshes too.
+  every 4th, … — the variance is never more than about t/κ steps old. hybrid caps the gap at G steps
+  (`compression.var_refresh_every`; null: half the variance's horizon 1/(1 − β₂), 10 at β₂ = 0.95, 500 at the
+  paper's 0.999) and weighs each refresh by the steps it stands for (`gap`, `horizon`): with β₂ = 0.95 Adam's
+  variance forgets in ~20 steps, and the paper's uncapped gaps, one β₂ per refresh, left it tens of steps old and
+  dominated by the first steps' gradients (llama-tiny: +9.5 % eval loss against exact AdamW;
+  docs/benchmarks/2026-12-01-zeroone-variance.md). `var_refresh_every=0` is the paper's rule as written.
+  `compression.warmup_steps` makes its first steps refreshes too.
 - **onebit** (t ≤ F, not a refresh): the hook sends nothing; the optimizer averages the momentum over DP as signs
   through 1-bit Adam's two-phase exchange (`onebit_adam.average_momentum`, worker and server residuals).
 - **local** (t > F): nothing is sent; each replica steps on its own momentum and keeps u, the sum of its steps.
@@ -17,13 +22,15 @@ alone (the same on every rank, and after a resume):
   `local_step_scaler`, H = `local_step_clipper`); step s syncs when the interval divides s.
 
 The knobs set to 0 are sized from the run's length (`ZeroOneSchedule.sized`, given `train.steps` by the DP sync
-mode when it builds the optimizer): F = train.steps // 2; κ the largest ≤ 16 (the paper's) whose refreshes up
-to F stay within 10 % of the steps (1-bit Adam's 10 % warm-up, spread over half the run); α such that the
-interval reaches H for the last part of the run. The optimizer is `hybrid.optim.zeroone_adam.ZeroOneAdam`.
+mode when it builds the optimizer, with `optim.beta2`): F = train.steps // 2; κ the largest ≤ 16 (the paper's)
+whose refreshes up to F, gaps capped, stay within 10 % of the steps (1-bit Adam's 10 % warm-up, spread over half
+the run); α such that the interval reaches H for the last part of the run. The optimizer is
+`hybrid.optim.zeroone_adam.ZeroOneAdam`.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional
@@ -31,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from hybrid.compression import CompressionError
 from hybrid.compression.codecs import SignCodec
 from hybrid.compression.layout import by_columns
-from hybrid.compression.onebit_adam import MomentumExchange, local_hook
+from hybrid.compression.onebit_adam import MomentumExchange, local_hook, refresh_every
 
 if TYPE_CHECKING:
     from hybrid.config import CompressionConfig
@@ -42,12 +49,15 @@ REFRESH, ONEBIT, LOCAL, SYNC = "refresh", "onebit", "local", "sync"
 AUTO_KNOBS = ("var_freeze_step", "var_update_scaler", "local_step_scaler")
 
 
-def paper_refreshes(t: int, kappa: int) -> int:
-    """Refreshes of the paper's rule among steps 1..t: at step 1, then gaps 2^⌊j/κ⌋ after the j-th (j from 0)."""
-    if t < 1:
-        return 0
-    level = ((t - 1) // kappa + 1).bit_length() - 1  # gaps of 2^level: the largest with κ(2^level − 1) ≤ t − 1
-    return level * kappa + (t - 1 - kappa * ((1 << level) - 1)) // (1 << level) + 1
+def refresh_steps(freeze: int, scaler: int, cap: int = 0, warmup: int = 0) -> tuple[int, ...]:
+    """The refresh steps up to `freeze`: 1..`warmup`, and the paper's — step 1, then a gap of 2^⌊j/κ⌋ steps after
+    the j-th (j from 0; κ = `scaler`) — each gap at most `cap` steps (0: uncapped, the paper's)."""
+    out, t, j = set(range(1, min(warmup, freeze) + 1)), 1, 0
+    while t <= freeze:
+        out.add(t)
+        gap = 1 << (j // scaler)
+        t, j = t + (min(gap, cap) if cap else gap), j + 1
+    return tuple(sorted(out))
 
 
 @dataclass(frozen=True)
@@ -60,31 +70,53 @@ class ZeroOneSchedule:
     clipper: int  # H, local_step_clipper
     warmup: int = 0  # compression.warmup_steps: refreshes before the rule's
     last: int = 0  # the run's last step (always a sync); 0: not known
+    cap: Optional[int] = None  # G, var_refresh_every: the most steps between refreshes (0: the paper's rule)
+    at: tuple[int, ...] = ()  # the refresh steps, once sized
 
     @classmethod
     def of(cls, cfg: CompressionConfig) -> ZeroOneSchedule:
         return cls(cfg.var_freeze_step, cfg.var_update_scaler, cfg.local_step_scaler, cfg.local_step_clipper,
-                   cfg.warmup_steps or 0)
+                   cfg.warmup_steps or 0, cap=cfg.var_refresh_every)
 
-    def sized(self, steps: int) -> ZeroOneSchedule:
-        """The knobs left at 0 sized from a run of `steps` steps (see the module doc)."""
+    def sized(self, steps: int, beta2: float) -> ZeroOneSchedule:
+        """The knobs left at 0 (and a null cap, from Adam's `beta2`) sized from a run of `steps` steps (see the
+        module doc)."""
         if steps < 1 and 0 in (self.freeze, self.scaler, self.local_scaler):
             raise ValueError("compression=zeroone_adam sizes its schedule from train.steps: give the run's length")
-        freeze = max(self.freeze or max(1, steps // 2), self.warmup)
+        freeze, cap = max(self.freeze or max(1, steps // 2), self.warmup), refresh_every(self.cap, beta2)
         budget = max(1, int(REFRESH_SHARE * steps))
         scaler = self.scaler or next((k for k in range(PAPER_SCALER, 0, -1)
-                                      if paper_refreshes(freeze, k) <= budget), 1)
+                                      if len(refresh_steps(freeze, k, cap)) <= budget), 1)
         local = self.local_scaler or max(1, -(-(steps - freeze) // self.clipper.bit_length()))
-        return replace(self, freeze=freeze, scaler=scaler, local_scaler=local, last=steps)
+        return replace(self, freeze=freeze, scaler=scaler, local_scaler=local, last=steps, cap=cap,
+                       at=refresh_steps(freeze, scaler, cap, self.warmup))
 
     def refreshes(self, t: int) -> int:
-        """Refresh steps among 1..t (the variance's bias correction counts these)."""
-        t = min(t, self.freeze)
-        head = max(0, min(t, self.warmup))
-        return head + max(0, paper_refreshes(t, self.scaler) - paper_refreshes(head, self.scaler))
+        """Refresh steps among 1..t."""
+        return bisect.bisect_right(self.at, t)
 
     def refresh(self, t: int) -> bool:
         return self.refreshes(t) > self.refreshes(t - 1)
+
+    def last_refresh(self, t: int) -> int:
+        """The last refresh step at or before t (0: none)."""
+        k = self.refreshes(t)
+        return self.at[k - 1] if k else 0
+
+    def gap(self, t: int) -> int:
+        """The steps the refresh at step t stands for, v ← β₂^gap·v + (1 − β₂^gap)·ḡ²: those since the previous
+        refresh; 1 under the paper's rule (one β₂ per refresh)."""
+        return t - self.last_refresh(t - 1) if self.cap else 1
+
+    def horizon(self, t: int) -> int:
+        """The exponent of v's bias correction 1 − β₂^horizon after step t: the last refresh's step (the refreshes'
+        gaps summed); the refreshes so far under the paper's rule."""
+        return self.last_refresh(t) if self.cap else self.refreshes(t)
+
+    def signed(self, t: int) -> bool:
+        """Whether a step before t sent the momentum as signs: from then on m carries the codec's error, and a
+        refresh step's variance is floored at m̂² as the other steps' are."""
+        return self.refreshes(t - 1) < t - 1
 
     def interval(self, t: int) -> int:
         """The sync interval at step t > F: min(H, 2^⌊(s − 1)/α⌋), s = t − F."""
@@ -100,8 +132,9 @@ class ZeroOneSchedule:
         """One line: the refreshes, the freeze, the local steps."""
         local = (f"then local steps, synced every 1, 2, … up to {self.clipper} steps (doubling every "
                  f"{self.local_scaler})") if self.clipper > 1 else "then the momentum's sum synced every step"
+        gaps = f"gaps 2^⌊j/κ⌋ up to {self.cap}, each weighted by its steps" if self.cap else "gaps 2^⌊j/κ⌋, the paper's"
         return (f"variance refreshed (exact fp32) at {self.refreshes(self.freeze)} steps up to step {self.freeze} "
-                f"(κ={self.scaler}: gaps 2^⌊j/κ⌋), the momentum sent as signs between; {local}")
+                f"(κ={self.scaler}: {gaps}), the momentum sent as signs between; {local}")
 
 
 @dataclass

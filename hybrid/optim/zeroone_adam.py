@@ -12,10 +12,12 @@ intervals that double up to H. Which step is which (refresh, onebit, local, sync
 Per step t: g is this step's gradient clipped by the global norm (on a refresh step the exact DP mean ḡ, its
 norm; otherwise each replica's own, as 1-bit Adam's, except in buckets kept exact — `compression.exact_params`,
 their gradient the DP mean — clipped by the replicas' mean norm, the same factor everywhere, so they stay
-alike); lr, wd, β₁, β₂, ε AdamW's; k the refreshes so far;
-m̂ = m/(1 − β₁ᵗ), v̂ = v/(1 − β₂ᵏ).
+alike); lr, wd, β₁, β₂, ε AdamW's; s the steps since the previous refresh and h the last refresh's step (the
+paper's rule, `compression.var_refresh_every=0`: s = 1 and h the refreshes so far);
+m̂ = m/(1 − β₁ᵗ), v̂ = v/(1 − β₂ʰ).
 
-- refresh: m ← β₁m + (1 − β₁)ḡ, v ← β₂v + (1 − β₂)ḡ², d = √v̂ + ε;
+- refresh: m ← β₁m + (1 − β₁)ḡ, v ← β₂ˢv + (1 − β₂ˢ)ḡ², d = √v̂ + ε (√max(v̂, m̂²) + ε once a step before
+  sent the momentum as signs);
 - onebit: m ← the 1-bit DP mean of β₁m + (1 − β₁)gᵢ (1-bit Adam's exchange), d = √max(v̂, m̂²) + ε;
   on both: p ← p·(1 − lr·wd) − lr·m̂/d; every replica holds the same p and m after them.
 - local (t > F): mᵢ ← β₁mᵢ + (1 − β₁)gᵢ; p ← p·(1 − lr·wd) − lr·m̂ᵢ/d, d = √max(v̂, m̂ᵢ²) + ε (v̂ frozen): 1-bit
@@ -37,14 +39,17 @@ local step sends nothing. Non-refresh steps add 1-bit Adam's uncounted 4-byte no
 
 **Where hybrid departs from the paper**, for its own conventions: weight decay is AdamW's, decoupled (the
 paper and DeepSpeed add wd·p to the update), so u, S and D decay with p and p = a·D − u/d₀ stays exact; m and v
-are bias-corrected, v by its k refreshes (an average over refreshes, not steps; DeepSpeed runs without);
-clipping is by the global norm; v̂ is floored at m̂² wherever it is stale (OneBitAdam's floor: no element moves
-more than lr per step, so the elements whose variance was ~0 at the freeze, e.g. rare tokens' embedding rows,
-cannot jump), on every local step with its own m̂ (u counts what was stepped, in units of d₀) and at the
-sync's landing with the synced m̂ (there the 1-bit error of ū, divided by a tiny d₀, would be unbounded);
-where no floor binds, every step is the paper's. A refresh step folds ḡ into m and sends no 1-bit momentum
-besides (as DeepSpeed does); the residuals restart at the freeze, where the exchanged quantity turns from m
-into u (as DeepSpeed's); the run's last step always syncs, so a run ends with one model.
+are bias-corrected (DeepSpeed runs without); each refresh stands for the steps since the last one and the gap
+is capped (above; `var_refresh_every=0`: the paper's, v an average over refreshes, not steps); clipping is by the
+global norm; v̂ is floored at m̂² wherever it is stale or m carries the codec's error (OneBitAdam's floor: no
+element moves more than lr per step, so the elements whose variance was ~0 at the freeze, e.g. rare tokens'
+embedding rows, cannot jump), on every onebit step, on a refresh step once m holds signs (a 1-bit mean gives
+each element its block's magnitude, and an element whose fresh ḡ² is small would step many times lr: on
+llama-tiny +6 % eval loss without this floor), on every local step with its own m̂ (u counts what was stepped,
+in units of d₀) and at the sync's landing with the synced m̂ (there the 1-bit error of ū, divided by a tiny d₀,
+would be unbounded); where no floor binds, every step is the paper's. A refresh step folds ḡ into m and sends
+no 1-bit momentum besides (as DeepSpeed does); the residuals restart at the freeze, where the exchanged quantity
+turns from m into u (as DeepSpeed's); the run's last step always syncs, so a run ends with one model.
 
 **State.** m and v are AdamW's `exp_avg` / `exp_avg_sq` (flat per bucket: `OneBitAdam.flat_state`), saved and
 resharded by checkpoints; the schedule's position is the step count; the anchor and d (the step's
@@ -82,7 +87,7 @@ class ZeroOneAdam(OneBitAdam):
                  grad_clip: float, comp: Compression, steps: int) -> None:
         super().__init__(optimizer, buckets, ctx, grad_clip, comp)
         self.exchange: ZeroOneExchange = comp.state
-        self.plan = self.exchange.schedule.sized(steps)
+        self.plan = self.exchange.schedule.sized(steps, optimizer.param_groups[0]["betas"][1])
         self.refresh = 0  # 1-bit Adam's every-k refresh is not 0/1 Adam's: `plan` says when it refreshes
         self.exchange.owner = self
         self._local: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket index → flat (anchor, d)
@@ -128,14 +133,15 @@ class ZeroOneAdam(OneBitAdam):
         {REFRESH: self._refresh, ONEBIT: self._onebit, LOCAL: self._local_step, SYNC: self._sync_step}[kind](lr, t)
 
     def _refresh(self, lr: float, t: int) -> None:
-        """m and v from the exact mean ḡ (the hook all-reduced it), then the step with the fresh variance."""
-        beta1, beta2 = self._betas()
+        """m and v from the exact mean ḡ (the hook all-reduced it), v weighted by the steps since the last refresh
+        (`gap`), then the step with the fresh variance, floored at m̂² once m holds signs (`signed`)."""
+        beta1, decay = self._betas()[0], self._betas()[1] ** self.plan.gap(t)
         for bucket in self.buckets:
             m, v = self.flat_state(bucket)
             g = bucket.buffer()
             m.lerp_(g, 1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        self._denominators(t, floor=False)
+            v.mul_(decay).addcmul_(g, g, value=1 - decay)
+        self._denominators(t, floor=self.plan.signed(t))
         self._apply(lr, t, accumulate=False)
 
     def _onebit(self, lr: float, t: int) -> None:
@@ -190,7 +196,7 @@ class ZeroOneAdam(OneBitAdam):
         """d = √v̂ + ε, or √max(v̂, m̂²) + ε with `floor`, for every bucket, as after step t."""
         beta1, beta2 = self._betas()
         eps = self.optimizer.param_groups[0]["eps"]
-        m_bias, v_bias = 1 - beta1 ** t, 1 - beta2 ** self.plan.refreshes(t)
+        m_bias, v_bias = 1 - beta1 ** t, 1 - beta2 ** self.plan.horizon(t)
         for bucket in self.buckets:
             m, v = self.flat_state(bucket)
             d = self.local_buffers(bucket)[1]

@@ -179,7 +179,7 @@ def compression_summary(c: CompressionConfig, layout: Layout, steps: Optional[in
     if "powersgd" in (c.method, c.inner):
         line += powersgd_phrase(c, steps, tables)
     if c.method == "zeroone_adam" and steps:
-        line += ": " + ZeroOneSchedule.of(c).sized(steps).describe()
+        line += ": " + ZeroOneSchedule.of(c).sized(steps, beta2).describe()
     if {c.method, c.inner} & SPARSIFIERS:
         line += density_phrase(c, steps)
     if c.method == "dgc" and c.sparsity_warmup_steps:

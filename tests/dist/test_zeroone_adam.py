@@ -4,7 +4,10 @@ The reference runs every DP worker in this process, each with its own replica (p
 its local steps), per-worker gradients from the same seeded batches as test_onebit_adam.py, and the step kinds
 worked out by hand from the paper's rules for the knobs below (`KINDS`):
 
-- refresh (R): the exact mean ḡ (clipped by its norm) updates m and v, the step uses the fresh variance;
+- refresh (R): the exact mean ḡ (clipped by its norm) updates m and v — v by β₂ˢ for the s steps since the last
+  refresh, its bias correction by the last refresh's step (the paper's rule, `var_refresh_every=0`: β₂ once per
+  refresh, the correction by the refreshes so far) — and the step uses the fresh variance, floored at m̂² once a
+  step before sent the momentum as signs;
 - onebit (O): each worker's momentum β₁m + (1 − β₁)gᵢ (gᵢ clipped by its own norm) averaged through the
   compressed all-reduce with worker and server residuals (test_onebit_adam.py's), the step with the stale
   variance floored at m̂²;
@@ -14,10 +17,11 @@ worked out by hand from the paper's rules for the knobs below (`KINDS`):
   at the synced m̂², u = 0.
 
 hybrid's ranks run `GradSync` + `build_optimizer`; every rank's parameters must agree with its worker's after
-every step at dp=2 and dp=4, the counted DP bytes of each step must be its kind's formula, a resume in place from
-one replica's saved tensors and this rank's blob must continue bit for bit, and a resume at another DP size
-(the blob dropped) must follow the reference restarted from rank 0's replica; with the vectors kept exact
-(`compression.exact_params`) their parameters must stay alike on every replica through the local steps.
+every step at dp=2 and dp=4 (and under the paper's rule at dp=2), the counted DP bytes of each step must be its
+kind's formula, a resume in place from one replica's saved tensors and this rank's blob must continue bit for bit,
+and a resume at another DP size (the blob dropped) must follow the reference restarted from rank 0's replica;
+with the vectors kept exact (`compression.exact_params`) their parameters must stay alike on every replica
+through the local steps.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ FREEZE, STEPS = 7, 14
 # κ = 2: refreshes at 1, 2, 3, 5, 7 (gaps 1, 1, 2, 2, 4, …); after the freeze at 7 the interval at the s-th step is
 # min(4, 2^⌊(s − 1)/2⌋): 1, 1, 2, 2, 4, 4, 4 — syncs at s = 1, 2, 4 and the run's last step (14)
 KINDS = "RRRORORSSLSLLS"
+PAPER = {"var_refresh_every": 0}  # the paper's refreshes: one β₂ each, uncapped gaps
 SPLIT = 12  # the checkpoint's step: after a local step, mid-interval
 
 
@@ -59,9 +64,9 @@ def compression(**more: object) -> CompressionConfig:
 
 # ---- hybrid's ranks --------------------------------------------------------------------------------
 
-def build(world: int, model: nn.Module) -> tuple[GradSync, ZeroOneAdam]:
+def build(world: int, model: nn.Module, paper: bool = False) -> tuple[GradSync, ZeroOneAdam]:
     ctx = ParallelContext.build(Layout.create(world, dp=world))
-    hook, state = make_hook(compression(), ctx.dp_group)
+    hook, state = make_hook(compression(**PAPER) if paper else compression(), ctx.dp_group)
     sync = GradSync(list(model.parameters()), ctx.dp_group, hook, state, BUCKET_MB)
     return sync, build_optimizer(model, OPTIM, LR, ctx, sync, onebit=state, steps=STEPS)
 
@@ -89,11 +94,12 @@ def saved(model: nn.Module, opt: ZeroOneAdam) -> tuple[dict, bytes]:
     return {"params": [p.detach().clone() for p in model.parameters()], "optim": state}, buf.getvalue()
 
 
-def resume(world: int, ckpt: dict, blob: bytes | None) -> tuple[nn.Module, GradSync, ZeroOneAdam]:
+def resume(world: int, ckpt: dict, blob: bytes | None, paper: bool = False) -> tuple[nn.Module, GradSync,
+                                                                                   ZeroOneAdam]:
     """A fresh model, sync and optimizer filled from `ckpt` as the checkpoint loader fills them: the tensors in
     place, `loaded()`, then the hook blob (same layout) or the step count alone (another layout)."""
     model = net()
-    sync, opt = build(world, model)
+    sync, opt = build(world, model, paper)
     init_optimizer_state(opt)
     with torch.no_grad():
         for p, value, state in zip(model.parameters(), ckpt["params"], ckpt["optim"]):
@@ -108,15 +114,15 @@ def resume(world: int, ckpt: dict, blob: bytes | None) -> tuple[nn.Module, GradS
     return model, sync, opt
 
 
-def worker(rank: int, world: int) -> dict:
+def worker(rank: int, world: int, paper: bool = False) -> dict:
     model = net()
-    sync, opt = build(world, model)
+    sync, opt = build(world, model, paper)
     first, sent = train(rank, model, sync, opt, range(SPLIT))
     ckpt, blob = saved(model, opt)
     rest, more = train(rank, model, sync, opt, range(SPLIT, STEPS))
     box = [ckpt if rank == 0 else None]  # the DCP part holds one replica's tensors (here rank 0's) ...
     dist.broadcast_object_list(box, src=0)
-    model2, sync2, opt2 = resume(world, box[0], blob)  # ... and this rank's blob the rest of its own
+    model2, sync2, opt2 = resume(world, box[0], blob, paper)  # ... and this rank's blob the rest of its own
     resumed, _ = train(rank, model2, sync2, opt2, range(SPLIT, STEPS))
     return {"steps": first + rest, "bytes": sent + more, "resumed": resumed, "ckpt": ckpt,
             "sizes": [b.numel() for b in sync.buckets], "v": [opt.state[p]["exp_avg_sq"] for p in model.parameters()]}
@@ -143,13 +149,14 @@ def resumed_worker(rank: int, world: int, ckpt: dict) -> list:
 class Reference(OneBitReference):
     """0/1 Adam over `n` workers; the compressed all-reduce and its residuals are 1-bit Adam's reference's."""
 
-    def __init__(self, n: int, model: nn.Module) -> None:
+    def __init__(self, n: int, model: nn.Module, paper: bool = False) -> None:
         super().__init__(n, model)
+        self.paper = paper
         zeros = {k: torch.zeros_like(v) for k, v in self.params.items()}
         self.p = [dict(self.params) for _ in range(n)]  # each worker's replica
         self.mr = [dict(zeros) for _ in range(n)]  # each worker's momentum
         self.u = [dict(zeros) for _ in range(n)]
-        self.v, self.k, self.sums = dict(zeros), 0, {True: 0.0, False: 0.0}  # S per decay group
+        self.v, self.h, self.sums = dict(zeros), 0, {True: 0.0, False: 0.0}  # S per decay group
 
     def load(self, ckpt: dict) -> None:
         """Every worker restarts from one replica's parameters and momentum: u = 0, S = 0, residuals 0."""
@@ -158,7 +165,12 @@ class Reference(OneBitReference):
         self.mr = [{k: s["exp_avg"].clone() for k, s in zip(names, ckpt["optim"])} for _ in range(self.n)]
         self.v = {k: s["exp_avg_sq"].clone() for k, s in zip(names, ckpt["optim"])}
         self.t = int(ckpt["optim"][0]["step"])
-        self.k = KINDS[: self.t].count("R")
+        self.h = self.horizon(self.t)
+
+    def horizon(self, t: int) -> int:
+        """v's bias-correction exponent after step t: the last refresh's step (the refreshes' count, the paper's)."""
+        done = KINDS[:t]
+        return done.count("R") if self.paper else done.rfind("R") + 1
 
     def grads(self, rank: int, t: int) -> dict:
         x, y = batch(rank, t)
@@ -181,10 +193,13 @@ class Reference(OneBitReference):
         gs = [self.grads(r, t) for r in range(self.n)]
         g = clipped({k: sum(x[k] for x in gs) / self.n for k in self.params})
         m = {k: b1 * self.mr[0][k] + (1 - b1) * g[k] for k in g}
-        self.v = {k: b2 * self.v[k] + (1 - b2) * g[k] ** 2 for k in g}
-        self.k += 1
+        decay = b2 ** (1 if self.paper else self.t - self.h)  # the steps since the last refresh
+        self.v = {k: decay * self.v[k] + (1 - decay) * g[k] ** 2 for k in g}
+        self.h = self.horizon(self.t)
         self.mr = [dict(m) for _ in range(self.n)]
-        self.apply({k: (self.v[k] / (1 - b2 ** self.k)).sqrt() + OPTIM.eps for k in g})
+        signed = "O" in KINDS[: self.t - 1]
+        self.apply(self.floored(m, self.t) if signed else
+                   {k: (self.v[k] / (1 - b2 ** self.h)).sqrt() + OPTIM.eps for k in g})
 
     def onebit(self, t: int) -> None:
         b1 = OPTIM.beta1
@@ -201,7 +216,7 @@ class Reference(OneBitReference):
         if self.t == FREEZE + 1:  # the exchange turns from the momentum to u
             self.worker_err.clear()
             self.server_err.clear()
-        d0 = {k: (v / (1 - b2 ** self.k)).sqrt() + OPTIM.eps for k, v in self.v.items()}  # u's unit
+        d0 = {k: (v / (1 - b2 ** self.h)).sqrt() + OPTIM.eps for k, v in self.v.items()}  # u's unit
         for r in range(self.n):
             g = clipped(self.grads(r, t))
             self.mr[r] = {k: b1 * self.mr[r][k] + (1 - b1) * g[k] for k in g}
@@ -237,9 +252,9 @@ class Reference(OneBitReference):
                 self.p[r][k] = p * (1 - LR * self.wd(p)) - LR * m_hat / d[k]
 
     def floored(self, m: dict, t: int) -> dict:
-        """√max(v̂, m̂²) + ε, m̂ bias-corrected as after step t, v̂ by the refreshes so far."""
+        """√max(v̂, m̂²) + ε, m̂ bias-corrected as after step t, v̂ as after the last refresh."""
         b1, b2 = OPTIM.beta1, OPTIM.beta2
-        return {k: torch.maximum(self.v[k] / (1 - b2 ** self.k), (m[k] / (1 - b1 ** t)) ** 2).sqrt() + OPTIM.eps
+        return {k: torch.maximum(self.v[k] / (1 - b2 ** self.h), (m[k] / (1 - b1 ** t)) ** 2).sqrt() + OPTIM.eps
                 for k in m}
 
     def split(self, names: list[str], flat: torch.Tensor) -> dict:
@@ -265,17 +280,24 @@ def expected_bytes(kind: str, sizes: list[int], n: int) -> int:
 
 # ---- the tests ----------------------------------------------------------------------------------------
 
-def test_the_schedule_is_the_papers_and_sizes_itself_from_the_run() -> None:
-    plan = ZeroOneSchedule.of(compression()).sized(STEPS)
+def test_the_schedule_is_the_papers_with_its_gaps_capped_and_sizes_itself_from_the_run() -> None:
     letters = {"refresh": "R", "onebit": "O", "local": "L", "sync": "S"}
-    assert "".join(letters[plan.kind(t)] for t in range(1, STEPS + 1)) == KINDS
+    for more in ({}, PAPER):  # κ = 2's gaps stay under the cap (10 at β₂ = 0.95): the same steps
+        plan = ZeroOneSchedule.of(compression(**more)).sized(STEPS, OPTIM.beta2)
+        assert "".join(letters[plan.kind(t)] for t in range(1, STEPS + 1)) == KINDS
     auto = ZeroOneSchedule.of(CompressionConfig(method="zeroone_adam"))
-    short, long = auto.sized(200), auto.sized(5000)
-    assert (short.freeze, short.scaler, short.local_scaler) == (100, 4, 20)  # 4: 19 refreshes ≤ 10% of 200
-    assert short.refreshes(100) == 19 and short.refresh(17) and not short.refresh(18)
-    assert (long.freeze, long.scaler) == (2500, 16)  # the paper's κ once the run is long enough
+    short, long = auto.sized(200, 0.95), auto.sized(5000, 0.95)
+    assert (short.freeze, short.scaler, short.local_scaler, short.cap) == (100, 4, 20, 10)  # 20 refreshes ≤ 10%
+    assert short.at == (1, 2, 3, 4, 5, 7, 9, 11, 13, 17, 21, 25, 29, 37, 45, 53, 61, 71, 81, 91)  # gaps ≤ 10
+    assert (short.gap(71), short.horizon(75), short.horizon(200), short.signed(5), short.signed(7)) == (10, 71, 91,
+                                                                                                      False, True)
+    paper = ZeroOneSchedule.of(CompressionConfig(method="zeroone_adam", **PAPER)).sized(200, 0.95)
+    assert paper.at[-3:] == (61, 77, 93) and (paper.gap(77), paper.horizon(80)) == (1, 18)  # one β₂ per refresh
+    assert (long.freeze, long.scaler, long.cap) == (2500, 16, 10)  # the paper's κ once the run is long enough
+    assert auto.sized(5000, 0.999).cap == 500  # the paper's β₂: its gaps (up to 2^⌊j/16⌋) stay under the cap
     assert [short.interval(t) for t in (101, 120, 121, 181, 200)] == [1, 1, 2, 16, 16]
-    assert ZeroOneSchedule.of(compression(warmup_steps=9)).sized(STEPS).refreshes(STEPS) == 9  # 1..9: the freeze moves
+    warm = ZeroOneSchedule.of(compression(warmup_steps=9)).sized(STEPS, OPTIM.beta2)
+    assert warm.refreshes(STEPS) == 9  # 1..9: the freeze moves
 
 
 @pytest.mark.parametrize("knob,value,needle", [
@@ -291,14 +313,20 @@ def test_bad_knobs_are_one_line(knob: str, value: object, needle: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[int, list]:
+def runs() -> dict[object, list]:
     return {world: run_ranks(worker, world, timeout=TIMEOUT) for world in (2, 4)}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_zeroone_adam_matches_the_reference_step_by_step_with_its_bytes(world: int, runs: dict) -> None:
-    ranks = runs[world]
-    ref = Reference(world, net())
+@pytest.fixture(scope="module")
+def paper_runs() -> dict[object, list]:
+    return {2: run_ranks(worker, 2, True, timeout=TIMEOUT)}
+
+
+@pytest.mark.parametrize("world,paper", [(2, False), (4, False), (2, True)])
+def test_zeroone_adam_matches_the_reference_step_by_step_with_its_bytes(world: int, paper: bool, runs: dict,
+                                                                        paper_runs: dict) -> None:
+    ranks = (paper_runs if paper else runs)[world]
+    ref = Reference(world, net(), paper)
     expected = [ref.step(t) for t in range(STEPS)]
     for rank, r in enumerate(ranks):
         assert_tracks(r["steps"], [e[rank] for e in expected], f"dp={world} rank {rank}")
