@@ -48,6 +48,9 @@ class CompressionConfig:
     # warmup_share of train.steps (null: the method's own, compression/defaults.py); 0: compress from step 1
     warmup_steps: Optional[int] = None
     warmup_share: Optional[float] = None
+    # the warm-up's exchange: none (exact fp32) | int8 | int4 | bf16 | fp16 (that codec instead, a fraction of the
+    # bytes; schedule=fixed, not zeroone_adam, hierarchical or torch_*)
+    warmup_method: str = "none"
     schedule: str = "fixed"  # fixed: exact for warmup_steps, then the method | auto: switch once the loss settles
     stages: list[str] = field(default_factory=list)  # auto: methods between exact and `method`, e.g. [bf16, int8]
     settle_window: int = 10  # auto: steps per window of the settling rule (2 windows compared)

@@ -15,8 +15,17 @@ Top-k and DGC's density, `compression.fraction: null` (the default), is sized fr
 error feedback sends a coordinate about once in 1/density compressed steps, so a short compressed phase needs a
 denser selection for every coordinate to be sent a few times.
 
-PowerSGD's byte budget, `compression.min_ratio`, is a ratio over the run, warm-up included: its exact steps send
-fp32, so the compressed steps must do better than the target for the run to reach it (`bucket_ratio`).
+**The warm-up's exchange**, `compression.warmup_method`: `none` (the default) all-reduces in fp32; `int8` (or
+`int4`, `bf16`, `fp16`) runs the warm-up through that codec instead — within ~0.2 % of exact from a run's first
+step on every configuration measured, at a quarter of the bytes, so a warm-up of the same length costs a quarter
+as much over the run (`warmup_cost`). The method still starts from the warm-up's last mean (`start.py`), and
+1-bit Adam's AdamW steps take the codec's mean. Not for `zeroone_adam` (its warm-up steps are variance refreshes,
+exact by design), `hierarchical` or PyTorch's hooks, nor under `schedule=auto` (`compression.stages` is its
+ladder).
+
+PowerSGD's byte budget, `compression.min_ratio`, is a ratio over the run, warm-up included: its warm-up steps send
+fp32 (or the warm-up codec's bytes), so the compressed steps must do better than the target for the run to reach
+it (`bucket_ratio`).
 
 The warm-up decided at a run's start is the run's own state (`Compression.run_state`): a resume keeps it, so
 extending a run (`train.steps`, a free change on resume) does not move a warm-up already over.
@@ -41,7 +50,7 @@ SAFE: dict[str, tuple[float, int]] = {
     "dgc": (0.25, 0),
     "onebit_adam": (0.25, 1),  # the variance it freezes: 1-bit Adam's paper warms up for 15–25 % of the run
 }
-"""method → (share of `train.steps` run exact, at least this many steps); methods not named start at once: the
+"""method → (share of `train.steps` run as the warm-up, at least this many steps); methods not named start at once: the
 casts, int8 and int4 stayed within 1 % of exact from the first step (docs/benchmarks/2026-11-24-compression-adam.md,
 2026-11-28-int4.md)."""
 DENSITY_FLOOR, SENDS = 0.01, 10
@@ -104,6 +113,20 @@ def density_phrase(c: CompressionConfig, steps: Optional[int]) -> str:
             f"compressed steps, at least {DENSITY_FLOOR:.0%}; compression.fraction=0.01 pins it)")
 
 
+WARMUP_METHODS = ("none", "bf16", "fp16", "int8", "int4")
+"""`compression.warmup_method`: the exchanges a warm-up may run (exact or within rounding of it)."""
+NOT_WARMED = ("zeroone_adam", "hierarchical", "torch_fp16", "torch_bf16", "torch_powersgd")
+"""Methods whose warm-up is exact whatever `warmup_method` says: refused there (`check_warmup`)."""
+
+
+def warmup_cost(c: CompressionConfig) -> float:
+    """Bytes of one warm-up step against fp32's: 1 exact; the 16-bit casts ½; int8 and int4 one (or half a) byte
+    per element plus one fp32 scale per `block_size` elements, ÷ 4 (the codecs' `encoded_bytes`)."""
+    per_element = {"none": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}[c.warmup_method]
+    scales = 4 / c.block_size if c.warmup_method in ("int8", "int4") else 0.0
+    return (per_element + scales) / 4
+
+
 def exact_share(c: CompressionConfig, steps: Optional[int]) -> float:
     """The share w of a run of `steps` known at its start to run exact: the fixed schedule's warm-up; 0 where
     unknown (no run length, the auto schedule)."""
@@ -111,14 +134,14 @@ def exact_share(c: CompressionConfig, steps: Optional[int]) -> float:
 
 
 def bucket_ratio(c: CompressionConfig, steps: Optional[int]) -> float:
-    """The ratio each compressed step must keep for the run, its exact warm-up share w included, to send
-    `min_ratio` (T) × fewer bytes: 1 / (w + (1 − w)/r) ≥ T ⇔ r ≥ (1 − w) / (1/T − w). T itself where the warm-up
-    is unknown (no run length, the auto schedule) or none, and where w ≥ 1/T: the warm-up alone keeps the run
-    under T× (`budget_phrase` says so)."""
-    w = exact_share(c, steps)
-    if w == 0 or w >= 1 / c.min_ratio:
+    """The ratio each compressed step must keep for the run, its warm-up share w at cost k (`warmup_cost`: 1 in
+    fp32) included, to send `min_ratio` (T) × fewer bytes: 1 / (w·k + (1 − w)/r) ≥ T ⇔ r ≥ (1 − w) / (1/T − w·k).
+    T itself where the warm-up is unknown (no run length, the auto schedule) or none, and where w·k ≥ 1/T: the
+    warm-up alone keeps the run under T× (`budget_phrase` says so)."""
+    w, k = exact_share(c, steps), warmup_cost(c)
+    if w == 0 or w * k >= 1 / c.min_ratio:
         return c.min_ratio
-    return (1 - w) / (1 / c.min_ratio - w)
+    return (1 - w) / (1 / c.min_ratio - w * k)
 
 
 def budget_phrase(c: CompressionConfig, steps: Optional[int]) -> str:
@@ -127,9 +150,9 @@ def budget_phrase(c: CompressionConfig, steps: Optional[int]) -> str:
     if per_bucket != c.min_ratio:
         return (f"within {per_bucket:.3g}× fewer bytes per bucket, so that the run sends compression.min_ratio="
                 f"{c.min_ratio:g}× fewer with its warm-up")
-    if w >= 1 / c.min_ratio:
-        return (f"within {c.min_ratio:g}× fewer bytes per bucket; the warm-up alone ({w:.0%} of the run exact) keeps "
-                f"the run under {c.min_ratio:g}×")
+    if w * warmup_cost(c) >= 1 / c.min_ratio:
+        return (f"within {c.min_ratio:g}× fewer bytes per bucket; the warm-up alone ({w:.0%} of the run "
+                f"{warmup_name(c)}) keeps the run under {c.min_ratio:g}×")
     return f"within {c.min_ratio:g}× fewer bytes per bucket"
 
 
@@ -137,11 +160,17 @@ def warmup_phrase(c: CompressionConfig, steps: Optional[int]) -> str:
     """The start-up line's account of the warm-up: how long, why, and the setting that changes it."""
     n = warmup_of(c, steps)
     first = "the first step" if n == 1 else f"the first {n} steps"
+    how = warmup_name(c) + ("" if c.warmup_method == "none" else " (compression.warmup_method)")
     if not sized(c, steps):
-        return f", exact for {first}" if n else ""
+        return f", {how} for {first}" if n else ""
     share = safe_warmup(c)[0]
-    return (f", exact for {first} ({share:.0%} of train.steps={steps}, sized from the run to protect the "
+    return (f", {how} for {first} ({share:.0%} of train.steps={steps}, sized from the run to protect the "
             "loss; compression.warmup_steps=0 compresses from step 1)")
+
+
+def warmup_name(c: CompressionConfig) -> str:
+    """How the warm-up exchanges, in words: exact, or in the warm-up codec."""
+    return "exact" if c.warmup_method == "none" else f"in {c.warmup_method}"
 
 
 def check_warmup(c: CompressionConfig) -> None:
@@ -154,6 +183,12 @@ def check_warmup(c: CompressionConfig) -> None:
     need(n is None or n >= 0, f"compression.warmup_steps must be >= 0 (null: sized from the run), got {n}")
     need(c.warmup_share is None or 0 <= c.warmup_share < 1, f"compression.warmup_share must be in [0, 1), got "
          f"{c.warmup_share}")
+    need(c.warmup_method in WARMUP_METHODS, f"compression.warmup_method must be one of {', '.join(WARMUP_METHODS)}, "
+         f"got {c.warmup_method!r}")
+    need(c.warmup_method == "none" or c.schedule == "fixed", "compression.warmup_method applies to schedule=fixed "
+         "(schedule=auto steps through compression.stages)")
+    need(c.warmup_method == "none" or c.method not in NOT_WARMED, f"compression.warmup_method={c.warmup_method} does "
+         f"not apply to compression={c.method} (its warm-up is exact)")
     fixed = c.schedule == "fixed" and n is not None
     need(not fixed or c.method != "onebit_adam" or n >= 1, f"compression=onebit_adam needs compression.warmup_steps "
          f">= 1 (exact AdamW steps that estimate the variance it then freezes), got {n}")

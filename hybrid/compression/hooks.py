@@ -23,8 +23,8 @@ Methods (`compression=<method>`, knobs under `compression.*`):
   hierarchical  exact inside a node, `inner` method between nodes, `hierarchical.py`
 
 `make_hook` wraps every method in `Compression`, the hook state that adds what is common to all:
-exact all-reduce for the first `warmup_steps` steps (null: sized from the run, `defaults.py`; the last one's
-mean handed to the method's start, `start.py`), or,
+exact all-reduce for the first `warmup_steps` steps (null: sized from the run, `defaults.py`; or the codec of
+`compression.warmup_method`; the last one's mean handed to the method's start, `start.py`), or,
 under `compression.schedule=auto`, the stages `schedule.py` steps through (exact, `compression.stages`,
 the method) as the loss settles; buckets of parameters kept exact (`compression.exact_params`); the
 optional measurement of the relative compression error ‖ĝ − g‖/‖g‖, overall and per bucket (with each
@@ -79,6 +79,7 @@ class Compression:
     measure: bool = False
     schedule: Optional[StageSchedule] = None
     ladder: list[tuple[Hook, Any]] = field(default_factory=list)
+    warmup: Optional[tuple[str, Hook, Any]] = None  # the warm-up's codec (`compression.warmup_method`); None: exact
     exact_params: frozenset[int] = frozenset()
     sized: bool = False  # warmup_steps was sized from the run (compression.warmup_steps=null): kept on resume
     _exact_buckets: dict[int, bool] = field(default_factory=dict)
@@ -111,7 +112,7 @@ class Compression:
     def method_at(self, step: int) -> str:
         if self.schedule is not None:
             return self.schedule.method(step)
-        return self.method if self.stage_at(step) else "none"
+        return self.method if self.stage_at(step) else (self.warmup[0] if self.warmup else "none")
 
     def record(self, step: int) -> dict[str, Any]:
         """The metrics of the step after `step` steps done: the stage it ran, unless the hook is exact."""
@@ -165,7 +166,8 @@ class Compression:
 
     def state_dict(self) -> dict[str, Any]:
         return {"method": self.method, "iteration": self.iteration, "hook": _state_dict(self.state),
-                "ladder": [_state_dict(state) for _, state in self.ladder]}
+                "ladder": [_state_dict(state) for _, state in self.ladder],
+                "warmup": _state_dict(self.warmup[2]) if self.warmup else {}}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd["method"] != self.method:
@@ -174,6 +176,8 @@ class Compression:
         _load_state_dict(self.state, sd["hook"])
         for (_, state), blob in zip(self.ladder, sd.get("ladder", [])):
             _load_state_dict(state, blob)
+        if self.warmup and sd.get("warmup"):
+            _load_state_dict(self.warmup[2], sd["warmup"])
 
     def add_error(self, exact: torch.Tensor, value: torch.Tensor, index: Optional[int] = None) -> None:
         """Account one compressed `value` against its `exact` counterpart in Σ‖ĝ − g‖² and Σ‖g‖² (and in bucket
@@ -204,10 +208,10 @@ def run_hook(st: Compression, bucket):  # noqa: ANN001, ANN201
     if st.measure and st.meter_in_hook and C.size(st.group) > 1:
         exact = codecs.exact_mean(bucket.buffer(), st.group)  # counted as `meter`, not as training traffic
     stage, index = st.stage_at(st.iteration), bucket.index()
-    if stage == 0 or st.kept_exact(bucket):
+    if st.kept_exact(bucket):
         fut = allreduce_hook(st.group, bucket)
-        if st.starts_next() and not st.kept_exact(bucket):  # the warm-up's last step (stage 0)
-            fut = fut.then(lambda f: _started(st.state, bucket, f))
+    elif stage == 0:
+        fut = _warming(st, bucket)
     elif stage <= len(st.ladder):
         hook, state = st.ladder[stage - 1]
         fut = hook(state, bucket)
@@ -222,10 +226,22 @@ def run_hook(st: Compression, bucket):  # noqa: ANN001, ANN201
     return fut
 
 
+def _warming(st: Compression, bucket):  # noqa: ANN001, ANN202
+    """A warm-up step: the exact mean, or the warm-up codec's (`compression.warmup_method`); on the last one the
+    method starts from that mean (`start.py`), put in `bucket` first."""
+    fut = st.warmup[1](st.warmup[2], bucket) if st.warmup else allreduce_hook(st.group, bucket)
+    return fut.then(lambda f: _started(st.state, bucket, f)) if st.starts_next() else fut
+
+
 def _started(state: Any, bucket: Any, fut: torch.futures.Future) -> torch.Tensor:
-    """The last exact step's mean arrived in `bucket`: let the method start from it (`start.py`)."""
+    """The warm-up's last mean arrived: into `bucket` (where a codec's hook returned it apart), then let the method
+    start from it (`start.py`)."""
+    value = fut.value()
+    value = value[0] if isinstance(value, list) else value
+    if value.data_ptr() != bucket.buffer().data_ptr():
+        bucket.buffer().copy_(value)
     warm_start(state, bucket)
-    return fut.value()
+    return value
 
 
 def _state_dict(state: Any) -> Any:
@@ -289,7 +305,15 @@ def _make(cfg: CompressionConfig, group: Group, dp_intra: Group, dp_inter: Group
     elif cfg.method in OPTIMIZER_SIDE:
         hook, state = OPTIMIZER_SIDE[cfg.method](cfg, group)
         comp = Compression(cfg.method, group, hook, state, warmup, meter_in_hook=False)
-        return run_hook, _scheduled(comp, cfg, group)
+        return run_hook, _scheduled(_warmed(comp, cfg, group), cfg, group)
     else:
         hook, state = REGISTRY[cfg.method](cfg, group)
-    return run_hook, _scheduled(Compression(cfg.method, group, hook, state, warmup, serial), cfg, group)
+    comp = Compression(cfg.method, group, hook, state, warmup, serial)
+    return run_hook, _scheduled(_warmed(comp, cfg, group), cfg, group)
+
+
+def _warmed(comp: Compression, cfg: CompressionConfig, group: Group) -> Compression:
+    """The warm-up's codec (`compression.warmup_method`, built as that method over `group`), unless exact."""
+    if cfg.warmup_method != "none":
+        comp.warmup = (cfg.warmup_method, *REGISTRY[cfg.warmup_method](cfg, group))
+    return comp

@@ -173,7 +173,7 @@ def compression_summary(c: CompressionConfig, layout: Layout, steps: Optional[in
     if kinds and c.method != "none":
         line += f"; kept exact: {', '.join(kinds)}"
     if c.method == "onebit_adam":
-        line += ("; AdamW while exact, then the momentum sent as signs with the variance "
+        line += ("; AdamW during the warm-up, then the momentum sent as signs with the variance "
                  + refresh_phrase(c.var_refresh_every, beta2))
     line += phrase(c)
     if "powersgd" in (c.method, c.inner):

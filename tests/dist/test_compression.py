@@ -453,7 +453,26 @@ def state_worker(rank: int, world: int) -> dict:
             bufs = grads(rank, t, shapes)
             runs.append((step(hook, state, bufs, shapes), exact_mean(bufs, dp_group)))
         out[f"warmup_{method}"] = runs
+    out["warmup_codec"] = warmup_codec_runs(rank, dp_group, HIER_SHAPES)
     return out
+
+
+def warmup_codec_runs(rank: int, group: dist.ProcessGroup, shapes: list) -> dict:
+    """PowerSGD warmed up for 4 steps in int4 (error feedback: residuals to resume), beside plain int4; saved after
+    step 2 and resumed. → (warmed, int4) and (warmed, resumed) outputs per step."""
+    warm = cfg("powersgd", warmup_steps=4, warmup_method="int4", block_size=BLOCK)
+    (hook, state), (int4_hook, int4_state) = make_hook(warm, group), make_hook(cfg("int4"), group)
+    pairs, resumed_pairs, resumed_hook, resumed = [], [], None, None
+    for t in range(6):
+        if t == 2:
+            resumed_hook, resumed = make_hook(warm, group)
+            resumed.load_state_dict(roundtrip(state.state_dict()))
+        bufs = grads(rank, t, shapes)
+        out = step(hook, state, bufs, shapes)
+        pairs.append((out, step(int4_hook, int4_state, bufs, shapes)))
+        if resumed is not None:
+            resumed_pairs.append((out, step(resumed_hook, resumed, bufs, shapes)))
+    return {"pairs": pairs, "resumed": resumed_pairs, "methods": [state.method_at(t) for t in (0, 3, 4)]}
 
 
 @pytest.fixture(scope="module")
@@ -484,6 +503,17 @@ def test_warmup_steps_are_the_exact_all_reduce(state_runs: list, method: str) ->
             for out, exact in zip(*runs[t]):
                 torch.testing.assert_close(out, exact, rtol=0, atol=0, msg=f"{method} warm-up step {t}")
         assert any(not torch.equal(out, exact) for out, exact in zip(*runs[2])), "step 2 should be compressed"
+
+
+def test_a_warm_up_codec_runs_its_steps_resumes_them_and_hands_over_to_the_method(state_runs: list) -> None:
+    for r in state_runs:
+        runs = r["warmup_codec"]
+        for t, (warmed, int4) in enumerate(runs["pairs"]):
+            same = all(torch.equal(a, b) for a, b in zip(warmed, int4))
+            assert same == (t < 4), f"step {t}: the warm-up is int4's, bit for bit, then PowerSGD's"
+        for t, (warmed, resumed) in enumerate(runs["resumed"]):
+            assert all(torch.equal(a, b) for a, b in zip(warmed, resumed)), f"resumed at step 2, step {t + 2}"
+        assert runs["methods"] == ["int4", "int4", "powersgd"]
 
 
 # ---- 4: under torch's DDP; PyTorch's hooks under GradSync ----------------------------------------------

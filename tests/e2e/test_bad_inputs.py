@@ -76,6 +76,8 @@ CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece o
      "compression=onebit_adam needs compression.warmup_steps >= 1"),
     ("onebit-refresh-negative", ["compression=onebit_adam", "compression.var_refresh_every=-1"],
      "compression.var_refresh_every must be >= 0"),
+    ("warmup-method", ["compression=zeroone_adam", "compression.warmup_method=int8"],
+     "compression.warmup_method=int8 does not apply to compression=zeroone_adam (its warm-up is exact)"),
     ("topk-fraction", ["compression=topk", "compression.fraction=1.5"], "compression.fraction must be in (0, 1]"),
     ("powersgd-lookup-rows", ["compression=powersgd", "compression.lookup_rows=maybe"],
      "compression.lookup_rows=maybe Value 'maybe' is not a valid bool"),

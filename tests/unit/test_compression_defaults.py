@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid.compression.defaults import SAFE, bucket_ratio, density_of, warmup_of
+from hybrid.compression import CompressionError, codecs
+from hybrid.compression.defaults import (
+    SAFE,
+    WARMUP_METHODS,
+    bucket_ratio,
+    check_warmup,
+    density_of,
+    warmup_cost,
+    warmup_of,
+)
 from hybrid.compression.hooks import make_hook
 from hybrid.config import CompressionConfig, compose_config
 from hybrid.sync import startup_lines
@@ -85,6 +94,28 @@ def test_powersgds_budget_is_over_the_run_warm_up_included(kw: dict, steps: int,
     w = warmup_of(c, steps) / steps if steps and c.schedule == "fixed" else 0.0
     if 0 < w < 1 / c.min_ratio:
         assert 1 / (w + (1 - w) / bucket_ratio(c, steps)) == pytest.approx(c.min_ratio)  # the run's ratio
+
+
+@pytest.mark.parametrize("method", WARMUP_METHODS)
+def test_a_warm_up_codec_costs_its_encoded_bytes_and_powersgds_budget_counts_them(method: str) -> None:
+    c = comp("powersgd", warmup_method=method, block_size=64)
+    codec = codecs.CODECS[method].build(c) if method in codecs.CODECS else None
+    n = 64 * 1000
+    encoded = codec.encoded_bytes(n) if codec else {"none": 4, "bf16": 2, "fp16": 2}[method] * n
+    assert warmup_cost(c) == pytest.approx(encoded / (4 * n))
+    w = warmup_of(c, 200) / 200  # 2 steps of 200
+    assert 1 / (w * warmup_cost(c) + (1 - w) / bucket_ratio(c, 200)) == pytest.approx(20.0)  # the run: 20×
+
+
+def test_a_warm_up_codec_is_said_at_start_up_and_refused_where_the_warm_up_is_exact() -> None:
+    cfg = compose_config(["compression=sign", "compression.warmup_method=int8", "train.steps=200", *BATCH])
+    (line,) = startup_lines(cfg, validate(cfg, 4))
+    assert "in int8 (compression.warmup_method) for the first 50 steps (25% of train.steps=200" in line, line
+    for bad, says in ((comp("sign", warmup_method="sign"), "must be one of none, bf16, fp16, int8, int4"),
+                      (comp("sign", warmup_method="int8", schedule="auto"), "applies to schedule=fixed"),
+                      (comp("zeroone_adam", warmup_method="int8"), "not apply to compression=zeroone_adam")):
+        with pytest.raises(CompressionError, match=says):
+            check_warmup(bad)
 
 
 def test_the_startup_line_says_the_budget_per_bucket_and_over_the_run() -> None:
