@@ -11,7 +11,7 @@ alone (the same on every rank, and after a resume):
   (`compression.var_refresh_every`; null: half the variance's horizon 1/(1 − β₂), 10 at β₂ = 0.95, 500 at the
   paper's 0.999) and weighs each refresh by the steps it stands for (`gap`, `horizon`): with β₂ = 0.95 Adam's
   variance forgets in ~20 steps, and the paper's uncapped gaps, one β₂ per refresh, left it tens of steps old and
-  dominated by the first steps' gradients (llama-tiny: +9.5 % eval loss against exact AdamW;
+  dominated by the first steps' gradients (llama-tiny: +9.4 % eval loss against exact AdamW;
   docs/benchmarks/2026-12-01-zeroone-variance.md). `var_refresh_every=0` is the paper's rule as written.
   `compression.warmup_steps` makes its first steps refreshes too.
 - **onebit** (t ≤ F, not a refresh): the hook sends nothing; the optimizer averages the momentum over DP as signs
