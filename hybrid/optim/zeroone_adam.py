@@ -45,9 +45,9 @@ global norm; v̂ is floored at m̂² wherever it is stale or m carries the codec
 element moves more than lr per step, so the elements whose variance was ~0 at the freeze, e.g. rare tokens'
 embedding rows, cannot jump), on every onebit step, on a refresh step once m holds signs (a 1-bit mean gives
 each element its block's magnitude, and an element whose fresh ḡ² is small would step many times lr: on
-llama-tiny +8.9 % eval loss without this floor, +1.7 % with it), on every local step with its own m̂ (u counts what was stepped,
-in units of d₀) and at the sync's landing with the synced m̂ (there the 1-bit error of ū, divided by a tiny d₀,
-would be unbounded); where no floor binds, every step is the paper's. A refresh step folds ḡ into m and sends
+llama-tiny +8.9 % eval loss without this floor, +1.7 % with it), on every local step with its own m̂ (u counts
+what was stepped, in units of d₀) and at the sync's landing with the synced m̂ (there the 1-bit error of ū,
+divided by a tiny d₀, would be unbounded); where no floor binds, every step is the paper's. A refresh step folds ḡ into m and sends
 no 1-bit momentum besides (as DeepSpeed does); the residuals restart at the freeze, where the exchanged quantity
 turns from m into u (as DeepSpeed's); the run's last step always syncs, so a run ends with one model.
 
