@@ -47,9 +47,10 @@ embedding rows, cannot jump), on every onebit step, on a refresh step once m hol
 each element its block's magnitude, and an element whose fresh ḡ² is small would step many times lr: on
 llama-tiny +8.9 % eval loss without this floor, +1.7 % with it), on every local step with its own m̂ (u counts
 what was stepped, in units of d₀) and at the sync's landing with the synced m̂ (there the 1-bit error of ū,
-divided by a tiny d₀, would be unbounded); where no floor binds, every step is the paper's. A refresh step folds ḡ into m and sends
-no 1-bit momentum besides (as DeepSpeed does); the residuals restart at the freeze, where the exchanged quantity
-turns from m into u (as DeepSpeed's); the run's last step always syncs, so a run ends with one model.
+divided by a tiny d₀, would be unbounded); where no floor binds, every step is the paper's. A refresh step
+folds ḡ into m and sends no 1-bit momentum besides (as DeepSpeed does); the residuals restart at the freeze,
+where the exchanged quantity turns from m into u (as DeepSpeed's); the run's last step always syncs, so a run
+ends with one model.
 
 **State.** m and v are AdamW's `exp_avg` / `exp_avg_sq` (flat per bucket: `OneBitAdam.flat_state`), saved and
 resharded by checkpoints; the schedule's position is the step count; the anchor and d (the step's
