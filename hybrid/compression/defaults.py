@@ -16,9 +16,10 @@ error feedback sends a coordinate about once in 1/density compressed steps, so a
 denser selection for every coordinate to be sent a few times.
 
 **The warm-up's exchange**, `compression.warmup_method`: `none` (the default) all-reduces in fp32; `int8` (or
-`int4`, `bf16`, `fp16`) runs the warm-up through that codec instead — within ~0.2 % of exact from a run's first
-step on every configuration measured, at a quarter of the bytes, so a warm-up of the same length costs a quarter
-as much over the run (`warmup_cost`). The method still starts from the warm-up's last mean (`start.py`), and
+`int4`, `bf16`, `fp16`) runs the warm-up through that codec instead — int8 from a run's first step ended within
+−0.8 … +1.5 % of exact on five configurations, at a quarter of the bytes, so a warm-up of the same length costs
+a quarter as much over the run (`warmup_cost`); on llama-tiny it cost sign 2.4 points of eval loss on a
+three-seed mean and PowerSGD nothing (docs/benchmarks/2026-12-01-warmup-codec.md), so exact stays the default. The method still starts from the warm-up's last mean (`start.py`), and
 1-bit Adam's AdamW steps take the codec's mean. Not for `zeroone_adam` (its warm-up steps are variance refreshes,
 exact by design), `hierarchical` or PyTorch's hooks, nor under `schedule=auto` (`compression.stages` is its
 ladder).
