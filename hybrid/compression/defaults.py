@@ -19,10 +19,10 @@ denser selection for every coordinate to be sent a few times.
 `int4`, `bf16`, `fp16`) runs the warm-up through that codec instead — int8 from a run's first step ended within
 −0.8 … +1.5 % of exact on five configurations, at a quarter of the bytes, so a warm-up of the same length costs
 a quarter as much over the run (`warmup_cost`); on llama-tiny it cost sign 2.4 points of eval loss on a
-three-seed mean and PowerSGD nothing (docs/benchmarks/2026-12-01-warmup-codec.md), so exact stays the default. The method still starts from the warm-up's last mean (`start.py`), and
-1-bit Adam's AdamW steps take the codec's mean. Not for `zeroone_adam` (its warm-up steps are variance refreshes,
-exact by design), `hierarchical` or PyTorch's hooks, nor under `schedule=auto` (`compression.stages` is its
-ladder).
+three-seed mean and PowerSGD nothing (docs/benchmarks/2026-12-01-warmup-codec.md), so exact stays the default.
+The method still starts from the warm-up's last mean (`start.py`), and 1-bit Adam's AdamW steps take the codec's
+mean. Not for `zeroone_adam` (its warm-up steps are variance refreshes, exact by design), `hierarchical` or
+PyTorch's hooks, nor under `schedule=auto` (`compression.stages` is its ladder).
 
 PowerSGD's byte budget, `compression.min_ratio`, is a ratio over the run, warm-up included: its warm-up steps send
 fp32 (or the warm-up codec's bytes), so the compressed steps must do better than the target for the run to reach
