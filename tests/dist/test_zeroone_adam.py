@@ -313,12 +313,12 @@ def test_bad_knobs_are_one_line(knob: str, value: object, needle: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[object, list]:
+def runs() -> dict[int, list]:
     return {world: run_ranks(worker, world, timeout=TIMEOUT) for world in (2, 4)}
 
 
 @pytest.fixture(scope="module")
-def paper_runs() -> dict[object, list]:
+def paper_runs() -> dict[int, list]:
     return {2: run_ranks(worker, 2, True, timeout=TIMEOUT)}
 
 
