@@ -206,9 +206,11 @@ def powersgd_phrase(c: CompressionConfig, steps: Optional[int], tables: bool) ->
 
 
 def _start(c: CompressionConfig, steps: Optional[int]) -> str:
-    """Where PowerSGD's ranks start: from the exact warm-up's last mean (`compression/start.py`) or at `rank`."""
+    """Where PowerSGD's ranks start: from the warm-up's last mean (`compression/start.py`; exact, or the warm-up
+    codec's) or at `rank`."""
     if c.method == "powersgd" and c.schedule == "fixed" and warmup_of(c, steps):
-        return (f"ranks to start from the exact warm-up's last gradients (each matrix the least meeting the target, "
+        how = "exact" if c.warmup_method == "none" else c.warmup_method
+        return (f"ranks to start from the {how} warm-up's last gradients (each matrix the least meeting the target, "
                 f"at least {c.rank}, within the budget)")
     return f"rank {c.rank} to start"
 

@@ -174,6 +174,7 @@ def test_the_hook_sends_the_sized_density_and_the_startup_line_says_it() -> None
 @pytest.mark.parametrize("overrides,says", [
     ([], "ranks to start from the exact warm-up's last gradients (each matrix the least meeting the target, at "
          "least 4, within the budget)"),
+    (["compression.warmup_method=int8"], "ranks to start from the int8 warm-up's last gradients"),
     (["compression.warmup_steps=0"], "rank 4 to start"),  # no exact step to start from
     (["compression.schedule=auto"], "rank 4 to start"),  # the last exact step is not known in advance
 ])
