@@ -147,6 +147,9 @@ def test_defaults_over_seeds_judge_the_mean_gap(capsys: pytest.CaptureFixture[st
     assert (rows["powersgd"]["low"], rows["powersgd"]["high"]) == (-0.006, 0.03) and rows["powersgd"]["pass"]
     out = capsys.readouterr().out
     assert "## mean over seeds 1, 2" in out and "best at ≥ 20× over the run: powersgd +1.20% at 22.0× — FAIL" in out
+    assert rows["powersgd"]["se"] == pytest.approx(0.018) and "clear of 1%: within noise" in out
+    assert compression_defaults.clear_of({"goal": True, "rel": 0.001, "se": 0.002}, 0.02) == "yes"
+    assert rows["int8"]["se"] == pytest.approx(0.001) and "| int8 " in out and "| yes " in out
     with pytest.raises(SystemExit):
         compression_defaults.parse_args(["--seeds", "1,x"])
     assert "--seeds takes comma-separated integers" in capsys.readouterr().err
