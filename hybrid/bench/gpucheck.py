@@ -1,18 +1,22 @@
 """The GPU check: does hybrid run on this machine's GPU, and how fast — in one command, under 10 minutes.
 
     hybrid-gpucheck [--models gpt-125m gpt-1b] [--seq-len 1024] [--micro-batch 8] [--steps 10] [--out FILE]
+                    [--settings bf16_params bf16_params+compile] [--no-reference]
     hybrid-gpucheck --dry-run        # the same code paths on CPU with a tiny model (CI runs it)
 
 On one CUDA GPU it runs, in order:
 
 1. the unit tests (`pytest tests/unit`, a subprocess; they use the CPU, and check the install here) and the
    CUDA path against the CPU: two fp32 steps of a small GPT on each, from the same weights and data;
-2. per model (gpt family) and per setting — `train.precision` bf16 (autocast) and bf16_params, each with and
-   without `train.compile` — a single-rank training run: tokens/s after warm-up, **MFU** (model FLOPs per
-   token × tokens/s over the GPU's dense bf16 peak, `metrics.peak_flops`), the peak of allocated memory
-   against `hybrid.memory`'s estimate, and the attention kernel SDPA really ran (from the profiler's ops);
-3. per model, hybrid (bf16_params) side by side with a plain PyTorch loop on transformers'
-   GPT2LMHeadModel under bf16 autocast with SDPA and fused AdamW (`bench.step_vs_hf`), alternating rounds.
+2. per model (gpt or llama family) and per setting — `train.precision` bf16 (autocast) and bf16_params, each
+   with and without `train.compile`, or the `--settings` named — a single-rank training run, its steps as
+   `Trainer.fit` runs them (figures read from the device only every `logging.log_every` steps): tokens/s after
+   warm-up, **MFU** (model FLOPs per token × tokens/s over the GPU's dense bf16 peak, `metrics.peak_flops`),
+   the peak of allocated memory against `hybrid.memory`'s estimate, and the attention kernel SDPA really ran
+   (from the profiler's ops);
+3. per gpt-family model (unless `--no-reference`), hybrid (bf16_params) side by side with a plain PyTorch loop
+   on transformers' GPT2LMHeadModel under bf16 autocast with SDPA and fused AdamW (`bench.step_vs_hf`),
+   alternating rounds.
 
 It prints a table and writes every figure to a JSON file (`--out`, default runs/gpucheck/<time>.json).
 Without a GPU it exits with one line unless `--dry-run`, which runs steps 1–3 on CPU with gpt-tiny, a few
@@ -37,6 +41,8 @@ import torch
 
 from hybrid.bench.gpucheck_steps import Setting, cuda_matches_cpu, measure, side_by_side
 from hybrid.cli import EXIT_BAD_INPUT, UsageError
+from hybrid.config import ConfigError, compose_config
+from hybrid.overrides import one_line
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS_TIMEOUT_S = 300  # the unit tests' share of the check's 10 minutes
@@ -55,12 +61,16 @@ class Plan:
     settings: tuple[Setting, ...]
     rounds: int
     dry_run: bool
+    references: tuple[str, ...] = ()  # the models run beside transformers' loop
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="hybrid-gpucheck", description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="on CPU, tiny: the code paths only (CI)")
-    p.add_argument("--models", nargs="+", default=None, help="gpt-family configs (default gpt-125m gpt-1b)")
+    p.add_argument("--models", nargs="+", default=None, help="gpt or llama configs (default gpt-125m gpt-1b)")
+    p.add_argument("--settings", nargs="+", default=None, metavar="PRECISION[+compile]",
+                   help="on a GPU (default bf16 bf16+compile bf16_params bf16_params+compile)")
+    p.add_argument("--no-reference", action="store_true", help="skip the transformers loop beside hybrid")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--micro-batch", type=int, default=8, help="at most this; less when the estimate says so")
     p.add_argument("--steps", type=int, default=10, help="timed steps per run (after 3 untimed)")
@@ -73,14 +83,33 @@ def plan_for(args: argparse.Namespace) -> Plan:
     """The dry run's tiny CPU plan (4 tokens a sequence: bf16 on a CPU is slow), or the GPU's; no GPU without
     --dry-run is bad input."""
     if args.dry_run:
-        return Plan(torch.device("cpu"), tuple(args.models or ("gpt-tiny",)), 4, 1, 1, 1,
-                    (Setting("bf16_params", False),), 2, True)
+        models, settings = tuple(args.models or ("gpt-tiny",)), settings_of(args, (Setting("bf16_params", False),))
+        return Plan(torch.device("cpu"), models, 4, 1, 1, 1, settings, 2, True, references(models, args.no_reference))
     if not torch.cuda.is_available():
         raise UsageError("no CUDA device here: hybrid-gpucheck measures a GPU (use --dry-run to run its code "
                          "paths on CPU)")
-    settings = tuple(Setting(p, c) for p in ("bf16", "bf16_params") for c in (False, True))
-    return Plan(torch.device("cuda"), tuple(args.models or ("gpt-125m", "gpt-1b")), args.seq_len,
-                args.micro_batch, 3, args.steps, settings, 4, False)
+    models = tuple(args.models or ("gpt-125m", "gpt-1b"))
+    return Plan(torch.device("cuda"), models, args.seq_len, args.micro_batch, 3, args.steps, settings_of(args), 4,
+                False, references(models, args.no_reference))
+
+
+def references(models: tuple[str, ...], skip: bool) -> tuple[str, ...]:
+    """The models run beside transformers' GPT-2 loop: the gpt-family ones, none with `--no-reference`; an
+    unknown model config is bad input here, before anything runs."""
+    from hydra.errors import HydraException
+
+    try:
+        families = [compose_config([f"model={m}"]).model.family for m in models]
+    except (ConfigError, HydraException) as e:  # Hydra's "Could not find 'model/…'" and its options
+        raise UsageError(f"--models: {one_line(e)}") from None
+    return () if skip else tuple(m for m, f in zip(models, families) if f == "gpt")
+
+
+def settings_of(args: argparse.Namespace, default: tuple[Setting, ...] = ()) -> tuple[Setting, ...]:
+    """`--settings` parsed, or `default`, or all four: bf16 and bf16_params, each with and without compile."""
+    if args.settings:
+        return tuple(Setting.parse(s) for s in args.settings)
+    return default or tuple(Setting(p, c) for p in ("bf16", "bf16_params") for c in (False, True))
 
 
 def unit_tests(plan: Plan, skip: bool) -> dict[str, Any]:
@@ -106,7 +135,7 @@ def run(plan: Plan, tests: bool = True) -> dict[str, Any]:
     out["cuda_vs_cpu"] = guarded(lambda: cuda_matches_cpu(plan.device))
     out["runs"] = [guarded(lambda m=m, s=s: measure(plan, m, s)) | {"model": m, "setting": str(s)}
                    for m in plan.models for s in plan.settings]
-    out["vs_reference"] = [guarded(lambda m=m: side_by_side(plan, m)) | {"model": m} for m in plan.models]
+    out["vs_reference"] = [guarded(lambda m=m: side_by_side(plan, m)) | {"model": m} for m in plan.references]
     return out
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hybrid.bench.step_vs_hf import build_sides, synthetic_corpus
+from hybrid.cli import UsageError
 from hybrid.compression.hooks import make_hook
 from hybrid.config import Config, compose_config
 from hybrid.memory import largest_micro_batch, meta_stages, stage_estimates
@@ -27,6 +28,7 @@ SAMPLES = 256
 SDPA_OPS = (("flash_attention_for_cpu", "flash (cpu)"), ("cudnn", "cudnn"), ("efficient", "efficient"),
             ("flash", "flash"), ("math", "math"))
 """aten::_scaled_dot_product_<kind>… op names → the backend, most specific first."""
+PRECISIONS = ("fp32", "bf16", "bf16_params")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,15 @@ class Setting:
 
     def __str__(self) -> str:
         return f"{self.precision}{' +compile' if self.compile else ''}"
+
+    @classmethod
+    def parse(cls, text: str) -> Setting:
+        """`PRECISION` or `PRECISION+compile` (e.g. `bf16_params+compile`); anything else is bad input."""
+        precision, plus, rest = text.partition("+")
+        if precision not in PRECISIONS or (plus and rest != "compile"):
+            raise UsageError(f"--settings: {text!r} is not PRECISION[+compile] with PRECISION one of "
+                             f"{', '.join(PRECISIONS)}")
+        return cls(precision, bool(plus))
 
 
 def config(model: str, setting: Setting, device: torch.device, seq_len: int, micro: int, steps: int,
@@ -113,13 +124,22 @@ def measure(plan: Plan, model: str, setting: Setting) -> dict[str, Any]:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(plan.device)
     t = trainer(cfg, plan.device)
-    losses = [t.train_step().loss for _ in range(plan.warmup)]
-    seconds = timed(lambda: losses.append(t.train_step().loss), plan.device, plan.steps)
+    losses = [user_step(t) for _ in range(plan.warmup)]
+    seconds = timed(lambda: losses.append(user_step(t)), plan.device, plan.steps)
     tokens = plan.steps * 2 * micro * plan.seq_len / seconds
     peak = torch.cuda.max_memory_allocated(plan.device) if plan.device.type == "cuda" else None
     return {"micro_batch": micro, "tokens_per_s": tokens, "step_s": seconds / plan.steps,
             "mfu": mfu(tokens, t.report.flops_per_token, 1, peak_flops(plan.device)), "peak_bytes": peak,
-            "estimate_bytes": estimate(cfg, plan.device), "sdpa": sdpa_backend(t), "losses": losses}
+            "estimate_bytes": estimate(cfg, plan.device), "sdpa": sdpa_backend(t), "losses": [float(x) for x in losses],
+            "log_every": cfg.logging.log_every}
+
+
+def user_step(t: Trainer) -> torch.Tensor:
+    """One step as `Trainer.fit` runs it: the device's figures read only on a step that logs (every
+    `logging.log_every`, and the last), so the host queues on ahead of the GPU in between; the loss stays on
+    the device until the timing ends."""
+    step = t.step + 1
+    return t.train_step(due=step % t.cfg.logging.log_every == 0 or step == t.cfg.train.steps).loss_t
 
 
 def cuda_matches_cpu(device: torch.device) -> dict[str, Any]:

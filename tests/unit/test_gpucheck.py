@@ -56,3 +56,32 @@ def test_without_a_gpu_it_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch
     assert gpucheck.main([]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("hybrid: error: no CUDA device here")
+
+
+def test_settings_parse_and_bad_input_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert Setting.parse("bf16_params+compile") == Setting("bf16_params", True)
+    assert Setting.parse("fp32") == Setting("fp32", False)
+    for bad in (["--settings", "bf16+cuda-graphs"], ["--settings", "fp16"], ["--models", "gpt-nope"]):
+        assert gpucheck.main(["--dry-run", *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"hybrid: error: {bad[0]}: "), err
+
+
+def test_the_transformers_reference_runs_beside_gpt_models_only() -> None:
+    plan = gpucheck.plan_for(gpucheck.parse_args(["--dry-run", "--models", "llama-tiny", "gpt-tiny"]))
+    assert plan.references == ("gpt-tiny",)
+    plan = gpucheck.plan_for(gpucheck.parse_args(["--dry-run", "--models", "gpt-tiny", "--no-reference"]))
+    assert plan.references == () and plan.settings == (Setting("bf16_params", False),)
+
+
+def test_timed_steps_read_the_device_only_on_the_steps_fit_logs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """log_every 3 over 7 steps: steps 3 and 6 and the last are due, as `Trainer.fit` runs them."""
+    cfg = gpucheck_steps.config("gpt-tiny", Setting("fp32", False), torch.device("cpu"), 8, 1, 7,
+                                ["logging.log_every=3"])
+    trainer = gpucheck_steps.trainer(cfg, torch.device("cpu"))
+    dues: list[bool] = []
+    step = trainer.train_step
+    monkeypatch.setattr(trainer, "train_step", lambda due: dues.append(due) or step(due=due))
+    losses = [gpucheck_steps.user_step(trainer) for _ in range(7)]
+    assert dues == [False, False, True, False, False, True, True]
+    assert all(isinstance(x, torch.Tensor) for x in losses)
