@@ -2,7 +2,7 @@
 # The wheels a lent GPU machine lacks (it reaches no package index), fetched here into .whl/ before the session's
 # one GPU call (docs/gpu.md):
 #
-#   bash scripts/gpu_wheels.sh [DIR]     DIR defaults to .whl (ignored by git through .git/info/exclude)
+#   bash scripts/gpu_wheels.sh [DIR]     DIR defaults to .whl (.gitignore'd: the device call names it in carry)
 #
 # The GPU image holds torch, transformers, numpy, pyarrow, pandas, fsspec, xxhash and the rest of datasets' needs,
 # but not Hydra, OmegaConf, ANTLR's runtime (Hydra's parser), datasets, dill and multiprocess. Each is pinned to the
@@ -30,9 +30,6 @@ mapfile -t wanted < <(pinned "${BINARY[@]}")
     -d "$DIR" "${wanted[@]}"
 mapfile -t built < <(pinned "${SOURCE_ONLY[@]}")
 "$PY" -m pip wheel -q --no-deps -w "$DIR" "${built[@]}"
-if [[ "$DIR" == ".whl" && -d .git ]] && ! grep -qx '/.whl/' .git/info/exclude 2>/dev/null; then
-    mkdir -p .git/info && echo '/.whl/' >> .git/info/exclude
-fi
 count=$(find "$DIR" -maxdepth 1 -type f -name '*.whl' | wc -l)
 if (( count != ${#BINARY[@]} + ${#SOURCE_ONLY[@]} )); then
     echo "gpu_wheels: $count wheels in $DIR, expected $(( ${#BINARY[@]} + ${#SOURCE_ONLY[@]} ))" >&2
