@@ -148,6 +148,9 @@ def launched(pp: int) -> dict[tuple[str, str, int], list[dict]]:
     return {case: [r[i] for r in results] for i, case in enumerate(cases)}
 
 
+@pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13),
+                    reason="the reference: torch 2.11's pipelining fails its runtime shape inference over gloo "
+                           "('Pair is not connected', 2026-12-02); 2.13 runs it")
 @pytest.mark.parametrize("family,pp,schedule,v", CASES)
 def test_gradients_equal_torch_pipelining(family: str, pp: int, schedule: str, v: int) -> None:
     results = launched(pp)[(family, schedule, v)]
