@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,9 @@ import hybrid.tools.check
 import hybrid.train
 from hybrid.testing.cli_runs import CliRun, run_forked
 from hybrid.tools.check import refusal
+
+WANDB_NEEDS = "a wandb API key" if find_spec("wandb") else "the wandb package"
+"""What online mode without a key is refused for: the key, or first the package where wandb is not installed."""
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -150,7 +154,7 @@ CASES: list[tuple[str, list[str], str]] = [  # (id, overrides after B, a piece o
      "which compression=powersgd cannot do (it needs each bucket whole): use compression=none|fp16|bf16|int8"),
     ("zero-warmup", ["parallel.zero=1", "compression=bf16", "compression.warmup_steps=2"],
      "needs schedule=fixed and warmup_steps=0"),
-    ("wandb-online-no-key", ["logging.wandb.mode=online"], "logging.wandb.mode=online needs a wandb API key"),
+    ("wandb-online-no-key", ["logging.wandb.mode=online"], f"logging.wandb.mode=online needs {WANDB_NEEDS}"),
     ("optim-name", ["optim.name=lamb"], "optim.name='lamb' is not one of adamw, sgd"),
     ("sgd-nesterov", ["optim=sgd", "optim.momentum=0", "optim.nesterov=true"],
      "optim.nesterov=true needs optim.momentum > 0"),

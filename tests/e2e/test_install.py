@@ -64,10 +64,23 @@ def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("install")
     made = sh([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", tmp / "venv"], tmp)
     assert made.returncode == 0, made.stderr[-3000:]
+    reach_this_venv(tmp / "venv")
     python = tmp / "venv" / "bin" / "python"
     installed = sh([python, "-m", "pip", "install", "--no-deps", "--no-index", "-q", wheel], tmp)
     assert installed.returncode == 0, installed.stderr[-3000:]
     return tmp / "venv"
+
+
+def reach_this_venv(venv: Path) -> None:
+    """Where this interpreter is itself a venv (a `make setup PYTHON=.venv/bin/python`), `--system-site-packages`
+    reaches the base interpreter's packages, not this venv's (torch): a .pth file adds them after the new venv's
+    own. Plain paths: the .pth files inside them (an editable install's finder) are not run."""
+    if sys.prefix == sys.base_prefix:
+        return
+    import site
+
+    (site_dir,) = (venv / "lib").glob("python3*/site-packages")
+    (site_dir / "outer-venv.pth").write_text("".join(f"{d}\n" for d in site.getsitepackages()))
 
 
 DRIVER = """
