@@ -34,10 +34,11 @@ if TYPE_CHECKING:
     from hybrid.parallel.context import Layout
 
 
+PRECISIONS = ("auto", "fp32", "bf16", "bf16_params")  # train.precision (hybrid-gpucheck's --settings too)
 _CHOICES = {
     "parallel.schedule": SCHEDULES,  # the registry: its names
     "parallel.zb_memory": ("1f1b", "none"),
-    "train.precision": ("auto", "fp32", "bf16", "bf16_params"),
+    "train.precision": PRECISIONS,
     "train.recompute": ("none", "selective", "full"),
     "train.fused_head": ("auto", "on", "off"),
     "train.compile_scope": ("blocks", "model"),

@@ -19,7 +19,7 @@ from hybrid.memory import largest_micro_batch, meta_stages, stage_estimates
 from hybrid.parallel.context import Layout, ParallelContext
 from hybrid.record.metrics import mfu, peak_flops
 from hybrid.trainer import Trainer, build_chunks
-from hybrid.validation import validate
+from hybrid.validation import PRECISIONS, validate
 
 if TYPE_CHECKING:
     from hybrid.bench.gpucheck import Plan
@@ -28,7 +28,6 @@ SAMPLES = 256
 SDPA_OPS = (("flash_attention_for_cpu", "flash (cpu)"), ("cudnn", "cudnn"), ("efficient", "efficient"),
             ("flash", "flash"), ("math", "math"))
 """aten::_scaled_dot_product_<kind>… op names → the backend, most specific first."""
-PRECISIONS = ("fp32", "bf16", "bf16_params")
 
 
 @dataclass(frozen=True)
@@ -135,11 +134,10 @@ def measure(plan: Plan, model: str, setting: Setting) -> dict[str, Any]:
 
 
 def user_step(t: Trainer) -> torch.Tensor:
-    """One step as `Trainer.fit` runs it: the device's figures read only on a step that logs (every
-    `logging.log_every`, and the last), so the host queues on ahead of the GPU in between; the loss stays on
-    the device until the timing ends."""
-    step = t.step + 1
-    return t.train_step(due=step % t.cfg.logging.log_every == 0 or step == t.cfg.train.steps).loss_t
+    """One step as `Trainer.fit` runs it (`Trainer._due`, fit's own rule): the device's figures read only on a
+    step that logs (every `logging.log_every`, and the last) or saves, so the host queues on ahead of the GPU in
+    between; the loss stays on the device until the timing ends."""
+    return t.train_step(due=t._due(t.step + 1)).loss_t
 
 
 def cuda_matches_cpu(device: torch.device) -> dict[str, Any]:
